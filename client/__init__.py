@@ -1,0 +1,43 @@
+"""timeslice: the client library of timeslice-dra.
+
+A job marks its GPU phases so that independent jobs can time-share GPUs:
+
+    from timeslice import TimeSliceOrchestratorClient
+
+    client = TimeSliceOrchestratorClient()          # $TIMESLICE_ORCHESTRATOR, $TIMESLICE_JOB
+
+    @client.on_accelerators(group_id="trainer")
+    def train_step(batch): ...
+
+Needs only `grpcio` and `protobuf`. The orchestrator API stubs live in `timeslice.v1`.
+"""
+
+from timeslice._rpc import Grant
+from timeslice.aio import AsyncTimeSliceOrchestratorClient
+from timeslice.client import TimeSliceOrchestratorClient
+from timeslice.errors import (
+    AcquireTimeout,
+    GroupNotFound,
+    InvalidRequest,
+    LeaseLost,
+    NotHolding,
+    OrchestratorUnavailable,
+    SwitchFailed,
+    TimeSliceError,
+)
+from timeslice.scope import AcceleratorScope
+
+__all__ = [
+    "AcceleratorScope",
+    "AcquireTimeout",
+    "AsyncTimeSliceOrchestratorClient",
+    "Grant",
+    "GroupNotFound",
+    "InvalidRequest",
+    "LeaseLost",
+    "NotHolding",
+    "OrchestratorUnavailable",
+    "SwitchFailed",
+    "TimeSliceError",
+    "TimeSliceOrchestratorClient",
+]

@@ -1,0 +1,136 @@
+"""What the sync and asyncio clients share: settings, requests, error translation.
+
+Owned by the client package; called by `timeslice.client` and `timeslice.aio`.
+Imports only `grpc`, `protobuf` and the generated `timeslice.v1` stubs.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from timeslice.errors import (
+    AcquireTimeout,
+    GroupNotFound,
+    InvalidRequest,
+    LeaseLost,
+    OrchestratorUnavailable,
+    SwitchFailed,
+    TimeSliceError,
+)
+from timeslice.v1 import orchestrator_pb2 as pb
+
+ENV_TARGET = "TIMESLICE_ORCHESTRATOR"
+ENV_JOB = "TIMESLICE_JOB"
+ENV_GROUP = "TIMESLICE_GROUP"
+
+# Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
+BACKOFF_FIRST = 0.05
+BACKOFF_MAX = 2.0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A held lock: returned by `acquire()`.
+
+    `lease_id` and `epoch` (the fencing token, growing by one per grant of the group)
+    identify the hold; `lease_seconds` is how long it survives without keep-alive;
+    `waited_seconds` the time spent queued (switch included); `restored` whether the
+    job's GPU state had to be restored, taking `switch_seconds`.
+    """
+
+    group_id: str
+    job_id: str
+    lease_id: str
+    epoch: int
+    lease_seconds: float
+    waited_seconds: float
+    restored: bool
+    switch_seconds: float
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str
+    job_id: str
+    group_id: str | None
+    priority: int
+    unavailable_timeout: float
+
+
+def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,
+             unavailable_timeout: float) -> Settings:
+    """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP.
+
+    Raises ValueError when the target or the job id is set nowhere.
+    """
+    target = target or os.environ.get(ENV_TARGET)
+    job_id = job_id or os.environ.get(ENV_JOB)
+    group_id = group_id or os.environ.get(ENV_GROUP) or None
+    if not target:
+        raise ValueError(f"no orchestrator address: pass target= or set {ENV_TARGET}")
+    if not job_id:
+        raise ValueError(f"no job id: pass job_id= or set {ENV_JOB}")
+    if unavailable_timeout < 0:
+        raise ValueError("unavailable_timeout must be >= 0 seconds")
+    return Settings(target, job_id, group_id, priority, unavailable_timeout)
+
+
+def group_of(s: Settings, group_id: str | None) -> str:
+    group = group_id or s.group_id
+    if not group:
+        raise ValueError(f"no group id: pass group_id= or set {ENV_GROUP}")
+    return group
+
+
+def acquire_request(s: Settings, group: str, priority: int | None, remaining: float | None,
+                    request_id: str) -> pb.AcquireRequest:
+    return pb.AcquireRequest(job_id=s.job_id, group_id=group,
+                             priority=s.priority if priority is None else priority,
+                             request_id=request_id, timeout_seconds=remaining or 0.0)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def grant_of(group: str, job: str, r: pb.AcquireResponse) -> Grant:
+    return Grant(group_id=group, job_id=job, lease_id=r.lease_id, epoch=r.epoch,
+                 lease_seconds=r.lease_seconds, waited_seconds=r.waited_seconds,
+                 restored=r.restored, switch_seconds=r.switch_seconds)
+
+
+def hold_request(cls: type, s: Settings, g: Grant):  # -> pb.ReleaseRequest | pb.KeepAliveRequest
+    return cls(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
+
+
+def keepalive_interval(g: Grant) -> float:
+    """Seconds between keep-alives: a third of the lease, so two may be lost."""
+    return max(g.lease_seconds / 3.0, 0.05)
+
+
+def next_backoff(delay: float) -> float:
+    return min(delay * 2.0, BACKOFF_MAX)
+
+
+def code_of(err: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(err, "code", None)
+    return code() if callable(code) else None
+
+
+def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
+    """Map a gRPC error to the client's exception tree (see `timeslice.errors`)."""
+    code = code_of(err)
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    message = f"{what}: {details}"
+    mapping: dict[grpc.StatusCode, type[TimeSliceError]] = {
+        grpc.StatusCode.UNAVAILABLE: OrchestratorUnavailable,
+        grpc.StatusCode.DEADLINE_EXCEEDED: AcquireTimeout,
+        grpc.StatusCode.ABORTED: SwitchFailed,
+        grpc.StatusCode.FAILED_PRECONDITION: LeaseLost,
+        grpc.StatusCode.NOT_FOUND: GroupNotFound,
+        grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    }
+    return mapping.get(code, TimeSliceError)(message) if code else TimeSliceError(message)

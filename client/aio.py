@@ -1,0 +1,160 @@
+"""`AsyncTimeSliceOrchestratorClient`: the asyncio twin of `TimeSliceOrchestratorClient`.
+
+Owned by the client package; for workloads that run an event loop. Calls go over a
+`grpc.aio` channel; while a group is held an asyncio task sends lease keep-alives.
+Settings, requests and error translation are shared with the sync client (`_rpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.aio
+from timeslice import _rpc
+from timeslice.errors import AcquireTimeout, NotHolding
+from timeslice.scope import AcceleratorScope
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("timeslice.client")
+
+
+@dataclass
+class _Hold:
+    grant: _rpc.Grant
+    keepalive: asyncio.Task[None] | None = None
+    depth: int = 1
+    lost: bool = False
+
+
+class AsyncTimeSliceOrchestratorClient:
+    """Asyncio client; same arguments, defaults and errors as `TimeSliceOrchestratorClient`.
+
+    Create it inside a running event loop; `await client.close()` when done (or use
+    `async with`).
+    """
+
+    def __init__(self, target: str | None = None, job_id: str | None = None,
+                 group_id: str | None = None, *, priority: int = 0,
+                 unavailable_timeout: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
+        self._channel = (grpc.aio.secure_channel(self._s.target, credentials) if credentials
+                         else grpc.aio.insecure_channel(self._s.target))
+        self._stub = pb_grpc.OrchestratorStub(self._channel)
+        self._holds: dict[str, _Hold] = {}
+
+    @property
+    def job_id(self) -> str:
+        return self._s.job_id
+
+    async def acquire(self, group_id: str | None = None, *, timeout: float | None = None,
+                      priority: int | None = None) -> _rpc.Grant:
+        """See `TimeSliceOrchestratorClient.acquire`."""
+        group = _rpc.group_of(self._s, group_id)
+        hold = self._holds.get(group)
+        if hold is not None and not hold.lost:
+            hold.depth += 1
+            return hold.grant
+        request_id = _rpc.new_request_id()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        resp = await self._retrying(
+            f"acquire {group}", deadline,
+            lambda remaining: self._stub.Acquire(
+                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining))
+        hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp))
+        hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
+        self._holds[group] = hold
+        return hold.grant
+
+    async def release(self, group_id: str | None = None) -> int:
+        """See `TimeSliceOrchestratorClient.release`."""
+        group = _rpc.group_of(self._s, group_id)
+        hold = self._holds.get(group)
+        if hold is None:
+            raise NotHolding(f"release {group}: this client holds no lease on it")
+        hold.depth -= 1
+        if hold.depth > 0:
+            return 0
+        del self._holds[group]
+        if hold.keepalive is not None:
+            hold.keepalive.cancel()
+        request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
+        resp = await self._retrying(f"release {group}", None,
+                                    lambda _: self._stub.Release(request, timeout=10.0), retried_ok=True)
+        return int(resp.waiters) if resp is not None else 0
+
+    def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
+        hold = self._holds.get(_rpc.group_of(self._s, group_id))
+        return None if hold is None or hold.lost else hold.grant
+
+    def on_accelerators(self, group_id: str | None = None, *, timeout: float | None = None,
+                        priority: int | None = None) -> AcceleratorScope:
+        """`async with` / decorator for `async def` functions; see the sync client."""
+        group = _rpc.group_of(self._s, group_id)
+
+        def lost() -> bool:
+            hold = self._holds.get(group)
+            return hold is not None and hold.lost
+
+        return AcceleratorScope(
+            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority),
+            release=lambda: self.release(group), lost=lost, is_async_client=True)
+
+    async def _retrying(self, what: str, deadline: float | None,
+                        call: Callable[[float | None], Awaitable[Any]], retried_ok: bool = False) -> Any:
+        unavailable_since: float | None = None
+        delay = _rpc.BACKOFF_FIRST
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AcquireTimeout(f"{what}: no grant before the timeout")
+            try:
+                return await call(remaining)
+            except grpc.RpcError as err:
+                code = _rpc.code_of(err)
+                if retried_ok and unavailable_since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+                    return None
+                now = time.monotonic()
+                unavailable_since = unavailable_since or now
+                if code != grpc.StatusCode.UNAVAILABLE or now - unavailable_since >= self._s.unavailable_timeout:
+                    raise _rpc.translate(err, what) from err
+                await asyncio.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
+                delay = _rpc.next_backoff(delay)
+
+    async def _keep_alive(self, hold: _Hold) -> None:
+        interval = _rpc.keepalive_interval(hold.grant)
+        request = _rpc.hold_request(pb.KeepAliveRequest, self._s, hold.grant)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._stub.KeepAlive(request, timeout=interval)
+            except grpc.RpcError as err:
+                if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    hold.lost = True
+                    log.warning("lease lost group=%s job=%s epoch=%d: %s", hold.grant.group_id,
+                                self._s.job_id, hold.grant.epoch, err.details())
+                    return
+                log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
+
+    async def close(self) -> None:
+        """Release every hold (best effort) and close the channel."""
+        for group in list(self._holds):
+            try:
+                while group in self._holds:
+                    await self.release(group)
+            except Exception as err:
+                log.info("release on close failed group=%s: %s", group, err)
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,195 @@
+"""`TimeSliceOrchestratorClient`: the synchronous client a job uses to mark GPU phases.
+
+Owned by the client package; used inside workload containers. Blocking calls on a
+`grpc` channel; while a group is held a daemon thread sends lease keep-alives.
+Thread-safe: several threads may acquire different groups through one client.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from timeslice import _rpc
+from timeslice.errors import AcquireTimeout, NotHolding
+from timeslice.scope import AcceleratorScope
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("timeslice.client")
+
+
+@dataclass
+class _Hold:
+    grant: _rpc.Grant
+    depth: int = 1
+    stop: threading.Event = field(default_factory=threading.Event)
+    lost: threading.Event = field(default_factory=threading.Event)
+
+
+class TimeSliceOrchestratorClient:
+    """Acquire and release GPU groups on the timeslice orchestrator.
+
+    Args:
+        target: orchestrator address (`host:port`, `unix:///path`); default
+            `$TIMESLICE_ORCHESTRATOR`.
+        job_id: this workload's job id; default `$TIMESLICE_JOB`.
+        group_id: default group for calls that name none; default `$TIMESLICE_GROUP`.
+        priority: queue priority, higher first, FIFO among equals.
+        unavailable_timeout: seconds to keep retrying (same request id) while the
+            orchestrator answers UNAVAILABLE before raising `OrchestratorUnavailable`.
+        credentials: TLS channel credentials; plaintext when None.
+
+    Raises ValueError when the target or job id is set nowhere.
+    """
+
+    def __init__(self, target: str | None = None, job_id: str | None = None,
+                 group_id: str | None = None, *, priority: int = 0,
+                 unavailable_timeout: float = 30.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
+        self._channel = (grpc.secure_channel(self._s.target, credentials) if credentials
+                         else grpc.insecure_channel(self._s.target))
+        self._stub = pb_grpc.OrchestratorStub(self._channel)
+        self._holds: dict[str, _Hold] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def job_id(self) -> str:
+        return self._s.job_id
+
+    def acquire(self, group_id: str | None = None, *, timeout: float | None = None,
+                priority: int | None = None) -> _rpc.Grant:
+        """Block until this job holds the group and its state is on the GPUs.
+
+        `timeout` is in seconds (None waits without bound). Nested acquires of a
+        held group return the same grant and need as many releases.
+        Raises AcquireTimeout, SwitchFailed, GroupNotFound, InvalidRequest,
+        OrchestratorUnavailable.
+        """
+        group = _rpc.group_of(self._s, group_id)
+        with self._lock:
+            hold = self._holds.get(group)
+            if hold is not None and not hold.lost.is_set():
+                hold.depth += 1
+                return hold.grant
+        request_id = _rpc.new_request_id()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        resp = self._retrying(
+            f"acquire {group}", deadline,
+            lambda remaining: self._stub.Acquire(
+                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining))
+        grant = _rpc.grant_of(group, self._s.job_id, resp)
+        hold = _Hold(grant)
+        with self._lock:
+            self._holds[group] = hold
+        threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
+                         name=f"timeslice-keepalive-{group}").start()
+        return grant
+
+    def release(self, group_id: str | None = None) -> int:
+        """End the hold; returns the number of jobs that were waiting (0: nothing moved).
+
+        Raises NotHolding without a hold, LeaseLost when the hold had already ended
+        (lease lapsed or epoch taken over), OrchestratorUnavailable.
+        """
+        group = _rpc.group_of(self._s, group_id)
+        with self._lock:
+            hold = self._holds.get(group)
+            if hold is None:
+                raise NotHolding(f"release {group}: this client holds no lease on it")
+            hold.depth -= 1
+            if hold.depth > 0:
+                return 0
+            del self._holds[group]
+        hold.stop.set()
+        request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
+        resp = self._retrying(f"release {group}", None,
+                              lambda _: self._stub.Release(request, timeout=10.0), retried_ok=True)
+        return int(resp.waiters) if resp is not None else 0
+
+    def _retrying(self, what: str, deadline: float | None, call: Callable[[float | None], Any],
+                  retried_ok: bool = False) -> Any:
+        """Run `call(remaining_seconds)`, retrying UNAVAILABLE for `unavailable_timeout` s.
+
+        Retries send the same request (same request id). With `retried_ok`, a
+        FAILED_PRECONDITION after a retry means an earlier attempt succeeded: None.
+        """
+        unavailable_since: float | None = None
+        delay = _rpc.BACKOFF_FIRST
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AcquireTimeout(f"{what}: no grant before the timeout")
+            try:
+                return call(remaining)
+            except grpc.RpcError as err:
+                code = _rpc.code_of(err)
+                if retried_ok and unavailable_since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+                    return None
+                now = time.monotonic()
+                unavailable_since = unavailable_since or now
+                if code != grpc.StatusCode.UNAVAILABLE or now - unavailable_since >= self._s.unavailable_timeout:
+                    raise _rpc.translate(err, what) from err
+                time.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
+                delay = _rpc.next_backoff(delay)
+
+    def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
+        """The current grant on the group, or None (also after a lost lease)."""
+        with self._lock:
+            hold = self._holds.get(_rpc.group_of(self._s, group_id))
+        return None if hold is None or hold.lost.is_set() else hold.grant
+
+    def on_accelerators(self, group_id: str | None = None, *, timeout: float | None = None,
+                        priority: int | None = None) -> AcceleratorScope:
+        """Decorator and context manager: hold `group_id` around a call or a block.
+
+        Works on plain and `async def` functions, with `with` and `async with`.
+        `group_id` names the claim set (the pod-level claim name); it may be
+        omitted when `$TIMESLICE_GROUP` or the client's default names it.
+        """
+        group = _rpc.group_of(self._s, group_id)
+        return AcceleratorScope(
+            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority),
+            release=lambda: self.release(group),
+            lost=lambda: self._is_lost(group), is_async_client=False)
+
+    def _is_lost(self, group: str) -> bool:
+        with self._lock:
+            hold = self._holds.get(group)
+        return hold is not None and hold.lost.is_set()
+
+    def _keep_alive(self, hold: _Hold) -> None:
+        interval = _rpc.keepalive_interval(hold.grant)
+        request = _rpc.hold_request(pb.KeepAliveRequest, self._s, hold.grant)
+        while not hold.stop.wait(interval):
+            try:
+                self._stub.KeepAlive(request, timeout=interval)
+            except grpc.RpcError as err:
+                if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    hold.lost.set()
+                    log.warning("lease lost group=%s job=%s epoch=%d: %s", hold.grant.group_id,
+                                self._s.job_id, hold.grant.epoch, err.details())
+                    return
+                log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
+
+    def close(self) -> None:
+        """Release every hold (best effort) and close the channel."""
+        for group in list(self._holds):
+            try:
+                while group in self._holds:
+                    self.release(group)
+            except Exception as err:  # closing must not fail on a lost lease
+                log.info("release on close failed group=%s: %s", group, err)
+        self._channel.close()
+
+    def __enter__(self) -> TimeSliceOrchestratorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

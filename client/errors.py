@@ -1,0 +1,60 @@
+"""Exceptions raised by the client library.
+
+    TimeSliceError
+    ├── OrchestratorUnavailable   the orchestrator could not be reached (retryable)
+    ├── AcquireTimeout            no grant before the acquire timeout (retryable)
+    ├── SwitchFailed              the switch to this job failed and was rolled back (retryable)
+    ├── LeaseLost                 the lease lapsed or was taken over; the hold is gone
+    ├── NotHolding                release() without a hold on that group
+    ├── GroupNotFound             the orchestrator does not know the group
+    └── InvalidRequest            the orchestrator refused the arguments (also a ValueError)
+
+Each class carries `retryable`: whether calling again can succeed without a change.
+gRPC errors are translated once, in `timeslice._rpc.translate`, with the original
+`grpc.RpcError` kept as `__cause__`.
+"""
+
+from __future__ import annotations
+
+
+class TimeSliceError(Exception):
+    """Base of every error the client raises."""
+
+    retryable = False
+
+
+class OrchestratorUnavailable(TimeSliceError):
+    """The orchestrator did not answer (gRPC UNAVAILABLE) for longer than the client retries."""
+
+    retryable = True
+
+
+class AcquireTimeout(TimeSliceError, TimeoutError):
+    """`acquire()` waited `timeout` seconds without a grant; the queue entry was withdrawn."""
+
+    retryable = True
+
+
+class SwitchFailed(TimeSliceError):
+    """The checkpoint/restore switch to this job failed and was rolled back (gRPC ABORTED)."""
+
+    retryable = True
+
+
+class LeaseLost(TimeSliceError):
+    """The hold ended without `release()`: the lease lapsed or the epoch is stale.
+
+    GPU work done after the loss may have overlapped another job's phase.
+    """
+
+
+class NotHolding(TimeSliceError):
+    """`release()` for a group this client does not hold."""
+
+
+class GroupNotFound(TimeSliceError, LookupError):
+    """The orchestrator has no group of that id (gRPC NOT_FOUND)."""
+
+
+class InvalidRequest(TimeSliceError, ValueError):
+    """The orchestrator rejected the request's arguments (gRPC INVALID_ARGUMENT)."""

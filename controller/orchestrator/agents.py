@@ -1,0 +1,73 @@
+"""AgentClient / AgentPool: the orchestrator's gRPC calls to node agents.
+
+Owned by the orchestrator; used by `SwitchCoordinator`. One `grpc.aio` channel per
+agent target, reused; errors are translated to `timeslice.driver.errors` here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.errors import error_from_status
+
+# Slack on top of the step's own bound, for the RPC itself (seconds).
+RPC_SLACK_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    bytes: int
+    seconds: float
+
+
+class AgentClient:
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = apb_grpc.NodeAgentStub(self._channel)
+
+    async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float) -> StepResult:
+        """Checkpoint `job_id` on this node. Raises a `TimeSliceServerError` subclass."""
+        return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout)
+
+    async def restore(self, job_id: str, backend: str, group_id: str, timeout: float) -> StepResult:
+        """Restore `job_id` on this node. Raises a `TimeSliceServerError` subclass."""
+        return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout)
+
+    async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
+                    group_id: str, timeout: float) -> StepResult:
+        req = apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout,
+                                    group_id=group_id)
+        try:
+            resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_status(err.code(), f"{what} of job {job_id} on agent {self.target}: "
+                                                f"{err.code().name}: {err.details()}") from err
+        return StepResult(int(resp.bytes), float(resp.seconds))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class AgentPool:
+    """Agent clients by target, created on first use."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, AgentClient] = {}
+
+    def get(self, target: str) -> AgentClient:
+        client = self._clients.get(target)
+        if client is None:
+            client = self._clients[target] = AgentClient(target)
+        return client
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+
+

@@ -1,0 +1,62 @@
+"""Typed configuration of the orchestrator: its listen address and its static groups.
+
+Owned by the orchestrator; built by the CLI (`timeslice orchestrator --config`) and by
+the demo. In the cluster (controller) groups come from ResourceClaims instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from timeslice.driver import names
+
+Backend = Literal["cuda", "cuda-checkpoint", "freeze", "none"]
+
+
+class GroupSpec(BaseModel):
+    """One lock group.
+
+    `agents` are node-agent gRPC targets (`unix:///path` or `host:port`), one per node
+    that runs the group's jobs; `backend` names the checkpoint backend the agents use
+    (`none` needs no agent: lock hand-off only). Times are seconds.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(min_length=1, max_length=253)
+    backend: Backend = "none"
+    agents: tuple[str, ...] = ()
+    lease_seconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0)
+    step_timeout_seconds: float = Field(default=names.DEFAULT_STEP_TIMEOUT_SECONDS, gt=0)
+
+    @model_validator(mode="after")
+    def _agents_for_backend(self) -> GroupSpec:
+        if self.backend != "none" and not self.agents:
+            raise ValueError(f"group {self.id!r}: backend {self.backend!r} needs at least one agent")
+        return self
+
+
+class OrchestratorConfig(BaseModel):
+    """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listen: str = "127.0.0.1:50051"
+    groups: list[GroupSpec] = []
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> OrchestratorConfig:
+        ids = [g.id for g in self.groups]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate group ids: {', '.join(dupes)}")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> OrchestratorConfig:
+        """Load from a YAML file; raises pydantic.ValidationError or OSError."""
+        with open(path) as f:
+            return cls.model_validate(yaml.safe_load(f) or {})

@@ -1,0 +1,350 @@
+"""LockGroup: the lock of one group, its holder, lease, epoch and resident job.
+
+Owned by `Orchestrator`; called by the gRPC servicer. Single-threaded on the event
+loop: every method runs to completion between awaits, so state changes are atomic.
+
+Rules (DESIGN.md, "Lock groups and the orchestrator"):
+- One holding job at a time; every grant increments the fencing `epoch`.
+- Waiters are granted by priority, then FIFO; all waiters of the granted job are
+  granted together (a job's processes share its hold).
+- The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
+  a lapsed holder loses the lock and the next waiter is granted.
+- A waiter whose caller left (disconnect, timeout) is removed and never granted; a
+  grant whose only caller left in the same instant is revoked at once.
+- A release with nobody waiting moves nothing: the job stays resident and its next
+  acquire is immediate. A switch runs only to grant a waiter that is not resident.
+- A failed switch is rolled back by the `Switcher`; the incoming job's waiters get
+  `SwitchFailed` and the group serves the next waiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
+from timeslice.driver.errors import StaleLease, SwitchFailed
+
+log = logging.getLogger("timeslice.orchestrator")
+
+RECENT_SWITCHES = 16
+
+
+@dataclass
+class SwitchRecord:
+    """One switch, as shown in status. Seconds and bytes summed over the group's nodes."""
+
+    from_job: str | None
+    to_job: str
+    ok: bool = True
+    error: str = ""
+    checkpoint_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    bytes_checkpointed: int = 0
+    bytes_restored: int = 0
+    finished_at_unix: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.checkpoint_seconds + self.restore_seconds
+
+
+class SwitchError(SwitchFailed):
+    """Raised by a `Switcher`: the switch failed; `outgoing_resident` says whether the
+    rollback put the outgoing job back on the GPUs."""
+
+    def __init__(self, message: str, record: SwitchRecord, outgoing_resident: bool) -> None:
+        super().__init__(message)
+        self.record = record
+        self.outgoing_resident = outgoing_resident
+
+
+# (spec, outgoing job or None, incoming job, restore the incoming job?) -> record
+Switcher = Callable[[GroupSpec, "str | None", str, bool], Awaitable[SwitchRecord]]
+
+
+@dataclass(frozen=True)
+class GrantInfo:
+    lease_id: str
+    epoch: int
+    lease_seconds: float
+    waited_seconds: float
+    restored: bool
+    switch_seconds: float
+
+
+@dataclass
+class Hold:
+    job_id: str
+    lease_id: str
+    epoch: int
+    granted_at: float
+    lease_deadline: float
+    request_ids: set[str]
+    restored: bool
+    switch_seconds: float
+
+
+@dataclass
+class Counters:
+    grants: int = 0
+    switches: int = 0
+    failed_switches: int = 0
+    lease_expiries: int = 0
+
+
+@dataclass
+class WaiterView:
+    job_id: str
+    priority: int
+    waiting_seconds: float
+    position: int
+
+
+@dataclass
+class GroupView:
+    """A snapshot of a group for status output; times in seconds."""
+
+    group_id: str
+    backend: str
+    phase: str
+    epoch: int
+    holder: Hold | None
+    held_seconds: float
+    lease_remaining_seconds: float
+    waiters: list[WaiterView]
+    resident_job: str | None
+    checkpointed_jobs: list[str]
+    counters: Counters
+    recent_switches: list[SwitchRecord]
+    agents: list[str]
+
+
+class LockGroup:
+    def __init__(self, spec: GroupSpec, switcher: Switcher,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec = spec
+        self._switcher = switcher
+        self._clock = clock
+        self.queue = LockQueue()
+        self.holder: Hold | None = None
+        self.resident: str | None = None
+        self.checkpointed: set[str] = set()
+        self.switching: tuple[str | None, str] | None = None
+        self.epoch = 0
+        self.counters = Counters()
+        self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
+        self._switch_task: asyncio.Task[None] | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def phase(self) -> str:
+        return "switching" if self.switching else ("held" if self.holder else "idle")
+
+    # -- RPC entry points ------------------------------------------------------
+    async def acquire(self, job_id: str, priority: int, request_id: str,
+                      timeout: float | None) -> GrantInfo:
+        """Wait for a grant; `timeout` seconds or None. Raises TimeoutError, SwitchFailed,
+        or CancelledError when the caller goes away (the entry is withdrawn first)."""
+        h = self.holder
+        if h is not None and h.job_id == job_id:
+            h.request_ids.add(request_id)
+            return self._grant_info(h, waited=0.0)
+        w = self.queue.by_request(request_id)
+        if w is not None:
+            w.callers += 1
+        else:
+            w = self.queue.push(request_id, job_id, priority, self._clock(),
+                                asyncio.get_running_loop().create_future())
+            log.debug("queued group=%s job=%s priority=%d position=%d", self.id, job_id, priority,
+                      len(self.queue) - 1)
+            self._dispatch()
+        try:
+            return await asyncio.wait_for(asyncio.shield(w.future), timeout)
+        except BaseException:
+            self._withdraw(w)
+            raise
+
+    def release(self, job_id: str, lease_id: str, epoch: int) -> tuple[int, bool]:
+        """End the hold. Returns (waiters, switch started). Raises StaleLease."""
+        h = self._check_holder(job_id, lease_id, epoch, "release")
+        self._end_hold(h, "released")
+        waiters = len(self.queue)
+        self._dispatch()
+        return waiters, self.switching is not None
+
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
+        """Extend the lease; returns the seconds it now has. Raises StaleLease."""
+        h = self._check_holder(job_id, lease_id, epoch, "keep-alive")
+        h.lease_deadline = self._clock() + self.spec.lease_seconds
+        return self.spec.lease_seconds
+
+    def drop_job(self, job_id: str, reason: str) -> None:
+        """Forget a job that is gone: its waiters fail, its hold ends, its records go."""
+        for w in self.queue.pop_job(job_id):
+            if not w.future.done():
+                w.future.set_exception(StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
+                w.future.exception()  # retrieved here: the caller may be gone already
+        if self.holder is not None and self.holder.job_id == job_id:
+            self._end_hold(self.holder, f"dropped: {reason}")
+        self.checkpointed.discard(job_id)
+        if self.resident == job_id:
+            self.resident = None
+        self._dispatch()
+
+    def view(self) -> GroupView:
+        now = self._clock()
+        h = self.holder
+        return GroupView(
+            group_id=self.id, backend=self.spec.backend, phase=self.phase, epoch=self.epoch,
+            holder=h, held_seconds=now - h.granted_at if h else 0.0,
+            lease_remaining_seconds=max(0.0, h.lease_deadline - now) if h else 0.0,
+            waiters=[WaiterView(w.job_id, w.priority, now - w.enqueued_at, i)
+                     for i, w in enumerate(self.queue)],
+            resident_job=self.resident, checkpointed_jobs=sorted(self.checkpointed),
+            counters=Counters(**vars(self.counters)), recent_switches=list(self.recent),
+            agents=list(self.spec.agents))
+
+    async def close(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+        if self._switch_task is not None:
+            self._switch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._switch_task
+
+    # -- internals -------------------------------------------------------------
+    def _check_holder(self, job_id: str, lease_id: str, epoch: int, what: str) -> Hold:
+        h = self.holder
+        if h is None or h.job_id != job_id or h.lease_id != lease_id or h.epoch != epoch:
+            now = f"job {h.job_id} epoch {h.epoch}" if h else "nobody"
+            raise StaleLease(f"group {self.id}: {what} by job {job_id} epoch {epoch} refused: "
+                             f"the holder is {now} (lease lapsed or superseded)")
+        return h
+
+    def _end_hold(self, h: Hold, why: str) -> None:
+        log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
+                 h.epoch, self._clock() - h.granted_at, why)
+        self.holder = None
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+
+    def _withdraw(self, w: Waiter) -> None:
+        """A caller of `w` left. Once none is left, `w` is never (or no longer) granted."""
+        w.callers -= 1
+        if w.callers > 0:
+            return
+        if self.queue.remove(w):
+            log.info("withdrawn group=%s job=%s request=%s", self.id, w.job_id, w.request_id)
+            self._dispatch()
+            return
+        h = self.holder
+        if h is not None and w.request_id in h.request_ids:
+            h.request_ids.discard(w.request_id)
+            if not h.request_ids:
+                self._end_hold(h, "caller left before receiving the grant")
+                self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Grant the head waiter if the lock is free, switching first when needed."""
+        if self.holder is not None or self.switching is not None:
+            return
+        head = self.queue.head()
+        if head is None:
+            return
+        incoming = head.job_id
+        outgoing = self.resident if self.resident != incoming else None
+        restore = incoming in self.checkpointed
+        if self.spec.backend == "none" or (outgoing is None and not restore):
+            self.resident = incoming
+            self._grant(incoming, restored=False, switch_seconds=0.0)
+            return
+        self.switching = (outgoing, incoming)
+        self._switch_task = asyncio.get_running_loop().create_task(
+            self._switch(outgoing, incoming, restore), name=f"switch-{self.id}")
+
+    async def _switch(self, outgoing: str | None, incoming: str, restore: bool) -> None:
+        log.info("switch start group=%s from=%s to=%s restore=%s", self.id, outgoing, incoming, restore)
+        try:
+            record = await self._switcher(self.spec, outgoing, incoming, restore)
+        except SwitchError as err:
+            record = err.record
+            self.counters.failed_switches += 1
+            self.resident = outgoing if err.outgoing_resident else None
+            if outgoing and not err.outgoing_resident:
+                self.checkpointed.add(outgoing)
+            log.warning("switch failed group=%s from=%s to=%s: %s", self.id, outgoing, incoming, err)
+            for w in self.queue.pop_job(incoming):
+                w.future.set_exception(SwitchFailed(f"group {self.id}: {err}"))
+        except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
+            log.exception("switch crashed group=%s from=%s to=%s", self.id, outgoing, incoming)
+            record = SwitchRecord(outgoing, incoming, ok=False, error=f"internal error: {err!r}")
+            self.counters.failed_switches += 1
+            self.resident = None
+            for w in self.queue.pop_job(incoming):
+                w.future.set_exception(SwitchFailed(f"group {self.id}: internal error: {err!r}"))
+        else:
+            self.counters.switches += 1
+            self.resident = incoming
+            self.checkpointed.discard(incoming)
+            if outgoing:
+                self.checkpointed.add(outgoing)
+            log.info("switch done group=%s from=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", self.id,
+                     outgoing, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
+        finally:
+            self.switching = None
+            self._switch_task = None
+        record.finished_at_unix = time.time()
+        self.recent.append(record)
+        if record.ok:
+            self._grant(incoming, restored=restore, switch_seconds=record.seconds)
+        self._dispatch()
+
+    def _grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
+        waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
+        if not waiters:  # every caller of the job left during the switch
+            self._dispatch()
+            return
+        now = self._clock()
+        self.epoch += 1
+        self.counters.grants += 1
+        h = Hold(job_id, uuid.uuid4().hex, self.epoch, now, now + self.spec.lease_seconds,
+                 {w.request_id for w in waiters}, restored, switch_seconds)
+        self.holder = h
+        for w in waiters:
+            w.future.set_result(self._grant_info(h, waited=now - w.enqueued_at))
+        log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
+        self._arm_lease_timer()
+
+    def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
+        return GrantInfo(h.lease_id, h.epoch, self.spec.lease_seconds, waited, h.restored, h.switch_seconds)
+
+    def _arm_lease_timer(self) -> None:
+        h = self.holder
+        if h is None:
+            return
+        delay = max(0.0, h.lease_deadline - self._clock())
+        self._lease_timer = asyncio.get_running_loop().call_later(delay, self._on_lease_timer, h)
+
+    def _on_lease_timer(self, h: Hold) -> None:
+        if self.holder is not h:
+            return
+        if self._clock() < h.lease_deadline:  # extended by keep-alives since armed
+            self._arm_lease_timer()
+            return
+        self.counters.lease_expiries += 1
+        log.warning("lease expired group=%s job=%s epoch=%d", self.id, h.job_id, h.epoch)
+        self._end_hold(h, "lease expired")
+        self._dispatch()

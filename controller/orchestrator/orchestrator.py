@@ -1,0 +1,53 @@
+"""Orchestrator: owns the lock groups and the switch coordinator.
+
+Owned by the orchestrator server (and, in the cluster, by the controller, which adds
+and removes groups as claims change). The gRPC servicer looks groups up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from timeslice.controller.orchestrator.agents import AgentPool
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import LockGroup, Switcher
+from timeslice.controller.orchestrator.switch import SwitchCoordinator
+from timeslice.driver.errors import NotFound
+
+
+class Orchestrator:
+    def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None) -> None:
+        self._pool = AgentPool()
+        self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
+        self._groups: dict[str, LockGroup] = {}
+        for spec in groups:
+            self.add_group(spec)
+
+    def add_group(self, spec: GroupSpec) -> LockGroup:
+        """Add a group, or replace the spec of a known one (its state is kept)."""
+        group = self._groups.get(spec.id)
+        if group is None:
+            group = self._groups[spec.id] = LockGroup(spec, self._switcher)
+        else:
+            group.spec = spec
+        return group
+
+    async def remove_group(self, group_id: str) -> None:
+        group = self._groups.pop(group_id, None)
+        if group is not None:
+            await group.close()
+
+    def group(self, group_id: str) -> LockGroup:
+        """The group of that id; raises NotFound."""
+        try:
+            return self._groups[group_id]
+        except KeyError:
+            raise NotFound(f"unknown group {group_id!r}") from None
+
+    def groups(self) -> list[LockGroup]:
+        return [self._groups[k] for k in sorted(self._groups)]
+
+    async def close(self) -> None:
+        for group in list(self._groups.values()):
+            await group.close()
+        await self._pool.close()

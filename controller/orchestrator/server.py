@@ -1,0 +1,50 @@
+"""Orchestrator gRPC server: `create_server` builds it, `serve` runs it until a signal.
+
+Owned by the orchestrator; called by `timeslice orchestrator`, the demo and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc.aio
+from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.service import OrchestratorServicer
+from timeslice.driver import grpc_server
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("timeslice.orchestrator")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+
+
+async def create_server(orchestrator: Orchestrator, listen: str) -> tuple[grpc.aio.Server, int]:
+    """A started server for `orchestrator` on `listen`; returns (server, bound port)."""
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orchestrator), server)
+    await grpc_server.add_health(server, [SERVICE_NAME])
+    port = grpc_server.bind(server, listen)
+    await server.start()
+    return server, port
+
+
+async def serve(config: OrchestratorConfig, grace: float = 5.0) -> None:
+    """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls."""
+    orchestrator = Orchestrator(config.groups)
+    server, port = await create_server(orchestrator, config.listen)
+    log.info("orchestrator serving listen=%s port=%d groups=%d", config.listen, port, len(config.groups))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace)
+        with contextlib.suppress(Exception):
+            await orchestrator.close()

@@ -1,0 +1,116 @@
+"""gRPC servicer of `timeslice.v1.Orchestrator`: validates requests, calls `LockGroup`.
+
+Owned by the orchestrator server. Translates the domain exception tree
+(`timeslice.driver.errors`) into gRPC status codes with a message naming the field
+or the state that was wrong. A blocked Acquire is an awaiting coroutine, never a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import uuid
+
+import grpc
+import grpc.aio
+from timeslice.controller.orchestrator.group import GroupView
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.driver.errors import InvalidArgument, TimeSliceServerError
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("timeslice.orchestrator")
+
+# Printable, no whitespace, at most 253 characters (a DNS subdomain's length).
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,252}$")
+
+
+def _check_id(field: str, value: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{field} is required")
+    if not _ID.match(value):
+        raise InvalidArgument(f"{field} {value[:64]!r} is invalid: use at most 253 letters, digits and . _ : / @ -,"
+                              " starting with a letter or digit")
+    return value
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: TimeSliceServerError) -> None:
+    await context.abort(err.code, str(err))
+
+
+def group_status(v: GroupView) -> pb.GroupStatus:
+    s = pb.GroupStatus(
+        group_id=v.group_id, backend=v.backend, phase=v.phase, epoch=v.epoch,
+        resident_job_id=v.resident_job or "", checkpointed_job_ids=v.checkpointed_jobs,
+        grants=v.counters.grants, switches=v.counters.switches,
+        failed_switches=v.counters.failed_switches, lease_expiries=v.counters.lease_expiries,
+        agent_targets=v.agents,
+        waiters=[pb.Waiter(job_id=w.job_id, priority=w.priority, waiting_seconds=w.waiting_seconds,
+                           position=w.position) for w in v.waiters],
+        recent_switches=[pb.SwitchRecord(
+            from_job_id=r.from_job or "", to_job_id=r.to_job, ok=r.ok, error=r.error,
+            checkpoint_seconds=r.checkpoint_seconds, restore_seconds=r.restore_seconds,
+            bytes_checkpointed=r.bytes_checkpointed, bytes_restored=r.bytes_restored,
+            finished_at_unix=r.finished_at_unix) for r in v.recent_switches])
+    if v.holder is not None:
+        s.holder.CopyFrom(pb.Holder(job_id=v.holder.job_id, lease_id=v.holder.lease_id,
+                                    epoch=v.holder.epoch, held_seconds=v.held_seconds,
+                                    lease_remaining_seconds=v.lease_remaining_seconds))
+    return s
+
+
+class OrchestratorServicer(pb_grpc.OrchestratorServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self._orch = orchestrator
+
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+        try:
+            job = _check_id("job_id", request.job_id)
+            group = self._orch.group(_check_id("group_id", request.group_id))
+            t = request.timeout_seconds
+            if not math.isfinite(t) or t < 0:
+                raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
+            request_id = request.request_id or uuid.uuid4().hex
+            if len(request_id) > 128:
+                raise InvalidArgument("request_id must be at most 128 characters")
+            grant = await group.acquire(job, request.priority, request_id, t or None)
+        except TimeSliceServerError as err:
+            await _abort(context, err)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"group {request.group_id}: no grant within {request.timeout_seconds} s")
+        return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch,
+                                  lease_seconds=grant.lease_seconds, waited_seconds=grant.waited_seconds,
+                                  restored=grant.restored, switch_seconds=grant.switch_seconds)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        try:
+            group = self._orch.group(_check_id("group_id", request.group_id))
+            waiters, started = group.release(_check_id("job_id", request.job_id), request.lease_id,
+                                             request.epoch)
+        except TimeSliceServerError as err:
+            await _abort(context, err)
+        return pb.ReleaseResponse(waiters=waiters, switch_started=started)
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
+        try:
+            group = self._orch.group(_check_id("group_id", request.group_id))
+            remaining = group.keep_alive(_check_id("job_id", request.job_id), request.lease_id,
+                                         request.epoch)
+        except TimeSliceServerError as err:
+            await _abort(context, err)
+        return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
+
+    async def GetGroupStatus(self, request: pb.GetGroupStatusRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GroupStatus:
+        try:
+            group = self._orch.group(_check_id("group_id", request.group_id))
+        except TimeSliceServerError as err:
+            await _abort(context, err)
+        return group_status(group.view())
+
+    async def ListGroups(self, request: pb.ListGroupsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
+        return pb.ListGroupsResponse(groups=[group_status(g.view()) for g in self._orch.groups()])

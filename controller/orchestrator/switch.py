@@ -1,0 +1,79 @@
+"""SwitchCoordinator: the switch transaction over every node agent of a group.
+
+Owned by the orchestrator; called by `LockGroup` when a waiter that is not resident
+is to be granted. Steps (DESIGN.md): checkpoint the outgoing job on all nodes (in
+parallel), then restore the incoming job on all nodes, then the group grants.
+Rollback: a failed checkpoint restores the outgoing job where it was checkpointed;
+a failed restore checkpoints the incoming job where it was restored and restores the
+outgoing job everywhere. The outcome is raised as `SwitchError` with the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
+
+log = logging.getLogger("timeslice.switch")
+
+
+class SwitchCoordinator:
+    def __init__(self, pool: AgentPool) -> None:
+        self._pool = pool
+
+    async def __call__(self, spec: GroupSpec, outgoing: str | None, incoming: str,
+                       restore: bool) -> SwitchRecord:
+        agents = [self._pool.get(t) for t in spec.agents]
+        rec = SwitchRecord(outgoing, incoming)
+        if outgoing is not None:
+            t0 = time.monotonic()
+            done, failures = await self._on_all(agents, "checkpoint", spec, outgoing)
+            rec.checkpoint_seconds = time.monotonic() - t0
+            rec.bytes_checkpointed = sum(r.bytes for r in done.values())
+            if failures:
+                back = await self._undo(list(done), "restore", spec, outgoing)
+                raise self._failed(rec, f"checkpoint of {outgoing} failed", failures, back)
+        if restore:
+            t0 = time.monotonic()
+            done, failures = await self._on_all(agents, "restore", spec, incoming)
+            rec.restore_seconds = time.monotonic() - t0
+            rec.bytes_restored = sum(r.bytes for r in done.values())
+            if failures:
+                await self._undo(list(done), "checkpoint", spec, incoming)
+                back = outgoing is None or await self._undo(agents, "restore", spec, outgoing)
+                raise self._failed(rec, f"restore of {incoming} failed", failures, back)
+        return rec
+
+    async def _on_all(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec,
+                      job: str) -> tuple[dict[AgentClient, StepResult], dict[AgentClient, BaseException]]:
+        results = await asyncio.gather(
+            *(getattr(a, step)(job, spec.backend, spec.id, spec.step_timeout_seconds) for a in agents),
+            return_exceptions=True)
+        done = {a: r for a, r in zip(agents, results) if isinstance(r, StepResult)}
+        failures = {a: r for a, r in zip(agents, results) if not isinstance(r, StepResult)}
+        for a, err in failures.items():
+            log.warning("%s failed group=%s job=%s agent=%s: %s", step, spec.id, job, a.target, err)
+        return done, failures
+
+    async def _undo(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec, job: str) -> bool:
+        """Run the compensating step; True when it succeeded on every agent."""
+        if not agents:
+            return True
+        _, failures = await self._on_all(agents, step, spec, job)
+        if failures:
+            log.error("rollback %s incomplete group=%s job=%s agents=%s", step, spec.id, job,
+                      ",".join(a.target for a in failures))
+        return not failures
+
+    @staticmethod
+    def _failed(rec: SwitchRecord, what: str, failures: dict[AgentClient, BaseException],
+                rolled_back: bool) -> SwitchError:
+        causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
+        rec.ok = False
+        rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
+        return SwitchError(rec.error, rec, outgoing_resident=rolled_back and rec.from_job is not None)

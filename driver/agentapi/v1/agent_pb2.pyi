@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SwitchStepRequest(_message.Message):
+    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    backend: str
+    timeout_seconds: float
+    group_id: str
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class ProcessState(_message.Message):
+    __slots__ = ("pid", "state", "gpu_bytes")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    state: str
+    gpu_bytes: int
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., gpu_bytes: _Optional[int] = ...) -> None: ...
+
+class SwitchStepResponse(_message.Message):
+    __slots__ = ("job_id", "processes", "bytes", "seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessState]
+    bytes: int
+    seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessState, _Mapping]]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class GetJobStateRequest(_message.Message):
+    __slots__ = ("job_id", "backend")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    backend: str
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class JobState(_message.Message):
+    __slots__ = ("job_id", "backend", "state", "processes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    backend: str
+    state: str
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessState]
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessState, _Mapping]]] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobState]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...

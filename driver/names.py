@@ -1,0 +1,26 @@
+"""Names and constants of timeslice-dra (DESIGN.md, "Names").
+
+Owned by the driver package; imported by every server component.
+"""
+
+DRIVER_NAME = "gpu.timeslice.dev"
+DEVICE_CLASS = "gpu.timeslice.dev"
+LABEL_PREFIX = "timeslice.dev/"
+JOB_LABEL = LABEL_PREFIX + "job"
+CONFIG_API_VERSION = "timeslice.dev/v1alpha1"
+CONFIG_KIND = "TimeSliceConfig"
+
+# Backends a node agent knows (DESIGN.md, "Node agent and checkpoint backends").
+BACKEND_CUDA = "cuda"
+BACKEND_CUDA_CHECKPOINT = "cuda-checkpoint"
+BACKEND_FREEZE = "freeze"
+BACKEND_NONE = "none"
+BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_NONE)
+
+DEFAULT_LEASE_SECONDS = 10.0
+# Bound on one checkpoint or restore step on one node, seconds. The CUDA driver
+# checkpoints at ~1.5 GB/s on an H200 (reference/checkpoint-h200.md), so a full
+# 141 GB GPU needs ~95 s.
+DEFAULT_STEP_TIMEOUT_SECONDS = 300.0
+# Bound on the CUDA process lock (cuCheckpointProcessLock timeoutMs), seconds.
+DEFAULT_LOCK_TIMEOUT_SECONDS = 10.0

@@ -1,0 +1,8 @@
+"""The node agent: checkpoint/restore of a job's processes on one node.
+
+    backends/    one module per backend (cuda, cuda_checkpoint, freeze, none) behind base.Backend
+    processes.py ProcessResolver: job -> host PIDs on this node
+    records.py   JobRecords: which PIDs this agent checkpointed (persisted)
+    service.py   gRPC servicer for `timeslice.agent.v1.NodeAgent`
+    server.py    create_server / serve
+"""

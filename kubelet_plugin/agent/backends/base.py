@@ -1,0 +1,83 @@
+"""The backend interface, and the all-or-nothing step over a job's processes.
+
+Owned by the node agent; each backend module subclasses `Backend`. A step acts on
+every PID of a job concurrently; if any PID fails, the PIDs that succeeded are put
+back (the inverse step) before the error is raised, so a job is never left half
+moved and a process is never left LOCKED or stopped by a failed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from timeslice.driver.errors import BackendError, TimeSliceServerError
+
+log = logging.getLogger("timeslice.agent")
+
+# Per-process states reported by backends (agent.proto ProcessState.state).
+RUNNING = "running"
+LOCKED = "locked"
+CHECKPOINTED = "checkpointed"
+STOPPED = "stopped"
+FAILED = "failed"
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class ProcState:
+    """A process after a step: `gpu_bytes` is its GPU memory before checkpoint (0: unknown)."""
+
+    pid: int
+    state: str
+    gpu_bytes: int = 0
+
+
+Step = Callable[[int], Awaitable[ProcState]]
+
+
+class Backend(ABC):
+    """Moves a job's processes off and back onto the GPU. Times in seconds.
+
+    `checkpoint` and `restore` are idempotent per process (a process already in the
+    target state counts as done) and all-or-nothing per call (see `run_step`).
+    They raise `TimeSliceServerError` subclasses: ProcessGone, StepTimeout,
+    FailedPrecondition, BackendError.
+    """
+
+    name: str
+
+    @abstractmethod
+    async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]: ...
+
+    @abstractmethod
+    async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]: ...
+
+    @abstractmethod
+    async def state(self, pids: Sequence[int]) -> list[ProcState]: ...
+
+
+async def run_step(what: str, pids: Sequence[int], forward: Step, inverse: Step) -> list[ProcState]:
+    """Run `forward` on every PID; on any failure run `inverse` on those that succeeded.
+
+    Raises the first failure (a `TimeSliceServerError`), with the other failures and
+    any rollback problem named in its message.
+    """
+    results = await asyncio.gather(*(forward(pid) for pid in pids), return_exceptions=True)
+    done = [r for r in results if isinstance(r, ProcState)]
+    failures = [(pid, r) for pid, r in zip(pids, results) if isinstance(r, BaseException)]
+    if not failures:
+        return done
+    undo = await asyncio.gather(*(inverse(st.pid) for st in done), return_exceptions=True)
+    stuck = [f"pid {st.pid}: {err}" for st, err in zip(done, undo) if isinstance(err, BaseException)]
+    causes = "; ".join(f"pid {pid}: {err}" for pid, err in failures)
+    message = f"{what} failed ({causes}); " + (
+        f"ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"rolled back {len(done)} process(es)")
+    if stuck:
+        log.error("%s", message)
+    first = failures[0][1]
+    cls = type(first) if isinstance(first, TimeSliceServerError) else BackendError
+    raise cls(message) from first

@@ -1,0 +1,92 @@
+"""The CUDA checkpoint state machine shared by the `cuda` and `cuda-checkpoint` backends.
+
+Owned by the node agent. Per process (CUDA Driver API, "CUDA Checkpointing"):
+RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING.
+Subclasses supply the five primitives; this class composes them so that a failed
+call is undone: a lock is always followed by unlock on failure, a checkpoint that
+fails after the lock unlocks, a restore that fails leaves the process CHECKPOINTED
+(owned by the agent's records), and an unlock that fails is retried once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import abstractmethod
+from collections.abc import Sequence
+
+from timeslice.driver.errors import BackendError
+from timeslice.kubelet_plugin.agent.backends.base import (
+    CHECKPOINTED,
+    LOCKED,
+    RUNNING,
+    Backend,
+    ProcState,
+    run_step,
+)
+from timeslice.kubelet_plugin.agent.gpu_memory import process_gpu_bytes
+
+
+class CudaStyleBackend(Backend):
+    def __init__(self, lock_timeout: float) -> None:
+        self.lock_timeout = lock_timeout
+
+    # primitives: raise TimeSliceServerError subclasses
+    @abstractmethod
+    async def lock(self, pid: int, timeout: float) -> None: ...
+
+    @abstractmethod
+    async def do_checkpoint(self, pid: int) -> None: ...
+
+    @abstractmethod
+    async def do_restore(self, pid: int) -> None: ...
+
+    @abstractmethod
+    async def unlock(self, pid: int) -> None: ...
+
+    @abstractmethod
+    async def get_state(self, pid: int) -> str: ...
+
+    async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        sizes = await asyncio.to_thread(process_gpu_bytes)
+        return await run_step(f"{self.name} checkpoint", pids,
+                              lambda p: self._checkpoint_one(p, timeout, sizes.get(p, 0)),
+                              self._restore_one)
+
+    async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        return await run_step(f"{self.name} restore", pids, self._restore_one,
+                              lambda p: self._checkpoint_one(p, timeout, 0))
+
+    async def state(self, pids: Sequence[int]) -> list[ProcState]:
+        return [ProcState(pid, await self.get_state(pid)) for pid in pids]
+
+    async def _checkpoint_one(self, pid: int, timeout: float, gpu_bytes: int) -> ProcState:
+        state = await self.get_state(pid)
+        if state == CHECKPOINTED:
+            return ProcState(pid, CHECKPOINTED, gpu_bytes)
+        if state == RUNNING:
+            await self.lock(pid, min(self.lock_timeout, timeout))
+        elif state != LOCKED:
+            raise BackendError(f"process {pid} is {state}, cannot checkpoint")
+        try:
+            await self.do_checkpoint(pid)
+        except BaseException:
+            await self._unlock_retry(pid)
+            raise
+        return ProcState(pid, CHECKPOINTED, gpu_bytes)
+
+    async def _restore_one(self, pid: int) -> ProcState:
+        state = await self.get_state(pid)
+        if state == RUNNING:
+            return ProcState(pid, RUNNING)
+        if state == CHECKPOINTED:
+            await self.do_restore(pid)
+        elif state != LOCKED:
+            raise BackendError(f"process {pid} is {state}, cannot restore")
+        await self._unlock_retry(pid)
+        return ProcState(pid, RUNNING)
+
+    async def _unlock_retry(self, pid: int) -> None:
+        try:
+            await self.unlock(pid)
+        except BackendError:
+            await self.unlock(pid)

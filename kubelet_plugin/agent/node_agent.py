@@ -1,0 +1,107 @@
+"""NodeAgent: checkpoint and restore of whole jobs on this node.
+
+Owned by the agent server; called by its gRPC servicer. Resolves a job to PIDs,
+serializes steps per job, runs the named backend, and records what it checkpointed
+(`JobRecords`) so that restore finds the same PIDs even when NVML cannot see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeslice.driver import names
+from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument
+from timeslice.kubelet_plugin.agent.backends import make_backend
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.processes import ProcessResolver
+from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
+
+log = logging.getLogger("timeslice.agent")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    job_id: str
+    processes: list[ProcState]
+    bytes: int
+    seconds: float
+
+
+def job_state(processes: list[ProcState]) -> str:
+    """"checkpointed" when every process is checkpointed/stopped, "running" when none is."""
+    if not processes:
+        return "unknown"
+    moved = [p.state in (CHECKPOINTED, STOPPED) for p in processes]
+    return "checkpointed" if all(moved) else ("mixed" if any(moved) else "running")
+
+
+class NodeAgent:
+    """`backends`: names this node offers (others are refused with INVALID_ARGUMENT)."""
+
+    def __init__(self, resolver: ProcessResolver, backends: Iterable[str] = (names.BACKEND_FREEZE,
+                 names.BACKEND_NONE), records_path: Path | None = None,
+                 default_timeout: float = names.DEFAULT_STEP_TIMEOUT_SECONDS,
+                 lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS) -> None:
+        self.resolver = resolver
+        self.enabled = tuple(backends)
+        unknown = [b for b in self.enabled if b not in names.BACKENDS]
+        if unknown:
+            raise ValueError(f"unknown backends {unknown}; known: {', '.join(names.BACKENDS)}")
+        self.records = JobRecords(records_path)
+        self.default_timeout = default_timeout
+        self.lock_timeout = lock_timeout
+        self._backends: dict[str, Backend] = {}
+        self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def backend(self, name: str) -> Backend:
+        """The backend of that name; InvalidArgument when not offered, FailedPrecondition
+        when this node cannot run it."""
+        if name not in self.enabled:
+            raise InvalidArgument(f"backend {name!r} is not offered by this node agent; "
+                                  f"offered: {', '.join(self.enabled)}")
+        backend = self._backends.get(name)
+        if backend is None:
+            try:
+                backend = self._backends[name] = make_backend(name, self.lock_timeout)
+            except BackendError as err:
+                raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
+        return backend
+
+    async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float) -> StepOutcome:
+        backend = self.backend(backend_name)
+        async with self._job_locks[job_id]:
+            t0 = time.monotonic()
+            pids = await self.resolver.pids(job_id)
+            procs = await backend.checkpoint(pids, timeout or self.default_timeout)
+            record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs})
+            self.records.put(job_id, record)
+            seconds = time.monotonic() - t0
+            log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
+                     group_id, backend_name, pids, record.bytes, seconds)
+            return StepOutcome(job_id, procs, record.bytes, seconds)
+
+    async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float) -> StepOutcome:
+        backend = self.backend(backend_name)
+        async with self._job_locks[job_id]:
+            t0 = time.monotonic()
+            record = self.records.jobs.get(job_id)
+            pids = list(record.pids) if record else await self.resolver.pids(job_id)
+            procs = await backend.restore(pids, timeout or self.default_timeout)
+            self.records.pop(job_id)
+            moved = record.bytes if record else 0
+            seconds = time.monotonic() - t0
+            log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
+                     group_id, backend_name, pids, moved, seconds)
+            return StepOutcome(job_id, procs, moved, seconds)
+
+    async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
+        record = self.records.jobs.get(job_id)
+        backend = self.backend(backend_name or (record.backend if record else names.BACKEND_NONE))
+        pids = list(record.pids) if record else await self.resolver.pids(job_id)
+        return await backend.state(pids)

@@ -1,0 +1,79 @@
+"""JobRecords: the processes this agent checkpointed, persisted across restarts.
+
+Owned by the node agent. NVML cannot see checkpointed processes, so the agent must
+remember them: which job, backend, PIDs and bytes. File format (JSON, written to a
+temp file, fsynced and renamed):
+
+    {"apiVersion": "timeslice.dev/agent-records/v1",
+     "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>}}}}
+
+Compatible changes: new optional keys. Anything else needs a new apiVersion.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("timeslice.agent")
+API_VERSION = "timeslice.dev/agent-records/v1"
+
+
+@dataclass
+class JobRecord:
+    backend: str
+    group: str
+    pids: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.pids.values())
+
+
+class JobRecords:
+    """Checkpointed jobs by id. `path` None keeps them in memory only."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._path = path
+        self.jobs: dict[str, JobRecord] = {}
+        if path is not None and path.exists():
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("apiVersion") != API_VERSION:
+                raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
+            self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()})
+                         for job, r in data["jobs"].items()}
+        except (ValueError, KeyError, TypeError) as err:
+            # A damaged file must not stop the agent; the processes stay as they are.
+            log.error("ignoring unreadable records file path=%s: %s", path, err)
+
+    def put(self, job_id: str, record: JobRecord) -> None:
+        self.jobs[job_id] = record
+        self._save()
+
+    def pop(self, job_id: str) -> JobRecord | None:
+        record = self.jobs.pop(job_id, None)
+        if record is not None:
+            self._save()
+        return record
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        data = {"apiVersion": API_VERSION,
+                "jobs": {j: {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
+                         for j, r in self.jobs.items()}}
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".records-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path)

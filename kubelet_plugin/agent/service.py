@@ -1,0 +1,77 @@
+"""gRPC servicer of `timeslice.agent.v1.NodeAgent`: validates, calls `NodeAgent`.
+
+Owned by the agent server. Domain errors become gRPC statuses with their message.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import grpc.aio
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.errors import InvalidArgument, TimeSliceServerError
+from timeslice.kubelet_plugin.agent.backends.base import ProcState
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent, StepOutcome, job_state
+
+
+def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
+    return [apb.ProcessState(pid=p.pid, state=p.state, gpu_bytes=p.gpu_bytes) for p in procs]
+
+
+def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float]:
+    if not request.job_id:
+        raise InvalidArgument("job_id is required")
+    if not request.backend:
+        raise InvalidArgument("backend is required")
+    t = request.timeout_seconds
+    if not math.isfinite(t) or t < 0:
+        raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
+    return request.job_id, request.backend, request.group_id, t
+
+
+def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:
+    return apb.SwitchStepResponse(job_id=o.job_id, processes=_procs(o.processes), bytes=o.bytes,
+                                  seconds=o.seconds)
+
+
+class NodeAgentServicer(apb_grpc.NodeAgentServicer):
+    def __init__(self, agent: NodeAgent) -> None:
+        self._agent = agent
+
+    async def Checkpoint(self, request: apb.SwitchStepRequest,
+                         context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
+        try:
+            return _outcome(await self._agent.checkpoint(*_step_args(request)))
+        except TimeSliceServerError as err:
+            await context.abort(err.code, str(err))
+            raise
+
+    async def Restore(self, request: apb.SwitchStepRequest,
+                      context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
+        try:
+            return _outcome(await self._agent.restore(*_step_args(request)))
+        except TimeSliceServerError as err:
+            await context.abort(err.code, str(err))
+            raise
+
+    async def GetJobState(self, request: apb.GetJobStateRequest,
+                          context: grpc.aio.ServicerContext) -> apb.JobState:
+        try:
+            if not request.job_id:
+                raise InvalidArgument("job_id is required")
+            procs = await self._agent.state(request.job_id, request.backend)
+        except TimeSliceServerError as err:
+            await context.abort(err.code, str(err))
+            raise
+        return apb.JobState(job_id=request.job_id, backend=request.backend, state=job_state(procs),
+                            processes=_procs(procs))
+
+    async def ListJobs(self, request: apb.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
+        jobs = [apb.JobState(job_id=job, backend=r.backend, state="checkpointed",
+                             processes=[apb.ProcessState(pid=p, state="checkpointed", gpu_bytes=b)
+                                        for p, b in r.pids.items()])
+                for job, r in sorted(self._agent.records.jobs.items())]
+        return apb.ListJobsResponse(jobs=jobs)
