@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
+from timeslice.driver.errors import NotFound
 
 log = logging.getLogger("timeslice.switch")
 
@@ -33,6 +34,8 @@ class SwitchCoordinator:
         if outgoing is not None:
             t0 = time.monotonic()
             done, failures = await self._on_all(agents, "checkpoint", spec, outgoing)
+            # A node where the outgoing job has no live process has nothing to move.
+            failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
             rec.checkpoint_seconds = time.monotonic() - t0
             rec.bytes_checkpointed = sum(r.bytes for r in done.values())
             if failures:

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from timeslice.driver import names
-from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument
+from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument, NotFound, ProcessGone
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, STOPPED, Backend, ProcState
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
+from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
 
 log = logging.getLogger("timeslice.agent")
@@ -39,6 +40,24 @@ def job_state(processes: list[ProcState]) -> str:
         return "unknown"
     moved = [p.state in (CHECKPOINTED, STOPPED) for p in processes]
     return "checkpointed" if all(moved) else ("mixed" if any(moved) else "running")
+
+
+def live_pids(job_id: str, pids: list[int]) -> list[int]:
+    """The PIDs that still run; vanished ones are logged and skipped (their state is gone
+    with them). Raises NotFound when none is left."""
+    live = [p for p in pids if _alive(p)]
+    if len(live) < len(pids):
+        log.warning("skipping vanished processes job=%s pids=%s", job_id, sorted(set(pids) - set(live)))
+    if not live:
+        raise NotFound(f"no live processes for job {job_id!r} on this node (pids {pids} are gone)")
+    return live
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return proc_state(pid) != "Z"
+    except ProcessGone:
+        return False
 
 
 class NodeAgent:
@@ -77,7 +96,7 @@ class NodeAgent:
         backend = self.backend(backend_name)
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
-            pids = await self.resolver.pids(job_id)
+            pids = live_pids(job_id, await self.resolver.pids(job_id))
             procs = await backend.checkpoint(pids, timeout or self.default_timeout)
             record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs})
             self.records.put(job_id, record)
@@ -91,7 +110,7 @@ class NodeAgent:
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
             record = self.records.jobs.get(job_id)
-            pids = list(record.pids) if record else await self.resolver.pids(job_id)
+            pids = live_pids(job_id, list(record.pids) if record else await self.resolver.pids(job_id))
             procs = await backend.restore(pids, timeout or self.default_timeout)
             self.records.pop(job_id)
             moved = record.bytes if record else 0

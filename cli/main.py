@@ -1,0 +1,123 @@
+"""`timeslice`: command-line entry point (composition root).
+
+Subcommands parse flags, build one config object and start one component:
+
+    timeslice demo           orchestrator + node agent + synthetic RL jobs on this machine
+    timeslice orchestrator   the orchestrator gRPC server with static groups (YAML)
+    timeslice status         groups, holders, queues and recent switches of an orchestrator
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from timeslice.cli.demo import DemoConfig, run
+    from timeslice.driver import logs
+
+    logs.setup("WARNING" if not a.verbose else "INFO")
+    cfg = DemoConfig(jobs=a.jobs, rounds=a.rounds, backend=a.backend, gen_seconds=a.gen_seconds,
+                     reward_seconds=a.reward_seconds, state_mb=a.state_mb, state_gb=a.state_gb)
+    return run(cfg, a.json)
+
+
+def _orchestrator(a: argparse.Namespace) -> int:
+    from timeslice.controller.orchestrator.config import OrchestratorConfig
+    from timeslice.controller.orchestrator.server import serve
+    from timeslice.driver import logs
+
+    logs.setup(a.log_level)
+    cfg = OrchestratorConfig.from_yaml(a.config) if a.config else OrchestratorConfig()
+    if a.listen:
+        cfg = cfg.model_copy(update={"listen": a.listen})
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def _status(a: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from timeslice.v1 import orchestrator_pb2 as pb
+    from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+    if not a.target:
+        print("timeslice status: no orchestrator address: pass --target or set TIMESLICE_ORCHESTRATOR",
+              file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(a.target) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        try:
+            groups = ([stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=a.group), timeout=10)] if a.group
+                      else list(stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups))
+        except grpc.RpcError as err:
+            print(f"timeslice status: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if a.json:
+        print(json.dumps([MessageToDict(g, preserving_proto_field_name=True) for g in groups], indent=2))
+        return 0
+    for g in groups:
+        holder = (f"{g.holder.job_id} (epoch {g.holder.epoch}, held {g.holder.held_seconds:.1f}s, lease "
+                  f"{g.holder.lease_remaining_seconds:.1f}s left)") if g.holder.job_id else "-"
+        print(f"group {g.group_id}  backend={g.backend}  phase={g.phase}  holder={holder}  "
+              f"resident={g.resident_job_id or '-'}")
+        print(f"  grants={g.grants} switches={g.switches} failed={g.failed_switches} "
+              f"lease_expiries={g.lease_expiries} checkpointed={','.join(g.checkpointed_job_ids) or '-'}")
+        for w in g.waiters:
+            print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
+        for r in g.recent_switches[-5:]:
+            result = "ok" if r.ok else f"FAILED: {r.error}"
+            print(f"  switch {r.from_job_id or '-'} -> {r.to_job_id}: {result} (checkpoint "
+                  f"{r.checkpoint_seconds:.2f}s {r.bytes_checkpointed} B, restore {r.restore_seconds:.2f}s "
+                  f"{r.bytes_restored} B)")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="timeslice", description="GPU time-slicing for RL jobs (DRA driver)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="run the orchestrator, a node agent and synthetic RL jobs on this machine",
+                       description="Run N synthetic RL jobs that share one accelerator through the real "
+                                   "orchestrator and node agent; print a timeline and a summary.")
+    d.add_argument("--jobs", type=int, default=2, help="jobs sharing the accelerator (default 2)")
+    d.add_argument("--rounds", type=int, default=6, help="generate/train + reward rounds per job (default 6)")
+    d.add_argument("--backend", default="auto", choices=["auto", "freeze", "cuda", "cuda-checkpoint", "none"],
+                   help="checkpoint backend; auto: cuda with a GPU and PyTorch, else freeze")
+    d.add_argument("--gen-seconds", type=float, default=0.3, help="accelerator phase length, seconds")
+    d.add_argument("--reward-seconds", type=float, default=0.3, help="reward phase length, seconds")
+    d.add_argument("--state-mb", type=int, default=16, help="CPU worker state, MiB")
+    d.add_argument("--state-gb", type=float, default=1.0, help="GPU worker state, GB")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
+    d.add_argument("-v", "--verbose", action="store_true", help="log orchestrator and agent activity")
+    d.set_defaults(fn=_demo)
+
+    o = sub.add_parser("orchestrator", help="serve the orchestrator with static groups")
+    o.add_argument("--config", help="YAML: {listen: host:port, groups: [{id, backend, agents, lease_seconds}]}")
+    o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
+    o.add_argument("--log-level", default="INFO")
+    o.set_defaults(fn=_orchestrator)
+
+    s = sub.add_parser("status", help="print groups, holders, queues and recent switches")
+    s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
+                   help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+    s.add_argument("--group", help="one group only")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_status)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    if getattr(a, "jobs", 1) < 1 or getattr(a, "rounds", 1) < 1:
+        parser().error("--jobs and --rounds must be >= 1")
+    return int(a.fn(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
