@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -170,7 +171,7 @@ def duty_cycle(events: list[dict[str, Any]]) -> float:
 def handoff_ms(events: list[dict[str, Any]]) -> list[float]:
     """Milliseconds from a holder's release to the next holder's grant, when that one waited."""
     out = []
-    for prev, nxt in zip(events, events[1:]):
+    for prev, nxt in itertools.pairwise(events):
         if prev["job"] != nxt["job"] and nxt["acquire"] < prev["release"]:
             out.append((nxt["granted"] - prev["release"]) * 1000.0)
     return out

@@ -26,6 +26,18 @@ ENV_TARGET = "TIMESLICE_ORCHESTRATOR"
 ENV_JOB = "TIMESLICE_JOB"
 ENV_GROUP = "TIMESLICE_GROUP"
 
+# Channel options: reconnect quickly after an orchestrator restart (gRPC's default
+# backoff grows to 120 s), and ping a connection that carries a long-blocked Acquire
+# so a vanished orchestrator is noticed (the server permits these pings:
+# timeslice.driver.grpc_server.SERVER_OPTIONS).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 20000),
+    ("grpc.keepalive_timeout_ms", 10000),
+]
+
 # Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0

@@ -45,8 +45,8 @@ class AsyncTimeSliceOrchestratorClient:
                  unavailable_timeout: float = 30.0,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
-        self._channel = (grpc.aio.secure_channel(self._s.target, credentials) if credentials
-                         else grpc.aio.insecure_channel(self._s.target))
+        self._channel = (grpc.aio.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
+                         else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
 

@@ -53,8 +53,8 @@ class TimeSliceOrchestratorClient:
                  unavailable_timeout: float = 30.0,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
-        self._channel = (grpc.secure_channel(self._s.target, credentials) if credentials
-                         else grpc.insecure_channel(self._s.target))
+        self._channel = (grpc.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
+                         else grpc.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
         self._lock = threading.Lock()

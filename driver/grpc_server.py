@@ -50,8 +50,15 @@ class RequestLogInterceptor(grpc.aio.ServerInterceptor):
             response_serializer=handler.response_serializer)
 
 
+# Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks).
+SERVER_OPTIONS = [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[RequestLogInterceptor()])
+    return grpc.aio.server(interceptors=[RequestLogInterceptor()], options=SERVER_OPTIONS)
 
 
 async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health.aio.HealthServicer:

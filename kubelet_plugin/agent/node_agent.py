@@ -61,21 +61,23 @@ def _alive(pid: int) -> bool:
 
 
 class NodeAgent:
-    """`backends`: names this node offers (others are refused with INVALID_ARGUMENT)."""
+    """`backends`: what this node offers, by name (built on first use) or as ready
+    `Backend` objects; other names are refused with INVALID_ARGUMENT."""
 
-    def __init__(self, resolver: ProcessResolver, backends: Iterable[str] = (names.BACKEND_FREEZE,
+    def __init__(self, resolver: ProcessResolver, backends: Iterable[str | Backend] = (names.BACKEND_FREEZE,
                  names.BACKEND_NONE), records_path: Path | None = None,
                  default_timeout: float = names.DEFAULT_STEP_TIMEOUT_SECONDS,
                  lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS) -> None:
         self.resolver = resolver
-        self.enabled = tuple(backends)
+        given = list(backends)
+        self._backends: dict[str, Backend] = {b.name: b for b in given if isinstance(b, Backend)}
+        self.enabled = tuple(b if isinstance(b, str) else b.name for b in given)
         unknown = [b for b in self.enabled if b not in names.BACKENDS]
         if unknown:
             raise ValueError(f"unknown backends {unknown}; known: {', '.join(names.BACKENDS)}")
         self.records = JobRecords(records_path)
         self.default_timeout = default_timeout
         self.lock_timeout = lock_timeout
-        self._backends: dict[str, Backend] = {}
         self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def backend(self, name: str) -> Backend:

@@ -1,0 +1,190 @@
+"""The client library against a real orchestrator: decorators, errors, retries, keep-alive."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+from timeslice import (
+    AcquireTimeout,
+    GroupNotFound,
+    InvalidRequest,
+    LeaseLost,
+    NotHolding,
+    OrchestratorUnavailable,
+    TimeSliceOrchestratorClient,
+)
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.service import OrchestratorServicer
+from timeslice.driver import grpc_server
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+from tests.conftest import eventually
+
+
+async def test_sync_decorator_and_context_manager(make_cluster) -> None:
+    c = await make_cluster()
+    client = TimeSliceOrchestratorClient(c.target, "job-a", "g")
+
+    @client.on_accelerators()
+    def phase(x: int) -> int:
+        assert client.holding() is not None
+        return x * 2
+
+    assert await asyncio.to_thread(phase, 21) == 42
+    assert client.holding() is None
+
+    def block() -> None:
+        with client.on_accelerators("g"):
+            with client.on_accelerators("g"):  # nested: same grant, released once at the end
+                pass
+            assert client.holding() is not None
+        assert client.holding() is None
+
+    await asyncio.to_thread(block)
+    assert (await c.status()).grants == 2
+    client.close()
+
+
+async def test_sync_client_decorates_async_functions_without_blocking_the_loop(make_cluster) -> None:
+    c = await make_cluster()
+    client = TimeSliceOrchestratorClient(c.target, "job-a", "g")
+
+    @client.on_accelerators()
+    async def phase() -> str:
+        await asyncio.sleep(0)
+        return "done"
+
+    assert await phase() == "done"
+    client.close()
+
+
+async def test_async_client_decorator_and_errors(make_cluster) -> None:
+    c = await make_cluster()
+    a, b = c.client("a"), c.client("b")
+
+    @a.on_accelerators()
+    async def phase() -> int:
+        return 7
+
+    assert await phase() == 7
+    with pytest.raises(TypeError, match="not `async def`"):
+        a.on_accelerators()(lambda: None)
+    await a.acquire()
+    with pytest.raises(AcquireTimeout):
+        await b.acquire(timeout=0.2)
+    with pytest.raises(GroupNotFound):
+        await b.acquire("missing")
+    with pytest.raises(InvalidRequest, match="job_id"):
+        await c.client("bad job").acquire()
+    with pytest.raises(NotHolding):
+        await b.release()
+    await a.close()
+    await b.close()
+
+
+async def test_lost_lease_raises_on_scope_exit(make_cluster) -> None:
+    c = await make_cluster(lease_seconds=0.3)
+    client = TimeSliceOrchestratorClient(c.target, "job-a", "g")
+    holding = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def body() -> None:
+        with client.on_accelerators():
+            loop.call_soon_threadsafe(holding.set)
+            import time
+            time.sleep(0.8)
+
+    task = asyncio.create_task(asyncio.to_thread(body))
+    await holding.wait()
+    c.orchestrator.group("g").drop_job("job-a", "test takes the lock away")
+    with pytest.raises(LeaseLost):
+        await task
+    client.close()
+
+
+async def test_unavailable_is_retried_with_the_same_request_id() -> None:
+    """The first two Acquire calls fail with UNAVAILABLE; the client retries with one request id."""
+    seen: list[str] = []
+
+    class Flaky(OrchestratorServicer):
+        async def Acquire(self, request, context):
+            seen.append(request.request_id)
+            if len(seen) <= 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+            return await super().Acquire(request, context)
+
+    orch = Orchestrator([GroupSpec(id="g")])
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(Flaky(orch), server)
+    port = grpc_server.bind(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+        grant = await asyncio.to_thread(client.acquire)
+        assert grant.epoch == 1 and len(seen) == 3 and len(set(seen)) == 1
+        assert (await asyncio.to_thread(client.release)) == 0
+        client.close()
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
+async def test_orchestrator_started_late_is_reached_by_retries() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", unavailable_timeout=10)
+    task = asyncio.create_task(asyncio.to_thread(client.acquire))
+    await asyncio.sleep(0.5)
+    orch = Orchestrator([GroupSpec(id="g")])
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orch), server)
+    grpc_server.bind(server, f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        assert (await asyncio.wait_for(task, 10)).epoch == 1
+        await eventually(lambda: orch.group("g").holder is not None)
+    finally:
+        await asyncio.to_thread(client.close)  # releases over RPC: not on the server's loop
+        await server.stop(0)
+        await orch.close()
+
+
+async def test_unreachable_orchestrator_raises_unavailable() -> None:
+    client = TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g", unavailable_timeout=0.3)
+    with pytest.raises(OrchestratorUnavailable):
+        await asyncio.to_thread(client.acquire)
+    client.close()
+
+
+def test_settings_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("TIMESLICE_ORCHESTRATOR", raising=False)
+    with pytest.raises(ValueError, match="TIMESLICE_ORCHESTRATOR"):
+        TimeSliceOrchestratorClient(job_id="a")
+    monkeypatch.setenv("TIMESLICE_ORCHESTRATOR", "127.0.0.1:1")
+    monkeypatch.setenv("TIMESLICE_JOB", "env-job")
+    client = TimeSliceOrchestratorClient()
+    assert client.job_id == "env-job"
+    with pytest.raises(ValueError, match="TIMESLICE_GROUP"):
+        client.on_accelerators()
+    client.close()
+
+
+def test_client_imports_with_only_grpcio_and_protobuf() -> None:
+    """Block every server-side dependency; `import timeslice` must still work."""
+    code = (
+        "import sys\n"
+        "for m in ('pydantic', 'yaml', 'kubernetes', 'cuda', 'pynvml', 'prometheus_client', 'grpc_health'):\n"
+        "    sys.modules[m] = None\n"
+        "import timeslice\n"
+        "from timeslice import TimeSliceOrchestratorClient, AsyncTimeSliceOrchestratorClient\n"
+        "assert not any(k.startswith(('timeslice.driver', 'timeslice.controller', 'timeslice.kubelet_plugin'))"
+        " for k in sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

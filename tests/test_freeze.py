@@ -1,0 +1,110 @@
+"""The `freeze` backend and the node agent on real child processes."""
+
+from __future__ import annotations
+
+import grpc
+import grpc.aio
+import pytest
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.errors import ProcessGone
+from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.procfs import proc_state
+from timeslice.kubelet_plugin.agent.server import create_server
+
+from tests.conftest import python_child
+
+SPIN = """
+    import time
+    print("ready", flush=True)
+    n = 0
+    while True:
+        n += 1
+        if n % 100000 == 0:
+            print(n, flush=True)
+"""
+
+
+def spinner(children):
+    p = python_child(SPIN)
+    children.append(p)
+    assert p.stdout.readline() == "ready\n"
+    return p
+
+
+async def test_freeze_stops_and_thaw_resumes_real_processes(children) -> None:
+    procs = [spinner(children) for _ in range(2)]
+    pids = [p.pid for p in procs]
+    b = FreezeBackend()
+    states = await b.checkpoint(pids, timeout=5)
+    assert [s.state for s in states] == ["stopped", "stopped"]
+    assert all(proc_state(pid) == "T" for pid in pids)
+    assert [s.state for s in await b.state(pids)] == ["stopped", "stopped"]
+    await b.restore(pids, timeout=5)
+    assert all(proc_state(pid) in "RS" for pid in pids)
+    assert procs[0].stdout.readline().strip().isdigit()  # it computes again
+
+
+async def test_vanished_process_fails_the_step_and_rolls_back_the_others(children) -> None:
+    alive = spinner(children)
+    dead = python_child("pass")
+    dead.wait()
+    with pytest.raises(ProcessGone, match=rf"pid {dead.pid}.*rolled back 1 process"):
+        await FreezeBackend().checkpoint([alive.pid, dead.pid], timeout=5)
+    assert proc_state(alive.pid) in "RS"  # not left stopped
+    dead.stdout.close()
+
+
+async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path) -> None:
+    proc = spinner(children)
+    resolver = StaticProcessResolver({"job-a": [proc.pid]})
+    agent = NodeAgent(resolver, backends=["freeze"], records_path=tmp_path / "records.json")
+    server, _ = await create_server(agent, f"unix://{tmp_path / 'agent.sock'}")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'agent.sock'}") as ch:
+            stub = apb_grpc.NodeAgentStub(ch)
+            r = await stub.Checkpoint(apb.SwitchStepRequest(job_id="job-a", backend="freeze", group_id="g"))
+            assert [p.state for p in r.processes] == ["stopped"] and proc_state(proc.pid) == "T"
+            assert "job-a" in (tmp_path / "records.json").read_text()
+            jobs = (await stub.ListJobs(apb.ListJobsRequest())).jobs
+            assert [j.job_id for j in jobs] == ["job-a"]
+            st = await stub.GetJobState(apb.GetJobStateRequest(job_id="job-a", backend="freeze"))
+            assert st.state == "checkpointed"
+            # a restarted agent finds the record, so restore knows the PIDs
+            again = NodeAgent(StaticProcessResolver(), backends=["freeze"], records_path=tmp_path / "records.json")
+            assert list(again.records.jobs["job-a"].pids) == [proc.pid]
+            await stub.Restore(apb.SwitchStepRequest(job_id="job-a", backend="freeze"))
+            assert proc_state(proc.pid) in "RS"
+            for req, code, text in [
+                (apb.SwitchStepRequest(job_id="nobody", backend="freeze"), grpc.StatusCode.NOT_FOUND, "nobody"),
+                (apb.SwitchStepRequest(job_id="job-a", backend="cuda"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "not offered"),
+                (apb.SwitchStepRequest(job_id="job-a", backend=""), grpc.StatusCode.INVALID_ARGUMENT, "required"),
+                (apb.SwitchStepRequest(job_id="", backend="freeze"), grpc.StatusCode.INVALID_ARGUMENT, "job_id"),
+                (apb.SwitchStepRequest(job_id="job-a", backend="freeze", timeout_seconds=-2),
+                 grpc.StatusCode.INVALID_ARGUMENT, "timeout_seconds"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Checkpoint(req)
+                assert err.value.code() == code and text in err.value.details()
+            assert proc_state(proc.pid) in "RS"  # bad calls touched nothing
+    finally:
+        await server.stop(0)
+
+
+async def test_switch_with_freeze_skips_an_outgoing_job_whose_processes_are_gone(make_cluster, children) -> None:
+    holder = spinner(children)
+    waiter = spinner(children)
+    c = await make_cluster(backend="freeze", real_backend=True, jobs={"a": [holder.pid], "b": [waiter.pid]})
+    a, b = c.client("a"), c.client("b")
+    await a.acquire()
+    await a.release()
+    holder.kill()
+    holder.wait()
+    await b.acquire(timeout=5)  # a's processes are gone: nothing to checkpoint, b is granted
+    status = await c.status()
+    assert status.holder.job_id == "b" and status.failed_switches == 0
+    for cl in (a, b):
+        await cl.close()

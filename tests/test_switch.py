@@ -1,0 +1,132 @@
+"""The switch transaction over node agents (real gRPC agents, FakeBackend at the seam)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from timeslice import SwitchFailed
+
+from tests.conftest import eventually
+
+
+async def hold_then_handoff(c, first: str, second: str):
+    """`first` holds, `second` queues, `first` releases; returns `second`'s acquire task."""
+    a = c.client(first)
+    await a.acquire()
+    b = c.client(second)
+    task = asyncio.create_task(b.acquire())
+    await eventually(lambda: _waiting(c, second))
+    await a.release()
+    return a, b, task
+
+
+def pids(c, node: int, job: str) -> list[int]:
+    return c.resolvers[f"node-{node}"]._jobs[job]
+
+
+async def _waiting(c, job: str) -> bool:
+    return job in [w.job_id for w in (await c.status()).waiters]
+
+
+async def test_switch_checkpoints_every_node_before_restoring_any(make_cluster) -> None:
+    c = await make_cluster(backend="cuda", nodes=3)
+    a, b, task = await hold_then_handoff(c, "a", "b")
+    grant_b = await task
+    assert not grant_b.restored  # b never ran: nothing to restore
+    assert sorted(c.calls) == [(f"node-{i}", "checkpoint", tuple(pids(c, i, "a"))) for i in range(3)]
+    c.calls.clear()
+    task = asyncio.create_task(a.acquire())
+    await eventually(lambda: _waiting(c, "a"))
+    await b.release()
+    grant_a = await task
+    assert grant_a.restored and grant_a.switch_seconds > 0
+    steps = [step for _, step, _ in c.calls]
+    assert steps == ["checkpoint"] * 3 + ["restore"] * 3
+    status = await c.status()
+    assert status.resident_job_id == "a" and list(status.checkpointed_job_ids) == ["b"]
+    last = status.recent_switches[-1]
+    assert last.ok and last.bytes_checkpointed == 3000 and last.bytes_restored == 3000
+    for cl in (a, b):
+        await cl.close()
+
+
+async def test_failed_checkpoint_rolls_back_and_the_group_keeps_serving(make_cluster) -> None:
+    c = await make_cluster(backend="cuda", nodes=2)
+    c.backends["node-1"].fail.add("checkpoint")
+    a, b, task = await hold_then_handoff(c, "a", "b")
+    with pytest.raises(SwitchFailed, match="injected checkpoint failure on node-1"):
+        await task
+    # node-0 checkpointed a and was rolled back; node-1 failed (its agent restored nothing)
+    assert ("node-0", "restore", tuple(pids(c, 0, "a"))) in c.calls
+    status = await c.status()
+    assert status.failed_switches == 1 and status.resident_job_id == "a" and status.phase == "idle"
+    assert not status.recent_switches[-1].ok and "rolled back" in status.recent_switches[-1].error
+    # the group keeps serving: a's next acquire is immediate, and b succeeds once the node heals
+    assert not (await a.acquire()).restored
+    c.backends["node-1"].fail.clear()
+    task = asyncio.create_task(b.acquire())
+    await eventually(lambda: _waiting(c, "b"))
+    await a.release()
+    await task
+    assert (await c.status()).holder.job_id == "b"
+    for cl in (a, b):
+        await cl.close()
+
+
+async def test_failed_restore_puts_the_outgoing_job_back(make_cluster) -> None:
+    c = await make_cluster(backend="cuda", nodes=2)
+    a, b, task = await hold_then_handoff(c, "a", "b")
+    await task  # b holds; a is checkpointed
+    await b.release()
+    # a comes back: checkpoint b everywhere, then restore a fails on node-0
+    c.backends["node-0"].fail.add(f"restore:{pids(c, 0, 'a')[0]}")
+    c.calls.clear()
+    with pytest.raises(SwitchFailed, match="restore of a failed"):
+        await a.acquire(timeout=5)
+    # the incoming job a: restored on node-1 -> checkpointed again; outgoing b restored on both nodes
+    assert ("node-1", "checkpoint", tuple(pids(c, 1, "a"))) in c.calls
+    assert {(f"node-{i}", "restore", tuple(pids(c, i, "b"))) for i in (0, 1)} <= set(c.calls)
+    status = await c.status()
+    assert status.resident_job_id == "b" and status.failed_switches == 1
+    for cl in (a, b):
+        await cl.close()
+
+
+async def test_incomplete_rollback_is_visible_and_the_group_keeps_serving(make_cluster) -> None:
+    c = await make_cluster(backend="cuda")
+    a, b, task = await hold_then_handoff(c, "a", "b")
+    await task
+    await b.release()
+    c.backends["node-0"].fail.add("restore")  # a cannot come back, and neither can b
+    with pytest.raises(SwitchFailed, match="ROLLBACK INCOMPLETE"):
+        await a.acquire(timeout=5)
+    status = await c.status()
+    assert status.resident_job_id == "" and sorted(status.checkpointed_job_ids) == ["a", "b"]
+    c.backends["node-0"].fail.clear()
+    await b.acquire(timeout=5)  # b is restored by the next switch
+    assert (await c.status()).recent_switches[-1].ok
+    for cl in (a, b):
+        await cl.close()
+
+
+async def test_waiter_that_leaves_during_the_switch_is_not_granted(make_cluster) -> None:
+    c = await make_cluster(backend="cuda")
+    c.backends["node-0"].delay = 0.3
+    a = c.client("a")
+    await a.acquire()
+    b = c.client("b")
+    task = asyncio.create_task(b.acquire())
+    await eventually(lambda: _waiting(c, "b"))
+    await a.release()
+    await eventually(lambda: _phase(c, "switching"))
+    task.cancel()
+    await eventually(lambda: _phase(c, "idle"))
+    status = await c.status()
+    assert not status.holder.job_id and status.grants == 1
+    for cl in (a, b):
+        await cl.close()
+
+
+async def _phase(c, phase: str) -> bool:
+    return (await c.status()).phase == phase
