@@ -6,6 +6,7 @@
     ├── FailedPrecondition          wrong state for the call          FAILED_PRECONDITION
     │   └── StaleLease              not the holder, or an old epoch
     ├── StepTimeout (retryable)     a backend step passed its bound   DEADLINE_EXCEEDED
+    ├── AcquireTimeout (retryable)  no grant within the timeout       DEADLINE_EXCEEDED
     ├── SwitchFailed (retryable)    a switch failed and rolled back   ABORTED
     └── BackendError (retryable)    a checkpoint backend failed       INTERNAL
         └── ProcessGone             a target process vanished         NOT_FOUND
@@ -42,6 +43,11 @@ class StaleLease(FailedPrecondition):
 
 
 class StepTimeout(TimeSliceServerError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    retryable = True
+
+
+class AcquireTimeout(TimeSliceServerError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     retryable = True
 

@@ -1,53 +1,53 @@
-"""What every timeslice gRPC server shares: the request-log interceptor and health.
+"""What every timeslice gRPC server shares: error translation and request logs, health.
 
 Owned by the driver package; used by the orchestrator and node-agent servers.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from timeslice.driver.errors import TimeSliceServerError
 
 log = logging.getLogger("timeslice.grpc")
 _ids = itertools.count(1)
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-class RequestLogInterceptor(grpc.aio.ServerInterceptor):
-    """Logs `rpc=<method> req=<n> code=<status> seconds=<duration>` for unary calls.
+def rpc_method(fn: F) -> F:
+    """Decorate a servicer method: translate `TimeSliceServerError` into its gRPC status
+    and log `rpc=<method> req=<n> code=<status> seconds=<duration>`.
 
-    Successful calls log at DEBUG, failed ones at INFO (the status message is the
-    user-facing error; the servicer already chose it).
+    Successful calls log at DEBUG, failed ones at INFO with the status message (the
+    user-facing error). A decorator rather than a `grpc.aio.ServerInterceptor`: the
+    aio interceptor path added ~3 ms to the p99 hand-off (bench/handoff.py).
     """
+    method = fn.__name__
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        method = details.method
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        rid = next(_ids)
+        t0 = time.monotonic()
+        try:
+            return await fn(self, request, context)
+        except TimeSliceServerError as err:
+            await context.abort(err.code, str(err))
+        finally:
+            code = context.code() or grpc.StatusCode.OK
+            if code != grpc.StatusCode.OK or log.isEnabledFor(logging.DEBUG):
+                log.log(logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO,
+                        "rpc=%s req=%d code=%s seconds=%.4f details=%r", method, rid, getattr(code, "name", code),
+                        time.monotonic() - t0, context.details() or "")
 
-        async def logged(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            rid = next(_ids)
-            t0 = time.monotonic()
-            try:
-                return await inner(request, context)
-            finally:
-                code = context.code() or grpc.StatusCode.OK
-                level = logging.DEBUG if code == grpc.StatusCode.OK else logging.INFO
-                log.log(level, "rpc=%s req=%d code=%s seconds=%.4f details=%r", method, rid,
-                        getattr(code, "name", code), time.monotonic() - t0, context.details() or "")
-
-        return grpc.unary_unary_rpc_method_handler(
-            logged, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+    return wrapper  # type: ignore[return-value]
 
 
 # Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks).
@@ -58,7 +58,7 @@ SERVER_OPTIONS = [
 
 
 def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(interceptors=[RequestLogInterceptor()], options=SERVER_OPTIONS)
+    return grpc.aio.server(options=SERVER_OPTIONS)
 
 
 async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health.aio.HealthServicer:

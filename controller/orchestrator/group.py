@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
-from timeslice.driver.errors import StaleLease, SwitchFailed
+from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -155,7 +155,7 @@ class LockGroup:
     # -- RPC entry points ------------------------------------------------------
     async def acquire(self, job_id: str, priority: int, request_id: str,
                       timeout: float | None) -> GrantInfo:
-        """Wait for a grant; `timeout` seconds or None. Raises TimeoutError, SwitchFailed,
+        """Wait for a grant; `timeout` seconds or None. Raises AcquireTimeout, SwitchFailed,
         or CancelledError when the caller goes away (the entry is withdrawn first)."""
         h = self.holder
         if h is not None and h.job_id == job_id:
@@ -172,6 +172,9 @@ class LockGroup:
             self._dispatch()
         try:
             return await asyncio.wait_for(asyncio.shield(w.future), timeout)
+        except TimeoutError:
+            self._withdraw(w)
+            raise AcquireTimeout(f"group {self.id}: no grant within {timeout} s") from None
         except BaseException:
             self._withdraw(w)
             raise

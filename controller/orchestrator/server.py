@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 
@@ -38,6 +39,7 @@ async def serve(config: OrchestratorConfig, grace: float = 5.0) -> None:
     orchestrator = Orchestrator(config.groups)
     server, port = await create_server(orchestrator, config.listen)
     log.info("orchestrator serving listen=%s port=%d groups=%d", config.listen, port, len(config.groups))
+    gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

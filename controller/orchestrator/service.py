@@ -1,26 +1,23 @@
 """gRPC servicer of `timeslice.v1.Orchestrator`: validates requests, calls `LockGroup`.
 
-Owned by the orchestrator server. Translates the domain exception tree
-(`timeslice.driver.errors`) into gRPC status codes with a message naming the field
-or the state that was wrong. A blocked Acquire is an awaiting coroutine, never a thread.
+Owned by the orchestrator server. Domain errors (`timeslice.driver.errors`) become
+gRPC statuses with a message naming the field or state that was wrong
+(`grpc_server.rpc_method`). A blocked Acquire is an awaiting coroutine, never a thread.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import uuid
 
-import grpc
 import grpc.aio
 from timeslice.controller.orchestrator.group import GroupView
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.driver.errors import InvalidArgument, TimeSliceServerError
+from timeslice.driver.errors import InvalidArgument
+from timeslice.driver.grpc_server import rpc_method
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
-
-log = logging.getLogger("timeslice.orchestrator")
 
 # Printable, no whitespace, at most 253 characters (a DNS subdomain's length).
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,252}$")
@@ -33,10 +30,6 @@ def _check_id(field: str, value: str) -> str:
         raise InvalidArgument(f"{field} {value[:64]!r} is invalid: use at most 253 letters, digits and . _ : / @ -,"
                               " starting with a letter or digit")
     return value
-
-
-async def _abort(context: grpc.aio.ServicerContext, err: TimeSliceServerError) -> None:
-    await context.abort(err.code, str(err))
 
 
 def group_status(v: GroupView) -> pb.GroupStatus:
@@ -64,53 +57,40 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self._orch = orchestrator
 
+    @rpc_method
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
-        try:
-            job = _check_id("job_id", request.job_id)
-            group = self._orch.group(_check_id("group_id", request.group_id))
-            t = request.timeout_seconds
-            if not math.isfinite(t) or t < 0:
-                raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
-            request_id = request.request_id or uuid.uuid4().hex
-            if len(request_id) > 128:
-                raise InvalidArgument("request_id must be at most 128 characters")
-            grant = await group.acquire(job, request.priority, request_id, t or None)
-        except TimeSliceServerError as err:
-            await _abort(context, err)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"group {request.group_id}: no grant within {request.timeout_seconds} s")
-        return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch,
-                                  lease_seconds=grant.lease_seconds, waited_seconds=grant.waited_seconds,
-                                  restored=grant.restored, switch_seconds=grant.switch_seconds)
+        job = _check_id("job_id", request.job_id)
+        group = self._orch.group(_check_id("group_id", request.group_id))
+        t = request.timeout_seconds
+        if not math.isfinite(t) or t < 0:
+            raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
+        request_id = request.request_id or uuid.uuid4().hex
+        if len(request_id) > 128:
+            raise InvalidArgument("request_id must be at most 128 characters")
+        grant = await group.acquire(job, request.priority, request_id, t or None)
+        return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch, lease_seconds=grant.lease_seconds,
+                                  waited_seconds=grant.waited_seconds, restored=grant.restored,
+                                  switch_seconds=grant.switch_seconds)
 
+    @rpc_method
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        try:
-            group = self._orch.group(_check_id("group_id", request.group_id))
-            waiters, started = group.release(_check_id("job_id", request.job_id), request.lease_id,
-                                             request.epoch)
-        except TimeSliceServerError as err:
-            await _abort(context, err)
+        group = self._orch.group(_check_id("group_id", request.group_id))
+        waiters, started = group.release(_check_id("job_id", request.job_id), request.lease_id, request.epoch)
         return pb.ReleaseResponse(waiters=waiters, switch_started=started)
 
+    @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
-        try:
-            group = self._orch.group(_check_id("group_id", request.group_id))
-            remaining = group.keep_alive(_check_id("job_id", request.job_id), request.lease_id,
-                                         request.epoch)
-        except TimeSliceServerError as err:
-            await _abort(context, err)
+        group = self._orch.group(_check_id("group_id", request.group_id))
+        remaining = group.keep_alive(_check_id("job_id", request.job_id), request.lease_id, request.epoch)
         return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
 
+    @rpc_method
     async def GetGroupStatus(self, request: pb.GetGroupStatusRequest,
                              context: grpc.aio.ServicerContext) -> pb.GroupStatus:
-        try:
-            group = self._orch.group(_check_id("group_id", request.group_id))
-        except TimeSliceServerError as err:
-            await _abort(context, err)
-        return group_status(group.view())
+        return group_status(self._orch.group(_check_id("group_id", request.group_id)).view())
 
+    @rpc_method
     async def ListGroups(self, request: pb.ListGroupsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
         return pb.ListGroupsResponse(groups=[group_status(g.view()) for g in self._orch.groups()])

@@ -1,17 +1,17 @@
 """gRPC servicer of `timeslice.agent.v1.NodeAgent`: validates, calls `NodeAgent`.
 
-Owned by the agent server. Domain errors become gRPC statuses with their message.
+Owned by the agent server. Domain errors become gRPC statuses with their message (`grpc_server.rpc_method`).
 """
 
 from __future__ import annotations
 
 import math
 
-import grpc
 import grpc.aio
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import InvalidArgument, TimeSliceServerError
+from timeslice.driver.errors import InvalidArgument
+from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent, StepOutcome, job_state
 
@@ -40,34 +40,26 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     def __init__(self, agent: NodeAgent) -> None:
         self._agent = agent
 
+    @rpc_method
     async def Checkpoint(self, request: apb.SwitchStepRequest,
                          context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
-        try:
-            return _outcome(await self._agent.checkpoint(*_step_args(request)))
-        except TimeSliceServerError as err:
-            await context.abort(err.code, str(err))
-            raise
+        return _outcome(await self._agent.checkpoint(*_step_args(request)))
 
+    @rpc_method
     async def Restore(self, request: apb.SwitchStepRequest,
                       context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
-        try:
-            return _outcome(await self._agent.restore(*_step_args(request)))
-        except TimeSliceServerError as err:
-            await context.abort(err.code, str(err))
-            raise
+        return _outcome(await self._agent.restore(*_step_args(request)))
 
+    @rpc_method
     async def GetJobState(self, request: apb.GetJobStateRequest,
                           context: grpc.aio.ServicerContext) -> apb.JobState:
-        try:
-            if not request.job_id:
-                raise InvalidArgument("job_id is required")
-            procs = await self._agent.state(request.job_id, request.backend)
-        except TimeSliceServerError as err:
-            await context.abort(err.code, str(err))
-            raise
+        if not request.job_id:
+            raise InvalidArgument("job_id is required")
+        procs = await self._agent.state(request.job_id, request.backend)
         return apb.JobState(job_id=request.job_id, backend=request.backend, state=job_state(procs),
                             processes=_procs(procs))
 
+    @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
         jobs = [apb.JobState(job_id=job, backend=r.backend, state="checkpointed",

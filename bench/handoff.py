@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Hand-off latency of the orchestrator with the `none` backend, over loopback.
+
+Starts `timeslice orchestrator` as its own process with G groups, then J jobs per
+group as real clients (`AsyncTimeSliceOrchestratorClient`, spread over P load
+processes). Every job loops: acquire, hold H seconds, release, acquire again, so each
+release hands the lock to a waiter. Hand-off latency is the time from the holder's
+`release()` call to the next holder's `acquire()` return (CLOCK_MONOTONIC, shared by
+all processes on Linux). Prints one JSON object (and writes it with --out).
+
+    python bench/handoff.py --groups 100 --jobs 8 --hold 0.2 --seconds 20 --out bench/results/handoff.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import describe
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float, seconds: float) -> list[float]:
+    """Run the jobs of `groups`; hand-off latencies in ms. Hold times are uniform in
+    [hold/2, 3*hold/2] and each group starts at a random offset, so groups are
+    independent (as RL jobs are) rather than releasing in lock-step bursts."""
+    from timeslice import AsyncTimeSliceOrchestratorClient
+
+    rng = random.Random(len(groups))
+
+    events: dict[str, list[tuple[float, float, bool]]] = {g: [] for g in groups}  # (granted, released, waited)
+    offsets = {g: rng.uniform(0, hold) for g in groups}
+    stop_at = time.monotonic() + seconds
+
+    async def job(group: str, j: int) -> None:
+        client = AsyncTimeSliceOrchestratorClient(target, f"{group}-job-{j}", group)
+        await asyncio.sleep(offsets[group])
+        gc.freeze()
+        try:
+            while time.monotonic() < stop_at:
+                t_acq = time.monotonic()
+                await client.acquire()
+                t_granted = time.monotonic()
+                await asyncio.sleep(hold * rng.uniform(0.5, 1.5))
+                t_release = time.monotonic()
+                events[group].append((t_granted, t_release, t_granted - t_acq > hold / 2))
+                await client.release()
+        finally:
+            await client.close()
+
+    await asyncio.gather(*(job(g, j) for g in groups for j in range(jobs)))
+    latencies = []
+    for evs in events.values():
+        evs.sort()
+        for prev, nxt in itertools.pairwise(evs):
+            if nxt[2]:  # the next holder had been waiting: a real hand-off
+                latencies.append((nxt[0] - prev[1]) * 1000.0)
+    return latencies
+
+
+def load_process(target: str, groups: list[str], jobs: int, hold: float, seconds: float, q: mp.Queue) -> None:
+    q.put(asyncio.run(run_group_jobs(target, groups, jobs, hold, seconds)))
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--groups", type=int, default=100)
+    p.add_argument("--jobs", type=int, default=8, help="jobs per group")
+    p.add_argument("--hold", type=float, default=0.2, help="seconds each grant is held")
+    p.add_argument("--seconds", type=float, default=20.0, help="measured duration")
+    p.add_argument("--procs", type=int, default=2, help="client load processes")
+    p.add_argument("--out", help="also write the JSON here")
+    a = p.parse_args()
+
+    port = free_port()
+    groups = [f"g{i:03d}" for i in range(a.groups)]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        json.dump({"listen": f"127.0.0.1:{port}", "groups": [{"id": g, "backend": "none"} for g in groups]}, f)
+    orch = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "orchestrator", "--config", f.name,
+                             "--log-level", "WARNING"])
+    try:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=30)
+        q: mp.Queue = mp.Queue()
+        shards = [groups[i::a.procs] for i in range(a.procs)]
+        procs = [mp.Process(target=load_process, args=(f"127.0.0.1:{port}", s, a.jobs, a.hold, a.seconds, q))
+                 for s in shards if s]
+        t0 = time.monotonic()
+        for pr in procs:
+            pr.start()
+        latencies = [x for _ in procs for x in q.get()]
+        for pr in procs:
+            pr.join()
+        wall = time.monotonic() - t0
+    finally:
+        orch.terminate()
+        orch.wait()
+        os.unlink(f.name)
+    result = {
+        "benchmark": "handoff", "backend": "none", "transport": "tcp 127.0.0.1",
+        "groups": a.groups, "jobs_per_group": a.jobs, "hold_seconds": a.hold, "seconds": a.seconds,
+        "load_processes": a.procs, "handoffs": len(latencies), "handoffs_per_second": round(len(latencies) / wall, 1),
+        "handoff_ms_p50": round(pct(latencies, 50), 3), "handoff_ms_p90": round(pct(latencies, 90), 3),
+        "handoff_ms_p99": round(pct(latencies, 99), 3), "handoff_ms_max": round(max(latencies), 3),
+        "handoff_ms_mean": round(statistics.fmean(latencies), 3),
+        "machine": describe(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
