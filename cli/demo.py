@@ -145,6 +145,7 @@ class DemoRunner:
             "handoff_ms_p50": round(percentile(handoffs, 50), 3), "handoff_ms_p99": round(percentile(handoffs, 99), 3),
             "switch_seconds_mean": round(statistics.fmean(r.seconds for r in view.recent_switches), 4)
             if view.recent_switches else 0.0,
+            "switch_records": [{**vars(r), "seconds": r.seconds} for r in view.recent_switches],
             "data_ok": bool(shared) and all(e["check_ok"] for e in solo + shared)
             and len(shared) == self.cfg.jobs * self.cfg.rounds and len(solo) == self.cfg.rounds,
             "timeline": shared,

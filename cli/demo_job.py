@@ -40,7 +40,7 @@ def main() -> None:
         print(json.dumps({
             "job": client.job_id, "round": rnd, "acquire": t_acquire, "granted": t_granted,
             "gen_start": result["start"], "gen_end": result["end"], "release": t_release,
-            "released": t_released, "check_ok": result["check_ok"],
+            "released": t_released, "check_ok": result["check_ok"], "device_free_bytes": result["device_free_bytes"],
             "restored": grant.restored if grant else False,
             "switch_seconds": grant.switch_seconds if grant else 0.0, "epoch": grant.epoch if grant else 0,
         }), flush=True)

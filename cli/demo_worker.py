@@ -32,6 +32,9 @@ class CpuState:
     def checksum(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    def free_bytes(self) -> None:
+        return None
+
     def compute(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         view = memoryview(self.data)
@@ -57,6 +60,10 @@ class GpuState:
         self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
         self.step = 0
         self.digest = self.checksum()
+
+    def free_bytes(self) -> int:
+        """Free GPU memory at phase start, bytes: shows the other job's state has left."""
+        return int(self.torch.cuda.mem_get_info()[0])
 
     def checksum(self) -> str:
         t = self.torch
@@ -86,6 +93,7 @@ def serve(sock: socket.socket, make_state: Any) -> None:
         if msg["op"] == "exit":
             return
         t0 = time.monotonic()
+        free = state.free_bytes() if state is not None else None
         if state is None:
             state = make_state()
             ok = True
@@ -93,7 +101,7 @@ def serve(sock: socket.socket, make_state: Any) -> None:
             ok = state.checksum() == state.digest
         state.compute(msg["seconds"])
         state.advance()
-        f.write(json.dumps({"check_ok": ok, "start": t0, "end": time.monotonic()}) + "\n")
+        f.write(json.dumps({"check_ok": ok, "start": t0, "end": time.monotonic(), "device_free_bytes": free}) + "\n")
 
 
 def main() -> None:

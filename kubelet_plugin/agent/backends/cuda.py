@@ -35,7 +35,10 @@ def _driver() -> Any:
     except ImportError as err:
         raise BackendError("backend cuda needs the cuda-bindings package (extra `gpu`)") from err
     with _init_lock:
-        (err,) = driver.cuInit(0)
+        try:
+            (err,) = driver.cuInit(0)
+        except Exception as exc:  # cuda-bindings raises when libcuda.so is missing
+            raise BackendError(f"no NVIDIA driver: {exc}") from exc
         if err != driver.CUresult.CUDA_SUCCESS:
             raise BackendError(f"cuInit failed: {err.name}")
     return driver
