@@ -43,6 +43,8 @@ def holder():
     yield child
     child.kill()
     child.wait()
+    child.stdin.close()
+    child.stdout.close()
 
 
 async def test_checkpoint_frees_gpu_memory_and_restore_keeps_data(holder) -> None:
