@@ -98,8 +98,12 @@ class DemoRunner:
                 await self.orchestrator.close()
 
     async def run_group(self, group: str, n: int) -> list[dict[str, Any]]:
-        jobs = await asyncio.gather(*(self.run_job(group, f"{group}-job-{i}", i) for i in range(n)))
-        return sorted((ev for evs in jobs for ev in evs), key=lambda e: e["granted"])
+        jobs = await asyncio.gather(*(self.run_job(group, f"{group}-job-{i}", i) for i in range(n)),
+                                    return_exceptions=True)  # let the other jobs finish before failing
+        failed = [j for j in jobs if isinstance(j, BaseException)]
+        if failed:
+            raise failed[0]
+        return sorted((ev for evs in jobs for ev in evs), key=lambda e: e["granted"])  # type: ignore[union-attr]
 
     async def run_job(self, group: str, job: str, seed: int) -> list[dict[str, Any]]:
         """Start a job's worker and client processes; return the client's per-round events."""
@@ -211,7 +215,11 @@ def render(result: dict[str, Any], width: int = 72) -> str:
 
 
 def run(cfg: DemoConfig, as_json: bool) -> int:
-    result = asyncio.run(DemoRunner(cfg).run())
+    try:
+        result = asyncio.run(DemoRunner(cfg).run())
+    except (RuntimeError, OSError) as err:
+        print(f"timeslice demo failed: {err}", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(result))
     else:

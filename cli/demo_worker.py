@@ -56,8 +56,9 @@ class GpuState:
 
         self.torch = torch
         n = int(gb * 1e9) // 8
-        self.data = torch.arange(n, dtype=torch.int64, device="cuda") + seed
+        self.data = torch.arange(n, dtype=torch.int64, device="cuda").add_(seed)  # in place: one copy only
         self.a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.empty_cache()  # hand back allocator slack: it would be checkpointed too
         self.step = 0
         self.digest = self.checksum()
 
