@@ -35,6 +35,9 @@ def main() -> None:
             t_granted = time.monotonic()
             worker.write(json.dumps({"op": "phase", "seconds": a.gen_seconds}) + "\n")
             result = json.loads(worker.readline())
+            if rnd == a.rounds - 1:  # tear the device state down while holding, as a real job ends
+                worker.write(json.dumps({"op": "exit"}) + "\n")
+                worker.readline()  # EOF: the worker has exited
             t_release = time.monotonic()
         t_released = time.monotonic()
         print(json.dumps({
@@ -45,7 +48,6 @@ def main() -> None:
             "switch_seconds": grant.switch_seconds if grant else 0.0, "epoch": grant.epoch if grant else 0,
         }), flush=True)
         time.sleep(a.reward_seconds)  # reward phase: off the accelerator
-    worker.write(json.dumps({"op": "exit"}) + "\n")
     client.close()
     sys.exit(0)
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from timeslice.driver.errors import FailedPrecondition, StepTimeout
+from timeslice.driver.errors import ProcessGone, StepTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,13 +77,25 @@ async def test_lock_timeout_leaves_a_busy_process_running(holder) -> None:
 async def test_failure_on_one_process_rolls_back_the_other(holder) -> None:
     from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
 
+    gone = subprocess.Popen(["true"])  # noqa: ASYNC220
+    gone.wait()  # its PID no longer exists: CUDA_ERROR_OPERATING_SYSTEM
+    before = holder.ask("sum")
+    with pytest.raises(ProcessGone, match="rolled back 1 process"):
+        await CudaBackend(lock_timeout=10).checkpoint([holder.pid, gone.pid], timeout=120)
+    assert (await CudaBackend(lock_timeout=10).state([holder.pid]))[0].state == "running"
+    assert holder.ask("sum") == before
+
+
+async def test_process_without_cuda_context_has_nothing_to_move(holder) -> None:
+    from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
+
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # noqa: ASYNC220 (no CUDA)
     try:
-        before = holder.ask("sum")
-        with pytest.raises(FailedPrecondition, match="rolled back 1 process"):
-            await CudaBackend(lock_timeout=10).checkpoint([holder.pid, plain.pid], timeout=120)
-        assert (await CudaBackend(lock_timeout=10).state([holder.pid]))[0].state == "running"
-        assert holder.ask("sum") == before
+        b = CudaBackend(lock_timeout=10)
+        states = await b.checkpoint([holder.pid, plain.pid], timeout=120)
+        assert [s.state for s in states] == ["checkpointed", "no-context"]
+        await b.restore([holder.pid, plain.pid], timeout=120)
+        assert (await b.state([holder.pid]))[0].state == "running"
     finally:
         plain.kill()
         plain.wait()

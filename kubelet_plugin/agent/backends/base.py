@@ -24,6 +24,7 @@ LOCKED = "locked"
 CHECKPOINTED = "checkpointed"
 STOPPED = "stopped"
 FAILED = "failed"
+NO_CONTEXT = "no-context"  # no CUDA context: nothing on the GPU to move
 UNKNOWN = "unknown"
 
 

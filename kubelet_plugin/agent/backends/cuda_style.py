@@ -5,7 +5,9 @@ RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RU
 Subclasses supply the five primitives; this class composes them so that a failed
 call is undone: a lock is always followed by unlock on failure, a checkpoint that
 fails after the lock unlocks, a restore that fails leaves the process CHECKPOINTED
-(owned by the agent's records), and an unlock that fails is retried once.
+(owned by the agent's records), and an unlock that fails is retried once. A process
+without a CUDA context has nothing on the GPU: it is reported as `no-context`, not
+as a failure.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import asyncio
 from abc import abstractmethod
 from collections.abc import Sequence
 
-from timeslice.driver.errors import BackendError
+from timeslice.driver.errors import BackendError, FailedPrecondition, TimeSliceServerError
 from timeslice.kubelet_plugin.agent.backends.base import (
     CHECKPOINTED,
     LOCKED,
+    NO_CONTEXT,
     RUNNING,
     Backend,
     ProcState,
+    log,
     run_step,
 )
 from timeslice.kubelet_plugin.agent.gpu_memory import process_gpu_bytes
@@ -59,8 +63,19 @@ class CudaStyleBackend(Backend):
     async def state(self, pids: Sequence[int]) -> list[ProcState]:
         return [ProcState(pid, await self.get_state(pid)) for pid in pids]
 
+    async def _state_or_none(self, pid: int) -> str | None:
+        """The process's CUDA state, or None when it has no CUDA context (nothing on the GPU:
+        CUDA_ERROR_NOT_INITIALIZED, e.g. a process that is tearing its context down)."""
+        try:
+            return await self.get_state(pid)
+        except FailedPrecondition as err:
+            log.warning("no CUDA context, nothing to move pid=%d: %s", pid, err)
+            return None
+
     async def _checkpoint_one(self, pid: int, timeout: float, gpu_bytes: int) -> ProcState:
-        state = await self.get_state(pid)
+        state = await self._state_or_none(pid)
+        if state is None:
+            return ProcState(pid, NO_CONTEXT)
         if state == CHECKPOINTED:
             return ProcState(pid, CHECKPOINTED, gpu_bytes)
         if state == RUNNING:
@@ -70,12 +85,17 @@ class CudaStyleBackend(Backend):
         try:
             await self.do_checkpoint(pid)
         except BaseException:
-            await self._unlock_retry(pid)
+            try:
+                await self._unlock_retry(pid)
+            except TimeSliceServerError as unlock_err:  # keep the first error: it is the cause
+                log.error("unlock after a failed checkpoint failed pid=%d: %s", pid, unlock_err)
             raise
         return ProcState(pid, CHECKPOINTED, gpu_bytes)
 
     async def _restore_one(self, pid: int) -> ProcState:
-        state = await self.get_state(pid)
+        state = await self._state_or_none(pid)
+        if state is None:
+            return ProcState(pid, NO_CONTEXT)
         if state == RUNNING:
             return ProcState(pid, RUNNING)
         if state == CHECKPOINTED:
