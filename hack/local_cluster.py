@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -174,10 +175,9 @@ def etcd_binaries_ok() -> bool:
 
 
 def containerd_binaries_ok() -> bool:
-    want = f" {CONTAINERD_VERSION} "
-    return (want in _version_of(CTRD_BIN / "containerd", ["--version"]) + " "
-            and want in _version_of(CTRD_BIN / "ctr", ["--version"]) + " "
-            and CONTAINERD_VERSION in _version_of(CTRD_BIN / "containerd-shim-runc-v2", ["-v"]))
+    want = re.compile(rf"(^|\s){re.escape(CONTAINERD_VERSION)}(\s|$)", re.M)
+    return all(want.search(_version_of(CTRD_BIN / b, [flag])) for b, flag in (
+        ("containerd", "--version"), ("ctr", "--version"), ("containerd-shim-runc-v2", "-v")))
 
 
 def _module_time(mod: str, version: str, cwd: Path) -> str:
@@ -646,6 +646,8 @@ def containerd_config() -> str:
 version = 3
 root = "{STATE / 'containerd' / 'root'}"
 state = "{RUN / 'containerd' / 'state'}"
+imports = []
+required_plugins = ["io.containerd.grpc.v1.cri"]
 
 [grpc]
   address = "{CTRD_SOCK}"
@@ -659,6 +661,12 @@ state = "{RUN / 'containerd' / 'state'}"
 [plugins.'io.containerd.internal.v1.opt']
   path = "{STATE / 'containerd' / 'opt'}"
 
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
+[plugins.'io.containerd.image-verifier.v1.bindir']
+  bin_dir = "{STATE / 'containerd' / 'image-verifier'}"
+
 [plugins.'io.containerd.grpc.v1.cri']
   disable_tcp_service = true
   stream_server_address = "127.0.0.1"
@@ -666,6 +674,9 @@ state = "{RUN / 'containerd' / 'state'}"
 
 [{rt}]
   enable_cdi = true
+  # root here lacks CAP_SYS_RESOURCE (sandbox VM), so oom_score_adj can't go below our own
+  # value; without this every pod sandbox fails ("failed to update /proc/self/oom_score_adj")
+  restrict_oom_score_adj = true
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
 
 [{rt}.containerd]
