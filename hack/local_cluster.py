@@ -426,7 +426,8 @@ def _proc_start_time(pid: int) -> str | None:
 
 
 def _pid_alive(rec: dict) -> bool:
-    return _proc_start_time(rec["pid"]) == rec["start"]
+    # a child that exited stays a zombie of this process until reaped: count it as dead
+    return _proc_start_time(rec["pid"]) == rec["start"] and not _is_zombie(rec["pid"])
 
 
 def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
@@ -726,6 +727,7 @@ def ctr(*args: str, check: bool = True, timeout: float = 300) -> subprocess.Comp
 
 
 def start_containerd() -> None:
+    save_host_paths()
     write_cni_config()
     CONF.mkdir(parents=True, exist_ok=True)
     cfg = CONF / "containerd.toml"
@@ -782,6 +784,86 @@ def restore_sysctls() -> None:
             log(f"could not restore {k}={v}: {e}")
 
 
+HOST_PATHS_SAVED = STATE / "host-paths.json"
+IPTABLES_SAVED = STATE / "iptables-chains.json"
+# Host paths that containerd, kubelet and CNI create whatever they are configured with
+# (containerd's shim socket and fifo dirs, libcni's cache, kubelet's /var/log/containers).
+# `down` removes those that did not exist before `up`.
+HOST_PATHS = [Path("/run/containerd"), Path("/var/lib/cni"), Path("/var/log/containers"),
+              Path("/var/run/nri")]
+
+
+def save_host_paths() -> None:
+    if not HOST_PATHS_SAVED.exists():
+        HOST_PATHS_SAVED.write_text(json.dumps({str(p): p.exists() for p in HOST_PATHS}))
+
+
+def remove_created_host_paths() -> None:
+    try:
+        existed = json.loads(HOST_PATHS_SAVED.read_text())
+    except (OSError, ValueError):
+        return
+    for path, was in existed.items():
+        p = Path(path)
+        if was or not p.exists():
+            continue
+        if p == Path("/var/log/containers"):  # only our symlinks; keep anything else
+            for f in p.glob("*.log"):
+                if f.is_symlink() and os.readlink(f).startswith(str(POD_LOGS)):
+                    f.unlink()
+            try:
+                p.rmdir()
+            except OSError:
+                log(f"kept {p}: not empty")
+            continue
+        _umount_under([p])
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _iptables_chains() -> dict[str, dict[str, list[str]]]:
+    out: dict[str, dict[str, list[str]]] = {}
+    for cmd in ("iptables", "ip6tables"):
+        if not shutil.which(cmd):
+            continue
+        out[cmd] = {}
+        for table in ("filter", "nat", "mangle"):
+            p = subprocess.run([cmd, "-w", "-t", table, "-S"], capture_output=True, text=True)
+            if p.returncode == 0:
+                out[cmd][table] = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("-N ")]
+    return out
+
+
+def save_iptables() -> None:
+    if not IPTABLES_SAVED.exists():
+        IPTABLES_SAVED.write_text(json.dumps(_iptables_chains()))
+
+
+def restore_iptables() -> None:
+    """Remove the KUBE-* chains (and jumps to them) that the kubelet added."""
+    try:
+        before = json.loads(IPTABLES_SAVED.read_text())
+    except (OSError, ValueError):
+        return
+    now = _iptables_chains()
+    for cmd, tables in now.items():
+        for table, chains in tables.items():
+            new = [c for c in chains if c.startswith("KUBE-") and c not in before.get(cmd, {}).get(table, [])]
+            if not new:
+                continue
+            rules = subprocess.run([cmd, "-w", "-t", table, "-S"], capture_output=True,
+                                   text=True).stdout.splitlines()
+            for r in rules:  # jumps into the new chains from other chains
+                parts = r.split()
+                if parts[:1] == ["-A"] and parts[1] not in new and any(
+                        f"-j {c}" in r or f"-g {c}" in r for c in new):
+                    subprocess.run([cmd, "-w", "-t", table, "-D", *parts[1:]], capture_output=True)
+            for c in new:
+                subprocess.run([cmd, "-w", "-t", table, "-F", c], capture_output=True)
+            for c in new:
+                subprocess.run([cmd, "-w", "-t", table, "-X", c], capture_output=True)
+            log(f"removed {cmd} {table} chains {new}")
+
+
 def start_kubelet() -> None:
     if KUBELET_ROOT.exists() and not KUBELET_MARKER.exists() and any(KUBELET_ROOT.iterdir()):
         raise Fail(f"kubelet: {KUBELET_ROOT} exists and was not made by this tool; refusing to use it")
@@ -821,6 +903,7 @@ def start_kubelet() -> None:
         "staticPodPath": "",
     }, indent=1))
     save_sysctls()
+    save_iptables()
     start("kubelet", [str(K8S_BIN / "kubelet"), f"--config={cfg}", f"--kubeconfig={kc}",
                       f"--hostname-override={NODE_NAME}", f"--root-dir={KUBELET_ROOT}", "--v=2"])
     wait_for("kubelet", lambda: http_get("http://127.0.0.1:10248/healthz")[0] == 200 or "not healthy",
@@ -1002,12 +1085,8 @@ def down() -> None:
     if Path(f"/sys/class/net/{CNI_BRIDGE}").exists():
         subprocess.run(["ip", "link", "del", CNI_BRIDGE], check=False)
     restore_sysctls()
-    for p in Path("/var/log/containers").glob("*.log") if Path("/var/log/containers").is_dir() else []:
-        try:
-            if os.readlink(p).startswith(str(POD_LOGS)):
-                p.unlink()
-        except OSError:
-            pass
+    restore_iptables()
+    remove_created_host_paths()
     for d in (STATE, RUN):
         shutil.rmtree(d, ignore_errors=True)
     if KUBELET_MARKER.exists() or (KUBELET_ROOT.is_dir() and not any(KUBELET_ROOT.iterdir())):
@@ -1091,6 +1170,10 @@ def main(argv: list[str] | None = None) -> int:
             return status()
     except Fail as e:
         print(f"\nlocal-cluster: FAILED: {e}", file=sys.stderr, flush=True)
+        if args.verb == "up":
+            print(f"local-cluster: component logs are in {LOGS}; processes started so far keep "
+                  "running: `hack/local-cluster.sh down` stops them (a new `up` does that first)",
+                  file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nlocal-cluster: interrupted", file=sys.stderr)
