@@ -6,6 +6,7 @@ more than one conftest module.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -109,3 +110,71 @@ def test_hostnetwork_pod_reaches_apiserver(kube, namespace: str) -> None:
                                        "KUBERNETES_SERVICE_PORT": "6443"}))
     kube.wait_pod_phase(namespace, "python-api", {"Succeeded"}, timeout=180)
     assert kube.logs(namespace, "python-api").strip() == "api 200"
+
+
+def test_dra_allocation_without_driver(kube, namespace: str, node_name: str) -> None:
+    """DRA control plane wiring: a hand-written ResourceSlice is allocated by the scheduler.
+
+    The resourceclaim controller (KCM) makes the claim from the template, the scheduler's
+    DynamicResources plugin allocates the published device and reserves the claim for the
+    pod, and the kubelet's DRA manager tries to prepare it (and fails: no driver is
+    registered for this fake driver name, so the pod never starts).
+    """
+    driver = f"{namespace}.e2e.example.com"
+    slice_name, pod_name = f"{namespace}-slice", "dra-pod"
+    objs = [
+        {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": driver},
+         "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{driver}"'}}]}},
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": slice_name},
+         "spec": {"driver": driver, "nodeName": node_name,
+                  "pool": {"name": node_name, "generation": 1, "resourceSliceCount": 1},
+                  "devices": [{"name": "dev-0", "attributes": {"model": {"string": "fake"}}}]}},
+    ]
+    try:
+        for o in objs:
+            kube.apply(o)
+        tmpl = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "one-dev"},
+                "spec": {"spec": {"devices": {"requests": [
+                    {"name": "dev", "exactly": {"deviceClassName": driver}}]}}}}
+        apply_in(kube, namespace, tmpl)
+        p = pod(pod_name, kube.busybox_image, ["sleep", "3600"])
+        p["spec"]["resourceClaims"] = [{"name": "c", "resourceClaimTemplateName": "one-dev"}]
+        p["spec"]["containers"][0]["resources"] = {"claims": [{"name": "c"}]}
+        apply_in(kube, namespace, p)
+
+        deadline = time.monotonic() + 60
+        claim: dict = {}
+        while time.monotonic() < deadline:
+            got = kube.json("get", "pod", "-n", namespace, pod_name)
+            statuses = got.get("status", {}).get("resourceClaimStatuses") or []
+            if statuses and statuses[0].get("resourceClaimName") and got["spec"].get("nodeName"):
+                claim = kube.json("get", "resourceclaims.v1.resource.k8s.io", "-n", namespace,
+                                  statuses[0]["resourceClaimName"])
+                if claim.get("status", {}).get("allocation"):
+                    break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"claim never allocated / pod never scheduled: {json.dumps(claim)[:2000]}")
+        assert got["spec"]["nodeName"] == node_name
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["driver"], r["pool"], r["device"]) for r in results] == [(driver, node_name, "dev-0")]
+        assert any(r.get("name") == pod_name for r in claim["status"].get("reservedFor", []))
+
+        # the kubelet's DRA manager takes over: with no plugin registered it reports an event
+        deadline = time.monotonic() + 60
+        events = ""
+        while time.monotonic() < deadline:
+            events = kube.run("get", "events", "-n", namespace, "--field-selector",
+                              f"involvedObject.name={pod_name}", "-o", "json").stdout
+            if driver in events and "not registered" in events:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"no kubelet DRA event for {driver}: {events[-2000:]}")
+    finally:
+        kube.run("delete", "pod", "-n", namespace, pod_name, "--grace-period=0", "--force",
+                 "--ignore-not-found", check=False)
+        kube.run("delete", "resourceslices.v1.resource.k8s.io", slice_name, "--ignore-not-found",
+                 check=False)
+        kube.run("delete", "deviceclasses.v1.resource.k8s.io", driver, "--ignore-not-found", check=False)

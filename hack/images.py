@@ -254,7 +254,7 @@ def _wheels_layer(out: Path, wheels: Path, pyver: str, log) -> Path:
     log(f"pip install {len(files)} wheel(s) from {wheels} into the python image")
     # Dependencies not present in the wheel directory come from PyPI.
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile",
-                    "--disable-pip-version-check", "--target", str(target),
+                    "--disable-pip-version-check", "--root-user-action=ignore", "--target", str(target),
                     "--find-links", str(wheels), *map(str, files)], check=True)
     bindir = target / "bin"
     if bindir.is_dir():  # console scripts: move to /usr/local/bin, fix the shebang
@@ -275,7 +275,8 @@ def _wheels_layer(out: Path, wheels: Path, pyver: str, log) -> Path:
     return layer
 
 
-def build_python(out: Path, ref: str, wheels: Path | None, log=print) -> Path:
+def build_python(out: Path, ref: str, wheels: Path | None, log=print) -> tuple[Path, list[Path]]:
+    """Return the image tarball and the layer files it was made from."""
     out.mkdir(parents=True, exist_ok=True)
     base = _python_base_layer(out, log)
     layers = [base]
@@ -289,4 +290,13 @@ def build_python(out: Path, ref: str, wheels: Path | None, log=print) -> Path:
             "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                     "LANG=C.UTF-8", "PYTHONUNBUFFERED=1"],
             "Cmd": ["python3"], "WorkingDir": "/"})
-    return tar
+    return tar, layers
+
+
+def prune(out: Path, keep: list[Path]) -> None:
+    """Remove image tarballs and wheel layers of earlier inputs (the base layer stays)."""
+    keep_names = {p.name for p in keep}
+    for pattern in ("pause-*.tar", "busybox-*.tar", "python-*.tar", "python-wheels-*.layer.tar"):
+        for p in out.glob(pattern):
+            if p.name not in keep_names and not p.name.startswith("python-base-"):
+                p.unlink(missing_ok=True)

@@ -292,11 +292,14 @@ def build_images(wheels: Path | None) -> dict[str, Path]:
     sys.path.insert(0, str(HACK))
     import images  # noqa: E402  (hack/images.py)
     try:
-        return {
+        python_tar, python_layers = images.build_python(IMAGES, PYTHON_IMAGE, wheels, log=log)
+        tars = {
             "pause": images.build_pause(IMAGES, PAUSE_IMAGE),
             "busybox": images.build_busybox(IMAGES, BUSYBOX_IMAGE),
-            "python": images.build_python(IMAGES, PYTHON_IMAGE, wheels, log=log),
+            "python": python_tar,
         }
+        images.prune(IMAGES, [*tars.values(), *python_layers])
+        return tars
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
         raise Fail(f"images: {e}") from e
 
