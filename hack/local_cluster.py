@@ -73,10 +73,9 @@ CNI_BRIDGE = "tsdra0"
 CNI_BIN_DIR = "/usr/lib/cni"
 RUNC = "/usr/sbin/runc"
 
-# DRA is GA (on) in 1.34; the alpha gates below let the driver's optional modes
+# DRA is GA (on by default) in 1.34; the alpha gates below let the driver's optional modes
 # (consumable capacity, partitionable devices, taints, health) be exercised.
 DEFAULT_FEATURE_GATES = ",".join([
-    "DynamicResourceAllocation=true",
     "DRAAdminAccess=true",
     "DRAPrioritizedList=true",
     "DRAResourceClaimDeviceStatus=true",
@@ -115,7 +114,10 @@ class Fail(Exception):
 
 
 def log(msg: str) -> None:
-    print(f"[local-cluster {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    try:
+        print(f"[local-cluster {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    except (BrokenPipeError, OSError):
+        pass  # a closed stdout (e.g. `| head`) must not abort `down` halfway
 
 
 def tail(path: Path, n: int = 40) -> str:
