@@ -142,6 +142,8 @@ def ensure_packages(names: list[str] | None = None) -> None:
         return
     if os.geteuid() != 0:
         raise Fail(f"apt: missing packages {missing} and not root")
+    if shutil.which("apt-get") is None:
+        raise Fail(f"apt: missing packages {missing} and no apt-get (Debian/Ubuntu expected)")
     log(f"apt-get install {' '.join(missing)}")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     if run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], env=env,
@@ -1179,6 +1181,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"local-cluster: component logs are in {LOGS}; processes started so far keep "
                   "running: `hack/local-cluster.sh down` stops them (a new `up` does that first)",
                   file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as e:
+        print(f"\nlocal-cluster: FAILED: {' '.join(map(str, e.cmd))} exited with {e.returncode}",
+              file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("\nlocal-cluster: interrupted", file=sys.stderr)
