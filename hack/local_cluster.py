@@ -950,8 +950,8 @@ def up(wheels: Path | None, no_build: bool) -> None:
     if os.geteuid() != 0:
         raise Fail("up must run as root (kubelet, containerd, mounts, cgroups)")
     t0 = time.monotonic()
-    if STATE.exists() or RUN.exists() or KUBELET_MARKER.exists():
-        log("leftover state from an earlier run: running `down` first")
+    if STATE.exists() or RUN.exists() or KUBELET_MARKER.exists() or _leftover_pids():
+        log("leftover state or processes from an earlier run: running `down` first")
         down()
     ensure_packages()
     if no_build:
@@ -1067,6 +1067,16 @@ def _cleanup_containers() -> None:
         log("containerd did not answer while removing containers; continuing")
 
 
+def _our_binaries() -> list[Path]:
+    return [*(K8S_BIN / n for n in ("kubelet", "kube-apiserver", "kube-controller-manager",
+                                    "kube-scheduler")),
+            ETCD_BIN / "etcd", CTRD_BIN / "containerd", CTRD_BIN / "containerd-shim-runc-v2"]
+
+
+def _leftover_pids() -> list[int]:
+    return [pid for b in _our_binaries() for pid in _pids_with_exe(b)]
+
+
 def down() -> None:
     """Stop everything `up` started (by PID) and remove all state. Safe to repeat."""
     if os.geteuid() != 0:
@@ -1082,8 +1092,7 @@ def down() -> None:
         stop(name)
     # any process still running one of our binaries was started by this tool (or a previous
     # run whose pid files are gone): stop it by pid
-    for b in [*(K8S_BIN / n for n in ("kubelet", "kube-apiserver", "kube-controller-manager",
-                                      "kube-scheduler")), ETCD_BIN / "etcd", CTRD_BIN / "containerd"]:
+    for b in _our_binaries():
         for pid in _pids_with_exe(b):
             log(f"stopping leftover {b.name} pid {pid}")
             stop_pid(pid, b.name, 10)
