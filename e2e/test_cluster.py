@@ -178,3 +178,12 @@ def test_dra_allocation_without_driver(kube, namespace: str, node_name: str) -> 
         kube.run("delete", "resourceslices.v1.resource.k8s.io", slice_name, "--ignore-not-found",
                  check=False)
         kube.run("delete", "deviceclasses.v1.resource.k8s.io", driver, "--ignore-not-found", check=False)
+
+
+def test_python_image_has_the_client_library(kube, namespace: str) -> None:
+    """The image built with `--wheels dist` (make e2e) carries `timeslice` and its two dependencies."""
+    apply_in(kube, namespace, pod("py-client", kube.python_image, [
+        "python3", "-c", "import timeslice, grpc, google.protobuf; "
+        "print('client', timeslice.TimeSliceOrchestratorClient.__name__)"]))
+    kube.wait_pod_phase(namespace, "py-client", {"Succeeded"}, timeout=180)
+    assert kube.logs(namespace, "py-client").strip() == "client TimeSliceOrchestratorClient"

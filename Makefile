@@ -1,0 +1,47 @@
+# timeslice-dra developer commands. `make help` lists them.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: help demo test unit e2e lint protos wheels cluster-up cluster-down bench
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(STAMP) ## run the demo: orchestrator, node agent and 2 synthetic RL jobs (ARGS="--json ...")
+	$(BIN)/timeslice demo $(ARGS)
+
+test: lint unit e2e ## the whole suite: lint, unit + integration, e2e on a local cluster
+
+unit: $(STAMP) ## unit and integration tests (real gRPC servers and processes; GPU tests skip without a GPU)
+	$(BIN)/pytest -q tests
+
+lint: $(STAMP) ## ruff, and the generated stubs match proto/
+	$(BIN)/ruff check .
+	$(BIN)/python hack/gen_protos.py --check
+
+protos: $(STAMP) ## regenerate the gRPC stubs from proto/
+	$(BIN)/python hack/gen_protos.py
+
+wheels: $(STAMP) ## build the timeslice wheel into dist/ (for the cluster's Python image)
+	rm -rf dist && $(BIN)/pip wheel -q --no-deps -w dist .
+
+e2e: wheels ## bring up the local cluster (built from source, cached), run e2e/, tear it down
+	hack/e2e.sh
+
+cluster-up: wheels ## start the local single-node cluster (hack/local-cluster.sh up)
+	hack/local-cluster.sh up --wheels dist
+
+cluster-down: ## stop it and remove its state
+	hack/local-cluster.sh down
+
+bench: $(STAMP) ## CPU benchmarks into bench/results/ (GPU ones: see bench/README.md)
+	$(BIN)/python bench/handoff.py --groups 100 --jobs 8 --hold 1.0 --seconds 20 --out bench/results/handoff-2core.json
