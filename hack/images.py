@@ -232,11 +232,18 @@ def _image_python_version(base_layer: Path) -> str:
     raise RuntimeError("no usr/bin/python3.X in the python base layer")
 
 
+def _with_extras(wheel: Path) -> str:
+    """`<wheel>[extras]` for our own wheel: $TIMESLICE_PY_EXTRAS (default `server,kubernetes`),
+    so the image runs the node plugin and the controller as well as the client."""
+    extras = os.environ.get("TIMESLICE_PY_EXTRAS", "server,kubernetes")
+    return f"{wheel}[{extras}]" if wheel.name.startswith("timeslice_dra-") and extras else str(wheel)
+
+
 def _wheels_layer(out: Path, wheels: Path, pyver: str, log) -> Path:
     files = sorted(wheels.glob("*.whl"))
     if not files:
         raise RuntimeError(f"no *.whl files in {wheels}")
-    h = hashlib.sha256(pyver.encode())
+    h = hashlib.sha256((pyver + os.environ.get("TIMESLICE_PY_EXTRAS", "server,kubernetes")).encode())
     for f in files:
         h.update(f.name.encode() + _sha256_file(f).encode())
     key = h.hexdigest()[:16]
@@ -255,7 +262,7 @@ def _wheels_layer(out: Path, wheels: Path, pyver: str, log) -> Path:
     # Dependencies not present in the wheel directory come from PyPI.
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile",
                     "--disable-pip-version-check", "--root-user-action=ignore", "--target", str(target),
-                    "--find-links", str(wheels), *map(str, files)], check=True)
+                    "--find-links", str(wheels), *(_with_extras(f) for f in files)], check=True)
     bindir = target / "bin"
     if bindir.is_dir():  # console scripts: move to /usr/local/bin, fix the shebang
         dst = stage / "usr/local/bin"

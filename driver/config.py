@@ -1,0 +1,71 @@
+"""`TimeSliceConfig`: the opaque per-claim configuration of our driver, and its resolution.
+
+Owned by the driver package; used by the kubelet plugin (validation at prepare) and the
+controller (job-level values). Wire form, in a DeviceClass's or a claim's
+`spec.config[].opaque` with `driver: gpu.timeslice.dev`:
+
+    parameters:
+      apiVersion: timeslice.dev/v1alpha1
+      kind: TimeSliceConfig
+      priority: 10               # queue priority, higher first (-1000..1000)
+      backend: auto              # auto | cuda | cuda-checkpoint | freeze | none
+      maxHoldSeconds: 600        # counted from a waiter's arrival; absent = no limit
+      leaseSeconds: 10           # holder lease without keep-alive
+      job: my-job                # job identity override (else pod label / owner)
+
+Precedence (DESIGN.md, "Config precedence"): the allocation result lists DeviceClass
+configs, then claim configs, in order; for each request the last `TimeSliceConfig` that
+applies to it (empty `requests` = every request) replaces earlier ones as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from timeslice.driver import names
+from timeslice.driver.errors import InvalidArgument
+
+
+class TimeSliceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    apiVersion: Literal["timeslice.dev/v1alpha1"]
+    kind: Literal["TimeSliceConfig"]
+    job: str | None = Field(default=None, min_length=1, max_length=253)
+    priority: int = Field(default=0, ge=-1000, le=1000)
+    backend: Literal["auto", "cuda", "cuda-checkpoint", "freeze", "none"] = "auto"
+    maxHoldSeconds: float | None = Field(default=None, gt=0)
+    leaseSeconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0, le=300)
+
+
+DEFAULT = TimeSliceConfig(apiVersion=names.CONFIG_API_VERSION, kind=names.CONFIG_KIND)
+
+
+def parse(parameters: Any, where: str) -> TimeSliceConfig:
+    """Validate one opaque `parameters` object; raises InvalidArgument naming `where` and
+    every bad field (unknown field, wrong type, unknown backend, ...)."""
+    try:
+        return TimeSliceConfig.model_validate(parameters)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(object)'}: {e['msg']}" for e in err.errors())
+        raise InvalidArgument(f"invalid TimeSliceConfig in {where}: {problems}") from None
+
+
+def resolve(config_entries: Iterable[Mapping[str, Any]], requests: Iterable[str]) -> dict[str, TimeSliceConfig]:
+    """Effective config per request name from `status.allocation.devices.config` entries
+    (`{source, requests, opaque: {driver, parameters}}`, in order). Entries of other
+    drivers are skipped; every entry of ours is validated, even a superseded one."""
+    effective = {r: DEFAULT for r in requests}
+    for i, entry in enumerate(config_entries):
+        opaque = entry.get("opaque") or {}
+        if opaque.get("driver") != names.DRIVER_NAME:
+            continue
+        where = f"config[{i}] ({entry.get('source', 'unknown source')})"
+        cfg = parse(opaque.get("parameters"), where)
+        targets = entry.get("requests") or list(effective)
+        for r in targets:
+            effective[r.split("/", 1)[0]] = cfg  # a subrequest result names "<request>/<sub>"
+    return effective

@@ -1,0 +1,102 @@
+"""CDI specs: one file per prepared claim, written atomically under the CDI spec dir.
+
+Owned by the kubelet plugin; called by the claim preparer. Format: Container Device
+Interface spec 0.6.0 (keys `cdiVersion`, `kind`, `devices[].name`,
+`devices[].containerEdits{env, deviceNodes}`, top-level `containerEdits`; see
+reference/dra-protocol.md section 4). Kind `timeslice.dev/gpu`; device names carry the
+claim UID (runtimes cache specs), so CDI ids are `timeslice.dev/gpu=<claim uid>-<device>`.
+
+Env keys never collide between CDI devices (runtimes keep the last value of a repeated
+key): per device `TIMESLICE_DEVICE_<DEVICE>`, per claim `TIMESLICE_CLAIM_<UID>`; the
+only shared key, `TIMESLICE_ORCHESTRATOR`, has the same value everywhere. No job
+identity is injected: one claim can be shared by pods of different jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CDI_VERSION = "0.6.0"
+VENDOR = "timeslice.dev"
+CLASS = "gpu"
+KIND = f"{VENDOR}/{CLASS}"
+DEFAULT_SPEC_DIR = Path("/var/run/cdi")
+
+
+def env_key(*parts: str) -> str:
+    """`TIMESLICE_` + parts upper-cased, every non-alphanumeric character as `_`."""
+    return "TIMESLICE_" + "_".join(re.sub(r"[^A-Za-z0-9]", "_", p).upper() for p in parts)
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One allocated device of a claim: `device` is the DRA device name, `physical_gpu`
+    its GPU's UUID, `device_nodes` host paths to pass through (empty for fake GPUs)."""
+
+    device: str
+    physical_gpu: str
+    device_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClaimSpec:
+    claim_uid: str
+    claim_namespace: str
+    claim_name: str
+    devices: tuple[CdiDevice, ...]
+    orchestrator: str = ""
+    shared_device_nodes: tuple[str, ...] = field(default=())
+    admin_access: bool = False
+
+    def cdi_id(self, device: str) -> str:
+        return f"{KIND}={self.claim_uid}-{device}"
+
+
+def spec_path(spec_dir: Path, claim_uid: str) -> Path:
+    return spec_dir / f"{VENDOR}-{CLASS}_{claim_uid}.json"
+
+
+def _nodes(paths: Sequence[str]) -> list[dict[str, str]]:
+    return [{"path": p} for p in paths]
+
+
+def render(spec: ClaimSpec) -> dict[str, object]:
+    """The CDI spec for one claim, as a JSON-ready dict."""
+    claim_env = [f"{env_key('CLAIM', spec.claim_uid)}={spec.claim_namespace}/{spec.claim_name}"]
+    if spec.orchestrator:
+        claim_env.append(f"TIMESLICE_ORCHESTRATOR={spec.orchestrator}")
+    if spec.admin_access:
+        claim_env.append(f"{env_key('ADMIN_ACCESS', spec.claim_uid)}=true")
+    edits: dict[str, object] = {"env": claim_env}
+    if spec.shared_device_nodes:
+        edits["deviceNodes"] = _nodes(spec.shared_device_nodes)
+    devices = []
+    for d in spec.devices:
+        dev_edits: dict[str, object] = {"env": [f"{env_key('DEVICE', d.device)}={d.physical_gpu}"]}
+        if d.device_nodes:
+            dev_edits["deviceNodes"] = _nodes(d.device_nodes)
+        devices.append({"name": f"{spec.claim_uid}-{d.device}", "containerEdits": dev_edits})
+    return {"cdiVersion": CDI_VERSION, "kind": KIND, "devices": devices, "containerEdits": edits}
+
+
+def write(spec_dir: Path, spec: ClaimSpec) -> Path:
+    """Write (or replace) the claim's spec atomically; returns its path."""
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    path = spec_path(spec_dir, spec.claim_uid)
+    fd, tmp = tempfile.mkstemp(dir=spec_dir, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(render(spec), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def remove(spec_dir: Path, claim_uid: str) -> None:
+    spec_path(spec_dir, claim_uid).unlink(missing_ok=True)
