@@ -9,7 +9,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_manifests_pass_server_side_dry_run(kube) -> None:
-    r = kube.run("apply", "--dry-run=server", "-k", str(ROOT / "manifests"))
+    # A server-side dry run creates nothing, so objects in a new namespace would fail with
+    # "namespace not found": create the two namespaces first (kubectl's documented limit).
+    created = [ns for ns in ("timeslice-system", "timeslice-examples")
+               if kube.run("create", "namespace", ns, check=False).returncode == 0]
+    try:
+        r = kube.run("apply", "--dry-run=server", "-k", str(ROOT / "manifests"))
+    finally:
+        for ns in created:
+            kube.run("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False, timeout=180)
     for obj in ("deviceclass.resource.k8s.io/gpu.timeslice.dev", "daemonset.apps/timeslice-kubelet-plugin",
                 "deployment.apps/timeslice-controller", "resourceclaimtemplate.resource.k8s.io/timesliced-gpu",
                 "job.batch/rl-job-a", "clusterrole.rbac.authorization.k8s.io/timeslice-controller"):
