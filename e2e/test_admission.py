@@ -1,0 +1,60 @@
+"""The ValidatingAdmissionPolicy of manifests/base rejects multi-seat requests without a
+distinct-GPU constraint at apply time, with a message that says how to fix them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = ROOT / "manifests" / "base" / "admission-policy.yaml"
+
+
+def claim(name: str, count: int, constraints: list[dict] | None = None) -> dict:
+    devices: dict = {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.timeslice.dev",
+                                                              "count": count}}]}
+    if constraints is not None:
+        devices["constraints"] = constraints
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": devices}}
+
+
+@pytest.fixture
+def policy(kube):
+    kube.run("apply", "-f", str(POLICY))
+    deadline = time.monotonic() + 30  # the policy is enforced once the API server has compiled it
+    while time.monotonic() < deadline:
+        probe = kube.run("create", "--dry-run=server", "-f", "-", "-n", "default",
+                         input=yaml.safe_dump(claim("probe", 2)), check=False)
+        if probe.returncode != 0:
+            break
+        time.sleep(0.5)
+    yield
+    kube.run("delete", "-f", str(POLICY), "--ignore-not-found", check=False)
+
+
+def test_count_two_without_seat_constraint_is_rejected(kube, namespace, policy) -> None:
+    r = kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(claim("two", 2)), check=False)
+    assert r.returncode != 0
+    assert "ask for more than one gpu.timeslice.dev device" in r.stderr
+    assert "matchAttribute: gpu.timeslice.dev/seat" in r.stderr
+
+
+@pytest.mark.parametrize("constraint", [
+    {"matchAttribute": "gpu.timeslice.dev/seat"},
+    {"matchAttribute": "gpu.timeslice.dev/seat", "requests": ["gpus"]},
+])
+def test_count_two_with_seat_constraint_and_count_one_are_accepted(kube, namespace, policy, constraint) -> None:
+    kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(claim("two-ok", 2, [constraint])))
+    kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(claim("one", 1)))
+    kube.run("delete", "-n", namespace, "resourceclaim", "two-ok", "one")
+
+
+def test_template_is_checked_too(kube, namespace, policy) -> None:
+    tmpl = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "t"},
+            "spec": {"spec": claim("x", 3)["spec"]}}
+    r = kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(tmpl), check=False)
+    assert r.returncode != 0 and "request(s) gpus" in r.stderr
