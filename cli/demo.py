@@ -111,7 +111,8 @@ class DemoRunner:
         worker = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "timeslice.cli.demo_worker", "--fd", str(theirs.fileno()),
             "--mode", self.mode, "--state-mb", str(self.cfg.state_mb), "--state-gb", str(self.cfg.state_gb),
-            "--seed", str(seed), pass_fds=[theirs.fileno()])
+            "--seed", str(seed), pass_fds=[theirs.fileno()],
+            env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})  # the process the agent moves
         theirs.close()
         self.resolver.set(job, [worker.pid])
         env = {**os.environ, "TIMESLICE_ORCHESTRATOR": self.target, "TIMESLICE_JOB": job,

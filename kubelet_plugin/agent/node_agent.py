@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from timeslice.driver import names
 from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument, NotFound, ProcessGone
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
@@ -67,8 +68,10 @@ class NodeAgent:
     def __init__(self, resolver: ProcessResolver, backends: Iterable[str | Backend] = (names.BACKEND_FREEZE,
                  names.BACKEND_NONE), records_path: Path | None = None,
                  default_timeout: float = names.DEFAULT_STEP_TIMEOUT_SECONDS,
-                 lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS) -> None:
+                 lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS,
+                 claim_resolver: ClaimProcessResolver | None = None) -> None:
         self.resolver = resolver
+        self.claim_resolver = claim_resolver
         given = list(backends)
         self._backends: dict[str, Backend] = {b.name: b for b in given if isinstance(b, Backend)}
         self.enabled = tuple(b if isinstance(b, str) else b.name for b in given)
@@ -94,11 +97,19 @@ class NodeAgent:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
 
-    async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float) -> StepOutcome:
+    async def _pids(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str]) -> list[int]:
+        if not claims:
+            return await self.resolver.pids(job_id)
+        if self.claim_resolver is None:
+            raise InvalidArgument("this node agent has no cluster access: name the job only, not claims")
+        return await self.claim_resolver.pids(claims, pod_uids)
+
+    async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float,
+                         claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = ()) -> StepOutcome:
         backend = self.backend(backend_name)
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
-            pids = live_pids(job_id, await self.resolver.pids(job_id))
+            pids = live_pids(job_id, await self._pids(job_id, claims, pod_uids))
             procs = await backend.checkpoint(pids, timeout or self.default_timeout)
             record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs})
             self.records.put(job_id, record)
@@ -107,12 +118,13 @@ class NodeAgent:
                      group_id, backend_name, pids, record.bytes, seconds)
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
-    async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float) -> StepOutcome:
+    async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float,
+                      claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = ()) -> StepOutcome:
         backend = self.backend(backend_name)
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
             record = self.records.jobs.get(job_id)
-            pids = live_pids(job_id, list(record.pids) if record else await self.resolver.pids(job_id))
+            pids = live_pids(job_id, list(record.pids) if record else await self._pids(job_id, claims, pod_uids))
             procs = await backend.restore(pids, timeout or self.default_timeout)
             self.records.pop(job_id)
             moved = record.bytes if record else 0

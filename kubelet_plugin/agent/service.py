@@ -20,7 +20,7 @@ def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
     return [apb.ProcessState(pid=p.pid, state=p.state, gpu_bytes=p.gpu_bytes) for p in procs]
 
 
-def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float]:
+def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float, list[tuple[str, str]], list[str]]:
     if not request.job_id:
         raise InvalidArgument("job_id is required")
     if not request.backend:
@@ -28,7 +28,10 @@ def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float]:
     t = request.timeout_seconds
     if not math.isfinite(t) or t < 0:
         raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
-    return request.job_id, request.backend, request.group_id, t
+    claims = [(c.namespace, c.name) for c in request.claims]
+    if any(not ns or not name for ns, name in claims):
+        raise InvalidArgument("every claim needs a namespace and a name")
+    return request.job_id, request.backend, request.group_id, t, claims, list(request.pod_uids)
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:

@@ -1,0 +1,187 @@
+"""ClaimPreparer: prepare and unprepare ResourceClaims on this node (the DRA plugin seam).
+
+Owned by the kubelet plugin; called by the DRA gRPC adapter (`dra_service.py`). Each claim
+is a transaction (STYLE.md 7): return the checkpointed answer if already prepared (the
+CDI spec is rewritten: /var/run/cdi is usually tmpfs); else read the claim from the API
+server, check it is allocated to this node and driver, validate its `TimeSliceConfig`,
+refuse two seats of one GPU in one request, write the CDI spec, then the checkpoint.
+
+Contracts: idempotent; exactly one result per claim UID; a bad claim fails only its own
+slot (with a Warning Event on the claim) and never the others; unprepare of an unknown
+claim succeeds; unprepare may run in a fresh process after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from timeslice.driver import config, names
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, TimeSliceServerError
+from timeslice.driver.events import EventRecorder
+from timeslice.kubelet_plugin import cdi
+from timeslice.kubelet_plugin.checkpoint import Checkpoint
+from timeslice.kubelet_plugin.plugin import ClaimRef, PreparedDevice, PrepareResult
+
+log = logging.getLogger("timeslice.kubelet_plugin")
+
+
+class DeviceInfo(Protocol):
+    """What the preparer needs of a published device's physical GPU."""
+
+    uuid: str
+    device_nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    request: str
+    pool: str
+    device: str
+    physical_gpu: str
+    device_nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    devices: tuple[PlannedDevice, ...]
+    configs: dict[str, config.TimeSliceConfig]
+    admin_access: bool
+
+
+def plan_claim(claim: dict[str, Any], uid: str, node: str, lookup: Callable[[str], DeviceInfo | None]) -> ClaimPlan:
+    """Check a claim (API JSON form) against this node; raises a TimeSliceServerError
+    whose message says what is wrong and, where it can, how to fix it."""
+    meta = claim.get("metadata", {})
+    ref = f"{meta.get('namespace')}/{meta.get('name')}"
+    if meta.get("uid") != uid:
+        raise FailedPrecondition(f"claim {ref} was replaced: it has uid {meta.get('uid')}, the kubelet asked for {uid}")
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise FailedPrecondition(f"claim {ref} is not allocated")
+    results = [r for r in allocation.get("devices", {}).get("results", []) if r.get("driver") == names.DRIVER_NAME]
+    if not results:
+        raise FailedPrecondition(f"claim {ref} has no devices of driver {names.DRIVER_NAME}")
+    planned = []
+    for r in results:
+        if r["pool"] != node:
+            raise FailedPrecondition(f"claim {ref}: device {r['pool']}/{r['device']} is allocated to node "
+                                     f"{r['pool']}, not to this node {node}")
+        info = lookup(r["device"])
+        if info is None:
+            raise FailedPrecondition(f"claim {ref}: device {r['device']} is not published by this node")
+        planned.append(PlannedDevice(r["request"].split("/", 1)[0], r["pool"], r["device"], info.uuid,
+                                     tuple(info.device_nodes)))
+    by_request: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for d in planned:
+        by_request[d.request][d.physical_gpu].append(d.device)
+    for request, gpus in by_request.items():
+        for gpu, devices in gpus.items():
+            if len(devices) > 1:
+                raise InvalidArgument(
+                    f"claim {ref}: request {request!r} got {len(devices)} seats of one physical GPU {gpu} "
+                    f"({', '.join(devices)}); two seats of one GPU are not two GPUs. Ask for distinct GPUs "
+                    f"with spec.devices.constraints: [{{matchAttribute: {names.DRIVER_NAME}/seat, "
+                    f"requests: [{request}]}}]")
+    configs = config.resolve(allocation.get("devices", {}).get("config", []) or [], sorted(by_request))
+    admin = any(r.get("adminAccess") for r in results)
+    return ClaimPlan(tuple(planned), configs, admin)
+
+
+class ClaimPreparer:
+    """Implements the `ClaimPlugin` seam. `read_claim(namespace, name)` returns the claim in
+    API JSON form or raises NotFound; `lookup(device)` maps a published device name to
+    its GPU; times in seconds."""
+
+    def __init__(self, *, node_name: str, read_claim: Callable[[str, str], Any],
+                 lookup: Callable[[str], DeviceInfo | None], checkpoint: Checkpoint, cdi_dir: Path,
+                 events: EventRecorder | None = None, orchestrator: str = "") -> None:
+        self.node = node_name
+        self._read_claim = read_claim
+        self._lookup = lookup
+        self.checkpoint = checkpoint
+        self.cdi_dir = cdi_dir
+        self._events = events
+        self._orchestrator = orchestrator
+        self._lock = asyncio.Lock()  # prepare/unprepare are serialized, as the Go helper does
+
+    def restore_cdi_specs(self) -> int:
+        """Rewrite the CDI spec of every checkpointed claim (after a restart or reboot)."""
+        for uid, rec in self.checkpoint.claims.items():
+            cdi.write(self.cdi_dir, self._spec(uid, rec))
+        return len(self.checkpoint.claims)
+
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        async with self._lock:
+            results = await asyncio.gather(*(self._prepare_one(c) for c in claims))
+        return {c.uid: r for c, r in zip(claims, results)}
+
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
+        async with self._lock:
+            out: dict[str, str | None] = {}
+            for c in claims:
+                try:
+                    cdi.remove(self.cdi_dir, c.uid)
+                    self.checkpoint.pop(c.uid)
+                    out[c.uid] = None
+                except OSError as err:
+                    out[c.uid] = f"unprepare {c.namespace}/{c.name}: {err}"
+            return out
+
+    async def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
+        rec = self.checkpoint.claims.get(ref.uid)
+        try:
+            if rec is None:
+                claim = await self._read_claim(ref.namespace, ref.name)
+                plan = plan_claim(claim, ref.uid, self.node, self._lookup)
+                rec = self._record(ref, plan)
+                cdi.write(self.cdi_dir, self._spec(ref.uid, rec))
+                self.checkpoint.put(ref.uid, rec)
+                log.info("prepared claim=%s/%s uid=%s devices=%s admin=%s", ref.namespace, ref.name, ref.uid,
+                         [d["device_name"] for d in rec["devices"]], plan.admin_access)
+            else:
+                cdi.write(self.cdi_dir, self._spec(ref.uid, rec))
+        except (TimeSliceServerError, OSError) as err:
+            message = f"prepare {ref.namespace}/{ref.name}: {err}"
+            log.warning("%s", message)
+            if self._events is not None:
+                await self._events.claim_event(ref.namespace, ref.name, ref.uid, "PrepareFailed", str(err),
+                                               warning=True)
+            return PrepareResult(devices=[], error=message)
+        return PrepareResult(devices=[PreparedDevice(request_names=d["request_names"], pool_name=d["pool_name"],
+                                                     device_name=d["device_name"],
+                                                     cdi_device_ids=d["cdi_device_ids"], share_id=None)
+                                      for d in rec["devices"]], error=None)
+
+    def _record(self, ref: ClaimRef, plan: ClaimPlan) -> dict[str, Any]:
+        kind_id = cdi.ClaimSpec(ref.uid, ref.namespace, ref.name, ())
+        return {
+            "namespace": ref.namespace, "name": ref.name, "admin_access": plan.admin_access,
+            "configs": {r: c.model_dump() for r, c in plan.configs.items()},
+            "devices": [{"request_names": [d.request], "pool_name": d.pool, "device_name": d.device,
+                         "cdi_device_ids": [kind_id.cdi_id(d.device)], "physical_gpu": d.physical_gpu,
+                         "device_nodes": list(d.device_nodes)} for d in plan.devices],
+        }
+
+    def _spec(self, uid: str, rec: dict[str, Any]) -> cdi.ClaimSpec:
+        nodes = {n for d in rec["devices"] for n in d["device_nodes"]}
+        return cdi.ClaimSpec(
+            claim_uid=uid, claim_namespace=rec["namespace"], claim_name=rec["name"],
+            devices=tuple(cdi.CdiDevice(d["device_name"], d["physical_gpu"],
+                                        tuple(n for n in d["device_nodes"] if _per_gpu_node(n)))
+                          for d in rec["devices"]),
+            orchestrator=self._orchestrator,
+            shared_device_nodes=tuple(sorted(n for n in nodes if not _per_gpu_node(n))),
+            admin_access=rec["admin_access"])
+
+
+def _per_gpu_node(path: str) -> bool:
+    """/dev/nvidia<N> belongs to one GPU; /dev/nvidiactl, /dev/nvidia-uvm... are shared."""
+    tail = path.rsplit("/", 1)[-1]
+    return tail.startswith("nvidia") and tail[len("nvidia"):].isdigit()
+
