@@ -871,8 +871,16 @@ def restore_iptables() -> None:
             log(f"removed {cmd} {table} chains {new}")
 
 
-def start_kubelet() -> None:
-    if KUBELET_ROOT.exists() and not KUBELET_MARKER.exists() and any(KUBELET_ROOT.iterdir()):
+def restart_kubelet() -> None:
+    """Stop and start the kubelet only (pods keep running): tests of restart safety."""
+    if pid_record("kubelet") is None:
+        raise Fail("kubelet: not running (run `up` first)")
+    stop("kubelet")
+    start_kubelet(restart=True)
+
+
+def start_kubelet(restart: bool = False) -> None:
+    if not restart and KUBELET_ROOT.exists() and not KUBELET_MARKER.exists() and any(KUBELET_ROOT.iterdir()):
         raise Fail(f"kubelet: {KUBELET_ROOT} exists and was not made by this tool; refusing to use it")
     KUBELET_ROOT.mkdir(parents=True, exist_ok=True)
     KUBELET_MARKER.write_text("created by timeslice-dra hack/local_cluster.py; removed by `down`\n")
@@ -909,8 +917,9 @@ def start_kubelet() -> None:
         "shutdownGracePeriod": "0s",
         "staticPodPath": "",
     }, indent=1))
-    save_sysctls()
-    save_iptables()
+    if not restart:  # a restart must not record the kubelet's own settings as the originals
+        save_sysctls()
+        save_iptables()
     start("kubelet", [str(K8S_BIN / "kubelet"), f"--config={cfg}", f"--kubeconfig={kc}",
                       f"--hostname-override={NODE_NAME}", f"--root-dir={KUBELET_ROOT}", "--v=2"])
     wait_for("kubelet", lambda: http_get("http://127.0.0.1:10248/healthz")[0] == 200 or "not healthy",
@@ -1164,6 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop everything started by `up` and remove all state")
     sub.add_parser("env", help="print shell exports (eval \"$(hack/local-cluster.sh env)\")")
     sub.add_parser("status", help="show components and node readiness (exit 1 if not all fine)")
+    sub.add_parser("restart-kubelet", help="stop and start the kubelet only; pods keep running")
     b = sub.add_parser("build", help="build (or reuse cached) binaries only")
     b.add_argument("--force", action="store_true", help="rebuild even if cached binaries match")
     i = sub.add_parser("images", help="build (or reuse cached) image tarballs only")
@@ -1184,6 +1194,8 @@ def main(argv: list[str] | None = None) -> int:
             print(env_text())
         elif args.verb == "status":
             return status()
+        elif args.verb == "restart-kubelet":
+            restart_kubelet()
     except Fail as e:
         print(f"\nlocal-cluster: FAILED: {e}", file=sys.stderr, flush=True)
         if args.verb == "up":
