@@ -5,6 +5,7 @@ Subcommands parse flags, build one config object and start one component:
     timeslice demo           orchestrator + node agent + synthetic RL jobs on this machine
     timeslice orchestrator   the orchestrator gRPC server with static groups (YAML)
     timeslice status         groups, holders, queues and recent switches of an orchestrator
+    timeslice kubelet-plugin the DRA kubelet plugin and node agent (DaemonSet on GPU nodes)
 """
 
 from __future__ import annotations
@@ -37,6 +38,21 @@ def _orchestrator(a: argparse.Namespace) -> int:
     if a.listen:
         cfg = cfg.model_copy(update={"listen": a.listen})
     asyncio.run(serve(cfg))
+    return 0
+
+
+def _kubelet_plugin(a: argparse.Namespace) -> int:
+    from timeslice.driver import logs
+    from timeslice.kubelet_plugin.app import KubeletPluginConfig, run
+
+    logs.setup(a.log_level)
+    fields = {k: v for k, v in {
+        "node_name": a.node_name, "fake_gpus": a.fake_gpus, "sharing": a.sharing, "seats": a.seats,
+        "state_dir": a.state_dir, "cdi_dir": a.cdi_dir, "plugin_data_dir": a.plugin_data_dir,
+        "registry_dir": a.registry_dir, "agent_listen": a.agent_listen,
+        "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
+    }.items() if v is not None}
+    asyncio.run(run(KubeletPluginConfig(**fields)))
     return 0
 
 
@@ -102,6 +118,24 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(fn=_orchestrator)
+
+    k = sub.add_parser("kubelet-plugin", help="serve the DRA kubelet plugin and the node agent on this node",
+                       description="Publish this node's GPUs as ResourceSlices, prepare claims for the kubelet "
+                                   "(CDI), and checkpoint/restore claims' processes for the orchestrator.")
+    k.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node (default $NODE_NAME)")
+    k.add_argument("--fake-gpus", help="publish fake GPUs instead of NVML's, e.g. 4xH200 (tests, demos)")
+    k.add_argument("--sharing", choices=["seats", "consumable"], help="how a GPU is published (default seats)")
+    k.add_argument("--seats", type=int, help="seats per GPU in seats mode (default 4)")
+    k.add_argument("--state-dir", help="checkpoint and agent records (default <plugins>/gpu.timeslice.dev/state)")
+    k.add_argument("--cdi-dir", help="CDI spec directory (default /var/run/cdi)")
+    k.add_argument("--plugin-data-dir", help="DRA socket directory (default /var/lib/kubelet/plugins/<driver>)")
+    k.add_argument("--registry-dir", help="kubelet plugin registry (default /var/lib/kubelet/plugins_registry)")
+    k.add_argument("--agent-listen", help="node agent gRPC address (default 127.0.0.1:50052)")
+    k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
+    k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
+                   help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
+    k.add_argument("--log-level", default="INFO")
+    k.set_defaults(fn=_kubelet_plugin)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches")
     s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),

@@ -1,0 +1,118 @@
+"""`timeslice kubelet-plugin`: the node component, wired from its parts and run.
+
+Owned by the kubelet plugin; started by the CLI. One asyncio loop serves: the DRA and
+registration sockets (`plugin_server`), ResourceSlice publishing (`slice_publisher`),
+device health (`health`), the claim preparer (`preparer`) and the node agent
+(`agent/`), which the orchestrator calls to checkpoint and restore claims' processes.
+Order at start: restore CDI specs from the checkpoint, publish slices, serve the agent,
+then the DRA socket and, last, the registration socket (kubelet calls in at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any, Literal
+
+from kubernetes.aio import client as k8s
+from kubernetes.aio import config as k8s_config
+from kubernetes.aio.client.exceptions import ApiException
+from pydantic import BaseModel, ConfigDict, Field
+from timeslice.driver import names
+from timeslice.driver.errors import NotFound
+from timeslice.driver.events import EventRecorder
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+from timeslice.kubelet_plugin.checkpoint import Checkpoint
+from timeslice.kubelet_plugin.devices import GpuInfo, discover_gpus
+from timeslice.kubelet_plugin.health import DeviceRef, NvmlHealthSource, StaticHealthSource
+from timeslice.kubelet_plugin.plugin_server import PluginServerConfig, create_servers
+from timeslice.kubelet_plugin.preparer import ClaimPreparer
+from timeslice.kubelet_plugin.resourceslices import build_devices
+from timeslice.kubelet_plugin.slice_publisher import ApiSliceStore, SlicePublisher
+
+log = logging.getLogger("timeslice.kubelet_plugin")
+
+
+class KubeletPluginConfig(BaseModel):
+    """Everything `timeslice kubelet-plugin` needs; paths are host paths."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_name: str = Field(min_length=1)
+    fake_gpus: str | None = None
+    sharing: Literal["seats", "consumable"] = "seats"
+    seats: int = Field(default=4, ge=1, le=64)
+    state_dir: Path = Path("/var/lib/kubelet/plugins") / names.DRIVER_NAME / "state"
+    cdi_dir: Path = Path("/var/run/cdi")
+    plugin_data_dir: Path | None = None
+    registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    agent_listen: str = "127.0.0.1:50052"
+    backends: tuple[str, ...] = ("freeze", "none")
+    orchestrator: str = ""
+
+
+def device_table(gpus: list[GpuInfo], cfg: KubeletPluginConfig) -> tuple[list[dict[str, Any]], dict[str, GpuInfo]]:
+    """(devices to publish, published device name -> its GPU)."""
+    devices = build_devices(gpus, cfg.sharing, cfg.seats)
+    by_uuid = {g.uuid: g for g in gpus}
+    table = {d["name"]: by_uuid[d["attributes"]["uuid"]["string"]] for d in devices}
+    return devices, table
+
+
+async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
+    try:
+        k8s_config.load_incluster_config()
+    except k8s_config.ConfigException:
+        await k8s_config.load_kube_config()
+    api = k8s.ApiClient()
+    resource_api = k8s.ResourceV1Api(api)
+    events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/kubelet-plugin", cfg.node_name)
+
+    async def read_claim(namespace: str, name: str) -> dict[str, Any]:
+        try:
+            obj = await resource_api.read_namespaced_resource_claim(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                raise NotFound(f"claim {namespace}/{name} no longer exists") from None
+            raise
+        return api.sanitize_for_serialization(obj)
+
+    gpus = discover_gpus(cfg.fake_gpus, cfg.node_name)
+    devices, table = device_table(gpus, cfg)
+    preparer = ClaimPreparer(node_name=cfg.node_name, read_claim=read_claim, lookup=table.get,
+                             checkpoint=Checkpoint(cfg.state_dir / "checkpoint.json"), cdi_dir=cfg.cdi_dir,
+                             events=events, orchestrator=cfg.orchestrator)
+    restored = preparer.restore_cdi_specs()
+    publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)
+    await publisher.publish(devices)
+    agent = NodeAgent(StaticProcessResolver(), backends=cfg.backends, records_path=cfg.state_dir / "agent.json",
+                      claim_resolver=ClaimProcessResolver(cfg.node_name, read_claim,
+                                                          lambda d: table[d].uuid if d in table else None))
+    agent_server, agent_port = await create_agent_server(agent, cfg.agent_listen)
+    refs = [DeviceRef(cfg.node_name, d["name"], "" if table[d["name"]].fake else table[d["name"]].uuid)
+            for d in devices]
+    source = StaticHealthSource(lambda: refs) if cfg.fake_gpus else NvmlHealthSource(lambda: refs)
+    servers = await create_servers(PluginServerConfig(plugin_data_dir=cfg.plugin_data_dir,
+                                                      registry_dir=cfg.registry_dir), preparer, source)
+    log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d",
+             cfg.node_name, len(gpus), len(devices), restored, agent_port)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await servers.stop(1)
+        await agent_server.stop(1)
+        await publisher.stop()
+        await api.close()
