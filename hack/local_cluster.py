@@ -294,7 +294,7 @@ def build_all(force: bool = False) -> None:
 
 def build_images(wheels: Path | None) -> dict[str, Path]:
     sys.path.insert(0, str(HACK))
-    import images  # noqa: E402  (hack/images.py)
+    import images
     try:
         python_tar, python_layers = images.build_python(IMAGES, PYTHON_IMAGE, wheels, log=log)
         tars = {
@@ -548,7 +548,7 @@ def wait_for(name: str, check, timeout: float, what: str) -> None:
                        + tail(LOGS / f"{name}.log"))
         try:
             res = check()
-        except Exception as e:  # noqa: BLE001 - report and keep polling
+        except Exception as e:
             res = str(e)
         if res is True:
             return
