@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc.aio
 import pytest
+from timeslice.kubelet_plugin.health import HealthSource
 from timeslice.kubelet_plugin.plugin import ClaimRef, PreparedDevice, PrepareResult
 from timeslice.kubelet_plugin.plugin_server import PluginServerConfig, PluginServers, create_servers
 
@@ -79,14 +80,15 @@ class Served:
 
 @pytest.fixture
 async def serve_plugin(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    """`await serve_plugin(plugin=None, **config)` -> `Served`; everything stops at teardown."""
+    """`await serve_plugin(health_source=None, **config)` -> `Served`; everything stops at teardown."""
     started: list[Served] = []
 
-    async def serve(plugin: FakeClaimPlugin | None = None, **config: object) -> Served:
+    async def serve(health_source: HealthSource | None = None, plugin: FakeClaimPlugin | None = None,
+                    **config: object) -> Served:
         config.setdefault("plugin_data_dir", tmp_path / "plugins" / "gpu.timeslice.dev")
         config.setdefault("registry_dir", tmp_path / "plugins_registry")
         plugin = plugin or FakeClaimPlugin()
-        servers = await create_servers(PluginServerConfig(**config), plugin)  # type: ignore[arg-type]
+        servers = await create_servers(PluginServerConfig(**config), plugin, health_source)  # type: ignore[arg-type]
         s = Served(servers, plugin, grpc.aio.insecure_channel(f"unix:{servers.paths.dra}"),
                    grpc.aio.insecure_channel(f"unix:{servers.paths.registration}"))
         started.append(s)

@@ -19,6 +19,7 @@ from timeslice.driver.kubeletapi.dra_v1 import dra_pb2 as v1
 from timeslice.driver.kubeletapi.dra_v1 import dra_pb2_grpc as v1_grpc
 from timeslice.driver.kubeletapi.registration import registration_pb2 as rpb
 from timeslice.driver.kubeletapi.registration import registration_pb2_grpc as rpb_grpc
+from timeslice.kubelet_plugin.health import DeviceRef, StaticHealthSource
 from timeslice.kubelet_plugin.plugin_server import PluginServerConfig, create_servers
 from timeslice.kubelet_plugin.registration import RegistrationServicer
 from timeslice.kubelet_plugin.sockets import prepare_socket, socket_paths
@@ -26,9 +27,13 @@ from timeslice.kubelet_plugin.sockets import prepare_socket, socket_paths
 from tests.kubelet_fakes import FakeClaimPlugin
 
 
-async def test_get_info_names_the_driver_its_socket_and_services(serve_plugin, tmp_path) -> None:
-    versions = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
-    served = await serve_plugin()
+@pytest.mark.parametrize(("health", "versions"), [
+    (False, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]),
+    (True, ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]),
+])
+async def test_get_info_names_the_driver_its_socket_and_services(serve_plugin, tmp_path, health, versions) -> None:
+    source = StaticHealthSource(lambda: [DeviceRef("node-a", "gpu-0-seat-0")]) if health else None
+    served = await serve_plugin(health_source=source)
     info = await rpb_grpc.RegistrationStub(served.registration).GetInfo(rpb.InfoRequest(), timeout=1)
     assert info.type == "DRAPlugin" and info.name == "gpu.timeslice.dev"
     assert info.endpoint == str(tmp_path / "plugins" / "gpu.timeslice.dev" / "dra.sock")
