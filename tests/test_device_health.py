@@ -87,6 +87,22 @@ def test_real_pynvml_gives_an_answer_for_every_device() -> None:
         ("gpu-0-seat-0", True, True)]
 
 
+@pytest.mark.gpu
+def test_a_real_gpu_is_healthy_and_a_missing_one_unhealthy() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except pynvml.NVMLError as err:
+        pytest.skip(f"no NVIDIA GPU: {err}")
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    gone = "GPU-00000000-0000-0000-0000-000000000000"
+    devices = [DeviceRef("node-a", "gpu-0-seat-0", uuid), DeviceRef("node-a", "gpu-0-seat-1", uuid),
+               DeviceRef("node-a", "gone", gone)]
+    assert [(d.health, d.message.split(":")[0]) for d in NvmlHealthSource(lambda: devices).poll()] == [
+        ("Healthy", ""), ("Healthy", ""), ("Unhealthy", f"NVML cannot read GPU {gone}")]
+
+
 async def watch(served, n: int) -> list[hpb.NodeWatchResourcesResponse]:
     """Read `n` responses like kubelet, then hang up."""
     call = hpb_grpc.DRAResourceHealthStub(served.dra).NodeWatchResources(hpb.NodeWatchResourcesRequest(), timeout=5)
