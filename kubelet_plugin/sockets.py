@@ -4,8 +4,10 @@ Owned by the kubelet plugin; used by `plugin_server`. Conventions of the upstrea
 helper (reference/dra-protocol.md §2): the DRA service listens on
 `<plugin data dir>/dra.sock` (default `/var/lib/kubelet/plugins/<driver>/dra.sock`),
 registration on `<registry dir>/<driver>-reg.sock` (default registry dir
-`/var/lib/kubelet/plugins_registry`, watched by kubelet). A socket file left by an
-earlier process is removed before binding, and ours are removed when we stop.
+`/var/lib/kubelet/plugins_registry`, watched by kubelet). A file left by an earlier
+process is removed before binding, and ours are removed when we stop. (gRPC itself
+unlinks a stale *socket* before binding and its socket on stop, but not a regular file
+or a symlink; we do both explicitly so that no leftover blocks a start.)
 
 One plugin process per driver and node: a second one would remove the first one's
 sockets (rolling updates with per-pod socket names are not supported yet).
