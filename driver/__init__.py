@@ -1,5 +1,6 @@
 """timeslice.driver: what the orchestrator, the kubelet plugin and the node agent share.
 
 Names and constants (`names`), the server-side exception tree (`errors`), logging
-setup (`logs`) and the node-agent API stubs (`agentapi.v1`). Imports no component.
+setup (`logs`), the node-agent API stubs (`agentapi.v1`) and the kubelet-facing API stubs
+(`kubeletapi`: DRA v1/v1beta1, plugin registration, DRA health). Imports no component.
 """

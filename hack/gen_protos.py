@@ -6,7 +6,9 @@ committed stubs differ from what the pinned `grpcio-tools` (see pyproject's
 `dev` extra) generates. The proto path mirrors the Python import path, so the
 `.proto` under `proto/timeslice/v1/` becomes `timeslice.v1` (folder `client/v1/`)
 and `proto/timeslice/driver/agentapi/v1/` becomes `timeslice.driver.agentapi.v1`
-(folder `driver/agentapi/v1/`).
+(folder `driver/agentapi/v1/`). The kubelet-facing APIs live under
+`proto/timeslice/driver/kubeletapi/` -> `timeslice.driver.kubeletapi.*`; their proto
+`package` statements are the upstream ones (the file path decides only the Python import).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ PROTO_ROOT = ROOT / "proto"
 TARGETS = {
     "timeslice/v1": ROOT / "client" / "v1",
     "timeslice/driver/agentapi/v1": ROOT / "driver" / "agentapi" / "v1",
+    # kubelet-facing APIs, ours to serve; the proto `package` is the upstream one
+    "timeslice/driver/kubeletapi/dra_v1": ROOT / "driver" / "kubeletapi" / "dra_v1",
+    "timeslice/driver/kubeletapi/dra_v1beta1": ROOT / "driver" / "kubeletapi" / "dra_v1beta1",
+    "timeslice/driver/kubeletapi/registration": ROOT / "driver" / "kubeletapi" / "registration",
+    "timeslice/driver/kubeletapi/health_v1alpha1": ROOT / "driver" / "kubeletapi" / "health_v1alpha1",
 }
 
 

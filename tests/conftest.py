@@ -1,7 +1,8 @@
 """Fixtures: real gRPC servers on loopback / unix sockets, real child processes.
 
 Fakes sit only at seams: `FakeBackend` implements the node agent's `Backend`
-interface and records calls, so switch tests can fail any step on purpose.
+interface and records calls, so switch tests can fail any step on purpose; the kubelet
+plugin's fakes and its `serve_plugin` fixture live in `kubelet_fakes.py`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+from tests.kubelet_fakes import serve_plugin  # noqa: F401  (fixture: a kubelet plugin on temp sockets)
 
 
 @dataclass
