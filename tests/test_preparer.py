@@ -1,0 +1,107 @@
+"""ClaimPreparer: allocation checks, config validation, CDI, checkpoint, idempotency.
+
+The API server read is the seam (`read_claim`); everything else is real (files, JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, NotFound
+from timeslice.driver.events import EventRecorder
+from timeslice.kubelet_plugin.checkpoint import Checkpoint
+from timeslice.kubelet_plugin.plugin import ClaimRef
+from timeslice.kubelet_plugin.preparer import ClaimPreparer, plan_claim
+
+NODE = "node-1"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    device_nodes: tuple[str, ...] = ()
+
+
+GPUS = {f"gpu-{i}-seat-{k}": Gpu(f"GPU-{i}", (f"/dev/nvidia{i}", "/dev/nvidiactl")) for i in range(2) for k in range(4)}
+
+
+def claim(uid: str, devices: list[str], pool: str = NODE, request: str = "gpu", config: list | None = None,
+          admin: bool = False) -> dict:
+    return {"metadata": {"namespace": "ns", "name": f"claim-{uid}", "uid": uid},
+            "status": {"allocation": {"devices": {
+                "results": [{"request": request, "driver": "gpu.timeslice.dev", "pool": pool, "device": d,
+                             **({"adminAccess": True} if admin else {})} for d in devices],
+                "config": config or []}}}}
+
+
+def test_plan_rejects_what_is_not_ours_to_prepare() -> None:
+    with pytest.raises(FailedPrecondition, match="allocated to node other, not to this node node-1"):
+        plan_claim(claim("u", ["gpu-0-seat-0"], pool="other"), "u", NODE, GPUS.get)
+    with pytest.raises(FailedPrecondition, match="was replaced"):
+        plan_claim(claim("u", ["gpu-0-seat-0"]), "v", NODE, GPUS.get)
+    with pytest.raises(FailedPrecondition, match="not allocated"):
+        plan_claim({"metadata": {"uid": "u"}, "status": {}}, "u", NODE, GPUS.get)
+    with pytest.raises(FailedPrecondition, match="not published by this node"):
+        plan_claim(claim("u", ["gpu-9-seat-0"]), "u", NODE, GPUS.get)
+
+
+def test_two_seats_of_one_gpu_in_one_request_are_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidArgument, match="matchAttribute: gpu.timeslice.dev/seat"):
+        plan_claim(claim("u", ["gpu-0-seat-0", "gpu-0-seat-1"]), "u", NODE, GPUS.get)
+    plan = plan_claim(claim("u", ["gpu-0-seat-1", "gpu-1-seat-1"]), "u", NODE, GPUS.get)
+    assert [d.physical_gpu for d in plan.devices] == ["GPU-0", "GPU-1"]
+
+
+class Events:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def create_namespaced_event(self, namespace: str, body: dict) -> None:
+        self.sent.append(body)
+
+
+def preparer(tmp_path, claims: dict[str, dict], events: Events | None = None) -> ClaimPreparer:
+    async def read(ns: str, name: str) -> dict:
+        if name not in claims:
+            raise NotFound(f"claim {ns}/{name} no longer exists")
+        return claims[name]
+
+    return ClaimPreparer(node_name=NODE, read_claim=read, lookup=GPUS.get, cdi_dir=tmp_path / "cdi",
+                         checkpoint=Checkpoint(tmp_path / "state" / "checkpoint.json"),
+                         events=EventRecorder(events or Events(), "test"), orchestrator="127.0.0.1:50051")
+
+
+async def test_prepare_is_per_claim_idempotent_and_survives_restarts(tmp_path) -> None:
+    bad_cfg = [{"source": "FromClaim", "requests": [], "opaque": {"driver": "gpu.timeslice.dev", "parameters": {
+        "apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "backend": "magic"}}}]
+    claims = {"claim-a": claim("a", ["gpu-0-seat-0"]), "claim-b": claim("b", ["gpu-1-seat-0"], config=bad_cfg),
+              "claim-adm": claim("adm", ["gpu-0-seat-1"], admin=True)}
+    events = Events()
+    p = preparer(tmp_path, claims, events)
+    refs = [ClaimRef("ns", u, f"claim-{u}") for u in ("a", "b", "adm", "gone")]
+    first = await p.prepare(refs)
+    assert first["a"].error is None and first["a"].devices[0].cdi_device_ids == ["timeslice.dev/gpu=a-gpu-0-seat-0"]
+    assert "backend: Input should be" in first["b"].error and first["b"].devices == []
+    assert "no longer exists" in first["gone"].error
+    assert first["adm"].error is None
+    assert [e["reason"] for e in events.sent] == ["PrepareFailed", "PrepareFailed"]
+    assert events.sent[0]["involvedObject"]["kind"] == "ResourceClaim" and events.sent[0]["type"] == "Warning"
+    spec = json.loads((tmp_path / "cdi" / "timeslice.dev-gpu_a.json").read_text())
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    assert spec["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidiactl"}]
+    adm = json.loads((tmp_path / "cdi" / "timeslice.dev-gpu_adm.json").read_text())
+    assert "TIMESLICE_ADMIN_ACCESS_ADM=true" in adm["containerEdits"]["env"]
+    # a repeated prepare answers from the checkpoint, even after the claim is gone from the API
+    claims.clear()
+    again = await p.prepare([refs[0]])
+    assert again["a"] == first["a"]
+    # a restarted plugin (fresh process) after a reboot (tmpfs CDI dir emptied)
+    for f in (tmp_path / "cdi").iterdir():
+        f.unlink()
+    fresh = preparer(tmp_path, {})
+    assert fresh.restore_cdi_specs() == 2
+    assert (tmp_path / "cdi" / "timeslice.dev-gpu_a.json").exists()
+    done = await fresh.unprepare([refs[0], ClaimRef("ns", "never", "x")])
+    assert done == {"a": None, "never": None}
+    assert not (tmp_path / "cdi" / "timeslice.dev-gpu_a.json").exists() and "a" not in fresh.checkpoint.claims
