@@ -47,7 +47,7 @@ def test_plan_rejects_what_is_not_ours_to_prepare() -> None:
 
 
 def test_two_seats_of_one_gpu_in_one_request_are_refused_with_the_fix() -> None:
-    with pytest.raises(InvalidArgument, match="matchAttribute: gpu.timeslice.dev/seat"):
+    with pytest.raises(InvalidArgument, match=r"matchAttribute: gpu\.timeslice\.dev/seat"):
         plan_claim(claim("u", ["gpu-0-seat-0", "gpu-0-seat-1"]), "u", NODE, GPUS.get)
     plan = plan_claim(claim("u", ["gpu-0-seat-1", "gpu-1-seat-1"]), "u", NODE, GPUS.get)
     assert [d.physical_gpu for d in plan.devices] == ["GPU-0", "GPU-1"]
