@@ -205,6 +205,19 @@ def _canonical(value: Any, key: str = "") -> Any:
     return value
 
 
+def _differences(sent: Any, stored: Any, path: str = "") -> set[str]:
+    """Paths where `stored` lacks or changed what was `sent`; list indices shown as `[*]`."""
+    if isinstance(sent, dict) and isinstance(stored, dict):
+        out: set[str] = set()
+        for k, v in sent.items():
+            out |= _differences(v, stored[k], f"{path}.{k}" if path else k) if k in stored else {
+                f"{path}.{k}" if path else k}
+        return out
+    if isinstance(sent, list) and isinstance(stored, list) and len(sent) == len(stored):
+        return set().union(*(_differences(a, b, f"{path}[*]") for a, b in zip(sent, stored)))
+    return set() if sent == stored else {path}
+
+
 def _content(body: Slice) -> Any:
     """What must match for a stored slice to count as ours and current: spec and owners."""
     return _canonical({"spec": body.get("spec"),
@@ -404,10 +417,9 @@ class SlicePublisher:
         pair = (_content(sent), _content(got))
         if pair[0] != pair[1]:
             if self._written.get(name) != pair:
-                log.error("API server stored slice %s without fields it was sent (feature gate off? e.g. "
-                          "DRAConsumableCapacity for allowMultipleAllocations): sent=%s stored=%s", name,
-                          json.dumps(sent["spec"], sort_keys=True)[:2000], json.dumps(got.get("spec"),
-                                                                                       sort_keys=True)[:2000])
+                log.error("API server stored slice %s without some fields it was sent (a feature gate is off, "
+                          "e.g. DRAConsumableCapacity for allowMultipleAllocations and requestPolicy): "
+                          "dropped=%s", name, ",".join(sorted(_differences(pair[0], pair[1]))) or "-")
             self._written[name] = pair
         else:
             self._written.pop(name, None)

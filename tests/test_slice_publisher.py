@@ -38,7 +38,7 @@ class MemorySliceStore:
     log: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     rv: int = 100
     fail: list[tuple[str, Exception]] = field(default_factory=list)  # (call or "*", error) for the next calls
-    drop_fields: tuple[str, ...] = ()  # device fields a "feature gate off" server drops
+    gate_off: bool = False  # DRAConsumableCapacity off: drop its fields as a 1.34 API server does
     calls: list[str] = field(default_factory=list)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
@@ -95,9 +95,10 @@ class MemorySliceStore:
 
     async def _store(self, body: dict[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(body)
-        for d in obj["spec"]["devices"]:
-            for f in self.drop_fields:
-                d.pop(f, None)
+        for d in obj["spec"]["devices"] if self.gate_off else []:
+            d.pop("allowMultipleAllocations", None)
+            for capacity in d.get("capacity", {}).values():
+                capacity.pop("requestPolicy", None)
         return await self._record("MODIFIED" if obj["metadata"]["name"] in self.objects else "ADDED", obj)
 
     async def delete(self, name: str) -> None:
@@ -289,15 +290,17 @@ async def test_watch_failures_fall_back_to_listing(store: MemorySliceStore, publ
 
 async def test_dropped_fields_are_reported_once_and_not_fought(store: MemorySliceStore,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    store.drop_fields = ("allowMultipleAllocations",)
+    store.gate_off = True
     async with SlicePublisher(store, NODE, backoff=FAST, resync_seconds=0.05) as pub:
         with caplog.at_level(logging.INFO, logger="timeslice.kubelet_plugin.slices"):
             await pub.publish(devices("2xH200", CONSUMABLE))
             await asyncio.sleep(0.5)  # several periodic resyncs
     assert generations(store) == {1}
-    dropped = [r for r in caplog.records if "without fields" in r.getMessage()]
+    dropped = [r for r in caplog.records if "without some fields" in r.getMessage()]
     assert len(dropped) == 1 and dropped[0].levelname == "ERROR"
     assert "DRAConsumableCapacity" in dropped[0].getMessage()
+    assert dropped[0].getMessage().endswith(  # as a v1.34.4 API server with the gate off did
+        "dropped=spec.devices[*].allowMultipleAllocations,spec.devices[*].capacity.memory.requestPolicy")
 
 
 async def test_stop_cancels_the_loop_and_can_delete(store: MemorySliceStore) -> None:
