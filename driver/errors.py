@@ -4,16 +4,20 @@
     ├── InvalidArgument             bad request field or config       INVALID_ARGUMENT
     ├── NotFound                    unknown group, job or processes   NOT_FOUND
     ├── FailedPrecondition          wrong state for the call          FAILED_PRECONDITION
-    │   └── StaleLease              not the holder, or an old epoch
+    │   ├── StaleLease              not the holder, or an old epoch
+    │   └── GpuDiscoveryError       NVML missing or failing
     ├── StepTimeout (retryable)     a backend step passed its bound   DEADLINE_EXCEEDED
     ├── AcquireTimeout (retryable)  no grant within the timeout       DEADLINE_EXCEEDED
     ├── SwitchFailed (retryable)    a switch failed and rolled back   ABORTED
-    └── BackendError (retryable)    a checkpoint backend failed       INTERNAL
-        └── ProcessGone             a target process vanished         NOT_FOUND
+    ├── BackendError (retryable)    a checkpoint backend failed       INTERNAL
+    │   └── ProcessGone             a target process vanished         NOT_FOUND
+    └── KubernetesApiError (retryable)  API server unreachable, conflict, 5xx  UNAVAILABLE
+        └── KubernetesApiRejected   the API server refused the request  FAILED_PRECONDITION
 
-Foreign errors (`grpc.RpcError`, CUDA `CUresult`, `OSError`) are translated once, at
-the boundary that sees them, with `raise ... from`. Servicers turn these into a gRPC
-status with `abort_with`; `retryable` says whether the same call can succeed later.
+Foreign errors (`grpc.RpcError`, CUDA `CUresult`, `OSError`, NVML errors, `kubernetes`
+`ApiException`) are translated once, at the boundary that sees them, with `raise ... from`.
+Servicers turn these into a gRPC status with `abort_with`; `retryable` says whether the
+same call can succeed later.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class StaleLease(FailedPrecondition):
     """The caller is not the holder, or names an epoch that is no longer current."""
 
 
+class GpuDiscoveryError(FailedPrecondition):
+    """NVML is not installed or not working, so the node's GPUs are unknown."""
+
+
 class StepTimeout(TimeSliceServerError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     retryable = True
@@ -63,6 +71,26 @@ class BackendError(TimeSliceServerError):
 
 class ProcessGone(BackendError):
     code = grpc.StatusCode.NOT_FOUND
+    retryable = False
+
+
+class KubernetesApiError(TimeSliceServerError):
+    """A Kubernetes API call failed in a way a later retry can fix (no connection, timeout,
+    409 conflict, 429, 5xx). `status` is the HTTP status, 0 without a response."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+    def __init__(self, message: str, status: int = 0):
+        super().__init__(message)
+        self.status = status
+
+
+class KubernetesApiRejected(KubernetesApiError):
+    """The API server refused the request itself (400 bad request, 403, 404, 422 invalid):
+    the same request fails again."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
     retryable = False
 
 
