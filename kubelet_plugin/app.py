@@ -84,14 +84,14 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
             raise
         return api.sanitize_for_serialization(obj)
 
-    gpus = discover_gpus(cfg.fake_gpus, cfg.node_name)
+    gpus = await asyncio.to_thread(discover_gpus, cfg.fake_gpus, cfg.node_name)
     devices, table = device_table(gpus, cfg)
     preparer = ClaimPreparer(node_name=cfg.node_name, read_claim=read_claim, lookup=table.get,
                              checkpoint=Checkpoint(cfg.state_dir / "checkpoint.json"), cdi_dir=cfg.cdi_dir,
                              events=events, orchestrator=cfg.orchestrator)
     restored = preparer.restore_cdi_specs()
     publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)
-    await publisher.publish(devices)
+    await publisher.publish(devices, wait=False)  # the loop retries while the API server is away
     agent = NodeAgent(StaticProcessResolver(), backends=cfg.backends, records_path=cfg.state_dir / "agent.json",
                       claim_resolver=ClaimProcessResolver(cfg.node_name, read_claim,
                                                           lambda d: table[d].uuid if d in table else None))

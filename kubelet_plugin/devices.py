@@ -58,8 +58,9 @@ class GpuInfo:
 
     @property
     def device_nodes(self) -> tuple[str, ...]:
-        """Device nodes a container needs for this GPU: its own node, then the control nodes."""
-        return (self.device_node, *CONTROL_DEVICE_NODES)
+        """Device nodes a container needs for this GPU: its own node, then the control nodes;
+        none for a fake GPU (there is nothing to pass through, and CDI fails on a missing node)."""
+        return () if self.fake else (self.device_node, *CONTROL_DEVICE_NODES)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -26,8 +27,10 @@ def test_fake_h200_profile() -> None:
         assert g.memory_bytes == 143771 * 2**20  # what NVML reports on the H200 host
         assert g.driver_version == "580.159.04"
     assert gpus[2].device_node == "/dev/nvidia2"
-    assert gpus[2].device_nodes == ("/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-    assert CONTROL_DEVICE_NODES == gpus[0].device_nodes[1:]
+    assert gpus[2].device_nodes == ()  # fake: nothing to pass through
+    real = dataclasses.replace(gpus[2], fake=False)
+    assert real.device_nodes == ("/dev/nvidia2", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+    assert CONTROL_DEVICE_NODES == real.device_nodes[1:]
 
 
 def test_fake_h100_profile_and_case() -> None:
