@@ -60,9 +60,9 @@ def test_slices_are_published_seat_major_and_republished(kube, plugin, node_name
 
 
 def test_pod_gets_cdi_env_and_unprepare_runs_when_it_ends(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "one-seat")
+    claim_template(kube, namespace, "kp-one-seat")
     pod = unique("cdi")
-    claim_pod(kube, namespace, pod, {"gpu": "one-seat"})
+    claim_pod(kube, namespace, pod, {"gpu": "kp-one-seat"})
     kube.wait_pod_phase(namespace, pod, {"Running"}, timeout=120)
     claim = pod_claims(kube, namespace, pod)["gpu"]
     uid, device = claim["metadata"]["uid"], devices_of(claim)[0]
@@ -79,10 +79,10 @@ def test_pod_gets_cdi_env_and_unprepare_runs_when_it_ends(kube, namespace, plugi
 
 
 def test_two_pods_land_on_different_gpus_while_idle_gpus_remain(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "spread")
-    pods = [unique("spread"), unique("spread")]
+    claim_template(kube, namespace, "kp-spread")
+    pods = [unique("kp-spread"), unique("kp-spread")]
     for p in pods:
-        claim_pod(kube, namespace, p, {"gpu": "spread"})
+        claim_pod(kube, namespace, p, {"gpu": "kp-spread"})
     for p in pods:
         kube.wait_pod_phase(namespace, p, {"Running"}, timeout=120)
     gpus = {devices_of(pod_claims(kube, namespace, p)["gpu"])[0].split("-seat-")[0] for p in pods}
@@ -91,10 +91,10 @@ def test_two_pods_land_on_different_gpus_while_idle_gpus_remain(kube, namespace,
 
 
 def test_container_with_two_claims_sees_both_intact(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "first")
-    claim_template(kube, namespace, "second")
+    claim_template(kube, namespace, "kp-first")
+    claim_template(kube, namespace, "kp-second")
     pod = unique("two")
-    claim_pod(kube, namespace, pod, {"trainer": "first", "sampler": "second"})
+    claim_pod(kube, namespace, pod, {"trainer": "kp-first", "sampler": "kp-second"})
     kube.wait_pod_phase(namespace, pod, {"Running"}, timeout=120)
     env = pod_env(kube, namespace, pod)
     for claim in pod_claims(kube, namespace, pod).values():
@@ -105,9 +105,9 @@ def test_container_with_two_claims_sees_both_intact(kube, namespace, plugin) -> 
 
 
 def test_count_two_with_the_seat_constraint_gets_two_physical_gpus(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "pair", count=2, constraints=[{"matchAttribute": "gpu.timeslice.dev/seat"}])
-    pod = unique("pair")
-    claim_pod(kube, namespace, pod, {"gpu": "pair"})
+    claim_template(kube, namespace, "kp-pair", count=2, constraints=[{"matchAttribute": "gpu.timeslice.dev/seat"}])
+    pod = unique("kp-pair")
+    claim_pod(kube, namespace, pod, {"gpu": "kp-pair"})
     kube.wait_pod_phase(namespace, pod, {"Running"}, timeout=120)
     devices = devices_of(pod_claims(kube, namespace, pod)["gpu"])
     assert {d.split("-seat-")[0] for d in devices} == {"gpu-0", "gpu-1"}
@@ -121,12 +121,12 @@ def test_count_two_with_the_seat_constraint_gets_two_physical_gpus(kube, namespa
 
 
 def test_malformed_config_fails_only_its_claim_with_an_event(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "bad-config", config={"apiVersion": "timeslice.dev/v1alpha1",
+    claim_template(kube, namespace, "kp-bad-config", config={"apiVersion": "timeslice.dev/v1alpha1",
                                                           "kind": "TimeSliceConfig", "backend": "magic"})
-    claim_template(kube, namespace, "good")
-    bad, good = unique("bad"), unique("good")
-    claim_pod(kube, namespace, bad, {"gpu": "bad-config"})
-    claim_pod(kube, namespace, good, {"gpu": "good"})
+    claim_template(kube, namespace, "kp-good")
+    bad, good = unique("bad"), unique("kp-good")
+    claim_pod(kube, namespace, bad, {"gpu": "kp-bad-config"})
+    claim_pod(kube, namespace, good, {"gpu": "kp-good"})
     kube.wait_pod_phase(namespace, good, {"Running"}, timeout=120)
     claim = wait(lambda: pod_claims(kube, namespace, bad).get("gpu"), 60, "bad pod's claim")
 
@@ -140,9 +140,9 @@ def test_malformed_config_fails_only_its_claim_with_an_event(kube, namespace, pl
 
 
 def test_plugin_and_kubelet_restarts_keep_the_pod_and_clean_up_later(kube, namespace, plugin) -> None:
-    claim_template(kube, namespace, "restart")
-    pod = unique("restart")
-    claim_pod(kube, namespace, pod, {"gpu": "restart"})
+    claim_template(kube, namespace, "kp-restart")
+    pod = unique("kp-restart")
+    claim_pod(kube, namespace, pod, {"gpu": "kp-restart"})
     kube.wait_pod_phase(namespace, pod, {"Running"}, timeout=120)
     uid = pod_claims(kube, namespace, pod)["gpu"]["metadata"]["uid"]
     spec = CDI_DIR / f"timeslice.dev-gpu_{uid}.json"
