@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from timeslice import SwitchFailed
+from timeslice import GroupNotFound, SwitchFailed
 
 from tests.conftest import eventually
 
@@ -130,3 +130,40 @@ async def test_waiter_that_leaves_during_the_switch_is_not_granted(make_cluster)
 
 async def _phase(c, phase: str) -> bool:
     return (await c.status()).phase == phase
+
+
+async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims(make_cluster) -> None:
+    """Group members name, per node agent, their claims there; the agent resolves them."""
+    from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+
+    c = await make_cluster(backend="cuda", nodes=2)
+    asked: list[tuple[str, tuple, tuple]] = []
+
+    class Resolver:  # the agent's claim -> PIDs seam
+        def __init__(self, node: str, pid: int) -> None:
+            self.node, self.pid = node, pid
+
+        async def pids(self, claims, pod_uids=()):
+            asked.append((self.node, tuple(claims), tuple(pod_uids)))
+            return [self.pid]
+
+    targets = list(c.orchestrator.group("g").spec.agents)
+    for i, node in enumerate(("node-0", "node-1")):
+        c.agents[node].claim_resolver = Resolver(node, pids(c, i, "a")[0])
+    members = (MemberSpec(job="a", claims_by_agent={targets[0]: (("ns", "a-0"),), targets[1]: (("ns", "a-1"),)},
+                          pod_uids=("pod-a",)),
+               MemberSpec(job="b", claims_by_agent={targets[1]: (("ns", "b-1"),)}, pod_uids=("pod-b",)))
+    spec = c.orchestrator.group("g").spec
+    c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "members": members}))
+    c.orchestrator.set_aliases({("a", "trainer"): "g", ("b", "trainer"): "g"})
+    a, b = c.client("a", group="trainer"), c.client("b", group="trainer")
+    await a.acquire()
+    task = asyncio.create_task(b.acquire())
+    await eventually(lambda: _waiting(c, "b"))
+    await a.release()
+    await task
+    assert sorted(asked) == [("node-0", (("ns", "a-0"),), ("pod-a",)), ("node-1", (("ns", "a-1"),), ("pod-a",))]
+    with pytest.raises(GroupNotFound, match="job 'x' has no claim in group 'g'"):
+        await c.client("x", group="g").acquire()
+    for cl in (a, b):
+        await cl.close()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 import grpc.aio
+from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import error_from_status
@@ -30,18 +31,23 @@ class AgentClient:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = apb_grpc.NodeAgentStub(self._channel)
 
-    async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float) -> StepResult:
-        """Checkpoint `job_id` on this node. Raises a `TimeSliceServerError` subclass."""
-        return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout)
+    async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
+                         member: MemberSpec | None = None) -> StepResult:
+        """Checkpoint `job_id` on this node (its claims there, when `member` says). Raises a
+        `TimeSliceServerError` subclass."""
+        return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout, member)
 
-    async def restore(self, job_id: str, backend: str, group_id: str, timeout: float) -> StepResult:
+    async def restore(self, job_id: str, backend: str, group_id: str, timeout: float,
+                      member: MemberSpec | None = None) -> StepResult:
         """Restore `job_id` on this node. Raises a `TimeSliceServerError` subclass."""
-        return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout)
+        return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout, member)
 
     async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
-                    group_id: str, timeout: float) -> StepResult:
-        req = apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout,
-                                    group_id=group_id)
+                    group_id: str, timeout: float, member: MemberSpec | None) -> StepResult:
+        claims = member.claims_by_agent.get(self.target, ()) if member else ()
+        req = apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
+                                    claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
+                                    pod_uids=member.pod_uids if member else ())
         try:
             resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS)
         except grpc.aio.AioRpcError as err:

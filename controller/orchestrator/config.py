@@ -16,6 +16,18 @@ from timeslice.driver import names
 Backend = Literal["cuda", "cuda-checkpoint", "freeze", "none"]
 
 
+class MemberSpec(BaseModel):
+    """Where one job (a claim set, in a cluster) of a group runs: for each node agent the
+    job's claims on that node (namespace, name), and the job's pods. The agent finds the
+    processes from these (claim -> pods -> PIDs)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: str
+    claims_by_agent: dict[str, tuple[tuple[str, str], ...]]
+    pod_uids: tuple[str, ...] = ()
+
+
 class GroupSpec(BaseModel):
     """One lock group.
 
@@ -31,6 +43,12 @@ class GroupSpec(BaseModel):
     agents: tuple[str, ...] = ()
     lease_seconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0)
     step_timeout_seconds: float = Field(default=names.DEFAULT_STEP_TIMEOUT_SECONDS, gt=0)
+    # Cluster mode: the group's jobs and where they run. Empty (static mode): any job may
+    # acquire, and every agent resolves the job by its own table.
+    members: tuple[MemberSpec, ...] = ()
+
+    def member(self, job: str) -> MemberSpec | None:
+        return next((m for m in self.members if m.job == job), None)
 
     @model_validator(mode="after")
     def _agents_for_backend(self) -> GroupSpec:

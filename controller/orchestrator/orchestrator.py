@@ -20,6 +20,8 @@ class Orchestrator:
         self._pool = AgentPool()
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
         self._groups: dict[str, LockGroup] = {}
+        # (job, claim-set name) -> group id: in a cluster a client names its pod-level claim
+        self._aliases: dict[tuple[str, str], str] = {}
         for spec in groups:
             self.add_group(spec)
 
@@ -43,6 +45,20 @@ class Orchestrator:
             return self._groups[group_id]
         except KeyError:
             raise NotFound(f"unknown group {group_id!r}") from None
+
+    def set_aliases(self, aliases: dict[tuple[str, str], str]) -> None:
+        """Replace the (job, claim-set name) -> group id table (the controller's reconciler)."""
+        self._aliases = dict(aliases)
+
+    def group_for(self, job: str, name: str) -> LockGroup:
+        """The group `name` denotes for `job`: a group id, or the job's claim-set name (the
+        pod-level claim name, e.g. "trainer"). In a group with members, only members may
+        act. Raises NotFound."""
+        group_id = self._aliases.get((job, name), name)
+        group = self.group(group_id)
+        if group.spec.members and group.spec.member(job) is None:
+            raise NotFound(f"job {job!r} has no claim in group {group_id!r}")
+        return group
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]

@@ -29,11 +29,10 @@ class SwitchCoordinator:
 
     async def __call__(self, spec: GroupSpec, outgoing: str | None, incoming: str,
                        restore: bool) -> SwitchRecord:
-        agents = [self._pool.get(t) for t in spec.agents]
         rec = SwitchRecord(outgoing, incoming)
         if outgoing is not None:
             t0 = time.monotonic()
-            done, failures = await self._on_all(agents, "checkpoint", spec, outgoing)
+            done, failures = await self._on_all(self._agents(spec, outgoing), "checkpoint", spec, outgoing)
             # A node where the outgoing job has no live process has nothing to move.
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
             rec.checkpoint_seconds = time.monotonic() - t0
@@ -43,19 +42,26 @@ class SwitchCoordinator:
                 raise self._failed(rec, f"checkpoint of {outgoing} failed", failures, back)
         if restore:
             t0 = time.monotonic()
-            done, failures = await self._on_all(agents, "restore", spec, incoming)
+            done, failures = await self._on_all(self._agents(spec, incoming), "restore", spec, incoming)
             rec.restore_seconds = time.monotonic() - t0
             rec.bytes_restored = sum(r.bytes for r in done.values())
             if failures:
                 await self._undo(list(done), "checkpoint", spec, incoming)
-                back = outgoing is None or await self._undo(agents, "restore", spec, outgoing)
+                back = outgoing is None or await self._undo(self._agents(spec, outgoing), "restore", spec, outgoing)
                 raise self._failed(rec, f"restore of {incoming} failed", failures, back)
         return rec
 
+    def _agents(self, spec: GroupSpec, job: str) -> list[AgentClient]:
+        """The agents of the nodes where `job` runs (all of the group's, in static mode)."""
+        member = spec.member(job)
+        targets = list(member.claims_by_agent) if member else spec.agents
+        return [self._pool.get(t) for t in targets]
+
     async def _on_all(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec,
                       job: str) -> tuple[dict[AgentClient, StepResult], dict[AgentClient, BaseException]]:
+        member = spec.member(job)
         results = await asyncio.gather(
-            *(getattr(a, step)(job, spec.backend, spec.id, spec.step_timeout_seconds) for a in agents),
+            *(getattr(a, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member) for a in agents),
             return_exceptions=True)
         done = {a: r for a, r in zip(agents, results) if isinstance(r, StepResult)}
         failures = {a: r for a, r in zip(agents, results) if not isinstance(r, StepResult)}
