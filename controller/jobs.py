@@ -45,6 +45,8 @@ _HASH_HEX = 16
 
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 POD_TEMPLATE_HASH_LABEL = "pod-template-hash"
+# The only pod labels `job_id` reads (a cache of pods may keep just these).
+IDENTITY_LABELS = (names.JOB_LABEL, JOBSET_NAME_LABEL, POD_TEMPLATE_HASH_LABEL)
 
 
 def safe_id(raw: str) -> str:
