@@ -26,7 +26,7 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@-]{0,252}$")
 def _check_id(field: str, value: str) -> str:
     if not value:
         raise InvalidArgument(f"{field} is required")
-    if not _ID.match(value):
+    if not _ID.fullmatch(value):
         raise InvalidArgument(f"{field} {value[:64]!r} is invalid: use at most 253 letters, digits and . _ : / @ -,"
                               " starting with a letter or digit")
     return value
