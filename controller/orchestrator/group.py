@@ -71,6 +71,21 @@ Switcher = Callable[[GroupSpec, "str | None", str, bool], Awaitable[SwitchRecord
 
 
 @dataclass(frozen=True)
+class GroupEvent:
+    """What happened in a group, for observers (claim status, Events): `kind` is
+    "granted", "released", "switched", "switch-failed" or "lease-expired"."""
+
+    kind: str
+    group_id: str
+    job_id: str
+    epoch: int = 0
+    record: SwitchRecord | None = None
+
+
+Observer = Callable[["LockGroup", GroupEvent], None]
+
+
+@dataclass(frozen=True)
 class GrantInfo:
     lease_id: str
     epoch: int
@@ -129,8 +144,9 @@ class GroupView:
 
 class LockGroup:
     def __init__(self, spec: GroupSpec, switcher: Switcher,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, observer: Observer | None = None) -> None:
         self.spec = spec
+        self._observer = observer
         self._switcher = switcher
         self._clock = clock
         self.queue = LockQueue()
@@ -184,6 +200,7 @@ class LockGroup:
         h = self._check_holder(job_id, lease_id, epoch, "release")
         self._end_hold(h, "released")
         waiters = len(self.queue)
+        self._notify("released", job_id, epoch)
         self._dispatch()
         return waiters, self.switching is not None
 
@@ -243,6 +260,14 @@ class LockGroup:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
+
+    def _notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None) -> None:
+        if self._observer is None:
+            return
+        try:
+            self._observer(self, GroupEvent(kind, self.id, job_id, epoch, record))
+        except Exception:  # an observer must never break the lock
+            log.exception("group observer failed group=%s event=%s", self.id, kind)
 
     def _withdraw(self, w: Waiter) -> None:
         """A caller of `w` left. Once none is left, `w` is never (or no longer) granted."""
@@ -311,6 +336,7 @@ class LockGroup:
             self._switch_task = None
         record.finished_at_unix = time.time()
         self.recent.append(record)
+        self._notify("switched" if record.ok else "switch-failed", incoming, record=record)
         if record.ok:
             self._grant(incoming, restored=restore, switch_seconds=record.seconds)
         self._dispatch()
@@ -329,6 +355,7 @@ class LockGroup:
         for w in waiters:
             w.future.set_result(self._grant_info(h, waited=now - w.enqueued_at))
         log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
+        self._notify("granted", job_id, h.epoch)
         self._arm_lease_timer()
 
     def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
@@ -349,5 +376,6 @@ class LockGroup:
             return
         self.counters.lease_expiries += 1
         log.warning("lease expired group=%s job=%s epoch=%d", self.id, h.job_id, h.epoch)
+        self._notify("lease-expired", h.job_id, h.epoch)
         self._end_hold(h, "lease expired")
         self._dispatch()

@@ -10,18 +10,21 @@ from collections.abc import Iterable
 
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.group import LockGroup, Switcher
+from timeslice.controller.orchestrator.group import LockGroup, Observer, Switcher
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
 from timeslice.driver.errors import NotFound
 
 
 class Orchestrator:
-    def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None) -> None:
+    def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
+                 observer: Observer | None = None) -> None:
         self._pool = AgentPool()
+        self._observer = observer
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
         self._groups: dict[str, LockGroup] = {}
-        # (job, claim-set name) -> group id: in a cluster a client names its pod-level claim
-        self._aliases: dict[tuple[str, str], str] = {}
+        # (client job, claim-set name) -> (group id, member job): in a cluster a client names
+        # its pod-level claim, and holds the lock as its claim set
+        self._aliases: dict[tuple[str, str], tuple[str, str]] = {}
         for spec in groups:
             self.add_group(spec)
 
@@ -29,7 +32,7 @@ class Orchestrator:
         """Add a group, or replace the spec of a known one (its state is kept)."""
         group = self._groups.get(spec.id)
         if group is None:
-            group = self._groups[spec.id] = LockGroup(spec, self._switcher)
+            group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observer)
         else:
             group.spec = spec
         return group
@@ -46,19 +49,19 @@ class Orchestrator:
         except KeyError:
             raise NotFound(f"unknown group {group_id!r}") from None
 
-    def set_aliases(self, aliases: dict[tuple[str, str], str]) -> None:
-        """Replace the (job, claim-set name) -> group id table (the controller's reconciler)."""
+    def set_aliases(self, aliases: dict[tuple[str, str], tuple[str, str]]) -> None:
+        """Replace the (job, claim-set name) -> (group id, member job) table (the reconciler)."""
         self._aliases = dict(aliases)
 
-    def group_for(self, job: str, name: str) -> LockGroup:
-        """The group `name` denotes for `job`: a group id, or the job's claim-set name (the
-        pod-level claim name, e.g. "trainer"). In a group with members, only members may
-        act. Raises NotFound."""
-        group_id = self._aliases.get((job, name), name)
+    def group_for(self, job: str, name: str) -> tuple[LockGroup, str]:
+        """(group, the job as the group knows it) for `job` naming `name`: a group id, or the
+        job's claim-set name (the pod-level claim name, e.g. "trainer"). In a group with
+        members, only members may act. Raises NotFound."""
+        group_id, member = self._aliases.get((job, name), (name, job))
         group = self.group(group_id)
-        if group.spec.members and group.spec.member(job) is None:
+        if group.spec.members and group.spec.member(member) is None:
             raise NotFound(f"job {job!r} has no claim in group {group_id!r}")
-        return group
+        return group, member
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]

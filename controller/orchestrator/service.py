@@ -59,8 +59,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     @rpc_method
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
-        job = _check_id("job_id", request.job_id)
-        group = self._orch.group_for(job, _check_id("group_id", request.group_id))
+        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
+                                          _check_id("group_id", request.group_id))
         t = request.timeout_seconds
         if not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
@@ -74,16 +74,16 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     @rpc_method
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        job = _check_id("job_id", request.job_id)
-        group = self._orch.group_for(job, _check_id("group_id", request.group_id))
+        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
+                                          _check_id("group_id", request.group_id))
         waiters, started = group.release(job, request.lease_id, request.epoch)
         return pb.ReleaseResponse(waiters=waiters, switch_started=started)
 
     @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
-        job = _check_id("job_id", request.job_id)
-        group = self._orch.group_for(job, _check_id("group_id", request.group_id))
+        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
+                                          _check_id("group_id", request.group_id))
         remaining = group.keep_alive(job, request.lease_id, request.epoch)
         return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
 
