@@ -6,6 +6,7 @@ Subcommands parse flags, build one config object and start one component:
     timeslice orchestrator   the orchestrator gRPC server with static groups (YAML)
     timeslice status         groups, holders, queues and recent switches of an orchestrator
     timeslice kubelet-plugin the DRA kubelet plugin and node agent (DaemonSet on GPU nodes)
+    timeslice controller     claims -> lock groups, with the orchestrator inside (Deployment)
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
+    return 0
+
+
+def _controller(a: argparse.Namespace) -> int:
+    from timeslice.controller.app import ControllerConfig, run
+    from timeslice.driver import logs
+
+    logs.setup(a.log_level)
+    fields = {"listen": a.listen, "agent_template": a.agent_template, "default_backend": a.default_backend}
+    asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
 
@@ -136,6 +147,16 @@ def parser() -> argparse.ArgumentParser:
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
     k.add_argument("--log-level", default="INFO")
     k.set_defaults(fn=_kubelet_plugin)
+
+    c = sub.add_parser("controller", help="watch claims, build lock groups, serve the orchestrator",
+                       description="Derive lock groups from ResourceClaims allocated by gpu.timeslice.dev and "
+                                   "serve the orchestrator API for them; write claim status and Events.")
+    c.add_argument("--listen", help="orchestrator gRPC address (default 0.0.0.0:50051)")
+    c.add_argument("--agent-template", help="a node's agent address, {node} = node name (default {node}:50052)")
+    c.add_argument("--default-backend", choices=["cuda", "cuda-checkpoint", "freeze", "none"],
+                   help="backend for groups whose claims leave it to auto (default cuda)")
+    c.add_argument("--log-level", default="INFO")
+    c.set_defaults(fn=_controller)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches")
     s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),

@@ -1,0 +1,87 @@
+"""Reconciler: cluster snapshots (claim sets, lock groups) -> the orchestrator's groups.
+
+Owned by the controller app; called with every new `grouping.Snapshot` from
+`ClusterState`. Each `Group` becomes a `GroupSpec` whose members are its claim sets
+(a claim set holds the lock as `<job>:<claim name>`), with the node agents of the
+group's nodes; clients name their claim set by the pod-level claim name, mapped by
+(job, claim name) aliases. Groups that vanished are removed; claim sets that vanished
+(claim deallocated, pods gone) are dropped from their group: they leave the queue and
+lose the lock at once, not after a lease.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from timeslice.controller.grouping import Group, Snapshot
+from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.driver.errors import NotFound
+
+log = logging.getLogger("timeslice.controller")
+
+
+def agent_target(template: str, node: str) -> str:
+    """The node agent address of `node` from a template such as `{node}:50052`."""
+    return template.format(node=node)
+
+
+def group_spec(group: Group, template: str, default_backend: str) -> GroupSpec:
+    members = []
+    for cs in group.claim_sets:
+        claims = tuple((c.namespace, c.name) for c in cs.claims)
+        members.append(MemberSpec(job=cs.id, claims_by_agent={agent_target(template, n): claims for n in cs.nodes},
+                                  pod_uids=cs.pods))
+    backend = default_backend if group.backend == "auto" else group.backend
+    agents = () if backend == "none" else tuple(agent_target(template, n) for n in group.nodes)
+    return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,
+                     members=tuple(members))
+
+
+class Reconciler:
+    """`agent_template` names a node's agent (`{node}` is replaced); `default_backend`
+    stands for `auto` (freeze on GPU-less clusters, cuda on GPU nodes)."""
+
+    def __init__(self, orchestrator: Orchestrator, agent_template: str = "{node}:50052",
+                 default_backend: str = "cuda") -> None:
+        self.orchestrator = orchestrator
+        self.agent_template = agent_template
+        self.default_backend = default_backend
+        self.snapshot = Snapshot()
+
+    async def apply(self, snapshot: Snapshot) -> None:
+        old, self.snapshot = self.snapshot, snapshot
+        for cs_id in old.claim_sets:
+            if cs_id not in snapshot.claim_sets or snapshot.group_of.get(cs_id) != old.group_of.get(cs_id):
+                self._drop(old.group_of.get(cs_id), cs_id, "its claims were deallocated or its pods are gone"
+                           if cs_id not in snapshot.claim_sets else "it moved to another group")
+        for group_id in set(old.groups) - set(snapshot.groups):
+            await self.orchestrator.remove_group(group_id)
+            log.info("group removed group=%s", group_id)
+        for group in snapshot.groups.values():
+            spec = group_spec(group, self.agent_template, self.default_backend)
+            if group.id not in old.groups or spec != self.orchestrator.group(group.id).spec:
+                self.orchestrator.add_group(spec)
+                log.info("group set group=%s members=%s nodes=%s backend=%s", group.id,
+                         [m.job for m in spec.members], list(group.nodes), spec.backend)
+        self.orchestrator.set_aliases(aliases(snapshot.claim_sets.values(), snapshot.group_of))
+
+    def _drop(self, group_id: str | None, cs_id: str, why: str) -> None:
+        if group_id is None:
+            return
+        try:
+            self.orchestrator.group(group_id).drop_job(cs_id, why)
+            log.info("claim set dropped group=%s claim_set=%s: %s", group_id, cs_id, why)
+        except NotFound:
+            pass
+
+
+def aliases(claim_sets: Iterable, group_of: dict[str, str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(job, claim name) and (claim-set id, claim name) -> (group id, claim-set id)."""
+    table: dict[tuple[str, str], tuple[str, str]] = {}
+    for cs in claim_sets:
+        target = (group_of[cs.id], cs.id)
+        table[(cs.job, cs.name)] = target
+        table[(cs.id, cs.name)] = target
+    return table
