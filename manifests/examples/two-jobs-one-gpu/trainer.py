@@ -1,20 +1,44 @@
-"""An RL job's loop: a GPU phase inside the lock, a reward phase outside it."""
+"""An RL job's loop: a GPU phase inside the lock, a reward phase outside it.
 
+The accelerator work runs in a worker process marked TIMESLICE_ACCELERATOR_PROCESS=1
+(`timeslice.cli.demo_worker`: tensors on the GPU, or a buffer hashed on the CPU): that
+is the process the node agent checkpoints, or freezes on GPU-less nodes. This process
+keeps running through the reward phase and asks for the lock again. One JSON line per
+step (times from CLOCK_MONOTONIC, shared by every container on the node).
+"""
+
+import json
 import os
+import socket
+import subprocess
+import sys
 import time
 
 from timeslice import TimeSliceOrchestratorClient
 
-client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR from the claim's CDI env
+STEPS = int(os.environ.get("STEPS", "5"))
+GPU_SECONDS = float(os.environ.get("GPU_SECONDS", "2"))
+REWARD_SECONDS = float(os.environ.get("REWARD_SECONDS", "2"))
 
+mine, theirs = socket.socketpair()
+worker = subprocess.Popen(
+    [sys.executable, "-m", "timeslice.cli.demo_worker", "--fd", str(theirs.fileno()),
+     "--mode", os.environ.get("WORKER_MODE", "cpu")],
+    pass_fds=[theirs.fileno()], env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+theirs.close()
+link = mine.makefile("rw", buffering=1)
+client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (from CDI), $TIMESLICE_JOB, $TIMESLICE_GROUP
 
-@client.on_accelerators(group_id="gpu")
-def train_step(step: int) -> None:
-    print(f"{os.environ.get('HOSTNAME', '')} step {step}: training on the GPU", flush=True)
-    time.sleep(float(os.environ.get("GPU_SECONDS", "2")))
-
-
-for step in range(int(os.environ.get("STEPS", "5"))):
-    train_step(step)
-    time.sleep(float(os.environ.get("REWARD_SECONDS", "2")))  # reward scoring, off the GPU
+for step in range(STEPS):
+    with client.on_accelerators():
+        grant = client.holding()
+        link.write(json.dumps({"op": "phase", "seconds": GPU_SECONDS}) + "\n")
+        result = json.loads(link.readline())
+        if step == STEPS - 1:  # free the device state while still holding the lock
+            link.write(json.dumps({"op": "exit"}) + "\n")
+            worker.wait()
+    print(json.dumps({"step": step, "start": result["start"], "end": result["end"], "check_ok": result["check_ok"],
+                      "epoch": grant.epoch if grant else 0, "restored": grant.restored if grant else False}),
+          flush=True)
+    time.sleep(REWARD_SECONDS)
 client.close()
