@@ -34,9 +34,11 @@ def main() -> None:
             grant = client.holding()
             t_granted = time.monotonic()
             worker.write(json.dumps({"op": "phase", "seconds": a.gen_seconds}) + "\n")
+            worker.flush()
             result = json.loads(worker.readline())
             if rnd == a.rounds - 1:  # tear the device state down while holding, as a real job ends
                 worker.write(json.dumps({"op": "exit"}) + "\n")
+                worker.flush()
                 worker.readline()  # EOF: the worker has exited
             t_release = time.monotonic()
         t_released = time.monotonic()

@@ -103,6 +103,7 @@ def serve(sock: socket.socket, make_state: Any) -> None:
         state.compute(msg["seconds"])
         state.advance()
         f.write(json.dumps({"check_ok": ok, "start": t0, "end": time.monotonic(), "device_free_bytes": free}) + "\n")
+        f.flush()
 
 
 def main() -> None:

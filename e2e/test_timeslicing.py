@@ -9,6 +9,7 @@ the client library, and their worker processes are frozen while the other job ho
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -51,6 +52,7 @@ def stack(kube, node_name, tmp_path_factory):
                  timeout=180)
         controller.terminate()
         controller.wait(timeout=30)
+        ctl_log.close()
         plugin.stop()
         print((work / "controller.log").read_text()[-6000:])
         print(plugin.text()[-3000:])
@@ -62,6 +64,7 @@ def status() -> list[dict]:
     return json.loads(r.stdout) if r.returncode == 0 else []
 
 
+@pytest.mark.timeout(400)
 def test_two_jobs_share_one_gpu_and_alternate(kube, stack) -> None:
     kube.run("apply", "-k", str(EXAMPLE))
     seen: dict[str, dict] = {}
@@ -94,7 +97,7 @@ def test_two_jobs_share_one_gpu_and_alternate(kube, stack) -> None:
         assert len(lines) == 5 and all(x["check_ok"] for x in lines), lines
         phases += [(x["start"], x["end"], job) for x in lines]
     phases.sort()
-    for (s1, e1, j1), (s2, _, j2) in zip(phases, phases[1:]):
+    for (_, e1, j1), (s2, _, j2) in itertools.pairwise(phases):
         assert s2 >= e1 - 0.01, f"{j1} and {j2} computed at the same time"
     assert len({j for _, _, j in phases[:4]}) == 2  # they alternate rather than run one after the other
     # status where users look: claim conditions and Events

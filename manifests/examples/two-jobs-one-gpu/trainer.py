@@ -27,15 +27,21 @@ worker = subprocess.Popen(
     pass_fds=[theirs.fileno()], env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})
 theirs.close()
 link = mine.makefile("rw", buffering=1)
+
+
+def send(message: dict) -> None:
+    link.write(json.dumps(message) + "\n")
+    link.flush()  # a text-mode socket file holds writes until a read, or a flush
+
 client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (from CDI), $TIMESLICE_JOB, $TIMESLICE_GROUP
 
 for step in range(STEPS):
     with client.on_accelerators():
         grant = client.holding()
-        link.write(json.dumps({"op": "phase", "seconds": GPU_SECONDS}) + "\n")
+        send({"op": "phase", "seconds": GPU_SECONDS})
         result = json.loads(link.readline())
         if step == STEPS - 1:  # free the device state while still holding the lock
-            link.write(json.dumps({"op": "exit"}) + "\n")
+            send({"op": "exit"})
             worker.wait()
     print(json.dumps({"step": step, "start": result["start"], "end": result["end"], "check_ok": result["check_ok"],
                       "epoch": grant.epoch if grant else 0, "restored": grant.restored if grant else False}),
