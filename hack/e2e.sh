@@ -8,6 +8,7 @@ cd "$root"
 py="${root}/.venv/bin/python"
 [ -x "$py" ] || py=python3
 logs="${TIMESLICE_LOG_DIR:-/var/log/timeslice-dra}"
+# shellcheck disable=SC2154  # rc is assigned inside the trap
 trap 'rc=$?; [ $rc -ne 0 ] && tail -n 40 "$logs"/*.log 2>/dev/null | tail -n 200; hack/local-cluster.sh down; exit $rc' EXIT
 start=$(date +%s)
 hack/local-cluster.sh up --wheels "${TIMESLICE_PY_WHEELS:-dist}"
