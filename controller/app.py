@@ -1,10 +1,15 @@
 """`timeslice controller`: cluster state -> lock groups -> the orchestrator, serving clients.
 
 Owned by the controller package; started by the CLI. One asyncio loop runs
-`ClusterState` (claims, pods, slices from the API server), the `Reconciler` (groups into
-the orchestrator), the orchestrator's gRPC server and the `ClaimStatusWriter`.
-Not yet here: leader election between replicas, and client authentication with
-TokenReview (see the README's Status).
+`ClusterState` (claims, pods, slices from the API server; kept warm on every replica),
+the `Reconciler` (groups into the orchestrator) and the `ClaimStatusWriter`. With
+leader election (a `coordination.k8s.io` Lease, kubernetes.aio.leaderelection) only the
+leader serves the orchestrator's gRPC port; a new leader first takes over each group's
+state (checkpointed jobs from the node agents, the resident job, the last epoch from
+claim status) and makes the resident job a presumptive holder, so a holder keeps its
+lock and waiters re-queue by retrying (at most one lease period lost). A leader that loses
+its Lease exits (its pod restarts as a follower).
+Not yet here: client authentication with TokenReview (see the README's Status).
 """
 
 from __future__ import annotations
@@ -12,13 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
+from typing import Any
 
 from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
-from pydantic import BaseModel, ConfigDict
+from kubernetes.aio.client.exceptions import ApiException
+from kubernetes.aio.leaderelection import electionconfig, leaderelection
+from kubernetes.aio.leaderelection.resourcelock.leaselock import LeaseLock
+from pydantic import BaseModel, ConfigDict, Field
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
+from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.controller.reconciler import Reconciler
@@ -30,13 +42,89 @@ log = logging.getLogger("timeslice.controller")
 
 class ControllerConfig(BaseModel):
     """`agent_template`: a node's agent address, `{node}` replaced by the node name;
-    `default_backend` stands for a group's `auto` backend."""
+    `default_backend` stands for a group's `auto` backend. Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     listen: str = "0.0.0.0:50051"
     agent_template: str = "{node}:50052"
     default_backend: str = "cuda"
+    leader_election: bool = False
+    lease_name: str = "timeslice-controller"
+    lease_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", "timeslice-system"))
+    identity: str = Field(default_factory=lambda: os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
+    lease_duration: int = 15
+    renew_deadline: float = 10.0
+    retry_period: float = 2.0
+
+
+class _LeaseLock(LeaseLock):
+    """kubernetes 37.0.2's aio LeaseLock.create passes `pretty=True`, which the client's
+    own argument validation rejects (a str is expected), so no Lease is ever created.
+    Same create, without that argument."""
+
+    async def create(self, name: str, namespace: str, election_record: Any) -> bool:
+        body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name=name), spec=self.update_lease(election_record))
+        try:
+            await self.api_instance.create_namespaced_lease(namespace, body)
+            return True
+        except ApiException as err:
+            log.warning("lease not created %s/%s: %s", namespace, name, err.reason)
+            return False
+
+
+class Controller:
+    """The controller's parts, owned together; `lead()` serves while this replica leads."""
+
+    def __init__(self, cfg: ControllerConfig, api: k8s.ApiClient) -> None:
+        self.cfg = cfg
+        self.api = api
+        resource_api = k8s.ResourceV1Api(api)
+        events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/controller", cfg.identity)
+        self.writer = ClaimStatusWriter(resource_api, events, lambda: self.reconciler.snapshot)
+        self.orchestrator = Orchestrator(observer=self.writer.observe)
+        self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend)
+        self.state = ClusterState(api, self.reconciler.apply)
+
+    async def lead(self) -> None:
+        """Take over recorded state, then serve the orchestrator until cancelled."""
+        await self.reconciler.apply(await self.state.wait_synced())
+        for group in self.orchestrator.groups():
+            try:
+                await self.take_over(group)
+            except Exception as err:  # nothing to take over: start the group empty
+                log.warning("no state adopted group=%s: %s", group.id, err)
+        server, port = await create_server(self.orchestrator, self.cfg.listen)
+        log.info("controller serving identity=%s listen=%s port=%d agent_template=%s default_backend=%s",
+                 self.cfg.identity, self.cfg.listen, port, self.cfg.agent_template, self.cfg.default_backend)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await server.stop(2)
+
+    async def take_over(self, group: LockGroup) -> None:
+        """Adopt a group's state after a leader change: checkpointed jobs from the node
+        agents (the truth; claim status can lag a crash), the resident job from claim
+        status when the agents agree it is not checkpointed, else the one member they do
+        not report checkpointed."""
+        recorded, epoch = await self.writer.recorded(group)
+        checkpointed = await self.orchestrator.checkpointed_jobs(group) if group.spec.agents else set()
+        running = [m.job for m in group.spec.members if m.job not in checkpointed]
+        resident = recorded if recorded in running else (running[0] if len(running) == 1 else None)
+        group.adopt(resident, checkpointed, epoch)
+
+    async def elect(self, stop: asyncio.Event) -> None:
+        """Run for leadership; serve while leading; set `stop` when leadership is lost."""
+        async def lost() -> None:
+            log.error("leadership lost identity=%s: exiting", self.cfg.identity)
+            stop.set()
+
+        c = self.cfg
+        lock = _LeaseLock(c.lease_name, c.lease_namespace, c.identity, self.api)
+        # the library writes lease_duration as the Lease's integer leaseDurationSeconds
+        config = electionconfig.Config(lock, int(c.lease_duration), c.renew_deadline, c.retry_period, self.lead, lost)
+        log.info("waiting for leadership identity=%s lease=%s/%s", c.identity, c.lease_namespace, c.lease_name)
+        await leaderelection.LeaderElection(config).run()
 
 
 async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
@@ -45,29 +133,30 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
     except k8s_config.ConfigException:
         await k8s_config.load_kube_config()
     api = k8s.ApiClient()
-    resource_api = k8s.ResourceV1Api(api)
-    events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/controller")
-    reconciler: Reconciler | None = None
-    writer = ClaimStatusWriter(resource_api, events, lambda: reconciler.snapshot if reconciler else None)
-    orchestrator = Orchestrator(observer=writer.observe)
-    reconciler = Reconciler(orchestrator, cfg.agent_template, cfg.default_backend)
-    state = ClusterState(api, reconciler.apply)
-    server, port = await create_server(orchestrator, cfg.listen)
-    writer.start()
-    state.start()
-    log.info("controller serving listen=%s port=%d agent_template=%s default_backend=%s", cfg.listen, port,
-             cfg.agent_template, cfg.default_backend)
+    ctl = Controller(cfg, api)
+    ctl.writer.start()
+    ctl.state.start()
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(ctl.elect(stop) if cfg.leader_election else ctl.lead())
+
+    def ended(t: asyncio.Task[None]) -> None:  # serving or electing must never end silently
+        if not t.cancelled() and t.exception() is not None:
+            log.error("controller stopped: %r", t.exception(), exc_info=t.exception())
+        stop.set()
+
+    task.add_done_callback(ended)
     try:
         await stop.wait()
     finally:
-        await server.stop(2)
-        await state.stop()
-        await writer.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        await ctl.state.stop()
+        await ctl.writer.stop()
         with contextlib.suppress(Exception):
-            await orchestrator.close()
+            await ctl.orchestrator.close()
         await api.close()

@@ -94,6 +94,7 @@ class ClaimStatusWriter:
             held = v.holder is not None and v.holder.job_id == member.job
             resident = v.resident_job == member.job
             data = {"groupId": v.group_id, "holder": v.holder.job_id if v.holder else "",
+                    "epoch": v.epoch,
                     "queuePosition": positions.get(member.job, -1),
                     "lastSwitchSeconds": round(last.seconds, 3) if last else 0.0,
                     "bytesMoved": (last.bytes_checkpointed + last.bytes_restored) if last else 0}
@@ -112,6 +113,22 @@ class ClaimStatusWriter:
                            for r in results if r["driver"] == names.DRIVER_NAME]
                 await self._api.patch_namespaced_resource_claim_status(
                     name, namespace, {"status": {"devices": devices}})
+
+    async def recorded(self, group: LockGroup) -> tuple[str | None, int]:
+        """(resident job, last epoch) as the claims' status.devices record them."""
+        resident, epoch = None, 0
+        for member in group.spec.members:
+            for namespace, name in self._claims_of(member.job):
+                claim = self._api.api_client.sanitize_for_serialization(
+                    await self._api.read_namespaced_resource_claim(name, namespace))
+                for d in claim.get("status", {}).get("devices", []) or []:
+                    data = d.get("data") or {}
+                    if d.get("driver") != names.DRIVER_NAME or data.get("groupId") != group.id:
+                        continue
+                    epoch = max(epoch, int(data.get("epoch", 0)))
+                    if any(c["type"] == "Resident" and c["status"] == "True" for c in d.get("conditions", [])):
+                        resident = member.job
+        return resident, epoch
 
     async def _event(self, e: GroupEvent) -> None:
         reason, warning = EVENTS[e.kind]

@@ -55,6 +55,14 @@ class AgentClient:
                                                 f"{err.code().name}: {err.details()}") from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
+    async def checkpointed_jobs(self) -> set[str]:
+        """Jobs this agent holds checkpoint records for (it checkpointed them)."""
+        try:
+            resp = await self._stub.ListJobs(apb.ListJobsRequest(), timeout=RPC_SLACK_SECONDS)
+        except grpc.aio.AioRpcError as err:
+            raise error_from_status(err.code(), f"list jobs on agent {self.target}: {err.details()}") from err
+        return {j.job_id for j in resp.jobs}
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -35,6 +35,7 @@ from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 log = logging.getLogger("timeslice.orchestrator")
 
 RECENT_SWITCHES = 16
+ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
 
 
 @dataclass
@@ -223,6 +224,24 @@ class LockGroup:
             self.resident = None
         self._dispatch()
 
+    def adopt(self, resident: str | None, checkpointed: set[str], epoch: int) -> None:
+        """Take over after a leader change (only on an empty group). `resident` and
+        `checkpointed` come from the node agents' records (the truth about GPU state);
+        `epoch` is the last one recorded. The resident job becomes a *presumptive* holder:
+        its next keep-alive or release with its old lease is accepted (and adopts that
+        lease); if it was not holding, the hold lapses after one lease period."""
+        if self.holder is not None or self.epoch or len(self.queue):
+            return
+        self.resident = resident
+        self.checkpointed = set(checkpointed)
+        self.epoch = epoch
+        if resident is not None:
+            now = self._clock()
+            self.holder = Hold(resident, ADOPTED, epoch, now, now + self.spec.lease_seconds, set(), False, 0.0)
+            self._arm_lease_timer()
+        log.info("adopted group=%s resident=%s checkpointed=%s epoch=%d", self.id, resident, sorted(checkpointed),
+                 epoch)
+
     def view(self) -> GroupView:
         now = self._clock()
         h = self.holder
@@ -247,6 +266,9 @@ class LockGroup:
     # -- internals -------------------------------------------------------------
     def _check_holder(self, job_id: str, lease_id: str, epoch: int, what: str) -> Hold:
         h = self.holder
+        if h is not None and h.lease_id == ADOPTED and h.job_id == job_id:
+            h.lease_id, h.epoch = lease_id, epoch  # the presumptive holder shows its lease
+            self.epoch = max(self.epoch, epoch)
         if h is None or h.job_id != job_id or h.lease_id != lease_id or h.epoch != epoch:
             now = f"job {h.job_id} epoch {h.epoch}" if h else "nobody"
             raise StaleLease(f"group {self.id}: {what} by job {job_id} epoch {epoch} refused: "

@@ -63,6 +63,13 @@ class Orchestrator:
             raise NotFound(f"job {job!r} has no claim in group {group_id!r}")
         return group, member
 
+    async def checkpointed_jobs(self, group: LockGroup) -> set[str]:
+        """The group's jobs that its node agents report checkpointed (leader takeover)."""
+        found: set[str] = set()
+        for target in group.spec.agents:
+            found |= await self._pool.get(target).checkpointed_jobs()
+        return found & {m.job for m in group.spec.members} if group.spec.members else found
+
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]
 
