@@ -156,3 +156,24 @@ def run_example_and_check(kube, during=lambda: None) -> None:
     assert any(c.get("Resident") == "False" for c in conditions)
     reasons = kube.run("get", "events", "-n", NS, "-o", "jsonpath={.items[*].reason}").stdout.split()
     assert "LockGranted" in reasons and "Switched" in reasons, reasons
+
+
+@pytest.mark.timeout(400)
+def test_killing_the_holder_pod_frees_the_lock(kube, stack) -> None:
+    """The holder's pod is killed mid-phase: its claim set leaves the group at once (no
+    wait for the lease), and the other job gets the lock and finishes."""
+    kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
+    kube.run("apply", "-k", str(EXAMPLE))
+    holder = wait(lambda: next((g["holder"]["job_id"] for g in status() if g.get("holder", {}).get("job_id")
+                                and int(g.get("switches", 0)) >= 1), None), 120, "a holder after a switch")
+    victim = holder.split("/", 1)[1].split(":", 1)[0]  # <ns>/<job>:<claim> -> job name
+    survivor = "rl-job-b" if victim == "rl-job-a" else "rl-job-a"
+    pod = kube.run("get", "pods", "-n", NS, "-l", f"timeslice.dev/job={victim}", "-o",
+                   "jsonpath={.items[0].metadata.name}").stdout
+    t0 = time.monotonic()
+    kube.run("delete", "pod", "-n", NS, pod, "--grace-period=0", "--force", check=False)
+    wait(lambda: all(g.get("holder", {}).get("job_id") != holder for g in status()), 30, "the lock freed")
+    freed = time.monotonic() - t0
+    assert freed < 10.0, f"lock freed after {freed:.1f} s, more than one lease (10 s)"
+    wait(lambda: kube.json("get", "job", "-n", NS, survivor).get("status", {}).get("succeeded"), 120,
+         f"{survivor} to finish")
