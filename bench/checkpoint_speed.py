@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.machine import describe  # noqa: E402
+from bench.machine import emit  # noqa: E402
 
 
 async def measure(gb: float) -> dict[str, object]:
@@ -69,12 +68,8 @@ def main() -> int:
     p.add_argument("--out")
     a = p.parse_args()
     runs = [asyncio.run(measure(gb)) for gb in a.sizes]
-    result = {"benchmark": "checkpoint_speed", "backend": "cuda", "runs": runs, "machine": describe(),
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    result = {"benchmark": "checkpoint_speed", "backend": "cuda", "runs": runs}
+    emit(result, a.out)
     return 0 if all(r["data_ok"] for r in runs) else 1
 
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.machine import describe
+from bench.machine import emit
 
 
 def free_port() -> int:
@@ -130,12 +130,8 @@ def main() -> int:
         "handoff_ms_p50": round(pct(latencies, 50), 3), "handoff_ms_p90": round(pct(latencies, 90), 3),
         "handoff_ms_p99": round(pct(latencies, 99), 3), "handoff_ms_max": round(max(latencies), 3),
         "handoff_ms_mean": round(statistics.fmean(latencies), 3),
-        "machine": describe(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(result, a.out)
     return 0
 
 

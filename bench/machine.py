@@ -1,10 +1,13 @@
-"""Describe the machine a benchmark ran on (recorded in every result JSON)."""
+"""What every benchmark shares: the machine it ran on, and how its JSON result is written."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -30,3 +33,12 @@ def describe() -> dict[str, Any]:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return info
+
+
+def emit(result: dict[str, Any], out: str | None) -> None:
+    """Add the machine and the time, print the result as JSON, and write it to `out`."""
+    result = {**result, "machine": describe(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from timeslice.driver.kubeletapi.dra_v1 import dra_pb2 as pb  # noqa: E402
 from timeslice.driver.kubeletapi.dra_v1 import dra_pb2_grpc as pb_grpc  # noqa: E402
 
-from bench.machine import describe  # noqa: E402
+from bench.machine import emit  # noqa: E402
 
 KUBECTL = os.environ.get("KUBECTL", "kubectl")
 
@@ -93,12 +93,8 @@ def main() -> int:
         kubectl("delete", "namespace", ns, "--wait=false")
     result = {"benchmark": "prepare", "claims_per_batch": a.claims, "rounds": a.rounds,
               "prepare_seconds": [round(t, 4) for t in times], "prepare_seconds_max": round(max(times), 4),
-              "plugin_rss_mib_max": round(max(rss) / 1024, 1), "api_server": "local cluster (hack/local-cluster.sh)",
-              "machine": describe(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+              "plugin_rss_mib_max": round(max(rss) / 1024, 1), "api_server": "local cluster (hack/local-cluster.sh)"}
+    emit(result, a.out)
     return 0
 
 

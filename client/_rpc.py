@@ -7,6 +7,7 @@ Imports only `grpc`, `protobuf` and the generated `timeslice.v1` stubs.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -116,6 +117,48 @@ def grant_of(group: str, job: str, r: pb.AcquireResponse) -> Grant:
 
 def hold_request(cls: type, s: Settings, g: Grant):  # -> pb.ReleaseRequest | pb.KeepAliveRequest
     return cls(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
+
+
+class Retry:
+    """The retry policy of one logical call, shared by the sync and asyncio clients.
+
+    UNAVAILABLE is retried (the caller resends the same request, so the same request id)
+    with exponential backoff for `unavailable_timeout` seconds; `deadline` (monotonic
+    seconds, or None) bounds the whole call with AcquireTimeout. With `retried_ok`, a
+    FAILED_PRECONDITION after a retry means an earlier attempt did succeed.
+    """
+
+    def __init__(self, what: str, deadline: float | None, unavailable_timeout: float,
+                 retried_ok: bool = False) -> None:
+        self.what = what
+        self._deadline = deadline
+        self._unavailable_timeout = unavailable_timeout
+        self._retried_ok = retried_ok
+        self._since: float | None = None
+        self._delay = BACKOFF_FIRST
+
+    def remaining(self) -> float | None:
+        """Seconds left for the next attempt (None: no bound); raises AcquireTimeout."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise AcquireTimeout(f"{self.what}: no grant before the timeout")
+        return left
+
+    def pause_after(self, err: grpc.RpcError, remaining: float | None) -> float | None:
+        """Seconds to wait before the next attempt; None when an earlier attempt succeeded.
+        Raises the translated error when retrying cannot help."""
+        code = code_of(err)
+        if self._retried_ok and self._since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+            return None
+        now = time.monotonic()
+        self._since = self._since or now
+        if code != grpc.StatusCode.UNAVAILABLE or now - self._since >= self._unavailable_timeout:
+            raise translate(err, self.what) from err
+        pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
+        self._delay = next_backoff(self._delay)
+        return pause
 
 
 def keepalive_interval(g: Grant) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import grpc.aio
 from timeslice import _rpc
-from timeslice.errors import AcquireTimeout, NotHolding
+from timeslice.errors import NotHolding
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -109,24 +109,16 @@ class AsyncTimeSliceOrchestratorClient:
 
     async def _retrying(self, what: str, deadline: float | None,
                         call: Callable[[float | None], Awaitable[Any]], retried_ok: bool = False) -> Any:
-        unavailable_since: float | None = None
-        delay = _rpc.BACKOFF_FIRST
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok)
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise AcquireTimeout(f"{what}: no grant before the timeout")
+            remaining = retry.remaining()
             try:
                 return await call(remaining)
             except grpc.RpcError as err:
-                code = _rpc.code_of(err)
-                if retried_ok and unavailable_since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+                pause = retry.pause_after(err, remaining)
+                if pause is None:
                     return None
-                now = time.monotonic()
-                unavailable_since = unavailable_since or now
-                if code != grpc.StatusCode.UNAVAILABLE or now - unavailable_since >= self._s.unavailable_timeout:
-                    raise _rpc.translate(err, what) from err
-                await asyncio.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
-                delay = _rpc.next_backoff(delay)
+                await asyncio.sleep(pause)
 
     async def _keep_alive(self, hold: _Hold) -> None:
         interval = _rpc.keepalive_interval(hold.grant)

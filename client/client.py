@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 from timeslice import _rpc
-from timeslice.errors import AcquireTimeout, NotHolding
+from timeslice.errors import NotHolding
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -115,29 +115,18 @@ class TimeSliceOrchestratorClient:
 
     def _retrying(self, what: str, deadline: float | None, call: Callable[[float | None], Any],
                   retried_ok: bool = False) -> Any:
-        """Run `call(remaining_seconds)`, retrying UNAVAILABLE for `unavailable_timeout` s.
-
-        Retries send the same request (same request id). With `retried_ok`, a
-        FAILED_PRECONDITION after a retry means an earlier attempt succeeded: None.
-        """
-        unavailable_since: float | None = None
-        delay = _rpc.BACKOFF_FIRST
+        """Run `call(remaining_seconds)` under `_rpc.Retry`; None when a retried call had
+        already succeeded."""
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok)
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise AcquireTimeout(f"{what}: no grant before the timeout")
+            remaining = retry.remaining()
             try:
                 return call(remaining)
             except grpc.RpcError as err:
-                code = _rpc.code_of(err)
-                if retried_ok and unavailable_since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
+                pause = retry.pause_after(err, remaining)
+                if pause is None:
                     return None
-                now = time.monotonic()
-                unavailable_since = unavailable_since or now
-                if code != grpc.StatusCode.UNAVAILABLE or now - unavailable_since >= self._s.unavailable_timeout:
-                    raise _rpc.translate(err, what) from err
-                time.sleep(delay if remaining is None else max(0.0, min(delay, remaining)))
-                delay = _rpc.next_backoff(delay)
+                time.sleep(pause)
 
     def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
         """The current grant on the group, or None (also after a lost lease)."""

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 from typing import Any
 
@@ -34,7 +33,7 @@ from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.controller.reconciler import Reconciler
-from timeslice.driver import names
+from timeslice.driver import names, signals
 from timeslice.driver.events import EventRecorder
 
 log = logging.getLogger("timeslice.controller")
@@ -137,10 +136,7 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
     ctl.writer.start()
     ctl.state.start()
     if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = signals.stop_event()
     task = asyncio.create_task(ctl.elect(stop) if cfg.leader_election else ctl.lead())
 
     def ended(t: asyncio.Task[None]) -> None:  # serving or electing must never end silently

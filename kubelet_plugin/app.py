@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
 from kubernetes.aio.client.exceptions import ApiException
 from pydantic import BaseModel, ConfigDict, Field
-from timeslice.driver import names
+from timeslice.driver import names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -104,10 +103,7 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d",
              cfg.node_name, len(gpus), len(devices), restored, agent_port)
     if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = signals.stop_event()
     try:
         await stop.wait()
     finally:

@@ -5,17 +5,15 @@ Owned by the orchestrator; called by `timeslice orchestrator`, the demo and test
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
-import signal
 
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.service import OrchestratorServicer
-from timeslice.driver import grpc_server
+from timeslice.driver import grpc_server, signals
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -40,10 +38,7 @@ async def serve(config: OrchestratorConfig, grace: float = 5.0) -> None:
     server, port = await create_server(orchestrator, config.listen)
     log.info("orchestrator serving listen=%s port=%d groups=%d", config.listen, port, len(config.groups))
     gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = signals.stop_event()
     try:
         await stop.wait()
     finally:
