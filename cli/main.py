@@ -64,7 +64,7 @@ def _controller(a: argparse.Namespace) -> int:
     logs.setup(a.log_level)
     fields = {"listen": a.listen, "agent_template": a.agent_template, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
-              "renew_deadline": a.renew_deadline, "retry_period": a.retry_period}
+              "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -157,6 +157,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--agent-template", help="a node's agent address, {node} = node name (default {node}:50052)")
     c.add_argument("--default-backend", choices=["cuda", "cuda-checkpoint", "freeze", "none"],
                    help="backend for groups whose claims leave it to auto (default cuda)")
+    c.add_argument("--auth", choices=["none", "tokenreview"],
+                   help="client authentication: projected ServiceAccount tokens checked with TokenReview "
+                        "(default none)")
     c.add_argument("--leader-election", action="store_true",
                    help="serve only while holding the Lease timeslice-system/timeslice-controller")
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")

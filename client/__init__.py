@@ -16,6 +16,7 @@ from timeslice._rpc import Grant
 from timeslice.aio import AsyncTimeSliceOrchestratorClient
 from timeslice.client import TimeSliceOrchestratorClient
 from timeslice.errors import (
+    AccessDenied,
     AcquireTimeout,
     GroupNotFound,
     InvalidRequest,
@@ -29,6 +30,7 @@ from timeslice.scope import AcceleratorScope
 
 __all__ = [
     "AcceleratorScope",
+    "AccessDenied",
     "AcquireTimeout",
     "AsyncTimeSliceOrchestratorClient",
     "Grant",

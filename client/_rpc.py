@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 from timeslice.errors import (
+    AccessDenied,
     AcquireTimeout,
     GroupNotFound,
     InvalidRequest,
@@ -26,6 +27,9 @@ from timeslice.v1 import orchestrator_pb2 as pb
 ENV_TARGET = "TIMESLICE_ORCHESTRATOR"
 ENV_JOB = "TIMESLICE_JOB"
 ENV_GROUP = "TIMESLICE_GROUP"
+ENV_TOKEN_FILE = "TIMESLICE_TOKEN_FILE"
+# Where the example manifests mount the projected ServiceAccount token (audience timeslice.dev).
+DEFAULT_TOKEN_FILE = "/var/run/secrets/timeslice.dev/token"
 
 # Channel options: reconnect quickly after an orchestrator restart (gRPC's default
 # backoff grows to 120 s), and ping a connection that carries a long-blocked Acquire
@@ -89,6 +93,18 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
     return Settings(target, job_id, group_id, priority, unavailable_timeout)
+
+
+def call_metadata() -> tuple[tuple[str, str], ...] | None:
+    """`authorization: Bearer <token>` from $TIMESLICE_TOKEN_FILE or the default projected
+    token path, read on every call (the kubelet rotates it); None when there is none."""
+    path = os.environ.get(ENV_TOKEN_FILE) or DEFAULT_TOKEN_FILE
+    try:
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError:
+        return None
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def group_of(s: Settings, group_id: str | None) -> str:
@@ -187,5 +203,7 @@ def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
         grpc.StatusCode.FAILED_PRECONDITION: LeaseLost,
         grpc.StatusCode.NOT_FOUND: GroupNotFound,
         grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+        grpc.StatusCode.UNAUTHENTICATED: AccessDenied,
+        grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
     }
     return mapping.get(code, TimeSliceError)(message) if code else TimeSliceError(message)

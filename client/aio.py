@@ -67,7 +67,8 @@ class AsyncTimeSliceOrchestratorClient:
         resp = await self._retrying(
             f"acquire {group}", deadline,
             lambda remaining: self._stub.Acquire(
-                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining))
+                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                metadata=_rpc.call_metadata()))
         hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp))
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
@@ -87,7 +88,8 @@ class AsyncTimeSliceOrchestratorClient:
             hold.keepalive.cancel()
         request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
         resp = await self._retrying(f"release {group}", None,
-                                    lambda _: self._stub.Release(request, timeout=10.0), retried_ok=True)
+                                    lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
+                              retried_ok=True)
         return int(resp.waiters) if resp is not None else 0
 
     def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
@@ -126,7 +128,7 @@ class AsyncTimeSliceOrchestratorClient:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self._stub.KeepAlive(request, timeout=interval)
+                await self._stub.KeepAlive(request, timeout=interval, metadata=_rpc.call_metadata())
             except grpc.RpcError as err:
                 if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     hold.lost = True

@@ -83,7 +83,8 @@ class TimeSliceOrchestratorClient:
         resp = self._retrying(
             f"acquire {group}", deadline,
             lambda remaining: self._stub.Acquire(
-                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining))
+                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                metadata=_rpc.call_metadata()))
         grant = _rpc.grant_of(group, self._s.job_id, resp)
         hold = _Hold(grant)
         with self._lock:
@@ -110,7 +111,8 @@ class TimeSliceOrchestratorClient:
         hold.stop.set()
         request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
         resp = self._retrying(f"release {group}", None,
-                              lambda _: self._stub.Release(request, timeout=10.0), retried_ok=True)
+                              lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
+                              retried_ok=True)
         return int(resp.waiters) if resp is not None else 0
 
     def _retrying(self, what: str, deadline: float | None, call: Callable[[float | None], Any],
@@ -158,7 +160,7 @@ class TimeSliceOrchestratorClient:
         request = _rpc.hold_request(pb.KeepAliveRequest, self._s, hold.grant)
         while not hold.stop.wait(interval):
             try:
-                self._stub.KeepAlive(request, timeout=interval)
+                self._stub.KeepAlive(request, timeout=interval, metadata=_rpc.call_metadata())
             except grpc.RpcError as err:
                 if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     hold.lost.set()

@@ -7,6 +7,7 @@
     ├── LeaseLost                 the lease lapsed or was taken over; the hold is gone
     ├── NotHolding                release() without a hold on that group
     ├── GroupNotFound             the orchestrator does not know the group
+    ├── AccessDenied              no valid token, or the pod may not act for this claim
     └── InvalidRequest            the orchestrator refused the arguments (also a ValueError)
 
 Each class carries `retryable`: whether calling again can succeed without a change.
@@ -50,6 +51,11 @@ class LeaseLost(TimeSliceError):
 
 class NotHolding(TimeSliceError):
     """`release()` for a group this client does not hold."""
+
+
+class AccessDenied(TimeSliceError, PermissionError):
+    """gRPC UNAUTHENTICATED / PERMISSION_DENIED: the ServiceAccount token is missing or
+    invalid, or this pod holds no claim of that claim set."""
 
 
 class GroupNotFound(TimeSliceError, LookupError):

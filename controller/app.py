@@ -9,7 +9,8 @@ state (checkpointed jobs from the node agents, the resident job, the last epoch 
 claim status) and makes the resident job a presumptive holder, so a holder keeps its
 lock and waiters re-queue by retrying (at most one lease period lost). A leader that loses
 its Lease exits (its pod restarts as a follower).
-Not yet here: client authentication with TokenReview (see the README's Status).
+With `auth: tokenreview` every lock call carries a projected ServiceAccount token that
+must belong to a pod of the claim set it acts for (`auth.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
 from kubernetes.aio import config as k8s_config
@@ -27,6 +28,7 @@ from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.aio.leaderelection import electionconfig, leaderelection
 from kubernetes.aio.leaderelection.resourcelock.leaselock import LeaseLock
 from pydantic import BaseModel, ConfigDict, Field
+from timeslice.controller.auth import TokenReviewAuthenticator
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
 from timeslice.controller.orchestrator.group import LockGroup
@@ -52,6 +54,7 @@ class ControllerConfig(BaseModel):
     lease_name: str = "timeslice-controller"
     lease_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", "timeslice-system"))
     identity: str = Field(default_factory=lambda: os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
+    auth: Literal["none", "tokenreview"] = "none"
     lease_duration: int = 15
     renew_deadline: float = 10.0
     retry_period: float = 2.0
@@ -93,7 +96,8 @@ class Controller:
                 await self.take_over(group)
             except Exception as err:  # nothing to take over: start the group empty
                 log.warning("no state adopted group=%s: %s", group.id, err)
-        server, port = await create_server(self.orchestrator, self.cfg.listen)
+        auth = TokenReviewAuthenticator(k8s.AuthenticationV1Api(self.api)) if self.cfg.auth == "tokenreview" else None
+        server, port = await create_server(self.orchestrator, self.cfg.listen, auth)
         log.info("controller serving identity=%s listen=%s port=%d agent_template=%s default_backend=%s",
                  self.cfg.identity, self.cfg.listen, port, self.cfg.agent_template, self.cfg.default_backend)
         try:

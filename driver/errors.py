@@ -2,6 +2,8 @@
 
     TimeSliceServerError            (grpc: INTERNAL)
     ├── InvalidArgument             bad request field or config       INVALID_ARGUMENT
+    ├── Unauthenticated             no or invalid client token        UNAUTHENTICATED
+    ├── PermissionDenied            the caller may not act for this   PERMISSION_DENIED
     ├── NotFound                    unknown group, job or processes   NOT_FOUND
     ├── FailedPrecondition          wrong state for the call          FAILED_PRECONDITION
     │   ├── StaleLease              not the holder, or an old epoch
@@ -32,6 +34,14 @@ class TimeSliceServerError(Exception):
 
 class InvalidArgument(TimeSliceServerError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Unauthenticated(TimeSliceServerError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(TimeSliceServerError):
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class NotFound(TimeSliceServerError):

@@ -65,8 +65,8 @@ class Controller:
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "timeslice.cli.main", "controller", "--listen", TARGET, "--agent-template",
-             "{node}:50052", "--default-backend", "freeze", "--leader-election", "--lease-duration", "4",
-             "--renew-deadline", "3", "--retry-period", "1"],
+             "{node}:50052", "--default-backend", "freeze", "--auth", "tokenreview", "--leader-election",
+             "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1"],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "KUBECONFIG": kubeconfig, "POD_NAME": name, "POD_NAMESPACE": "timeslice-system"})
 
@@ -177,3 +177,17 @@ def test_killing_the_holder_pod_frees_the_lock(kube, stack) -> None:
     assert freed < 10.0, f"lock freed after {freed:.1f} s, more than one lease (10 s)"
     wait(lambda: kube.json("get", "job", "-n", NS, survivor).get("status", {}).get("succeeded"), 120,
          f"{survivor} to finish")
+
+
+def test_a_pod_without_a_token_is_refused(kube, stack) -> None:
+    kube.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "no-token", "namespace": NS},
+        "spec": {"restartPolicy": "Never", "hostNetwork": True, "containers": [{
+            "name": "client", "image": kube.python_image, "imagePullPolicy": "Never",
+            "command": ["python3", "-c", "from timeslice import TimeSliceOrchestratorClient, AccessDenied\n"
+                        "c = TimeSliceOrchestratorClient('127.0.0.1:50051', 'timeslice-examples/rl-job-a', 'gpu')\n"
+                        "try:\n    c.acquire(timeout=10)\nexcept AccessDenied as e:\n    print('refused', e)\n"]}]}})
+    kube.wait_pod_phase(NS, "no-token", {"Succeeded"}, timeout=120)
+    out = kube.logs(NS, "no-token")
+    assert out.startswith("refused") and "no bearer token" in out, out
+    kube.run("delete", "pod", "-n", NS, "no-token", "--wait=false")

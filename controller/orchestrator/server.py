@@ -12,7 +12,7 @@ import logging
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.orchestrator.service import OrchestratorServicer
+from timeslice.controller.orchestrator.service import Authenticator, OrchestratorServicer
 from timeslice.driver import grpc_server, signals
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -22,10 +22,11 @@ log = logging.getLogger("timeslice.orchestrator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 
 
-async def create_server(orchestrator: Orchestrator, listen: str) -> tuple[grpc.aio.Server, int]:
+async def create_server(orchestrator: Orchestrator, listen: str,
+                        authenticator: Authenticator | None = None) -> tuple[grpc.aio.Server, int]:
     """A started server for `orchestrator` on `listen`; returns (server, bound port)."""
     server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orchestrator), server)
+    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orchestrator, authenticator), server)
     await grpc_server.add_health(server, [SERVICE_NAME])
     port = grpc_server.bind(server, listen)
     await server.start()

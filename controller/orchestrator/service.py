@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from typing import Any, Protocol
 
 import grpc.aio
-from timeslice.controller.orchestrator.group import GroupView
+from timeslice.controller.orchestrator.group import GroupView, LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.driver.errors import InvalidArgument
+from timeslice.driver.errors import InvalidArgument, PermissionDenied
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -53,14 +54,35 @@ def group_status(v: GroupView) -> pb.GroupStatus:
     return s
 
 
+class Authenticator(Protocol):
+    async def identify(self, metadata: Any) -> Any:
+        """The caller's pod (with `.pod_uid`); raises Unauthenticated."""
+        ...
+
+
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    """`authenticator`: None serves anyone (static groups, the demo); else every lock call
+    must come from a pod of the member (claim set) it acts for."""
+
+    def __init__(self, orchestrator: Orchestrator, authenticator: Authenticator | None = None) -> None:
         self._orch = orchestrator
+        self._auth = authenticator
+
+    async def _resolve(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[LockGroup, str]:
+        """(group, member job) the request acts for, checked against the caller's pod."""
+        pod = await self._auth.identify(context.invocation_metadata()) if self._auth is not None else None
+        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
+                                          _check_id("group_id", request.group_id))
+        if pod is not None:
+            member = group.spec.member(job)
+            if member is None or pod.pod_uid not in member.pod_uids:
+                raise PermissionDenied(f"pod {pod.pod_name or pod.pod_uid} holds no claim of {job!r} "
+                                       f"in group {group.id}")
+        return group, job
 
     @rpc_method
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
-        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
-                                          _check_id("group_id", request.group_id))
+        group, job = await self._resolve(request, context)
         t = request.timeout_seconds
         if not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
@@ -74,16 +96,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     @rpc_method
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
-                                          _check_id("group_id", request.group_id))
+        group, job = await self._resolve(request, context)
         waiters, started = group.release(job, request.lease_id, request.epoch)
         return pb.ReleaseResponse(waiters=waiters, switch_started=started)
 
     @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
-        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
-                                          _check_id("group_id", request.group_id))
+        group, job = await self._resolve(request, context)
         remaining = group.keep_alive(job, request.lease_id, request.epoch)
         return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
 

@@ -1,0 +1,64 @@
+"""Authenticated lock calls: the bearer token names a pod, which must be in the claim set.
+
+The TokenReview call is the seam (`FakeReviews` answers as the API server would); the
+gRPC server, the client and the token file are real."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from timeslice import AccessDenied, TimeSliceOrchestratorClient
+from timeslice.controller.auth import TokenReviewAuthenticator
+from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.server import create_server
+
+
+class FakeReviews:
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self.tokens = tokens  # token -> pod uid
+        self.calls = 0
+
+    async def create_token_review(self, body: dict) -> SimpleNamespace:
+        self.calls += 1
+        assert body["spec"]["audiences"] == ["timeslice.dev"]
+        uid = self.tokens.get(body["spec"]["token"])
+        user = SimpleNamespace(username="system:serviceaccount:ns:default",
+                               extra={"authentication.kubernetes.io/pod-uid": [uid],
+                                      "authentication.kubernetes.io/pod-name": ["p"]} if uid else {})
+        return SimpleNamespace(status=SimpleNamespace(authenticated=uid is not None, user=user, error=None))
+
+
+@pytest.fixture
+async def server(tmp_path):
+    orch = Orchestrator([GroupSpec(id="g", members=(MemberSpec(job="ns/a:gpu", claims_by_agent={},
+                                                                pod_uids=("pod-a",)),))])
+    orch.set_aliases({("ns/a", "gpu"): ("g", "ns/a:gpu")})
+    reviews = FakeReviews({"token-a": "pod-a", "token-x": "pod-x"})
+    srv, port = await create_server(orch, "127.0.0.1:0", TokenReviewAuthenticator(reviews))
+    yield f"127.0.0.1:{port}", reviews
+    await srv.stop(0)
+    await orch.close()
+
+
+async def test_only_the_claim_sets_pods_may_act(server, tmp_path, monkeypatch) -> None:
+    target, reviews = server
+    token = tmp_path / "token"
+    monkeypatch.setenv("TIMESLICE_TOKEN_FILE", str(token))
+    client = TimeSliceOrchestratorClient(target, "ns/a", "gpu")
+    with pytest.raises(AccessDenied, match="no bearer token"):
+        await asyncio.to_thread(client.acquire)
+    token.write_text("token-x\n")
+    with pytest.raises(AccessDenied, match="pod p holds no claim of 'ns/a:gpu'"):
+        await asyncio.to_thread(client.acquire)
+    token.write_text("forged")
+    with pytest.raises(AccessDenied, match="token rejected"):
+        await asyncio.to_thread(client.acquire)
+    token.write_text("token-a")
+    grant = await asyncio.to_thread(client.acquire)
+    assert grant.epoch == 1
+    await asyncio.to_thread(client.release)
+    assert reviews.calls == 3  # token-x, forged, token-a: the release reused the cached review
+    client.close()
