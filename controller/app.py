@@ -85,7 +85,7 @@ class Controller:
         events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/controller", cfg.identity)
         self.writer = ClaimStatusWriter(resource_api, events, lambda: self.reconciler.snapshot)
         self.orchestrator = Orchestrator(observer=self.writer.observe)
-        self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend)
+        self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.state = ClusterState(api, self.reconciler.apply)
 
     async def lead(self) -> None:
@@ -98,6 +98,7 @@ class Controller:
                 log.warning("no state adopted group=%s: %s", group.id, err)
         auth = TokenReviewAuthenticator(k8s.AuthenticationV1Api(self.api)) if self.cfg.auth == "tokenreview" else None
         server, port = await create_server(self.orchestrator, self.cfg.listen, auth)
+        self.writer.start()  # only the leader writes claim status
         log.info("controller serving identity=%s listen=%s port=%d agent_template=%s default_backend=%s",
                  self.cfg.identity, self.cfg.listen, port, self.cfg.agent_template, self.cfg.default_backend)
         try:
@@ -137,7 +138,6 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
         await k8s_config.load_kube_config()
     api = k8s.ApiClient()
     ctl = Controller(cfg, api)
-    ctl.writer.start()
     ctl.state.start()
     if stop is None:
         stop = signals.stop_event()

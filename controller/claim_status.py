@@ -52,10 +52,14 @@ class ClaimStatusWriter:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def observe(self, group: LockGroup, event: GroupEvent) -> None:
-        """The orchestrator's observer: mark the group dirty, send the Event."""
+    def mark(self, group: LockGroup) -> None:
+        """Write the group's claims' status soon (a new or changed group, a lock event)."""
         self._dirty[group.id] = group
         self._wake.set()
+
+    def observe(self, group: LockGroup, event: GroupEvent) -> None:
+        """The orchestrator's observer: mark the group dirty, send the Event."""
+        self.mark(group)
         if event.kind in EVENTS:
             asyncio.get_running_loop().create_task(self._event(event))
 

@@ -12,10 +12,11 @@ lose the lock at once, not after a lease.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from timeslice.controller.grouping import Group, Snapshot
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.driver.errors import NotFound
 
@@ -44,8 +45,9 @@ class Reconciler:
     stands for `auto` (freeze on GPU-less clusters, cuda on GPU nodes)."""
 
     def __init__(self, orchestrator: Orchestrator, agent_template: str = "{node}:50052",
-                 default_backend: str = "cuda") -> None:
+                 default_backend: str = "cuda", on_group_set: Callable[[LockGroup], None] | None = None) -> None:
         self.orchestrator = orchestrator
+        self._on_group_set = on_group_set
         self.agent_template = agent_template
         self.default_backend = default_backend
         self.snapshot = Snapshot()
@@ -62,7 +64,9 @@ class Reconciler:
         for group in snapshot.groups.values():
             spec = group_spec(group, self.agent_template, self.default_backend)
             if group.id not in old.groups or spec != self.orchestrator.group(group.id).spec:
-                self.orchestrator.add_group(spec)
+                lock = self.orchestrator.add_group(spec)
+                if self._on_group_set is not None:
+                    self._on_group_set(lock)  # e.g. show the group in its claims' status
                 log.info("group set group=%s members=%s nodes=%s backend=%s", group.id,
                          [m.job for m in spec.members], list(group.nodes), spec.backend)
         self.orchestrator.set_aliases(aliases(snapshot.claim_sets.values(), snapshot.group_of))
