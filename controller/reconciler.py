@@ -33,7 +33,7 @@ def group_spec(group: Group, template: str, default_backend: str) -> GroupSpec:
     for cs in group.claim_sets:
         claims = tuple((c.namespace, c.name) for c in cs.claims)
         members.append(MemberSpec(job=cs.id, claims_by_agent={agent_target(template, n): claims for n in cs.nodes},
-                                  pod_uids=cs.pods))
+                                  pod_uids=cs.pods, claim_name=cs.name))
     backend = default_backend if group.backend == "auto" else group.backend
     agents = () if backend == "none" else tuple(agent_target(template, n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,

@@ -76,3 +76,18 @@ async def test_no_processes_is_not_found(tmp_path) -> None:
     r = ClaimProcessResolver("node-1", read, lambda d: None, fake_proc(tmp_path), cuda_pids=lambda g: None)
     with pytest.raises(NotFound, match="no accelerator processes"):
         await r.pids([("ns", "c1")])
+
+
+async def test_processes_marked_with_a_claim_name_belong_to_that_claim_set_only(tmp_path) -> None:
+    proc = fake_proc(tmp_path)
+    (proc / "12").mkdir()
+    (proc / "12" / "cgroup").write_text(f"12:cpu:/kubepods/besteffort/pod{POD_A}/c1\n")
+    (proc / "12" / "environ").write_bytes(b"TIMESLICE_ACCELERATOR_PROCESS=sampler\0")
+    (proc / "10" / "environ").write_bytes(b"TIMESLICE_ACCELERATOR_PROCESS=trainer\0")
+
+    async def read(ns: str, name: str) -> dict:
+        return claim([POD_A], [("node-1", "gpu-0-seat-0")])
+
+    r = ClaimProcessResolver("node-1", read, lambda d: "GPU-0", proc, cuda_pids=lambda gpus: None)
+    assert await r.pids([("ns", "c")], claim_name="trainer") == [10]
+    assert await r.pids([("ns", "c")], claim_name="sampler") == [12]

@@ -143,7 +143,7 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
         def __init__(self, node: str, pid: int) -> None:
             self.node, self.pid = node, pid
 
-        async def pids(self, claims, pod_uids=()):
+        async def pids(self, claims, pod_uids=(), claim_name=""):
             asked.append((self.node, tuple(claims), tuple(pod_uids)))
             return [self.pid]
 

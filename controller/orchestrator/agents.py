@@ -47,7 +47,8 @@ class AgentClient:
         claims = member.claims_by_agent.get(self.target, ()) if member else ()
         req = apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
                                     claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
-                                    pod_uids=member.pod_uids if member else ())
+                                    pod_uids=member.pod_uids if member else (),
+                                    claim_name=member.claim_name if member else "")
         try:
             resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS)
         except grpc.aio.AioRpcError as err:

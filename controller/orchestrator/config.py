@@ -26,6 +26,7 @@ class MemberSpec(BaseModel):
     job: str
     claims_by_agent: dict[str, tuple[tuple[str, str], ...]]
     pod_uids: tuple[str, ...] = ()
+    claim_name: str = ""  # the pod-level claim name of the claim set
 
 
 class GroupSpec(BaseModel):

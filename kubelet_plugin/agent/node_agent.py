@@ -97,19 +97,21 @@ class NodeAgent:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
 
-    async def _pids(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str]) -> list[int]:
+    async def _pids(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
+                    claim_name: str) -> list[int]:
         if not claims:
             return await self.resolver.pids(job_id)
         if self.claim_resolver is None:
             raise InvalidArgument("this node agent has no cluster access: name the job only, not claims")
-        return await self.claim_resolver.pids(claims, pod_uids)
+        return await self.claim_resolver.pids(claims, pod_uids, claim_name)
 
     async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                         claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = ()) -> StepOutcome:
+                         claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
+                         claim_name: str = "") -> StepOutcome:
         backend = self.backend(backend_name)
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
-            pids = live_pids(job_id, await self._pids(job_id, claims, pod_uids))
+            pids = live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
             procs = await backend.checkpoint(pids, timeout or self.default_timeout)
             record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs})
             self.records.put(job_id, record)
@@ -119,12 +121,14 @@ class NodeAgent:
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
     async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                      claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = ()) -> StepOutcome:
+                      claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
+                      claim_name: str = "") -> StepOutcome:
         backend = self.backend(backend_name)
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
             record = self.records.jobs.get(job_id)
-            pids = live_pids(job_id, list(record.pids) if record else await self._pids(job_id, claims, pod_uids))
+            pids = live_pids(job_id, list(record.pids) if record else
+                             await self._pids(job_id, claims, pod_uids, claim_name))
             procs = await backend.restore(pids, timeout or self.default_timeout)
             self.records.pop(job_id)
             moved = record.bytes if record else 0

@@ -5,8 +5,10 @@ job -> PID table. Chain: claim -> `status.reservedFor` pods -> pod UID -> host P
 (from /proc/<pid>/cgroup: `pod<uid>` under cgroupfs, `pod<uid with _>` under systemd)
 -> processes with a CUDA context on the claim's GPUs (NVML). Where there is no NVML (a
 GPU-less node with the `freeze` backend) a process opts in instead with the
-environment variable TIMESLICE_ACCELERATOR_PROCESS=1, so the job's own client process,
-which must keep running to ask for the lock again, is never frozen.
+environment variable TIMESLICE_ACCELERATOR_PROCESS=1 (any claim set of its pod) or
+=<pod-level claim name> (that claim set only, e.g. `trainer` beside `sampler`), so the
+job's own client process, which must keep running to ask for the lock again, is never
+frozen.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from timeslice.driver import names
 from timeslice.driver.errors import NotFound
 
 log = logging.getLogger("timeslice.agent")
-MARKER = b"TIMESLICE_ACCELERATOR_PROCESS=1"
+MARKER = b"TIMESLICE_ACCELERATOR_PROCESS="
 
 
 def pod_pids(pod_uids: Iterable[str], proc: Path = Path("/proc")) -> dict[str, list[int]]:
@@ -41,11 +43,14 @@ def pod_pids(pod_uids: Iterable[str], proc: Path = Path("/proc")) -> dict[str, l
     return {uid: sorted(pids) for uid, pids in found.items()}
 
 
-def marked(pid: int, proc: Path = Path("/proc")) -> bool:
+def marked(pid: int, claim_name: str = "", proc: Path = Path("/proc")) -> bool:
+    """True when `pid` is marked TIMESLICE_ACCELERATOR_PROCESS=1, or =<claim_name>."""
     try:
-        return MARKER in (proc / str(pid) / "environ").read_bytes().split(b"\0")
+        entries = (proc / str(pid) / "environ").read_bytes().split(b"\0")
     except OSError:
         return False
+    wanted = {MARKER + b"1"} | ({MARKER + claim_name.encode()} if claim_name else set())
+    return any(e in wanted for e in entries)
 
 
 def cuda_pids_on(gpu_uuids: set[str]) -> set[int] | None:
@@ -76,9 +81,11 @@ class ClaimProcessResolver:
         self._proc = proc
         self._cuda_pids = cuda_pids
 
-    async def pids(self, claims: Iterable[tuple[str, str]], pod_uids: Iterable[str] = ()) -> list[int]:
+    async def pids(self, claims: Iterable[tuple[str, str]], pod_uids: Iterable[str] = (),
+                   claim_name: str = "") -> list[int]:
         """PIDs of the claims' processes on this node; `pod_uids`, when given, narrows the
-        pods (a shared claim can be reserved for pods of several jobs). Raises NotFound."""
+        pods (a shared claim can be reserved for pods of several jobs); `claim_name` is the
+        claim set's pod-level claim name (for marked processes). Raises NotFound."""
         claims = list(claims)
         pods: set[str] = set()
         gpus: set[str] = set()
@@ -97,7 +104,7 @@ class ClaimProcessResolver:
         candidates = sorted({pid for pids in pod_pids(pods, self._proc).values() for pid in pids})
         cuda = self._cuda_pids(gpus) if gpus else None
         chosen = [p for p in candidates if p in cuda] if cuda is not None else \
-            [p for p in candidates if marked(p, self._proc)]
+            [p for p in candidates if marked(p, claim_name, self._proc)]
         if not chosen:
             raise NotFound(f"no accelerator processes of claims {sorted(claims)} on node {self._node} "
                            f"(pods {sorted(pods)}, {len(candidates)} processes in their cgroups)")

@@ -20,7 +20,7 @@ def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
     return [apb.ProcessState(pid=p.pid, state=p.state, gpu_bytes=p.gpu_bytes) for p in procs]
 
 
-def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float, list[tuple[str, str]], list[str]]:
+def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float, list[tuple[str, str]], list[str], str]:
     if not request.job_id:
         raise InvalidArgument("job_id is required")
     if not request.backend:
@@ -31,7 +31,7 @@ def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float, li
     claims = [(c.namespace, c.name) for c in request.claims]
     if any(not ns or not name for ns, name in claims):
         raise InvalidArgument("every claim needs a namespace and a name")
-    return request.job_id, request.backend, request.group_id, t, claims, list(request.pod_uids)
+    return request.job_id, request.backend, request.group_id, t, claims, list(request.pod_uids), request.claim_name
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:

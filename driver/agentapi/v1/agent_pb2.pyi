@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SwitchStepRequest(_message.Message):
-    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids")
+    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     POD_UIDS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_NAME_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend: str
     timeout_seconds: float
     group_id: str
     claims: _containers.RepeatedCompositeFieldContainer[ClaimRef]
     pod_uids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ...) -> None: ...
+    claim_name: str
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ..., claim_name: _Optional[str] = ...) -> None: ...
 
 class ClaimRef(_message.Message):
     __slots__ = ("namespace", "name")
