@@ -1,0 +1,79 @@
+"""The async-RL pattern on the cluster: jobs A and B share a trainer GPU (one group of two
+claim sets) while each has its own sampler GPU (groups of one). Both samplers run at the
+same time; only the trainers alternate. Deploys manifests/examples/async-rl."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e.plugin_fixtures import BASE, PluginProcess, token_kubeconfig, wait
+from e2e.test_timeslicing import Controller, leader, status
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "hack" / "local-async-rl"
+NS = "timeslice-async-rl"
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(kube, node_name, tmp_path_factory):
+    for f in ("namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml",
+              "rbac-controller.yaml"):
+        kube.run("apply", "-f", str(BASE / f))
+    work = tmp_path_factory.mktemp("async")
+    plugin = PluginProcess(work, token_kubeconfig(kube, "timeslice-kubelet-plugin", work / "plugin.kubeconfig"),
+                           node_name, fake_gpus="3xH200")
+    plugin.argv[plugin.argv.index("--agent-listen") + 1] = "127.0.0.1:50052"
+    plugin.argv += ["--backends", "freeze,none"]
+    plugin.start()
+    controller = Controller(work, "ctl", str(token_kubeconfig(kube, "timeslice-controller", work / "ctl.kubeconfig")))
+    try:
+        wait(lambda: "registered with kubelet" in plugin.text(), 60, "plugin registration")
+        wait(lambda: leader([controller]), 60, "controller serving")
+        yield
+    finally:
+        kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                 timeout=180)
+        controller.stop()
+        plugin.stop()
+        print(controller.text()[-4000:])
+
+
+@pytest.mark.timeout(400)
+def test_samplers_run_together_and_only_trainers_alternate(kube, cluster_stack) -> None:
+    kube.run("apply", "-k", str(EXAMPLE))
+    groups: dict[str, set[str]] = {}
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for g in status():
+            members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
+                       if w}
+            groups.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})
+        jobs = kube.json("get", "jobs", "-n", NS)["items"]
+        failed = [j["metadata"]["name"] for j in jobs if j.get("status", {}).get("failed")]
+        assert not failed, kube.run("logs", "-n", NS, f"job/{failed[0]}", check=False).stdout
+        if sum(1 for j in jobs if j.get("status", {}).get("succeeded")) == 2:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("jobs did not finish")
+    phases: dict[str, list[tuple[float, float, str]]] = {"sample": [], "train": []}
+    for job in ("async-a", "async-b"):
+        for line in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                assert r["check_ok"], r
+                phases[r["kind"]].append((r["start"], r["end"], job))
+    assert len(phases["train"]) == 8 and len(phases["sample"]) == 8
+    train = sorted(phases["train"])
+    for (_, e1, j1), (s2, _, j2) in itertools.pairwise(train):
+        assert s2 >= e1 - 0.01, f"trainers of {j1} and {j2} overlapped"
+    overlap = any(a[2] != b[2] and a[0] < b[1] and b[0] < a[1]
+                  for a, b in itertools.combinations(phases["sample"], 2))
+    assert overlap, "the two samplers never ran at the same time"
+    shared = [g for g, m in groups.items() if len(m) == 2]
+    assert len(shared) == 1 and all(":trainer" in m for m in groups[shared[0]]), groups
