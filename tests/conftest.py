@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,7 +90,16 @@ def _reap(p: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture
-async def make_cluster(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path: unix socket paths must stay under 108 bytes,
+    and pytest's tmp_path grows with the run counter and the test name."""
+    path = Path(tempfile.mkdtemp(prefix="ts-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
     """`await make_cluster(backend="cuda", nodes=1, lease_seconds=10, jobs={job: pids})`."""
     closers: list[Callable[[], object]] = []
 
@@ -107,7 +118,7 @@ async def make_cluster(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
                 resolvers[node] = StaticProcessResolver(jobs or pids)
                 fakes[node] = FakeBackend(node, calls, name=backend)
                 agents[node] = NodeAgent(resolvers[node], backends=[backend if real_backend else fakes[node]])
-                target = f"unix://{tmp_path / (node + '.sock')}"
+                target = f"unix://{short_tmp / (node + '.sock')}"
                 server, _ = await create_agent_server(agents[node], target)
                 closers.append(lambda s=server: s.stop(0))
                 targets.append(target)

@@ -79,14 +79,14 @@ class Served:
 
 
 @pytest.fixture
-async def serve_plugin(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+async def serve_plugin(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
     """`await serve_plugin(health_source=None, **config)` -> `Served`; everything stops at teardown."""
     started: list[Served] = []
 
     async def serve(health_source: HealthSource | None = None, plugin: FakeClaimPlugin | None = None,
                     **config: object) -> Served:
-        config.setdefault("plugin_data_dir", tmp_path / "plugins" / "gpu.timeslice.dev")
-        config.setdefault("registry_dir", tmp_path / "plugins_registry")
+        config.setdefault("plugin_data_dir", short_tmp / "plugins" / "gpu.timeslice.dev")
+        config.setdefault("registry_dir", short_tmp / "plugins_registry")
         plugin = plugin or FakeClaimPlugin()
         servers = await create_servers(PluginServerConfig(**config), plugin, health_source)  # type: ignore[arg-type]
         s = Served(servers, plugin, grpc.aio.insecure_channel(f"unix:{servers.paths.dra}"),

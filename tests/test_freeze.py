@@ -57,13 +57,13 @@ async def test_vanished_process_fails_the_step_and_rolls_back_the_others(childre
     dead.stdout.close()
 
 
-async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path) -> None:
+async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path, short_tmp) -> None:
     proc = spinner(children)
     resolver = StaticProcessResolver({"job-a": [proc.pid]})
     agent = NodeAgent(resolver, backends=["freeze"], records_path=tmp_path / "records.json")
-    server, _ = await create_server(agent, f"unix://{tmp_path / 'agent.sock'}")
+    server, _ = await create_server(agent, f"unix://{short_tmp / 'agent.sock'}")
     try:
-        async with grpc.aio.insecure_channel(f"unix://{tmp_path / 'agent.sock'}") as ch:
+        async with grpc.aio.insecure_channel(f"unix://{short_tmp / 'agent.sock'}") as ch:
             stub = apb_grpc.NodeAgentStub(ch)
             r = await stub.Checkpoint(apb.SwitchStepRequest(job_id="job-a", backend="freeze", group_id="g"))
             assert [p.state for p in r.processes] == ["stopped"] and proc_state(proc.pid) == "T"

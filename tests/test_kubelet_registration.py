@@ -31,12 +31,12 @@ from tests.kubelet_fakes import FakeClaimPlugin
     (False, ["v1.DRAPlugin", "v1beta1.DRAPlugin"]),
     (True, ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]),
 ])
-async def test_get_info_names_the_driver_its_socket_and_services(serve_plugin, tmp_path, health, versions) -> None:
+async def test_get_info_names_the_driver_its_socket_and_services(serve_plugin, short_tmp, health, versions) -> None:
     source = StaticHealthSource(lambda: [DeviceRef("node-a", "gpu-0-seat-0")]) if health else None
     served = await serve_plugin(health_source=source)
     info = await rpb_grpc.RegistrationStub(served.registration).GetInfo(rpb.InfoRequest(), timeout=1)
     assert info.type == "DRAPlugin" and info.name == "gpu.timeslice.dev"
-    assert info.endpoint == str(tmp_path / "plugins" / "gpu.timeslice.dev" / "dra.sock")
+    assert info.endpoint == str(short_tmp / "plugins" / "gpu.timeslice.dev" / "dra.sock")
     assert list(info.supported_versions) == versions
 
 
@@ -79,8 +79,8 @@ def _stale_socket(path: Path) -> None:
     s.close()
 
 
-async def test_stale_sockets_are_replaced_at_start_and_removed_at_stop(tmp_path) -> None:
-    config = PluginServerConfig(plugin_data_dir=tmp_path / "plugins" / "drv", registry_dir=tmp_path / "reg")
+async def test_stale_sockets_are_replaced_at_start_and_removed_at_stop(short_tmp) -> None:
+    config = PluginServerConfig(plugin_data_dir=short_tmp / "plugins" / "drv", registry_dir=short_tmp / "reg")
     paths = config.socket_paths()
     _stale_socket(paths.dra)
     paths.registration.parent.mkdir(parents=True)
@@ -96,8 +96,8 @@ async def test_stale_sockets_are_replaced_at_start_and_removed_at_stop(tmp_path)
     assert paths.dra.parent.is_dir() and paths.registration.parent.is_dir()
 
 
-async def test_dra_serves_before_the_registration_socket_appears(tmp_path) -> None:
-    config = PluginServerConfig(plugin_data_dir=tmp_path / "p", registry_dir=tmp_path / "r")
+async def test_dra_serves_before_the_registration_socket_appears(short_tmp) -> None:
+    config = PluginServerConfig(plugin_data_dir=short_tmp / "p", registry_dir=short_tmp / "r")
     paths = config.socket_paths()
     seen: list[int] = []
 
@@ -126,20 +126,20 @@ def test_default_socket_paths_are_the_kubelet_ones() -> None:
     assert PluginServerConfig().socket_paths() == paths
 
 
-def test_bad_socket_paths_and_endpoints_are_refused(tmp_path) -> None:
+def test_bad_socket_paths_and_endpoints_are_refused(tmp_path, short_tmp) -> None:
     with pytest.raises(ValueError, match="longer than 107 bytes"):
         prepare_socket(tmp_path / ("x" * 120) / "dra.sock")
-    (tmp_path / "dir.sock").mkdir()
+    (short_tmp / "dir.sock").mkdir()
     with pytest.raises(ValueError, match="is a directory"):
-        prepare_socket(tmp_path / "dir.sock")
+        prepare_socket(short_tmp / "dir.sock")
     with pytest.raises(ValueError, match="absolute socket path"):
         RegistrationServicer("gpu.timeslice.dev", "dra.sock")
 
 
-async def test_a_registration_socket_that_cannot_bind_stops_the_dra_server(tmp_path) -> None:
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "gpu.timeslice.dev-reg.sock").mkdir()  # a directory where the socket goes
-    config = PluginServerConfig(plugin_data_dir=tmp_path / "p", registry_dir=tmp_path / "r")
+async def test_a_registration_socket_that_cannot_bind_stops_the_dra_server(short_tmp) -> None:
+    (short_tmp / "r").mkdir()
+    (short_tmp / "r" / "gpu.timeslice.dev-reg.sock").mkdir()  # a directory where the socket goes
+    config = PluginServerConfig(plugin_data_dir=short_tmp / "p", registry_dir=short_tmp / "r")
     with pytest.raises(ValueError, match="is a directory"):
         await create_servers(config, FakeClaimPlugin())
-    assert not (tmp_path / "p" / "dra.sock").exists()
+    assert not (short_tmp / "p" / "dra.sock").exists()
