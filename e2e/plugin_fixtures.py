@@ -42,12 +42,13 @@ def token_kubeconfig(kube: Any, sa: str, path: Path) -> Path:
 class PluginProcess:
     """`timeslice kubelet-plugin` as a host process; restartable."""
 
-    def __init__(self, workdir: Path, kubeconfig: Path, node: str, fake_gpus: str = "2xH200") -> None:
+    def __init__(self, workdir: Path, kubeconfig: Path, node: str, fake_gpus: str = "2xH200",
+                 agent_listen: str = "127.0.0.1:0", backends: str = "freeze,none") -> None:
         self.workdir = workdir
         self.log = workdir / "plugin.log"
         self.argv = [sys.executable, "-m", "timeslice.cli.main", "kubelet-plugin", "--node-name", node,
                      "--fake-gpus", fake_gpus, "--seats", "4", "--state-dir", str(workdir / "state"),
-                     "--cdi-dir", str(CDI_DIR), "--agent-listen", "127.0.0.1:0",
+                     "--cdi-dir", str(CDI_DIR), "--agent-listen", agent_listen, "--backends", backends,
                      "--orchestrator", "127.0.0.1:50051", "--log-level", "INFO"]
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -63,6 +64,23 @@ class PluginProcess:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def apply_base(kube: Any, *files: str) -> None:
+    """Apply these files of manifests/base (namespace, DeviceClass, policy, RBAC, ...)."""
+    for f in files:
+        kube.run("apply", "-f", str(BASE / f))
+
+
+def node_agent_plugin(kube: Any, workdir: Path, node: str, fake_gpus: str) -> PluginProcess:
+    """The plugin as the controllers' node agent (127.0.0.1:50052, freeze), with the
+    namespace, DeviceClass, policy and both components' RBAC applied; started."""
+    apply_base(kube, "namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml",
+               "rbac-controller.yaml")
+    plugin = PluginProcess(workdir, token_kubeconfig(kube, "timeslice-kubelet-plugin", workdir / "plugin.kubeconfig"),
+                           node, fake_gpus=fake_gpus, agent_listen="127.0.0.1:50052")
+    plugin.start()
+    return plugin
 
 
 def wait(check: Any, timeout: float, what: str, interval: float = 0.5) -> Any:

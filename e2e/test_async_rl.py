@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.plugin_fixtures import BASE, PluginProcess, token_kubeconfig, wait
+from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
 from e2e.test_timeslicing import Controller, leader, status
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,15 +21,8 @@ NS = "timeslice-async-rl"
 
 @pytest.fixture(scope="module")
 def cluster_stack(kube, node_name, tmp_path_factory):
-    for f in ("namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml",
-              "rbac-controller.yaml"):
-        kube.run("apply", "-f", str(BASE / f))
     work = tmp_path_factory.mktemp("async")
-    plugin = PluginProcess(work, token_kubeconfig(kube, "timeslice-kubelet-plugin", work / "plugin.kubeconfig"),
-                           node_name, fake_gpus="3xH200")
-    plugin.argv[plugin.argv.index("--agent-listen") + 1] = "127.0.0.1:50052"
-    plugin.argv += ["--backends", "freeze,none"]
-    plugin.start()
+    plugin = node_agent_plugin(kube, work, node_name, "3xH200")
     controller = Controller(work, "ctl", str(token_kubeconfig(kube, "timeslice-controller", work / "ctl.kubeconfig")))
     try:
         wait(lambda: "registered with kubelet" in plugin.text(), 60, "plugin registration")

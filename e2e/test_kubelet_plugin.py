@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from e2e.plugin_fixtures import (
-    BASE,
     CDI_DIR,
     PluginProcess,
+    apply_base,
     checkpoint_claims,
     claim_pod,
     claim_template,
@@ -30,8 +30,7 @@ from e2e.plugin_fixtures import (
 
 @pytest.fixture(scope="module")
 def plugin(kube, node_name, tmp_path_factory):
-    for f in ("namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml"):
-        kube.run("apply", "-f", str(BASE / f))
+    apply_base(kube, "namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml")
     work = tmp_path_factory.mktemp("plugin")
     p = PluginProcess(work, token_kubeconfig(kube, "timeslice-kubelet-plugin", work / "kubeconfig"), node_name)
     p.start()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.plugin_fixtures import BASE, PluginProcess, token_kubeconfig, wait
+from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "hack" / "local-example"
@@ -31,15 +31,8 @@ TARGET = "127.0.0.1:50051"
 
 @pytest.fixture(scope="module")
 def stack(kube, node_name, tmp_path_factory):
-    for f in ("namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml",
-              "rbac-controller.yaml"):
-        kube.run("apply", "-f", str(BASE / f))
     work = tmp_path_factory.mktemp("stack")
-    plugin = PluginProcess(work, token_kubeconfig(kube, "timeslice-kubelet-plugin", work / "plugin.kubeconfig"),
-                           node_name, fake_gpus="1xH200")
-    plugin.argv[plugin.argv.index("--agent-listen") + 1] = "127.0.0.1:50052"
-    plugin.argv += ["--backends", "freeze,none"]
-    plugin.start()
+    plugin = node_agent_plugin(kube, work, node_name, "1xH200")
     kubeconfig = str(token_kubeconfig(kube, "timeslice-controller", work / "controller.kubeconfig"))
     controllers = [Controller(work, name, kubeconfig) for name in ("ctl-a", "ctl-b")]  # two replicas
     try:
