@@ -62,7 +62,8 @@ def _controller(a: argparse.Namespace) -> int:
     from timeslice.driver import logs
 
     logs.setup(a.log_level)
-    fields = {"listen": a.listen, "agent_template": a.agent_template, "default_backend": a.default_backend,
+    fields = {"listen": a.listen, "agent_template": a.agent_template,
+              "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
@@ -154,7 +155,11 @@ def parser() -> argparse.ArgumentParser:
                        description="Derive lock groups from ResourceClaims allocated by gpu.timeslice.dev and "
                                    "serve the orchestrator API for them; write claim status and Events.")
     c.add_argument("--listen", help="orchestrator gRPC address (default 0.0.0.0:50051)")
-    c.add_argument("--agent-template", help="a node's agent address, {node} = node name (default {node}:50052)")
+    c.add_argument("--agent-template",
+                   help="a node's agent address, {node} = node name, for agents that are not pods (default: the "
+                        "node-plugin pods' IP and 'agent' port)")
+    c.add_argument("--agent-namespace",
+                   help="namespace of the node-plugin pods (default $POD_NAMESPACE or timeslice-system)")
     c.add_argument("--default-backend", choices=["cuda", "cuda-checkpoint", "freeze", "none"],
                    help="backend for groups whose claims leave it to auto (default cuda)")
     c.add_argument("--auth", choices=["none", "tokenreview"],

@@ -42,13 +42,16 @@ log = logging.getLogger("timeslice.controller")
 
 
 class ControllerConfig(BaseModel):
-    """`agent_template`: a node's agent address, `{node}` replaced by the node name;
+    """`agent_template`: a node's agent address, `{node}` replaced by the node name, for
+    agents that are not pods (None: the node-plugin pods in `agent_namespace`, labelled
+    `app.kubernetes.io/name=timeslice-kubelet-plugin`, at their `agent` port);
     `default_backend` stands for a group's `auto` backend. Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     listen: str = "0.0.0.0:50051"
-    agent_template: str = "{node}:50052"
+    agent_template: str | None = None
+    agent_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", "timeslice-system"))
     default_backend: str = "cuda"
     leader_election: bool = False
     lease_name: str = "timeslice-controller"
@@ -86,7 +89,8 @@ class Controller:
         self.writer = ClaimStatusWriter(resource_api, events, lambda: self.reconciler.snapshot)
         self.orchestrator = Orchestrator(observer=self.writer.observe)
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
-        self.state = ClusterState(api, self.reconciler.apply)
+        self.state = ClusterState(api, self.reconciler.apply,
+                                  agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
 
     async def lead(self) -> None:
         """Take over recorded state, then serve the orchestrator until cancelled."""
@@ -99,8 +103,9 @@ class Controller:
         auth = TokenReviewAuthenticator(k8s.AuthenticationV1Api(self.api)) if self.cfg.auth == "tokenreview" else None
         server, port = await create_server(self.orchestrator, self.cfg.listen, auth)
         self.writer.start()  # only the leader writes claim status
-        log.info("controller serving identity=%s listen=%s port=%d agent_template=%s default_backend=%s",
-                 self.cfg.identity, self.cfg.listen, port, self.cfg.agent_template, self.cfg.default_backend)
+        agents = self.cfg.agent_template or f"plugin pods in {self.cfg.agent_namespace}"
+        log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s",
+                 self.cfg.identity, self.cfg.listen, port, agents, self.cfg.default_backend)
         try:
             await asyncio.Event().wait()
         finally:

@@ -8,6 +8,8 @@ it warm); its `on_change(snapshot)` callback feeds the orchestrator wiring. One
     Pods            all namespaces, not finished (field selector on status.phase); kept
                     when they reference a claim (`spec.resourceClaims`)
     ResourceSlices  field selector spec.driver=gpu.timeslice.dev
+    plugin pods     label app.kubernetes.io/name=timeslice-kubelet-plugin in
+                    `agent_namespace` (unless None): the node agents (`node_agents`)
 
 After any change, and once all three kinds have listed once (a partial cache would
 look like claim sets gone), `grouping.compute` runs at most once per `debounce_seconds`:
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -28,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kubernetes.aio import client as k8s
-from timeslice.controller import grouping, jobs
+from timeslice.controller import grouping, jobs, node_agents
 from timeslice.controller.grouping import Snapshot
 from timeslice.controller.reflector import DEFAULT_BACKOFF, Backoff, Obj, Reflector
 from timeslice.driver import names
@@ -87,10 +91,12 @@ def trim_slice(slice_: Obj) -> Obj | None:
 
 
 class ClusterState:
-    """`api`: a `kubernetes.aio.client.ApiClient` (the caller owns and closes it)."""
+    """`api`: a `kubernetes.aio.client.ApiClient` (the caller owns and closes it);
+    `agent_namespace`: where the node-plugin pods run (None: node agents are not looked up)."""
 
-    def __init__(self, api: k8s.ApiClient, on_change: OnChange, *, debounce_seconds: float = 0.1,
-                 resync_seconds: float = 300.0, watch_seconds: int = 240, backoff: Backoff = DEFAULT_BACKOFF) -> None:
+    def __init__(self, api: k8s.ApiClient, on_change: OnChange, *, agent_namespace: str | None = None,
+                 debounce_seconds: float = 0.1, resync_seconds: float = 300.0, watch_seconds: int = 240,
+                 backoff: Backoff = DEFAULT_BACKOFF) -> None:
         resource, core = k8s.ResourceV1Api(api), k8s.CoreV1Api(api)
         common: dict[str, Any] = {"on_change": self._changed, "resync_seconds": resync_seconds,
                                   "watch_seconds": watch_seconds, "backoff": backoff}
@@ -100,6 +106,10 @@ class ClusterState:
                               field_selector=POD_FIELD_SELECTOR, **common)
         self.slices = Reflector("resourceslices", resource.list_resource_slice, trim_slice,
                                 field_selector=SLICE_FIELD_SELECTOR, **common)
+        self.agents = None if agent_namespace is None else Reflector(
+            "plugin-pods", core.list_pod_for_all_namespaces,
+            functools.partial(node_agents.trim_plugin_pod, namespace=agent_namespace),
+            label_selector=node_agents.PLUGIN_SELECTOR, **common)
         self._on_change = on_change
         self._debounce = debounce_seconds
         self._dirty = asyncio.Event()
@@ -110,7 +120,7 @@ class ClusterState:
 
     @property
     def reflectors(self) -> tuple[Reflector, ...]:
-        return (self.claims, self.pods, self.slices)
+        return (self.claims, self.pods, self.slices) + ((self.agents,) if self.agents else ())
 
     def start(self) -> None:
         if self._tasks:
@@ -141,7 +151,10 @@ class ClusterState:
 
     def compute(self) -> Snapshot:
         gpus = grouping.physical_gpus(self.slices.objects.values())
-        return grouping.compute(self.claims.objects.values(), self.pods.objects.values(), gpus)
+        snap = grouping.compute(self.claims.objects.values(), self.pods.objects.values(), gpus)
+        if self.agents is None:
+            return snap
+        return dataclasses.replace(snap, node_agents=node_agents.agent_targets(self.agents.objects.values()))
 
     def _changed(self) -> None:
         self._dirty.set()

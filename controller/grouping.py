@@ -153,6 +153,7 @@ class Snapshot:
     claim_sets: Mapping[str, ClaimSet] = field(default_factory=dict)   # by claim-set id
     group_of: Mapping[str, str] = field(default_factory=dict)          # claim-set id -> group id
     warnings: tuple[GroupingWarning, ...] = ()
+    node_agents: Mapping[str, str] = field(default_factory=dict)       # node name -> agent target
 
     def claim_set(self, job: str, name: str) -> ClaimSet | None:
         return self.claim_sets.get(claim_set_id(job, name))

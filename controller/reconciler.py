@@ -3,10 +3,12 @@
 Owned by the controller app; called with every new `grouping.Snapshot` from
 `ClusterState`. Each `Group` becomes a `GroupSpec` whose members are its claim sets
 (a claim set holds the lock as `<job>:<claim name>`), with the node agents of the
-group's nodes; clients name their claim set by the pod-level claim name, mapped by
-(job, claim name) aliases. Groups that vanished are removed; claim sets that vanished
-(claim deallocated, pods gone) are dropped from their group: they leave the queue and
-lose the lock at once, not after a lease.
+group's nodes (found from the node-plugin pods, `node_agents.py`, or from a fixed
+`agent_template` such as `{node}:50052` when the agents are not pods); clients name
+their claim set by the pod-level claim name, mapped by (job, claim name) aliases.
+Groups that vanished are removed; claim sets that vanished (claim deallocated, pods
+gone) are dropped from their group: they leave the queue and lose the lock at once, not
+after a lease.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from timeslice.controller.grouping import Group, Snapshot
+from timeslice.controller.node_agents import missing_target
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -23,28 +26,33 @@ from timeslice.driver.errors import NotFound
 log = logging.getLogger("timeslice.controller")
 
 
-def agent_target(template: str, node: str) -> str:
-    """The node agent address of `node` from a template such as `{node}:50052`."""
-    return template.format(node=node)
+def agent_target(node: str, snapshot: Snapshot, template: str | None) -> str:
+    """The node agent address of `node`: from `template` (`{node}` replaced) when given,
+    else the node's plugin pod, else `missing_target(node)`."""
+    if template is not None:
+        return template.format(node=node)
+    return snapshot.node_agents.get(node) or missing_target(node)
 
 
-def group_spec(group: Group, template: str, default_backend: str) -> GroupSpec:
+def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) -> GroupSpec:
+    """`agent(node)` -> that node's agent target."""
     members = []
     for cs in group.claim_sets:
         claims = tuple((c.namespace, c.name) for c in cs.claims)
-        members.append(MemberSpec(job=cs.id, claims_by_agent={agent_target(template, n): claims for n in cs.nodes},
+        members.append(MemberSpec(job=cs.id, claims_by_agent={agent(n): claims for n in cs.nodes},
                                   pod_uids=cs.pods, claim_name=cs.name))
     backend = default_backend if group.backend == "auto" else group.backend
-    agents = () if backend == "none" else tuple(agent_target(template, n) for n in group.nodes)
+    agents = () if backend == "none" else tuple(agent(n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,
                      members=tuple(members))
 
 
 class Reconciler:
-    """`agent_template` names a node's agent (`{node}` is replaced); `default_backend`
-    stands for `auto` (freeze on GPU-less clusters, cuda on GPU nodes)."""
+    """`agent_template` names a node's agent (`{node}` is replaced; None: the node-plugin
+    pods in the snapshot); `default_backend` stands for `auto` (freeze on GPU-less
+    clusters, cuda on GPU nodes)."""
 
-    def __init__(self, orchestrator: Orchestrator, agent_template: str = "{node}:50052",
+    def __init__(self, orchestrator: Orchestrator, agent_template: str | None = None,
                  default_backend: str = "cuda", on_group_set: Callable[[LockGroup], None] | None = None) -> None:
         self.orchestrator = orchestrator
         self._on_group_set = on_group_set
@@ -62,7 +70,8 @@ class Reconciler:
             await self.orchestrator.remove_group(group_id)
             log.info("group removed group=%s", group_id)
         for group in snapshot.groups.values():
-            spec = group_spec(group, self.agent_template, self.default_backend)
+            spec = group_spec(group, self.default_backend,
+                              lambda node: agent_target(node, snapshot, self.agent_template))
             if group.id not in old.groups or spec != self.orchestrator.group(group.id).spec:
                 lock = self.orchestrator.add_group(spec)
                 if self._on_group_set is not None:

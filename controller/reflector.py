@@ -80,14 +80,16 @@ class Reflector:
     is used so that objects stay JSON dicts."""
 
     def __init__(self, kind: str, list_method: Callable[..., Any], trim: Trim, on_change: Callable[[], None], *,
-                 field_selector: str | None = None, resync_seconds: float = 300.0, watch_seconds: int = 240,
-                 page_size: int = 500, backoff: Backoff = DEFAULT_BACKOFF) -> None:
+                 field_selector: str | None = None, label_selector: str | None = None,
+                 resync_seconds: float = 300.0, watch_seconds: int = 240, page_size: int = 500,
+                 backoff: Backoff = DEFAULT_BACKOFF) -> None:
         self.kind = kind
         self._list_method = list_method
         self._raw_list = getattr(list_method.__self__, f"{list_method.__name__}_without_preload_content")
         self._trim = trim
         self._on_change = on_change
-        self._selector = {"field_selector": field_selector} if field_selector else {}
+        self._selector = {k: v for k, v in (("field_selector", field_selector), ("label_selector", label_selector))
+                          if v}
         self._resync_seconds = resync_seconds
         self._watch_seconds = watch_seconds
         self._page_size = page_size

@@ -75,6 +75,13 @@ class SwitchFailed(TimeSliceServerError):
     retryable = True
 
 
+class Unavailable(TimeSliceServerError):
+    """A peer the call needs (a node agent) is not there; a later retry can find it."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
 class BackendError(TimeSliceServerError):
     retryable = True
 

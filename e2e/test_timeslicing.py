@@ -10,8 +10,6 @@ the client library, and their worker processes are frozen while the other job ho
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import signal
 import subprocess
@@ -21,12 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from e2e.example_check import EXAMPLE, NS, TARGET, run_example_and_check, status
 from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "hack" / "local-example"
-NS = "timeslice-examples"
-TARGET = "127.0.0.1:50051"
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +71,6 @@ def leader(controllers: list[Controller]) -> Controller | None:
     return next((c for c in controllers if c.proc.poll() is None and "controller serving" in c.text()), None)
 
 
-def status() -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "timeslice.cli.main", "status", "--target", TARGET, "--json"],
-                       capture_output=True, text=True, timeout=30)
-    return json.loads(r.stdout) if r.returncode == 0 else []
-
-
 @pytest.mark.timeout(400)
 def test_two_jobs_share_one_gpu_and_alternate(kube, stack) -> None:
     run_example_and_check(kube)
@@ -106,49 +94,6 @@ def test_killing_the_leader_controller_keeps_the_group_working(kube, stack) -> N
     second = leader(stack)
     assert second is not None and second is not first
     assert "adopted group=" in second.text()
-
-
-def run_example_and_check(kube, during=lambda: None) -> None:
-    kube.run("apply", "-k", str(EXAMPLE))
-    seen: dict[str, dict] = {}
-    conditions: list[dict] = []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        for g in status():
-            if len(g.get("agent_targets", [])) and g.get("grants"):
-                seen[g["group_id"]] = g
-        claims = kube.json("get", "resourceclaims", "-n", NS)["items"]
-        for c in claims:
-            for d in c.get("status", {}).get("devices", []):
-                conditions.append({k["type"]: k["status"] for k in d.get("conditions", [])} | d.get("data", {}))
-        done = [j for j in kube.json("get", "jobs", "-n", NS)["items"] if j.get("status", {}).get("succeeded")]
-        failed = [j for j in kube.json("get", "jobs", "-n", NS)["items"] if j.get("status", {}).get("failed")]
-        assert not failed, kube.run("logs", "-n", NS, "job/" + failed[0]["metadata"]["name"], check=False).stdout
-        if len(done) == 2:
-            break
-        during()
-        time.sleep(0.5)
-    assert len(done) == 2, "jobs did not finish"
-    # one group held both claim sets, and switched between them
-    assert len(seen) == 1, seen
-    group = next(iter(seen.values()))
-    assert int(group.get("switches", 0)) >= 1 and int(group.get("failed_switches", 0)) == 0, group
-    # the GPU phases never overlapped, and the state survived every freeze
-    phases = []
-    for job in ("rl-job-a", "rl-job-b"):
-        lines = [json.loads(x) for x in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines()
-                 if x.startswith("{")]
-        assert len(lines) == 5 and all(x["check_ok"] for x in lines), lines
-        phases += [(x["start"], x["end"], job) for x in lines]
-    phases.sort()
-    for (_, e1, j1), (s2, _, j2) in itertools.pairwise(phases):
-        assert s2 >= e1 - 0.01, f"{j1} and {j2} computed at the same time"
-    assert len({j for _, _, j in phases[:4]}) == 2  # they alternate rather than run one after the other
-    # status where users look: claim conditions and Events
-    assert any(c.get("LockHeld") == "True" and c.get("groupId") == group["group_id"] for c in conditions), conditions
-    assert any(c.get("Resident") == "False" for c in conditions)
-    reasons = kube.run("get", "events", "-n", NS, "-o", "jsonpath={.items[*].reason}").stdout.split()
-    assert "LockGranted" in reasons and "Switched" in reasons, reasons
 
 
 @pytest.mark.timeout(400)

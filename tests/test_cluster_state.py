@@ -224,3 +224,20 @@ async def test_large_list_is_paged(apiserver, api) -> None:
         snap = await cs.wait_synced(10)
     assert len(snap.claim_sets) == 64 and len(snap.groups) == 8
     assert sum(1 for k, watch, q in apiserver.requests if k == "Pod" and not watch and q.get("continue")) >= 6
+
+
+async def test_node_agents_come_from_the_plugin_pods(apiserver, api) -> None:
+    from tests.test_node_agents import plugin_pod
+
+    load(apiserver, two_jobs_on_one_gpu())
+    apiserver.put(plugin_pod("plugin-a", "node-a", ip="10.1.0.1"))
+    apiserver.put(plugin_pod("elsewhere", "node-b", ns="default"))  # not in the agent namespace
+    rec = Recorder()
+    async with state(api, rec, agent_namespace="timeslice-system") as cs:
+        snap = await cs.wait_synced(10)
+        assert snap.node_agents == {"node-a": "10.1.0.1:50052"}
+        moved = plugin_pod("plugin-a2", "node-a", ip="10.1.0.9", created="2026-11-29T11:00:00Z")
+        apiserver.put(moved)  # the plugin pod was replaced: the new address reaches the snapshot
+        await eventually(lambda: rec.last.node_agents == {"node-a": "10.1.0.9:50052"})
+    selectors = [q.get("labelSelector") for k, w_, q in apiserver.requests if k == "Pod"]
+    assert "app.kubernetes.io/name=timeslice-kubelet-plugin" in selectors

@@ -167,3 +167,29 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
         await c.client("x", group="g").acquire()
     for cl in (a, b):
         await cl.close()
+
+
+async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make_cluster) -> None:
+    """The holder runs on a node with no node-plugin pod (target `no-agent:<node>`): the
+    switch away from it fails with that cause, nothing is left checkpointed, and the group
+    keeps serving."""
+    from timeslice.controller.node_agents import missing_target
+    from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+
+    c = await make_cluster(backend="cuda", nodes=1)
+
+    spec = c.orchestrator.group("g").spec
+    node0, nowhere = spec.agents[0], missing_target("node-9")
+    members = (MemberSpec(job="a", claims_by_agent={nowhere: (("ns", "a-0"),)}),
+               MemberSpec(job="b", claims_by_agent={node0: (("ns", "b-0"),)}))
+    c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "agents": (node0, nowhere), "members": members}))
+    a, b, task = await hold_then_handoff(c, "a", "b")
+    with pytest.raises(SwitchFailed, match="checkpoint of job a on node node-9: no node agent there"):
+        await task
+    status = await c.status()
+    assert status.failed_switches == 1 and status.resident_job_id == "a" and "rolled back" in \
+        status.recent_switches[-1].error
+    assert not c.calls  # no agent was asked to move anything
+    assert not (await a.acquire()).restored
+    for cl in (a, b):
+        await cl.close()

@@ -13,8 +13,10 @@ import grpc.aio
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import error_from_status
+from timeslice.driver.errors import Unavailable, error_from_status
 
+# Target prefix of a node without a node agent: `no-agent:<node>` (see MissingAgent).
+MISSING_PREFIX = "no-agent:"
 # Slack on top of the step's own bound, for the RPC itself (seconds).
 RPC_SLACK_SECONDS = 5.0
 
@@ -68,8 +70,34 @@ class AgentClient:
         await self._channel.close()
 
 
+class MissingAgent(AgentClient):
+    """The stand-in for a node without a node agent (target `no-agent:<node>`): every
+    call raises `Unavailable`, so a switch there fails and rolls back with a clear cause."""
+
+    def __init__(self, target: str) -> None:  # no channel
+        self.target = target
+        self._node = target.partition(":")[2]
+
+    async def checkpoint(self, job_id: str, *args: object, **kw: object) -> StepResult:
+        raise self._missing(f"checkpoint of job {job_id}")
+
+    async def restore(self, job_id: str, *args: object, **kw: object) -> StepResult:
+        raise self._missing(f"restore of job {job_id}")
+
+    async def checkpointed_jobs(self) -> set[str]:
+        raise self._missing("list jobs")
+
+    def _missing(self, what: str) -> Unavailable:
+        return Unavailable(f"{what} on node {self._node}: no node agent there (no running timeslice-kubelet-plugin "
+                           "pod on that node)")
+
+    async def close(self) -> None:
+        pass
+
+
 class AgentPool:
-    """Agent clients by target, created on first use."""
+    """Agent clients by target, created on first use; `MISSING_PREFIX` targets get a
+    `MissingAgent`."""
 
     def __init__(self) -> None:
         self._clients: dict[str, AgentClient] = {}
@@ -77,7 +105,8 @@ class AgentPool:
     def get(self, target: str) -> AgentClient:
         client = self._clients.get(target)
         if client is None:
-            client = self._clients[target] = AgentClient(target)
+            cls = MissingAgent if target.startswith(MISSING_PREFIX) else AgentClient
+            client = self._clients[target] = cls(target)
         return client
 
     async def close(self) -> None:
