@@ -97,7 +97,8 @@ def _status(a: argparse.Namespace) -> int:
         print(f"group {g.group_id}  backend={g.backend}  phase={g.phase}  holder={holder}  "
               f"resident={g.resident_job_id or '-'}")
         print(f"  grants={g.grants} switches={g.switches} failed={g.failed_switches} "
-              f"lease_expiries={g.lease_expiries} checkpointed={','.join(g.checkpointed_job_ids) or '-'}")
+              f"lease_expiries={g.lease_expiries} preemptions={g.preemptions} "
+              f"checkpointed={','.join(g.checkpointed_job_ids) or '-'}")
         for w in g.waiters:
             print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
         for r in g.recent_switches[-5:]:

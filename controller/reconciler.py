@@ -40,7 +40,8 @@ def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) 
     for cs in group.claim_sets:
         claims = tuple((c.namespace, c.name) for c in cs.claims)
         members.append(MemberSpec(job=cs.id, claims_by_agent={agent(n): claims for n in cs.nodes},
-                                  pod_uids=cs.pods, claim_name=cs.name))
+                                  pod_uids=cs.pods, claim_name=cs.name, priority=cs.config.priority,
+                                  max_hold_seconds=cs.config.max_hold_seconds))
     backend = default_backend if group.backend == "auto" else group.backend
     agents = () if backend == "none" else tuple(agent(n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,

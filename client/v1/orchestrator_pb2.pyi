@@ -139,7 +139,7 @@ class SwitchRecord(_message.Message):
     def __init__(self, from_job_id: _Optional[str] = ..., to_job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checkpoint_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., bytes_checkpointed: _Optional[int] = ..., bytes_restored: _Optional[int] = ..., finished_at_unix: _Optional[float] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets")
+    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets", "preemptions")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class GroupStatus(_message.Message):
     LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     RECENT_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     AGENT_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     backend: str
     holder: Holder
@@ -168,4 +169,5 @@ class GroupStatus(_message.Message):
     lease_expiries: int
     recent_switches: _containers.RepeatedCompositeFieldContainer[SwitchRecord]
     agent_targets: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ...) -> None: ...

@@ -19,7 +19,8 @@ Backend = Literal["cuda", "cuda-checkpoint", "freeze", "none"]
 class MemberSpec(BaseModel):
     """Where one job (a claim set, in a cluster) of a group runs: for each node agent the
     job's claims on that node (namespace, name), and the job's pods. The agent finds the
-    processes from these (claim -> pods -> PIDs)."""
+    processes from these (claim -> pods -> PIDs). `priority` and `max_hold_seconds` come
+    from the claim set's TimeSliceConfig and override what its client asks for."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,6 +28,8 @@ class MemberSpec(BaseModel):
     claims_by_agent: dict[str, tuple[tuple[str, str], ...]]
     pod_uids: tuple[str, ...] = ()
     claim_name: str = ""  # the pod-level claim name of the claim set
+    priority: int = 0
+    max_hold_seconds: float | None = Field(default=None, gt=0)
 
 
 class GroupSpec(BaseModel):
@@ -34,7 +37,8 @@ class GroupSpec(BaseModel):
 
     `agents` are node-agent gRPC targets (`unix:///path` or `host:port`), one per node
     that runs the group's jobs; `backend` names the checkpoint backend the agents use
-    (`none` needs no agent: lock hand-off only). Times are seconds.
+    (`none` needs no agent: lock hand-off only); `max_hold_seconds` bounds a hold once
+    another job waits (members' own values win). Times are seconds.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -44,6 +48,7 @@ class GroupSpec(BaseModel):
     agents: tuple[str, ...] = ()
     lease_seconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0)
     step_timeout_seconds: float = Field(default=names.DEFAULT_STEP_TIMEOUT_SECONDS, gt=0)
+    max_hold_seconds: float | None = Field(default=None, gt=0)
     # Cluster mode: the group's jobs and where they run. Empty (static mode): any job may
     # acquire, and every agent resolves the job by its own table.
     members: tuple[MemberSpec, ...] = ()

@@ -9,6 +9,15 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
   granted together (a job's processes share its hold).
 - The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
   a lapsed holder loses the lock and the next waiter is granted.
+- `maxHoldSeconds` (a member's, else the group's) counts from the moment another job
+  waits (no waiter, no limit). Past it the holder is preempted: with a checkpointing
+  backend it is switched out like a releasing holder and re-queued behind the jobs
+  already waiting at its priority, keeping its lease (its keep-alives and release stay
+  valid, the lease does not lapse while it waits), and restored when its turn comes, so
+  the preemption is invisible to its code; with `none` (nothing to checkpoint) its lease
+  is revoked like a lapsed one.
+- In a cluster (members known) a job queues at its claim set's configured priority, not
+  at the priority its client asks for: a pod cannot jump the queue.
 - A waiter whose caller left (disconnect, timeout) is removed and never granted; a
   grant whose only caller left in the same instant is revoked at once.
 - A release with nobody waiting moves nothing: the job stays resident and its next
@@ -36,6 +45,7 @@ log = logging.getLogger("timeslice.orchestrator")
 
 RECENT_SWITCHES = 16
 ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
+PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue entry
 
 
 @dataclass
@@ -106,6 +116,8 @@ class Hold:
     request_ids: set[str]
     restored: bool
     switch_seconds: float
+    priority: int = 0
+    past_epochs: frozenset[int] = frozenset()  # earlier grants of this lease (preempted, restored)
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Counters:
     switches: int = 0
     failed_switches: int = 0
     lease_expiries: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -160,6 +173,8 @@ class LockGroup:
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
         self._switch_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
+        self._max_hold_timer: asyncio.TimerHandle | None = None
+        self._preempted: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
 
     @property
     def id(self) -> str:
@@ -178,6 +193,9 @@ class LockGroup:
         if h is not None and h.job_id == job_id:
             h.request_ids.add(request_id)
             return self._grant_info(h, waited=0.0)
+        member = self.spec.member(job_id)
+        if member is not None:
+            priority = member.priority
         w = self.queue.by_request(request_id)
         if w is not None:
             w.callers += 1
@@ -187,6 +205,7 @@ class LockGroup:
             log.debug("queued group=%s job=%s priority=%d position=%d", self.id, job_id, priority,
                       len(self.queue) - 1)
             self._dispatch()
+            self._arm_max_hold_timer()
         try:
             return await asyncio.wait_for(asyncio.shield(w.future), timeout)
         except TimeoutError:
@@ -197,7 +216,16 @@ class LockGroup:
             raise
 
     def release(self, job_id: str, lease_id: str, epoch: int) -> tuple[int, bool]:
-        """End the hold. Returns (waiters, switch started). Raises StaleLease."""
+        """End the hold (or, for a preempted holder, its place in the queue: it stays
+        checkpointed). Returns (waiters, switch started). Raises StaleLease."""
+        parked = self._preempted_entry(job_id, lease_id, epoch)
+        if parked is not None:
+            self._forget_preempted(parked)
+            self.queue.remove(parked)
+            log.info("preempted holder released group=%s job=%s", self.id, job_id)
+            self._notify("released", job_id, epoch)
+            self._dispatch()
+            return len(self.queue), self.switching is not None
         h = self._check_holder(job_id, lease_id, epoch, "release")
         self._end_hold(h, "released")
         waiters = len(self.queue)
@@ -206,17 +234,17 @@ class LockGroup:
         return waiters, self.switching is not None
 
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
-        """Extend the lease; returns the seconds it now has. Raises StaleLease."""
+        """Extend the lease; returns the seconds it now has (a preempted holder's lease
+        waits with it and does not lapse). Raises StaleLease."""
+        if self._preempted_entry(job_id, lease_id, epoch) is not None:
+            return self.spec.lease_seconds
         h = self._check_holder(job_id, lease_id, epoch, "keep-alive")
         h.lease_deadline = self._clock() + self.spec.lease_seconds
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:
         """Forget a job that is gone: its waiters fail, its hold ends, its records go."""
-        for w in self.queue.pop_job(job_id):
-            if not w.future.done():
-                w.future.set_exception(StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
-                w.future.exception()  # retrieved here: the caller may be gone already
+        self._fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
         if self.holder is not None and self.holder.job_id == job_id:
             self._end_hold(self.holder, f"dropped: {reason}")
         self.checkpointed.discard(job_id)
@@ -256,8 +284,9 @@ class LockGroup:
             agents=list(self.spec.agents))
 
     async def close(self) -> None:
-        if self._lease_timer is not None:
-            self._lease_timer.cancel()
+        for timer in (self._lease_timer, self._max_hold_timer):
+            if timer is not None:
+                timer.cancel()
         if self._switch_task is not None:
             self._switch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -269,7 +298,8 @@ class LockGroup:
         if h is not None and h.lease_id == ADOPTED and h.job_id == job_id:
             h.lease_id, h.epoch = lease_id, epoch  # the presumptive holder shows its lease
             self.epoch = max(self.epoch, epoch)
-        if h is None or h.job_id != job_id or h.lease_id != lease_id or h.epoch != epoch:
+        if h is None or h.job_id != job_id or h.lease_id != lease_id or (h.epoch != epoch and
+                                                                          epoch not in h.past_epochs):
             now = f"job {h.job_id} epoch {h.epoch}" if h else "nobody"
             raise StaleLease(f"group {self.id}: {what} by job {job_id} epoch {epoch} refused: "
                              f"the holder is {now} (lease lapsed or superseded)")
@@ -282,6 +312,18 @@ class LockGroup:
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
+        if self._max_hold_timer is not None:
+            self._max_hold_timer.cancel()
+            self._max_hold_timer = None
+
+    def _fail_job(self, job_id: str, err: Exception) -> None:
+        """Every waiter of `job_id` leaves the queue with `err` (a preempted holder's entry
+        too: its client learns it on its next keep-alive)."""
+        for w in self.queue.pop_job(job_id):
+            self._forget_preempted(w)
+            if not w.future.done():
+                w.future.set_exception(err)
+                w.future.exception()  # retrieved here: the caller may be gone already
 
     def _notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None) -> None:
         if self._observer is None:
@@ -297,6 +339,7 @@ class LockGroup:
         if w.callers > 0:
             return
         if self.queue.remove(w):
+            self._forget_preempted(w)
             log.info("withdrawn group=%s job=%s request=%s", self.id, w.job_id, w.request_id)
             self._dispatch()
             return
@@ -336,15 +379,13 @@ class LockGroup:
             if outgoing and not err.outgoing_resident:
                 self.checkpointed.add(outgoing)
             log.warning("switch failed group=%s from=%s to=%s: %s", self.id, outgoing, incoming, err)
-            for w in self.queue.pop_job(incoming):
-                w.future.set_exception(SwitchFailed(f"group {self.id}: {err}"))
+            self._fail_job(incoming, SwitchFailed(f"group {self.id}: {err}"))
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
             log.exception("switch crashed group=%s from=%s to=%s", self.id, outgoing, incoming)
             record = SwitchRecord(outgoing, incoming, ok=False, error=f"internal error: {err!r}")
             self.counters.failed_switches += 1
             self.resident = None
-            for w in self.queue.pop_job(incoming):
-                w.future.set_exception(SwitchFailed(f"group {self.id}: internal error: {err!r}"))
+            self._fail_job(incoming, SwitchFailed(f"group {self.id}: internal error: {err!r}"))
         else:
             self.counters.switches += 1
             self.resident = incoming
@@ -371,14 +412,19 @@ class LockGroup:
         now = self._clock()
         self.epoch += 1
         self.counters.grants += 1
-        h = Hold(job_id, uuid.uuid4().hex, self.epoch, now, now + self.spec.lease_seconds,
-                 {w.request_id for w in waiters}, restored, switch_seconds)
+        parked = next((self._forget_preempted(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
+        lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
+        h = Hold(job_id, lease_id, self.epoch, now, now + self.spec.lease_seconds,
+                 {w.request_id for w in waiters} | (parked.request_ids if parked else set()), restored,
+                 switch_seconds, max(w.priority for w in waiters),
+                 parked.past_epochs | {parked.epoch} if parked else frozenset())
         self.holder = h
         for w in waiters:
             w.future.set_result(self._grant_info(h, waited=now - w.enqueued_at))
         log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
         self._notify("granted", job_id, h.epoch)
         self._arm_lease_timer()
+        self._arm_max_hold_timer()
 
     def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
         return GrantInfo(h.lease_id, h.epoch, self.spec.lease_seconds, waited, h.restored, h.switch_seconds)
@@ -401,3 +447,48 @@ class LockGroup:
         self._notify("lease-expired", h.job_id, h.epoch)
         self._end_hold(h, "lease expired")
         self._dispatch()
+
+    # -- maxHoldSeconds ----------------------------------------------------------
+    def _max_hold_seconds(self, job_id: str) -> float | None:
+        member = self.spec.member(job_id)
+        return member.max_hold_seconds if member is not None else self.spec.max_hold_seconds
+
+    def _arm_max_hold_timer(self) -> None:
+        """Start the holder's maxHoldSeconds when another job waits and none runs yet."""
+        h = self.holder
+        if h is None or self._max_hold_timer is not None or not any(w.job_id != h.job_id for w in self.queue):
+            return
+        limit = self._max_hold_seconds(h.job_id)
+        if limit is not None:
+            self._max_hold_timer = asyncio.get_running_loop().call_later(limit, self._on_max_hold, h, limit)
+
+    def _on_max_hold(self, h: Hold, limit: float) -> None:
+        self._max_hold_timer = None
+        if self.holder is not h or self.switching is not None:
+            return
+        if not any(w.job_id != h.job_id for w in self.queue):  # the waiters left: count from the next one
+            return
+        self.counters.preemptions += 1
+        log.warning("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", self.id, h.job_id,
+                    h.epoch, limit, len(self.queue))
+        self._notify("preempted", h.job_id, h.epoch)
+        self._end_hold(h, f"maxHoldSeconds {limit:g} exceeded while others waited")
+        if self.spec.backend != "none":  # checkpointed by the switch, re-queued keeping its lease
+            w = self.queue.push(f"{PREEMPTED}{h.lease_id}", h.job_id, h.priority, self._clock(),
+                                asyncio.get_running_loop().create_future())
+            w.callers = 0  # no RPC waits on it: nothing withdraws it
+            self._preempted[h.lease_id] = (w, h)
+        self._dispatch()
+
+    def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> Waiter | None:
+        w, h = self._preempted.get(lease_id, (None, None))
+        if h is None or h.job_id != job_id or (epoch != h.epoch and epoch not in h.past_epochs):
+            return None
+        return w
+
+    def _forget_preempted(self, w: Waiter) -> Hold | None:
+        """The suspended hold of `w` when `w` is a preempted holder's entry (now forgotten)."""
+        if not w.request_id.startswith(PREEMPTED):
+            return None
+        _, h = self._preempted.pop(w.request_id[len(PREEMPTED):], (None, None))
+        return h

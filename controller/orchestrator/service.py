@@ -39,7 +39,7 @@ def group_status(v: GroupView) -> pb.GroupStatus:
         resident_job_id=v.resident_job or "", checkpointed_job_ids=v.checkpointed_jobs,
         grants=v.counters.grants, switches=v.counters.switches,
         failed_switches=v.counters.failed_switches, lease_expiries=v.counters.lease_expiries,
-        agent_targets=v.agents,
+        preemptions=v.counters.preemptions, agent_targets=v.agents,
         waiters=[pb.Waiter(job_id=w.job_id, priority=w.priority, waiting_seconds=w.waiting_seconds,
                            position=w.position) for w in v.waiters],
         recent_switches=[pb.SwitchRecord(
