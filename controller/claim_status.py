@@ -6,8 +6,11 @@ gate DRAResourceClaimDeviceStatus) with conditions `LockHeld` and `Resident` (re
 `Checkpointed` when False) and `data` {groupId, holder, queuePosition,
 lastSwitchSeconds, bytesMoved}; and records Events for grants, switches (seconds and
 bytes), failed switches and lease expiries. Writes are coalesced per group (every
-`interval` seconds at most); API errors are logged and retried at the next change, so
-an API server outage pauses status but never a grant.
+`interval` seconds at most). A group whose write fails (API server away, 5xx) stays
+dirty and is retried on its own with backoff (`retry`), so its claims catch up once the
+API server is back even when no lock event follows; the lock never waits on a write, so
+an API server outage pauses status but never a grant. Events are best effort: one that
+cannot be recorded is logged and dropped (`driver/events.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from timeslice.controller.grouping import Snapshot
 from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
+from timeslice.controller.reflector import Backoff, _describe
 from timeslice.driver import names
 from timeslice.driver.events import EventRecorder
 
@@ -32,6 +36,8 @@ EVENTS = {  # group event kind -> (reason, warning?)
     "switch-failed": ("SwitchFailed", True),
     "lease-expired": ("LeaseExpired", True),
 }
+# After a failed write of a group: 0.5 s, 1 s, 2 s, ... at most 10 s (+-20%) until one succeeds.
+RETRY_BACKOFF = Backoff(initial=0.5, maximum=10.0)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
@@ -40,15 +46,20 @@ def condition(kind: str, ok: bool, reason: str, message: str, now: str) -> dict[
 
 
 class ClaimStatusWriter:
-    """`resource_api`: kubernetes.aio ResourceV1Api; `snapshot()` the reconciler's latest."""
+    """`resource_api`: kubernetes.aio ResourceV1Api; `snapshot()` the reconciler's latest.
+    `interval`: seconds between write rounds; `retry`: delays before retrying a group
+    whose write failed (by its failures in a row)."""
 
     def __init__(self, resource_api: Any, events: EventRecorder, snapshot: Callable[[], Snapshot],
-                 interval: float = 0.5) -> None:
+                 interval: float = 0.5, retry: Backoff = RETRY_BACKOFF) -> None:
         self._api = resource_api
         self._events = events
         self._snapshot = snapshot
         self._interval = interval
+        self._retry = retry
         self._dirty: dict[str, LockGroup] = {}
+        self._failures: dict[str, int] = {}    # group id -> failed writes in a row
+        self._retry_at: dict[str, float] = {}  # group id -> loop time before which it is not retried
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -72,18 +83,49 @@ class ClaimStatusWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    def pending(self) -> dict[str, int]:
+        """Group id -> failed writes in a row, for the groups whose status is not written yet."""
+        return {gid: self._failures.get(gid, 0) for gid in self._dirty}
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            dirty, self._dirty = self._dirty, {}
-            for group in dirty.values():
+            await self._due()
+            now = loop.time()
+            due = [g for gid, g in self._dirty.items() if self._retry_at.get(gid, 0.0) <= now]
+            for group in due:
+                del self._dirty[group.id]
+            live = self._snapshot().groups
+            for group in due:
+                if group.id not in live:  # removed meanwhile: its claims are gone or another group's
+                    self._failures.pop(group.id, None)
+                    self._retry_at.pop(group.id, None)
+                    continue
                 try:
                     await self.write(group)
-                except Exception as err:  # API server away: retry with the next change
-                    log.warning("claim status not written group=%s: %s", group.id, err)
+                except Exception as err:  # API server away: keep it dirty, retry after a backoff
+                    failures = self._failures[group.id] = self._failures.get(group.id, 0) + 1
+                    delay = self._retry.delay(failures - 1)
+                    self._retry_at[group.id] = loop.time() + delay
                     self._dirty.setdefault(group.id, group)
+                    log.warning("claim status not written group=%s attempt=%d retry_in=%.2fs error=%s", group.id,
+                                failures, delay, _describe(err))
+                else:
+                    if self._failures.pop(group.id, 0):
+                        log.info("claim status written again group=%s", group.id)
+                    self._retry_at.pop(group.id, None)
             await asyncio.sleep(self._interval)
+
+    async def _due(self) -> None:
+        """Until a dirty group is due: at once after a change, at its retry time after a failure."""
+        loop = asyncio.get_running_loop()
+        while True:
+            at = min((self._retry_at.get(gid, 0.0) for gid in self._dirty), default=None)
+            if at is not None and at <= loop.time():
+                return
+            self._wake.clear()  # a change from here on wakes the wait below
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), None if at is None else at - loop.time())
 
     def _claims_of(self, member: str) -> list[tuple[str, str]]:
         cs = self._snapshot().claim_sets.get(member)

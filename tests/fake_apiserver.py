@@ -1,12 +1,20 @@
-"""FakeApiServer: list and watch of Pods, ResourceClaims and ResourceSlices over real HTTP.
+"""FakeApiServer: Pods, ResourceClaims, ResourceSlices and Events over real HTTP.
 
-The seam of the ClusterState / Reflector tests: the real `kubernetes.aio` client talks to
-it on 127.0.0.1 (aiohttp.web). It serves what a reflector uses, the way the API server
-does: lists with `limit`/`continue` and a `resourceVersion`; watches from a
-`resourceVersion` with `timeoutSeconds`, one JSON event per line; field selectors
-`path=value` / `path!=value` on dotted paths. Faults for the tests:
+The seam of the ClusterState / Reflector / ClaimStatusWriter tests: the real
+`kubernetes.aio` client talks to it on 127.0.0.1 (aiohttp.web). It serves what a
+reflector uses, the way the API server does: lists with `limit`/`continue` and a
+`resourceVersion`; watches from a `resourceVersion` with `timeoutSeconds`, one JSON
+event per line; field selectors `path=value` / `path!=value` on dotted paths. And what
+the claim status writer uses: GET of one ResourceClaim (404 NotFound when absent), PATCH
+of its `status` subresource (a merge patch: objects merge, lists and values replace, null
+deletes; only `status` is applied, a new resourceVersion and a MODIFIED watch event, as
+the API server does for a strategic merge patch of `status.devices`, which has no patch
+strategy), and POST of core/v1 Events (201 Created). Fault and request keys are the kind,
+`ResourceClaim/status` for status patches and `Event` for Event creation. Faults for the
+tests:
 
-- `fail(kind, status, times)`: the next requests of that kind get a Status error;
+- `fail(kind, status, times)`: the next requests of that key get a Status error;
+  `times=None`: every request until `heal(kind)`;
 - `compact()`: history is gone; watches from an older version get an ERROR 410 event,
   open watches end with one;
 - `put(obj, silent=True)` / `delete(obj, silent=True)`: a change no watch reports (only
@@ -31,6 +39,8 @@ PATHS = {
     "/apis/resource.k8s.io/v1/resourceclaims": "ResourceClaim",
     "/apis/resource.k8s.io/v1/resourceslices": "ResourceSlice",
 }
+CLAIM_PATH = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+EVENTS_PATH = "/api/v1/namespaces/{namespace}/events"
 
 
 def _field(obj: Mapping[str, Any], path: str) -> str:
@@ -53,6 +63,19 @@ def matches(obj: Obj, selector: str) -> bool:
     return True
 
 
+def _merge(target: Obj, patch: Obj) -> Obj:
+    """JSON merge patch (RFC 7386): objects merge, anything else replaces, null deletes."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
 def status(code: int, reason: str, message: str) -> Obj:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
@@ -65,7 +88,10 @@ class FakeApiServer:
         self.history: list[tuple[int, str, str, Obj]] = []  # (rv, kind, event type, object)
         self.compacted = 0
         self.faults: dict[str, list[int]] = {}
-        self.requests: list[tuple[str, bool, dict[str, str]]] = []  # (kind, watch?, query)
+        self.failing: dict[str, int] = {}  # key -> status code, until healed
+        self.requests: list[tuple[str, bool, dict[str, str]]] = []  # (key, watch?, query)
+        self.status_patches: list[tuple[str, str, Obj]] = []  # applied: (namespace, name, patch body)
+        self.events: list[Obj] = []  # created Events
         self.port = 0
         self._changed = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -78,6 +104,9 @@ class FakeApiServer:
         app = web.Application()
         for path in PATHS:
             app.router.add_get(path, self._handle)
+        app.router.add_get(CLAIM_PATH, self._get_claim)
+        app.router.add_patch(CLAIM_PATH + "/status", self._patch_claim_status)
+        app.router.add_post(EVENTS_PATH, self._create_event)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -119,8 +148,18 @@ class FakeApiServer:
         self.history.clear()
         self._notify()
 
-    def fail(self, kind: str, code: int = 500, times: int = 1) -> None:
-        self.faults.setdefault(kind, []).extend([code] * times)
+    def fail(self, kind: str, code: int = 500, times: int | None = 1) -> None:
+        """Answer the next `times` requests of `kind` (a key, see the module docstring) with
+        a `code` Status; `times=None`: all of them until `heal(kind)`."""
+        if times is None:
+            self.failing[kind] = code
+        else:
+            self.faults.setdefault(kind, []).extend([code] * times)
+
+    def heal(self, kind: str) -> None:
+        """No more injected errors for `kind`."""
+        self.failing.pop(kind, None)
+        self.faults.pop(kind, None)
 
     def count(self, kind: str, watch: bool) -> int:
         return sum(1 for k, w, _ in self.requests if k == kind and w == watch)
@@ -129,15 +168,26 @@ class FakeApiServer:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def claim(self, namespace: str, name: str) -> Obj | None:
+        """The stored ResourceClaim of that namespace and name, if any."""
+        return next((c for c in self.objects["ResourceClaim"].values()
+                     if c["metadata"]["namespace"] == namespace and c["metadata"]["name"] == name), None)
+
     # -- HTTP --------------------------------------------------------------------
+    def _fault(self, key: str) -> web.Response | None:
+        code = self.faults[key].pop(0) if self.faults.get(key) else self.failing.get(key)
+        if code is None:
+            return None
+        return web.json_response(status(code, "Injected", f"injected {code}"), status=code)
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         kind = PATHS[request.path]
         query = dict(request.query)
         watch = query.get("watch") == "true"
         self.requests.append((kind, watch, query))
-        if self.faults.get(kind):
-            code = self.faults[kind].pop(0)
-            return web.json_response(status(code, "Injected", f"injected {code}"), status=code)
+        fault = self._fault(kind)
+        if fault is not None:
+            return fault
         selector = query.get("fieldSelector", "")
         if watch:
             return await self._watch(request, kind, int(query.get("resourceVersion") or 0),
@@ -151,6 +201,44 @@ class FakeApiServer:
         if start + limit < len(items):
             meta["continue"] = str(start + limit)
         return web.json_response({"kind": f"{kind}List", "apiVersion": "v1", "metadata": meta, "items": page})
+
+    async def _get_claim(self, request: web.Request) -> web.Response:
+        self.requests.append(("ResourceClaim", False, dict(request.query)))
+        fault = self._fault("ResourceClaim")
+        if fault is not None:
+            return fault
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        claim = self.claim(ns, name)
+        if claim is None:
+            return web.json_response(status(404, "NotFound", f'resourceclaims "{name}" not found'), status=404)
+        return web.json_response(claim)
+
+    async def _patch_claim_status(self, request: web.Request) -> web.Response:
+        self.requests.append(("ResourceClaim/status", False, dict(request.query)))
+        fault = self._fault("ResourceClaim/status")
+        if fault is not None:
+            return fault
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        claim = self.claim(ns, name)
+        if claim is None:
+            return web.json_response(status(404, "NotFound", f'resourceclaims "{name}" not found'), status=404)
+        body = await request.json()
+        updated = copy.deepcopy(claim)
+        updated["status"] = _merge(updated.get("status") or {}, body.get("status") or {})
+        self.status_patches.append((ns, name, body))
+        return web.json_response(self.put(updated))
+
+    async def _create_event(self, request: web.Request) -> web.Response:
+        self.requests.append(("Event", False, dict(request.query)))
+        fault = self._fault("Event")
+        if fault is not None:
+            return fault
+        event = await request.json()
+        self.rv += 1
+        event["metadata"] = {**event.get("metadata", {}), "namespace": request.match_info["namespace"],
+                             "uid": f"uid-event-{self.rv}", "resourceVersion": str(self.rv)}
+        self.events.append(event)
+        return web.json_response(event, status=201)
 
     async def _watch(self, request: web.Request, kind: str, since: int, timeout: float,
                      selector: str) -> web.StreamResponse:
