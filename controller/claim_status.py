@@ -5,7 +5,7 @@ allocated device of our driver it writes `status.devices[]` of the claim (KEP-48
 gate DRAResourceClaimDeviceStatus) with conditions `LockHeld` and `Resident` (reason
 `Checkpointed` when False) and `data` {groupId, holder, queuePosition,
 lastSwitchSeconds, bytesMoved}; and records Events for grants, switches (seconds and
-bytes), failed switches and lease expiries. Writes are coalesced per group (every
+bytes), failed switches, lease expiries and preemptions (maxHoldSeconds). Writes are coalesced per group (every
 `interval` seconds at most). A group whose write fails (API server away, 5xx) stays
 dirty and is retried on its own with backoff (`retry`), so its claims catch up once the
 API server is back even when no lock event follows; the lock never waits on a write, so
@@ -24,7 +24,7 @@ from typing import Any
 
 from timeslice.controller.grouping import Snapshot
 from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
-from timeslice.controller.reflector import Backoff, _describe
+from timeslice.controller.reflector import Backoff, describe_error
 from timeslice.driver import names
 from timeslice.driver.events import EventRecorder
 
@@ -35,6 +35,7 @@ EVENTS = {  # group event kind -> (reason, warning?)
     "switched": ("Switched", False),
     "switch-failed": ("SwitchFailed", True),
     "lease-expired": ("LeaseExpired", True),
+    "preempted": ("Preempted", False),
 }
 # After a failed write of a group: 0.5 s, 1 s, 2 s, ... at most 10 s (+-20%) until one succeeds.
 RETRY_BACKOFF = Backoff(initial=0.5, maximum=10.0)
@@ -109,7 +110,7 @@ class ClaimStatusWriter:
                     self._retry_at[group.id] = loop.time() + delay
                     self._dirty.setdefault(group.id, group)
                     log.warning("claim status not written group=%s attempt=%d retry_in=%.2fs error=%s", group.id,
-                                failures, delay, _describe(err))
+                                failures, delay, describe_error(err))
                 else:
                     if self._failures.pop(group.id, 0):
                         log.info("claim status written again group=%s", group.id)
@@ -186,6 +187,8 @@ class ClaimStatusWriter:
                         "bytes moved",
             "switch-failed": f"group {e.group_id}: switch to {e.job_id} failed: {r.error if r else ''}",
             "lease-expired": f"group {e.group_id}: lease of {e.job_id} (epoch {e.epoch}) expired",
+            "preempted": f"group {e.group_id}: {e.job_id} (epoch {e.epoch}) held past its maxHoldSeconds while "
+                         "others waited: preempted (checkpointed and queued again; with backend none, lease revoked)",
         }[e.kind]
         for namespace, name in self._claims_of(e.job_id):
             await self._events.claim_event(namespace, name, "", reason, message, warning=warning)

@@ -128,7 +128,7 @@ class Reflector:
         self.stats.errors += 1
         delay = self._backoff.delay(attempt)
         log.warning("list/watch failed kind=%s attempt=%d retry_in=%.2fs error=%s", self.kind, attempt + 1, delay,
-                    _describe(err))
+                    describe_error(err))
         await asyncio.sleep(delay)
         return attempt + 1
 
@@ -198,7 +198,7 @@ class Reflector:
         return True
 
 
-def _describe(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
     if isinstance(err, ApiException):
         return f"ApiException status={err.status} reason={err.reason}"
     return f"{type(err).__name__}: {err}"

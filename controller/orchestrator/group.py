@@ -84,7 +84,7 @@ Switcher = Callable[[GroupSpec, "str | None", str, bool], Awaitable[SwitchRecord
 @dataclass(frozen=True)
 class GroupEvent:
     """What happened in a group, for observers (claim status, Events): `kind` is
-    "granted", "released", "switched", "switch-failed" or "lease-expired"."""
+    "granted", "released", "switched", "switch-failed", "lease-expired" or "preempted"."""
 
     kind: str
     group_id: str
