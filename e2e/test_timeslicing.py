@@ -10,6 +10,7 @@ the client library, and their worker processes are frozen while the other job ho
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from e2e.example_check import EXAMPLE, NS, TARGET, run_example_and_check, status
 from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
@@ -129,3 +131,40 @@ def test_a_pod_without_a_token_is_refused(kube, stack) -> None:
     out = kube.logs(NS, "no-token")
     assert out.startswith("refused") and "no bearer token" in out, out
     kube.run("delete", "pod", "-n", NS, "no-token", "--wait=false")
+
+
+@pytest.mark.timeout(400)
+def test_max_hold_seconds_preempts_a_long_phase(kube, stack) -> None:
+    """The claims' TimeSliceConfig says maxHoldSeconds: 2. Job A's GPU phases take 8 s,
+    B's 1 s: once B waits, A is preempted mid-phase (its worker frozen, its lease kept),
+    B runs its phase, and A resumes where it was; every checksum holds."""
+    kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
+    docs = list(yaml.safe_load_all(kube.run("kustomize", str(EXAMPLE)).stdout))
+    for d in docs:
+        if d["kind"] == "ResourceClaimTemplate":
+            d["spec"]["spec"]["devices"]["config"] = [{"opaque": {"driver": "gpu.timeslice.dev", "parameters": {
+                "apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "maxHoldSeconds": 2.0}}}]
+        if d["kind"] == "Job":
+            env = {"rl-job-a": {"STEPS": "2", "GPU_SECONDS": "8"}, "rl-job-b": {"STEPS": "3", "GPU_SECONDS": "1"}}
+            for e in d["spec"]["template"]["spec"]["containers"][0]["env"]:
+                e["value"] = env[d["metadata"]["name"]].get(e["name"], e.get("value"))
+    kube.run("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    preemptions = 0
+    for _ in range(240):
+        preemptions = max([preemptions, *(int(g.get("preemptions", 0)) for g in status())])
+        jobs = kube.json("get", "jobs", "-n", NS)["items"]
+        assert not [j for j in jobs if j.get("status", {}).get("failed")], jobs
+        if sum(1 for j in jobs if j.get("status", {}).get("succeeded")) == 2:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError("jobs did not finish")
+    assert preemptions >= 1
+    phases = {job: [json.loads(x) for x in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines()
+                    if x.startswith("{")] for job in ("rl-job-a", "rl-job-b")}
+    assert all(p["check_ok"] for lines in phases.values() for p in lines), phases
+    # some phase of A was stretched by a whole phase of B run inside it (A frozen meanwhile)
+    assert any(a["start"] < b["start"] and b["end"] < a["end"] for a in phases["rl-job-a"]
+               for b in phases["rl-job-b"]), phases
+    reasons = kube.run("get", "events", "-n", NS, "-o", "jsonpath={.items[*].reason}").stdout.split()
+    assert "Preempted" in reasons, reasons
