@@ -58,13 +58,17 @@ async def _holder(c, job: str) -> bool:
 
 async def test_waiters_that_leave_stop_the_clock(make_cluster) -> None:
     c = await make_cluster(backend="cuda")
-    set_group(c, max_hold_seconds=0.3)
+    set_group(c, max_hold_seconds=0.4)
     await c.stub.Acquire(acquire("a", "a1"))
+    loop = asyncio.get_running_loop()
     with pytest.raises(grpc.aio.AioRpcError):
-        await c.stub.Acquire(acquire("b", "b1", timeout=0.1))  # gives up before the limit
-    await asyncio.sleep(0.5)
-    status = await c.status()
-    assert status.holder.job_id == "a" and status.preemptions == 0
+        await c.stub.Acquire(acquire("b", "b1", timeout=0.2))  # gives up before the limit
+    await asyncio.sleep(0.1)
+    assert (await c.status()).holder.job_id == "a"
+    t0 = loop.time()  # 0.3 s after b's first arrival: the limit counts from this one
+    await asyncio.wait_for(c.stub.Acquire(acquire("b", "b2")), 5)
+    assert loop.time() - t0 >= 0.35
+    assert (await c.status()).preemptions == 1
 
 
 async def test_preempted_holder_that_releases_leaves_the_queue_checkpointed(make_cluster) -> None:

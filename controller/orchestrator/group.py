@@ -245,6 +245,7 @@ class LockGroup:
     def drop_job(self, job_id: str, reason: str) -> None:
         """Forget a job that is gone: its waiters fail, its hold ends, its records go."""
         self._fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
+        self._disarm_max_hold_when_unwaited()
         if self.holder is not None and self.holder.job_id == job_id:
             self._end_hold(self.holder, f"dropped: {reason}")
         self.checkpointed.discard(job_id)
@@ -340,6 +341,7 @@ class LockGroup:
             return
         if self.queue.remove(w):
             self._forget_preempted(w)
+            self._disarm_max_hold_when_unwaited()
             log.info("withdrawn group=%s job=%s request=%s", self.id, w.job_id, w.request_id)
             self._dispatch()
             return
@@ -462,11 +464,16 @@ class LockGroup:
         if limit is not None:
             self._max_hold_timer = asyncio.get_running_loop().call_later(limit, self._on_max_hold, h, limit)
 
+    def _disarm_max_hold_when_unwaited(self) -> None:
+        """No other job waits any more: the clock stops, and starts again at the next arrival."""
+        h = self.holder
+        if self._max_hold_timer is not None and (h is None or all(w.job_id == h.job_id for w in self.queue)):
+            self._max_hold_timer.cancel()
+            self._max_hold_timer = None
+
     def _on_max_hold(self, h: Hold, limit: float) -> None:
         self._max_hold_timer = None
         if self.holder is not h or self.switching is not None:
-            return
-        if not any(w.job_id != h.job_id for w in self.queue):  # the waiters left: count from the next one
             return
         self.counters.preemptions += 1
         log.warning("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", self.id, h.job_id,
