@@ -126,3 +126,25 @@ async def test_members_queue_at_their_configured_priority_and_limit(make_cluster
     await c.stub.Release(release("b", gb))
     await eventually(lambda: _holder(c, "a"))
     await c.stub.Release(release("a", ga))
+
+
+async def test_a_new_leader_queues_a_preempted_holder_again_when_it_keeps_alive(make_cluster) -> None:
+    """After a leader change the new orchestrator only knows that `a` is checkpointed
+    (node agents' records) and `b` resident; `a`'s client, stopped mid-phase, keeps its
+    lease alive: `a` is queued again and restored when `b` releases."""
+    c = await make_cluster(backend="cuda")
+    group = c.orchestrator.group("g")
+    group.adopt("b", {"a"}, epoch=7)  # as Controller.take_over does
+    old_a = pb.AcquireResponse(lease_id="lease-of-a", epoch=6)
+    assert (await c.stub.KeepAlive(keep_alive("a", old_a))).lease_remaining_seconds == 10.0
+    assert [w.job_id for w in (await c.status()).waiters] == ["a"]
+    gb = pb.AcquireResponse(lease_id="lease-of-b", epoch=7)
+    await c.stub.Release(release("b", gb))  # the presumptive holder shows its lease and releases
+    await eventually(lambda: _holder(c, "a"))
+    assert ("node-0", "restore", tuple(c.resolvers["node-0"]._jobs["a"])) in c.calls
+    await c.stub.Release(release("a", old_a))
+    # a lease from the future, or of a job that is not checkpointed, is refused as before
+    for job, grant in (("a", pb.AcquireResponse(lease_id="x", epoch=99)), ("b", gb)):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await c.stub.KeepAlive(keep_alive(job, grant))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

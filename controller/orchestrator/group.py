@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -44,6 +44,7 @@ from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 log = logging.getLogger("timeslice.orchestrator")
 
 RECENT_SWITCHES = 16
+KNOWN_LEASES = 1024  # leases granted by this orchestrator, remembered per group (most recent)
 ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
 PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue entry
 
@@ -175,6 +176,7 @@ class LockGroup:
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
         self._preempted: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
+        self._known_leases: OrderedDict[str, None] = OrderedDict()  # granted here (vs. by an earlier leader)
 
     @property
     def id(self) -> str:
@@ -235,8 +237,24 @@ class LockGroup:
 
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
         """Extend the lease; returns the seconds it now has (a preempted holder's lease
-        waits with it and does not lapse). Raises StaleLease."""
+        waits with it and does not lapse). A keep-alive for a lease this group does not
+        know (granted by an earlier leader), from a job that is checkpointed here, comes
+        from a holder switched out mid-phase under that leader (preempted, or lapsed while
+        cut off): its process is stopped on the GPU, so it is queued again with that lease
+        rather than left stopped for good. Raises StaleLease."""
         if self._preempted_entry(job_id, lease_id, epoch) is not None:
+            return self.spec.lease_seconds
+        h = self.holder
+        if (h is None or h.job_id != job_id) and job_id in self.checkpointed and lease_id and lease_id != ADOPTED \
+                and 0 < epoch <= self.epoch and lease_id not in self._known_leases:
+            now = self._clock()
+            member = self.spec.member(job_id)
+            self._remember(lease_id)
+            self._park(Hold(job_id, lease_id, epoch, now, now, set(), False, 0.0, member.priority if member else 0))
+            log.warning("checkpointed holder queued again group=%s job=%s epoch=%d: it still keeps its lease alive",
+                        self.id, job_id, epoch)
+            self._dispatch()
+            self._arm_max_hold_timer()
             return self.spec.lease_seconds
         h = self._check_holder(job_id, lease_id, epoch, "keep-alive")
         h.lease_deadline = self._clock() + self.spec.lease_seconds
@@ -299,6 +317,7 @@ class LockGroup:
         if h is not None and h.lease_id == ADOPTED and h.job_id == job_id:
             h.lease_id, h.epoch = lease_id, epoch  # the presumptive holder shows its lease
             self.epoch = max(self.epoch, epoch)
+            self._remember(lease_id)
         if h is None or h.job_id != job_id or h.lease_id != lease_id or (h.epoch != epoch and
                                                                           epoch not in h.past_epochs):
             now = f"job {h.job_id} epoch {h.epoch}" if h else "nobody"
@@ -416,6 +435,7 @@ class LockGroup:
         self.counters.grants += 1
         parked = next((self._forget_preempted(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
+        self._remember(lease_id)
         h = Hold(job_id, lease_id, self.epoch, now, now + self.spec.lease_seconds,
                  {w.request_id for w in waiters} | (parked.request_ids if parked else set()), restored,
                  switch_seconds, max(w.priority for w in waiters),
@@ -481,11 +501,21 @@ class LockGroup:
         self._notify("preempted", h.job_id, h.epoch)
         self._end_hold(h, f"maxHoldSeconds {limit:g} exceeded while others waited")
         if self.spec.backend != "none":  # checkpointed by the switch, re-queued keeping its lease
-            w = self.queue.push(f"{PREEMPTED}{h.lease_id}", h.job_id, h.priority, self._clock(),
-                                asyncio.get_running_loop().create_future())
-            w.callers = 0  # no RPC waits on it: nothing withdraws it
-            self._preempted[h.lease_id] = (w, h)
+            self._park(h)
         self._dispatch()
+
+    def _remember(self, lease_id: str) -> None:
+        self._known_leases[lease_id] = None
+        self._known_leases.move_to_end(lease_id)
+        while len(self._known_leases) > KNOWN_LEASES:
+            self._known_leases.popitem(last=False)
+
+    def _park(self, h: Hold) -> None:
+        """Queue a switched-out holder again under its lease (no RPC waits on the entry)."""
+        w = self.queue.push(f"{PREEMPTED}{h.lease_id}", h.job_id, h.priority, self._clock(),
+                            asyncio.get_running_loop().create_future())
+        w.callers = 0  # nothing withdraws it
+        self._preempted[h.lease_id] = (w, h)
 
     def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> Waiter | None:
         w, h = self._preempted.get(lease_id, (None, None))
