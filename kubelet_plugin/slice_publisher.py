@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
 import random
 from collections.abc import AsyncIterator, Sequence
@@ -49,6 +48,7 @@ from kubernetes.aio.client import ApiClient, CoreV1Api, ResourceV1Api
 from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
 from timeslice.driver.errors import KubernetesApiError, KubernetesApiRejected
+from timeslice.driver.kubeapi import api_error
 from timeslice.driver.names import DRIVER_NAME
 from timeslice.kubelet_plugin.resourceslices import (
     MAX_DEVICES_PER_SLICE,
@@ -59,9 +59,6 @@ from timeslice.kubelet_plugin.resourceslices import (
 )
 
 log = logging.getLogger("timeslice.kubelet_plugin.slices")
-
-# HTTP statuses after which the same request can succeed later (the rest are rejections).
-_RETRYABLE_STATUS = {0, 408, 409, 410, 429}
 
 
 class SliceStore(Protocol):
@@ -90,18 +87,6 @@ class SliceStore(Protocol):
               timeout_seconds: float) -> AsyncIterator[tuple[str, Slice]]:
         """(event type, object) from `resource_version` on; ends after `timeout_seconds`."""
         ...
-
-
-def api_error(err: Exception, what: str) -> KubernetesApiError:
-    """Translate a `kubernetes.aio` or connection error, keeping the API server's message."""
-    if isinstance(err, ApiException):
-        status = int(err.status or 0)
-        message = err.reason or ""
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            message = json.loads(err.body).get("message") or message
-        cls = KubernetesApiError if status in _RETRYABLE_STATUS or status >= 500 else KubernetesApiRejected
-        return cls(f"{what}: HTTP {status}: {message}", status)
-    return KubernetesApiError(f"{what}: {type(err).__name__}: {err}", 0)
 
 
 _TRANSPORT_ERRORS = (ApiException, aiohttp.ClientError, asyncio.TimeoutError, OSError)
