@@ -34,6 +34,7 @@ from timeslice.kubelet_plugin.agent.server import create_server as create_agent_
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
+from tests.fake_apiserver import FakeApiServer
 from tests.kubelet_fakes import serve_plugin  # noqa: F401  (fixture: a kubelet plugin on temp sockets)
 
 
@@ -136,6 +137,19 @@ async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
             result = close()
             if asyncio.iscoroutine(result):
                 await result
+
+
+@pytest.fixture
+async def token_api() -> AsyncIterator[tuple[FakeApiServer, object]]:
+    """(fake API server answering TokenReviews, a real kubernetes.aio AuthenticationV1Api on it)."""
+    from kubernetes.aio import client as k8s
+
+    server = FakeApiServer()
+    await server.start()
+    api = k8s.ApiClient(k8s.Configuration(host=server.url))
+    yield server, k8s.AuthenticationV1Api(api)
+    await api.close()
+    await server.stop()
 
 
 async def eventually(check: Callable[[], object], timeout: float = 5.0, interval: float = 0.01) -> None:

@@ -20,6 +20,11 @@ tests:
 - `put(obj, silent=True)` / `delete(obj, silent=True)`: a change no watch reports (only
   a list shows it), as when events were missed;
 - `stop()` / `start()` again on the same port: an API server outage.
+
+It also answers TokenReviews (`authentication.k8s.io/v1`) for the tokens given with
+`add_token()`, audience-aware as the API server is for ServiceAccount tokens: a token
+authenticates only for an audience it was issued for, and `status.audiences` is the
+intersection; `reviews` records each review's spec. Faults: `fail("TokenReview", ...)`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ PATHS = {
 }
 CLAIM_PATH = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 EVENTS_PATH = "/api/v1/namespaces/{namespace}/events"
+TOKENREVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+# The audience of a TokenReview without spec.audiences (the API server's own).
+API_AUDIENCE = "https://kubernetes.default.svc"
 
 
 def _field(obj: Mapping[str, Any], path: str) -> str:
@@ -92,6 +100,8 @@ class FakeApiServer:
         self.requests: list[tuple[str, bool, dict[str, str]]] = []  # (key, watch?, query)
         self.status_patches: list[tuple[str, str, Obj]] = []  # applied: (namespace, name, patch body)
         self.events: list[Obj] = []  # created Events
+        self.tokens: dict[str, tuple[Obj, list[str]]] = {}  # token -> (status.user, audiences)
+        self.reviews: list[Obj] = []  # spec of every TokenReview received
         self.port = 0
         self._changed = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -107,6 +117,7 @@ class FakeApiServer:
         app.router.add_get(CLAIM_PATH, self._get_claim)
         app.router.add_patch(CLAIM_PATH + "/status", self._patch_claim_status)
         app.router.add_post(EVENTS_PATH, self._create_event)
+        app.router.add_post(TOKENREVIEWS, self._review)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -142,6 +153,13 @@ class FakeApiServer:
             self.history.append((self.rv, kind, "DELETED", {**gone, "metadata": {
                 **gone["metadata"], "resourceVersion": str(self.rv)}}))
         self._notify()
+
+    def add_token(self, token: str, username: str, audiences: list[str], extra: dict[str, list[str]] | None = None,
+                  groups: list[str] | None = None) -> None:
+        """A token the TokenReview authenticates as `username`, for `audiences` only."""
+        user = {"username": username, "uid": f"uid-{username}", "groups": groups or ["system:serviceaccounts"],
+                "extra": extra or {}}
+        self.tokens[token] = (user, audiences)
 
     def compact(self) -> None:
         self.compacted = self.rv
@@ -239,6 +257,26 @@ class FakeApiServer:
                              "uid": f"uid-event-{self.rv}", "resourceVersion": str(self.rv)}
         self.events.append(event)
         return web.json_response(event, status=201)
+
+    async def _review(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(("TokenReview", False, {}))
+        fault = self._fault("TokenReview")
+        if fault is not None:
+            return fault
+        spec = body.get("spec") or {}
+        self.reviews.append(spec)
+        user, issued = self.tokens.get(spec.get("token", ""), ({}, []))
+        wanted = spec.get("audiences") or [API_AUDIENCE]
+        common = [a for a in wanted if a in issued]
+        result: Obj = {"authenticated": True, "user": user, "audiences": common}
+        if not user:
+            result = {"authenticated": False, "error": "invalid bearer token"}
+        elif not common:
+            result = {"authenticated": False, "error": f"[invalid bearer token, token audiences {issued} is "
+                                                      f"invalid for the target audiences {wanted}]"}
+        return web.json_response({"kind": "TokenReview", "apiVersion": "authentication.k8s.io/v1",
+                                  "metadata": {}, "spec": spec, "status": result}, status=201)
 
     async def _watch(self, request: web.Request, kind: str, since: int, timeout: float,
                      selector: str) -> web.StreamResponse:
