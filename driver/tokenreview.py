@@ -6,8 +6,10 @@ Owned by the driver package; used by the controller (client pods: audience
 `ReviewedUser` what the caller may do. Needs the `kubernetes` extra.
 
 The review is the TokenReview API (`authentication.k8s.io/v1`, `create` on
-`tokenreviews`; the reviewing ServiceAccount needs that RBAC verb); `spec.audiences`
-names our audience.
+`tokenreviews`; the reviewing ServiceAccount needs that RBAC verb). `spec.audiences`
+names our audience, and the answer must name it again in `status.audiences`: the API
+reference says an authenticated review with empty `status.audiences` means the token is
+valid for the API server's own audience, not ours.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ class TokenReviewer:
         status = review.status
         if status is None or not status.authenticated:
             raise Unauthenticated(f"token rejected: {getattr(status, 'error', None) or 'not authenticated'}")
+        audiences = tuple(getattr(status, "audiences", None) or ())
+        if self.audience not in audiences:
+            raise Unauthenticated(f"token rejected: not valid for audience {self.audience} "
+                                  f"(the review answered audiences {list(audiences)})")
         u = status.user
         user = ReviewedUser(username=u.username or "", uid=getattr(u, "uid", None) or "",
                             groups=tuple(getattr(u, "groups", None) or ()),

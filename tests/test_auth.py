@@ -28,7 +28,8 @@ class FakeReviews:
         user = SimpleNamespace(username="system:serviceaccount:ns:default",
                                extra={"authentication.kubernetes.io/pod-uid": [uid],
                                       "authentication.kubernetes.io/pod-name": ["p"]} if uid else {})
-        return SimpleNamespace(status=SimpleNamespace(authenticated=uid is not None, user=user, error=None))
+        return SimpleNamespace(status=SimpleNamespace(authenticated=uid is not None, user=user, error=None,
+                                                      audiences=body["spec"]["audiences"] if uid else None))
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from types import SimpleNamespace
 
 import pytest
 from timeslice.driver.bearer import TokenFile, bearer
@@ -52,6 +53,19 @@ async def test_rejections_are_not_cached(token_api) -> None:
     assert len(server.reviews) == 4
     server.add_token("forged", "u", [AUD])  # now valid: a rejection did not stick
     assert (await reviewer.review("forged")).username == "u"
+
+
+async def test_an_authenticator_that_ignores_the_audience_is_not_trusted() -> None:
+    """An authenticated review with empty status.audiences means the token is valid for the
+    API server's audience (TokenReviewStatus, authentication.k8s.io/v1), not ours."""
+
+    class AudienceUnaware:
+        async def create_token_review(self, body: dict) -> SimpleNamespace:
+            return SimpleNamespace(status=SimpleNamespace(authenticated=True, audiences=None, error=None,
+                                                          user=SimpleNamespace(username="u")))
+
+    with pytest.raises(Unauthenticated, match=r"not valid for audience timeslice\.dev/test .*audiences \[\]"):
+        await TokenReviewer(AudienceUnaware(), AUD).review("t")
 
 
 async def test_failed_reviews_raise_api_errors(token_api) -> None:
