@@ -42,6 +42,11 @@ def _orchestrator(a: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """A comma-separated flag as a tuple (blanks dropped); None when the flag is absent."""
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
 def _kubelet_plugin(a: argparse.Namespace) -> int:
     from timeslice.driver import logs
     from timeslice.kubelet_plugin.app import KubeletPluginConfig, run
@@ -50,7 +55,8 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
     fields = {k: v for k, v in {
         "node_name": a.node_name, "fake_gpus": a.fake_gpus, "sharing": a.sharing, "seats": a.seats,
         "state_dir": a.state_dir, "cdi_dir": a.cdi_dir, "plugin_data_dir": a.plugin_data_dir,
-        "registry_dir": a.registry_dir, "agent_listen": a.agent_listen,
+        "registry_dir": a.registry_dir, "agent_listen": a.agent_listen, "agent_auth": a.agent_auth,
+        "agent_allowed_users": _names(a.agent_allowed_users),
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
@@ -146,6 +152,14 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--plugin-data-dir", help="DRA socket directory (default /var/lib/kubelet/plugins/<driver>)")
     k.add_argument("--registry-dir", help="kubelet plugin registry (default /var/lib/kubelet/plugins_registry)")
     k.add_argument("--agent-listen", help="node agent gRPC address (default 127.0.0.1:50052)")
+    k.add_argument("--agent-auth", choices=["none", "tokenreview"],
+                   help="who may call the node agent: tokenreview = callers send a projected ServiceAccount "
+                        "token (audience timeslice.dev/node-agent), checked with TokenReview, of a user in "
+                        "--agent-allowed-users; none = anyone who reaches --agent-listen (default none: unix "
+                        "sockets, loopback, demos)")
+    k.add_argument("--agent-allowed-users",
+                   help="with --agent-auth tokenreview: TokenReview user names allowed to call the agent, "
+                        "comma-separated (default system:serviceaccount:timeslice-system:timeslice-controller)")
     k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")

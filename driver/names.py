@@ -24,3 +24,8 @@ DEFAULT_LEASE_SECONDS = 10.0
 DEFAULT_STEP_TIMEOUT_SECONDS = 300.0
 # Bound on the CUDA process lock (cuCheckpointProcessLock timeoutMs), seconds.
 DEFAULT_LOCK_TIMEOUT_SECONDS = 10.0
+
+# Node-agent API authentication (DESIGN.md, "Security"): the orchestrator sends a projected
+# ServiceAccount token with this audience; the agent accepts only these users by default.
+AGENT_AUDIENCE = "timeslice.dev/node-agent"
+DEFAULT_AGENT_CALLERS = ("system:serviceaccount:timeslice-system:timeslice-controller",)

@@ -3,7 +3,8 @@
 Owned by the kubelet plugin; started by the CLI. One asyncio loop serves: the DRA and
 registration sockets (`plugin_server`), ResourceSlice publishing (`slice_publisher`),
 device health (`health`), the claim preparer (`preparer`) and the node agent
-(`agent/`), which the orchestrator calls to checkpoint and restore claims' processes.
+(`agent/`), which the orchestrator calls to checkpoint and restore claims' processes;
+with `agent_auth: tokenreview` only `agent_allowed_users` may call it (`agent/auth.py`).
 Order at start: restore CDI specs from the checkpoint, publish slices, serve the agent,
 then the DRA socket and, last, the registration socket (kubelet calls in at once).
 """
@@ -23,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from timeslice.driver import names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.tokenreview import TokenReviewer
+from timeslice.kubelet_plugin.agent.auth import AllowedCallers
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -39,7 +42,9 @@ log = logging.getLogger("timeslice.kubelet_plugin")
 
 
 class KubeletPluginConfig(BaseModel):
-    """Everything `timeslice kubelet-plugin` needs; paths are host paths."""
+    """Everything `timeslice kubelet-plugin` needs; paths are host paths. `agent_auth`:
+    `tokenreview` lets only `agent_allowed_users` (TokenReview user names) call the node
+    agent, `none` anyone who reaches `agent_listen`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -52,6 +57,8 @@ class KubeletPluginConfig(BaseModel):
     plugin_data_dir: Path | None = None
     registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
     agent_listen: str = "127.0.0.1:50052"
+    agent_auth: Literal["none", "tokenreview"] = "none"
+    agent_allowed_users: tuple[str, ...] = Field(default=names.DEFAULT_AGENT_CALLERS, min_length=1)
     backends: tuple[str, ...] = ("freeze", "none")
     orchestrator: str = ""
 
@@ -62,6 +69,11 @@ def device_table(gpus: list[GpuInfo], cfg: KubeletPluginConfig) -> tuple[list[di
     by_uuid = {g.uuid: g for g in gpus}
     table = {d["name"]: by_uuid[d["attributes"]["uuid"]["string"]] for d in devices}
     return devices, table
+
+
+def _local(listen: str) -> bool:
+    """Whether `listen` (`host:port` or `unix:...`) is reachable from this host only."""
+    return listen.startswith("unix:") or listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
 
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
@@ -94,14 +106,21 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     agent = NodeAgent(StaticProcessResolver(), backends=cfg.backends, records_path=cfg.state_dir / "agent.json",
                       claim_resolver=ClaimProcessResolver(cfg.node_name, read_claim,
                                                           lambda d: table[d].uuid if d in table else None))
-    agent_server, agent_port = await create_agent_server(agent, cfg.agent_listen)
+    callers = None
+    if cfg.agent_auth == "tokenreview":
+        callers = AllowedCallers(TokenReviewer(k8s.AuthenticationV1Api(api), names.AGENT_AUDIENCE),
+                                 cfg.agent_allowed_users)
+    elif not _local(cfg.agent_listen):
+        log.warning("node agent on %s accepts calls from anyone (--agent-auth none): use --agent-auth "
+                    "tokenreview, or restrict the port", cfg.agent_listen)
+    agent_server, agent_port = await create_agent_server(agent, cfg.agent_listen, callers)
     refs = [DeviceRef(cfg.node_name, d["name"], "" if table[d["name"]].fake else table[d["name"]].uuid)
             for d in devices]
     source = StaticHealthSource(lambda: refs) if cfg.fake_gpus else NvmlHealthSource(lambda: refs)
     servers = await create_servers(PluginServerConfig(plugin_data_dir=cfg.plugin_data_dir,
                                                       registry_dir=cfg.registry_dir), preparer, source)
-    log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d",
-             cfg.node_name, len(gpus), len(devices), restored, agent_port)
+    log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d agent_auth=%s",
+             cfg.node_name, len(gpus), len(devices), restored, agent_port, cfg.agent_auth)
     if stop is None:
         stop = signals.stop_event()
     try:

@@ -72,3 +72,26 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
 def test_help_lists_the_subcommands() -> None:
     r = timeslice("--help")
     assert r.returncode == 0 and all(cmd in r.stdout for cmd in ("demo", "orchestrator", "status"))
+
+
+def test_kubelet_plugin_agent_auth_flags(monkeypatch) -> None:
+    from timeslice.cli.main import main
+    from timeslice.driver import logs
+    from timeslice.kubelet_plugin import app
+
+    seen = []
+
+    async def run(cfg: app.KubeletPluginConfig) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(app, "run", run)
+    monkeypatch.setattr(logs, "setup", lambda level: None)  # keep pytest's log handlers
+    main(["kubelet-plugin", "--node-name", "n"])
+    main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users",
+          "system:serviceaccount:a:b, system:serviceaccount:c:d,"])
+    assert (seen[0].agent_auth, seen[0].agent_allowed_users) == (
+        "none", ("system:serviceaccount:timeslice-system:timeslice-controller",))
+    assert (seen[1].agent_auth, seen[1].agent_allowed_users) == (
+        "tokenreview", ("system:serviceaccount:a:b", "system:serviceaccount:c:d"))
+    with pytest.raises(ValueError, match="at least 1 item"):
+        main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users", " ,"])

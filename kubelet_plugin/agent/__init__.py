@@ -4,5 +4,6 @@
     processes.py ProcessResolver: job -> host PIDs on this node
     records.py   JobRecords: which PIDs this agent checkpointed (persisted)
     service.py   gRPC servicer for `timeslice.agent.v1.NodeAgent`
+    auth.py      AllowedCallers: only the orchestrator's ServiceAccount (TokenReview)
     server.py    create_server / serve
 """

@@ -1,8 +1,8 @@
 """Node-agent gRPC server: `create_server` builds and starts it.
 
-Owned by the node agent; called by the demo, tests and (later) the kubelet plugin.
-Listens on a unix socket (`unix:///path`) or loopback TCP: it is reachable only by
-the orchestrator.
+Owned by the node agent; called by the demo, tests and the kubelet plugin. Listens on
+a unix socket (`unix:///path`) or TCP without TLS; on TCP beyond loopback, pass `callers`
+(`auth.AllowedCallers`) so that only the orchestrator may call it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ from timeslice.driver import grpc_server
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
-from timeslice.kubelet_plugin.agent.service import NodeAgentServicer
+from timeslice.kubelet_plugin.agent.service import CallerCheck, NodeAgentServicer
 
 SERVICE_NAME = apb.DESCRIPTOR.services_by_name["NodeAgent"].full_name
 
 
-async def create_server(agent: NodeAgent, listen: str) -> tuple[grpc.aio.Server, int]:
-    """A started server for `agent` on `listen`; returns (server, port; 0 for unix sockets)."""
+async def create_server(agent: NodeAgent, listen: str,
+                        callers: CallerCheck | None = None) -> tuple[grpc.aio.Server, int]:
+    """A started server for `agent` on `listen`; returns (server, port; 0 for unix sockets).
+    `callers`: who may call the NodeAgent service (None: anyone); health stays open."""
     server = grpc_server.new_server()
-    apb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent), server)
+    apb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent, callers), server)
     await grpc_server.add_health(server, [SERVICE_NAME])
     port = grpc_server.bind(server, listen)
     await server.start()

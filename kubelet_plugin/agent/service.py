@@ -1,11 +1,15 @@
-"""gRPC servicer of `timeslice.agent.v1.NodeAgent`: validates, calls `NodeAgent`.
+"""gRPC servicer of `timeslice.agent.v1.NodeAgent`: checks the caller, validates, calls `NodeAgent`.
 
 Owned by the agent server. Domain errors become gRPC statuses with their message (`grpc_server.rpc_method`).
+With a `CallerCheck` (`auth.AllowedCallers`) every call must pass it first: UNAUTHENTICATED
+without a valid token, PERMISSION_DENIED for another user. A check in the servicer rather
+than a server interceptor, as `rpc_method` (the aio interceptor path costs hand-off time).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import grpc.aio
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
@@ -39,23 +43,40 @@ def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:
                                   seconds=o.seconds)
 
 
+class CallerCheck(Protocol):
+    async def check(self, metadata: Any) -> str:
+        """The caller's name; raises Unauthenticated or PermissionDenied."""
+        ...
+
+
 class NodeAgentServicer(apb_grpc.NodeAgentServicer):
-    def __init__(self, agent: NodeAgent) -> None:
+    """`callers`: None serves anyone (unix sockets, the demo, tests); else every call must
+    pass `callers.check` with its invocation metadata."""
+
+    def __init__(self, agent: NodeAgent, callers: CallerCheck | None = None) -> None:
         self._agent = agent
+        self._callers = callers
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        if self._callers is not None:
+            await self._callers.check(context.invocation_metadata())
 
     @rpc_method
     async def Checkpoint(self, request: apb.SwitchStepRequest,
                          context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
+        await self._check(context)
         return _outcome(await self._agent.checkpoint(*_step_args(request)))
 
     @rpc_method
     async def Restore(self, request: apb.SwitchStepRequest,
                       context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
+        await self._check(context)
         return _outcome(await self._agent.restore(*_step_args(request)))
 
     @rpc_method
     async def GetJobState(self, request: apb.GetJobStateRequest,
                           context: grpc.aio.ServicerContext) -> apb.JobState:
+        await self._check(context)
         if not request.job_id:
             raise InvalidArgument("job_id is required")
         procs = await self._agent.state(request.job_id, request.backend)
@@ -65,6 +86,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
+        await self._check(context)
         jobs = [apb.JobState(job_id=job, backend=r.backend, state="checkpointed",
                              processes=[apb.ProcessState(pid=p, state="checkpointed", gpu_bytes=b)
                                         for p, b in r.pids.items()])

@@ -1,0 +1,45 @@
+"""Who may call the node agent: the orchestrator's ServiceAccount, checked with TokenReview.
+
+Owned by the node agent; built by the kubelet plugin's wiring with `--agent-auth
+tokenreview` and handed to the servicer (`service.py`), which checks every NodeAgent call
+(the gRPC health service stays open). The orchestrator sends its projected ServiceAccount
+token (audience `timeslice.dev/node-agent`, `names.AGENT_AUDIENCE`) as `authorization:
+Bearer <token>`; the driver's `TokenReviewer` reviews it (TokenReview API,
+`authentication.k8s.io/v1`; positive reviews cached by token digest) and the user must be
+one of `allowed_users`. Any pod can mint a token for any audience, so the audience alone
+does not identify the orchestrator: the user name does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from timeslice.driver.bearer import bearer
+from timeslice.driver.errors import PermissionDenied
+from timeslice.driver.names import AGENT_AUDIENCE
+from timeslice.driver.tokenreview import TokenReviewer
+
+_HINT = (f"the node agent runs with --agent-auth tokenreview: give the orchestrator a projected "
+         f"ServiceAccount token with audience {AGENT_AUDIENCE} (timeslice controller --agent-token-file)")
+
+
+class AllowedCallers:
+    """`reviewer` reviews for `AGENT_AUDIENCE`; `allowed_users`: TokenReview user names
+    (`system:serviceaccount:<namespace>:<name>`). Raises ValueError when none is given."""
+
+    def __init__(self, reviewer: TokenReviewer, allowed_users: Iterable[str]) -> None:
+        self._reviewer = reviewer
+        self.allowed_users = frozenset(allowed_users)
+        if not self.allowed_users:
+            raise ValueError("no allowed users: nobody could call the node agent")
+
+    async def check(self, metadata: Any) -> str:
+        """The caller's user name when it may call the agent. Raises Unauthenticated (no
+        token, token rejected), PermissionDenied (a valid token of another user) or
+        KubernetesApiError (the review failed)."""
+        user = await self._reviewer.review(bearer(metadata, hint=_HINT))
+        if user.username not in self.allowed_users:
+            raise PermissionDenied(f"{user.username} may not call the node agent (allowed: "
+                                   f"{', '.join(sorted(self.allowed_users))}; see --agent-allowed-users)")
+        return user.username
