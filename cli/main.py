@@ -71,7 +71,8 @@ def _controller(a: argparse.Namespace) -> int:
     fields = {"listen": a.listen, "agent_template": a.agent_template,
               "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
-              "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth}
+              "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
+              "agent_token_file": a.agent_token_file}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -180,6 +181,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--auth", choices=["none", "tokenreview"],
                    help="client authentication: projected ServiceAccount tokens checked with TokenReview "
                         "(default none)")
+    c.add_argument("--agent-token-file",
+                   help="token file sent to the node agents as 'authorization: Bearer' on every call, re-read "
+                        "when the file changes: a projected ServiceAccount token with audience "
+                        "timeslice.dev/node-agent, for agents run with --agent-auth tokenreview (default: none)")
     c.add_argument("--leader-election", action="store_true",
                    help="serve only while holding the Lease timeslice-system/timeslice-controller")
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")

@@ -10,7 +10,9 @@ claim status) and makes the resident job a presumptive holder, so a holder keeps
 lock and waiters re-queue by retrying (at most one lease period lost). A leader that loses
 its Lease exits (its pod restarts as a follower).
 With `auth: tokenreview` every lock call carries a projected ServiceAccount token that
-must belong to a pod of the claim set it acts for (`auth.py`).
+must belong to a pod of the claim set it acts for (`auth.py`). With `agent_token_file`
+every node-agent call carries the controller's own projected token (audience
+`timeslice.dev/node-agent`), for agents that run with `--agent-auth tokenreview`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
@@ -31,11 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from timeslice.controller.auth import TokenReviewAuthenticator
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
+from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.controller.reconciler import Reconciler
 from timeslice.driver import names, signals
+from timeslice.driver.bearer import TokenFile
+from timeslice.driver.errors import Unauthenticated
 from timeslice.driver.events import EventRecorder
 
 log = logging.getLogger("timeslice.controller")
@@ -45,7 +51,9 @@ class ControllerConfig(BaseModel):
     """`agent_template`: a node's agent address, `{node}` replaced by the node name, for
     agents that are not pods (None: the node-plugin pods in `agent_namespace`, labelled
     `app.kubernetes.io/name=timeslice-kubelet-plugin`, at their `agent` port);
-    `default_backend` stands for a group's `auto` backend. Times in seconds."""
+    `default_backend` stands for a group's `auto` backend; `agent_token_file`: a token
+    file sent to the node agents as `authorization: Bearer`, re-read when it changes
+    (None: no token). Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -58,6 +66,7 @@ class ControllerConfig(BaseModel):
     lease_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", "timeslice-system"))
     identity: str = Field(default_factory=lambda: os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
     auth: Literal["none", "tokenreview"] = "none"
+    agent_token_file: Path | None = None
     lease_duration: int = 15
     renew_deadline: float = 10.0
     retry_period: float = 2.0
@@ -87,7 +96,13 @@ class Controller:
         resource_api = k8s.ResourceV1Api(api)
         events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/controller", cfg.identity)
         self.writer = ClaimStatusWriter(resource_api, events, lambda: self.reconciler.snapshot)
-        self.orchestrator = Orchestrator(observer=self.writer.observe)
+        token = TokenFile(cfg.agent_token_file) if cfg.agent_token_file else None
+        if token is not None:
+            try:
+                token.token()
+            except Unauthenticated as err:  # the agents will refuse every call: say so now
+                log.error("no token for the node agents: %s", err)
+        self.orchestrator = Orchestrator(observer=self.writer.observe, agents=AgentPool(token))
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.state = ClusterState(api, self.reconciler.apply,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
@@ -104,8 +119,9 @@ class Controller:
         server, port = await create_server(self.orchestrator, self.cfg.listen, auth)
         self.writer.start()  # only the leader writes claim status
         agents = self.cfg.agent_template or f"plugin pods in {self.cfg.agent_namespace}"
-        log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s",
-                 self.cfg.identity, self.cfg.listen, port, agents, self.cfg.default_backend)
+        log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s agent_token_file=%s",
+                 self.cfg.identity, self.cfg.listen, port, agents, self.cfg.default_backend,
+                 self.cfg.agent_token_file or "-")
         try:
             await asyncio.Event().wait()
         finally:

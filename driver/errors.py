@@ -113,7 +113,8 @@ class KubernetesApiRejected(KubernetesApiError):
 
 def error_from_status(code: grpc.StatusCode | None, message: str) -> TimeSliceServerError:
     """Map a gRPC status received from a peer back to the tree (the inverse of `.code`)."""
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, StepTimeout, SwitchFailed):
+    for cls in (InvalidArgument, Unauthenticated, PermissionDenied, NotFound, FailedPrecondition, StepTimeout,
+                SwitchFailed):
         if cls.code == code:
             return cls(message)
     return BackendError(message)

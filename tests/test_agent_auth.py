@@ -1,19 +1,29 @@
 """The node agent API with `--agent-auth tokenreview`: a real agent gRPC server on
-loopback TCP; TokenReviews by the real kubernetes.aio client against the fake API server
+loopback TCP, called by the controller's real `AgentClient` (and orchestrator) with a
+token file; TokenReviews by the real kubernetes.aio client against the fake API server
 (tests/fake_apiserver.py) over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from timeslice import AsyncTimeSliceOrchestratorClient, SwitchFailed
+from timeslice.controller.orchestrator.agents import AgentClient, AgentPool
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.bearer import TokenFile
+from timeslice.driver.errors import PermissionDenied, Unauthenticated
 from timeslice.driver.names import AGENT_AUDIENCE, DEFAULT_AGENT_CALLERS
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
@@ -21,7 +31,7 @@ from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 
-from tests.conftest import FakeBackend
+from tests.conftest import FakeBackend, eventually
 from tests.fake_apiserver import FakeApiServer
 
 CONTROLLER = DEFAULT_AGENT_CALLERS[0]
@@ -45,7 +55,8 @@ async def agent(token_api, tmp_path) -> AsyncIterator[Agent]:
     apiserver.add_token("other-sa", "system:serviceaccount:ns:intruder", [AGENT_AUDIENCE])
     apiserver.add_token("client-pod", CONTROLLER, ["timeslice.dev"])
     calls: list[tuple[str, str, tuple[int, ...]]] = []
-    node_agent = NodeAgent(StaticProcessResolver({"job-a": [os.getpid()]}), backends=[FakeBackend("n", calls, "none")],
+    resolver = StaticProcessResolver({"a": [os.getpid()], "b": [os.getppid()]})  # live PIDs; FakeBackend stops none
+    node_agent = NodeAgent(resolver, backends=[FakeBackend("n", calls, "freeze")],
                            records_path=tmp_path / "records.json")
     callers = AllowedCallers(TokenReviewer(auth_api, AGENT_AUDIENCE), DEFAULT_AGENT_CALLERS)
     server, port = await create_server(node_agent, "127.0.0.1:0", callers)
@@ -58,9 +69,9 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 async def test_every_node_agent_method_needs_the_controllers_token(agent) -> None:
-    requests = {"Checkpoint": apb.SwitchStepRequest(job_id="job-a", backend="none"),
-                "Restore": apb.SwitchStepRequest(job_id="job-a", backend="none"),
-                "GetJobState": apb.GetJobStateRequest(job_id="job-a", backend="none"),
+    requests = {"Checkpoint": apb.SwitchStepRequest(job_id="a", backend="freeze"),
+                "Restore": apb.SwitchStepRequest(job_id="a", backend="freeze"),
+                "GetJobState": apb.GetJobStateRequest(job_id="a", backend="freeze"),
                 "ListJobs": apb.ListJobsRequest()}
     assert set(requests) == set(apb.DESCRIPTOR.services_by_name["NodeAgent"].methods_by_name)
     async with grpc.aio.insecure_channel(agent.target) as ch:
@@ -101,3 +112,82 @@ async def test_a_failing_token_review_is_unavailable_not_a_crash(agent) -> None:
 def test_allowed_callers_needs_someone() -> None:
     with pytest.raises(ValueError, match="no allowed users"):
         AllowedCallers(TokenReviewer(object(), AGENT_AUDIENCE), [])
+
+
+def write_token(path: Path, token: str) -> None:
+    """Replace the token file as the kubelet does: a new file renamed over the old one."""
+    new = path.with_name(path.name + ".new")
+    new.write_text(token + "\n")
+    os.replace(new, path)
+
+
+async def test_agent_client_without_a_token_is_unauthenticated(agent) -> None:
+    client = AgentClient(agent.target)
+    with pytest.raises(Unauthenticated, match=r"checkpoint of job a on agent 127\.0\.0\.1:[0-9]+: "
+                                              r"UNAUTHENTICATED: no bearer token"):
+        await client.checkpoint("a", "freeze", "g", 5)
+    with pytest.raises(Unauthenticated, match="no bearer token"):
+        await client.checkpointed_jobs()
+    await client.close()
+    assert agent.calls == [] and agent.apiserver.reviews == []
+
+
+async def test_agent_client_with_another_users_token_is_denied(agent, tmp_path) -> None:
+    write_token(tmp_path / "token", "other-sa")
+    client = AgentClient(agent.target, TokenFile(tmp_path / "token"))
+    with pytest.raises(PermissionDenied, match="PERMISSION_DENIED: system:serviceaccount:ns:intruder may not call"):
+        await client.restore("a", "freeze", "g", 5)
+    await client.close()
+    assert agent.calls == []
+
+
+async def test_agent_client_with_the_controllers_token_works_and_the_review_is_cached(agent, tmp_path) -> None:
+    write_token(tmp_path / "token", "controller")
+    client = AgentClient(agent.target, TokenFile(tmp_path / "token"))
+    step = await client.checkpoint("a", "freeze", "g", 5)
+    assert step.bytes == 1000
+    assert await client.checkpointed_jobs() == {"a"}
+    await client.restore("a", "freeze", "g", 5)
+    assert [c[1] for c in agent.calls] == ["checkpoint", "restore"]
+    assert agent.apiserver.reviews == [{"token": "controller", "audiences": [AGENT_AUDIENCE]}]  # one for 3 calls
+    await client.close()
+
+
+async def test_a_rotated_token_file_is_picked_up(agent, tmp_path) -> None:
+    agent.apiserver.add_token("controller-2", CONTROLLER, [AGENT_AUDIENCE])
+    path = tmp_path / "token"
+    write_token(path, "controller")
+    client = AgentClient(agent.target, TokenFile(path))
+    await client.checkpointed_jobs()
+    write_token(path, "controller-2")  # the kubelet rotated the token
+    await client.checkpointed_jobs()
+    assert [r["token"] for r in agent.apiserver.reviews] == ["controller", "controller-2"]
+    write_token(path, "other-sa")  # the next call sends the new token at once: no stale one
+    with pytest.raises(PermissionDenied):
+        await client.checkpointed_jobs()
+    await client.close()
+
+
+async def test_the_orchestrator_switches_jobs_on_an_authenticated_agent(agent, tmp_path) -> None:
+    write_token(tmp_path / "token", "controller")
+    for pool, ok in [(AgentPool(TokenFile(tmp_path / "token")), True), (AgentPool(), False)]:
+        orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(agent.target,))], agents=pool)
+        server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+        a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
+        try:
+            await a.acquire()
+            task = asyncio.create_task(b.acquire())
+            await eventually(lambda o=orch: o.group("g").view().waiters)
+            await a.release()
+            if ok:
+                await task  # a checkpointed on the agent, then b granted
+                assert agent.calls[-1][1] == "checkpoint"
+            else:
+                with pytest.raises(SwitchFailed, match="UNAUTHENTICATED: no bearer token"):
+                    await task
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(0)
+            await orch.close()

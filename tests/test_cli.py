@@ -95,3 +95,23 @@ def test_kubelet_plugin_agent_auth_flags(monkeypatch) -> None:
         "tokenreview", ("system:serviceaccount:a:b", "system:serviceaccount:c:d"))
     with pytest.raises(ValueError, match="at least 1 item"):
         main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users", " ,"])
+
+
+def test_controller_agent_token_file_flag(monkeypatch) -> None:
+    from pathlib import Path
+
+    from timeslice.cli.main import main
+    from timeslice.controller import app
+    from timeslice.driver import logs
+
+    seen = []
+
+    async def run(cfg: app.ControllerConfig) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(app, "run", run)
+    monkeypatch.setattr(logs, "setup", lambda level: None)
+    main(["controller"])
+    main(["controller", "--agent-token-file", "/var/run/secrets/timeslice.dev/node-agent/token"])
+    assert seen[0].agent_token_file is None
+    assert seen[1].agent_token_file == Path("/var/run/secrets/timeslice.dev/node-agent/token")

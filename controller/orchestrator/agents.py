@@ -1,7 +1,9 @@
 """AgentClient / AgentPool: the orchestrator's gRPC calls to node agents.
 
 Owned by the orchestrator; used by `SwitchCoordinator`. One `grpc.aio` channel per
-agent target, reused; errors are translated to `timeslice.driver.errors` here.
+agent target, reused; errors are translated to `timeslice.driver.errors` here. With a
+`TokenFile` (the controller's `--agent-token-file`) every call carries `authorization:
+Bearer <token>` for agents that run with `--agent-auth tokenreview`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import grpc.aio
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.bearer import Metadata, TokenFile
 from timeslice.driver.errors import Unavailable, error_from_status
 
 # Target prefix of a node without a node agent: `no-agent:<node>` (see MissingAgent).
@@ -28,10 +31,17 @@ class StepResult:
 
 
 class AgentClient:
-    def __init__(self, target: str) -> None:
+    """`token`: the bearer token file sent on every call (None: no token)."""
+
+    def __init__(self, target: str, token: TokenFile | None = None) -> None:
         self.target = target
+        self._token = token
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = apb_grpc.NodeAgentStub(self._channel)
+
+    def _metadata(self) -> Metadata | None:
+        """The call's token; raises Unauthenticated when the token file cannot be read."""
+        return self._token.metadata() if self._token is not None else None
 
     async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
                          member: MemberSpec | None = None) -> StepResult:
@@ -52,16 +62,19 @@ class AgentClient:
                                     pod_uids=member.pod_uids if member else (),
                                     claim_name=member.claim_name if member else "")
         try:
-            resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS)
+            resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise error_from_status(err.code(), f"{what} of job {job_id} on agent {self.target}: "
                                                 f"{err.code().name}: {err.details()}") from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
     async def checkpointed_jobs(self) -> set[str]:
-        """Jobs this agent holds checkpoint records for (it checkpointed them)."""
+        """Jobs this agent holds checkpoint records for (it checkpointed them). Raises a
+        `TimeSliceServerError` subclass (`Unauthenticated` / `PermissionDenied`: the agent
+        refused our token)."""
         try:
-            resp = await self._stub.ListJobs(apb.ListJobsRequest(), timeout=RPC_SLACK_SECONDS)
+            resp = await self._stub.ListJobs(apb.ListJobsRequest(), timeout=RPC_SLACK_SECONDS,
+                                             metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise error_from_status(err.code(), f"list jobs on agent {self.target}: {err.details()}") from err
         return {j.job_id for j in resp.jobs}
@@ -96,17 +109,20 @@ class MissingAgent(AgentClient):
 
 
 class AgentPool:
-    """Agent clients by target, created on first use; `MISSING_PREFIX` targets get a
-    `MissingAgent`."""
+    """Agent clients by target, created on first use, all sending `token` (None: no
+    token); `MISSING_PREFIX` targets get a `MissingAgent`."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: TokenFile | None = None) -> None:
+        self._token = token
         self._clients: dict[str, AgentClient] = {}
 
     def get(self, target: str) -> AgentClient:
         client = self._clients.get(target)
         if client is None:
-            cls = MissingAgent if target.startswith(MISSING_PREFIX) else AgentClient
-            client = self._clients[target] = cls(target)
+            if target.startswith(MISSING_PREFIX):
+                client = self._clients[target] = MissingAgent(target)
+            else:
+                client = self._clients[target] = AgentClient(target, self._token)
         return client
 
     async def close(self) -> None:

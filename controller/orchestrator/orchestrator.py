@@ -17,8 +17,8 @@ from timeslice.driver.errors import NotFound
 
 class Orchestrator:
     def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
-                 observer: Observer | None = None) -> None:
-        self._pool = AgentPool()
+                 observer: Observer | None = None, agents: AgentPool | None = None) -> None:
+        self._pool = agents or AgentPool()
         self._observer = observer
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
         self._groups: dict[str, LockGroup] = {}
