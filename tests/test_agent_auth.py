@@ -191,3 +191,28 @@ async def test_the_orchestrator_switches_jobs_on_an_authenticated_agent(agent, t
             await b.close()
             await server.stop(0)
             await orch.close()
+
+
+def test_the_manifests_wire_the_agent_token() -> None:
+    """manifests/base: the controller mounts a token of the agents' audience and sends it;
+    the plugin checks it and may create TokenReviews; the allowed user is the controller's."""
+    import yaml
+
+    base = Path(__file__).resolve().parent.parent / "manifests" / "base"
+    controller = next(d for d in yaml.safe_load_all((base / "controller.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    pod = controller["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "projected" in v]
+    (source,) = volume["projected"]["sources"]
+    assert source["serviceAccountToken"] == {"path": "token", "audience": AGENT_AUDIENCE, "expirationSeconds": 3600}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--agent-token-file") + 1] == f"{mount['mountPath']}/token"
+    assert CONTROLLER == (f"system:serviceaccount:{controller['metadata']['namespace']}:"
+                          f"{pod['serviceAccountName']}")
+    plugin = yaml.safe_load((base / "kubelet-plugin.yaml").read_text())["spec"]["template"]["spec"]
+    command = plugin["containers"][0]["command"]
+    assert command[command.index("--agent-auth") + 1] == "tokenreview"
+    role = next(d for d in yaml.safe_load_all((base / "rbac-kubelet-plugin.yaml").read_text())
+                if d["kind"] == "ClusterRole")
+    assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]} in role["rules"]
