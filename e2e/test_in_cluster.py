@@ -1,7 +1,8 @@
 """The driver installed as users install it (manifests/base through hack/local-driver):
 the node plugin as a DaemonSet pod (one fake GPU, `freeze` backend), the controller as a
 Deployment of two leader-elected replicas. The controller finds the node agent from the
-plugin pod (no `--agent-template`), the example's two Jobs alternate on one GPU, and
+plugin pod (no `--agent-template`) and calls it with its projected ServiceAccount token,
+which the agent checks with TokenReview; the example's two Jobs alternate on one GPU, and
 deleting the leader controller pod mid-run keeps the group working.
 """
 
@@ -87,3 +88,7 @@ def test_installed_driver_alternates_jobs_and_survives_deleting_the_leader_pod(k
     # the node agent was found from the plugin pod (hostNetwork: its IP is the node's, 127.0.0.1)
     plugin = next(p for p in pods(kube, "timeslice-kubelet-plugin") if ready(p))
     assert group["agent_targets"] == [f"{plugin['status']['podIP']}:50052"], group
+    # the switches went through an agent that takes only the controller's token
+    assert "agent_token_file=/var/run/secrets/timeslice.dev/node-agent/token" in log, log[-3000:]
+    plugin_log = kube.run("logs", "-n", SYSTEM, plugin["metadata"]["name"]).stdout
+    assert "agent_auth=tokenreview" in plugin_log, plugin_log[-3000:]
