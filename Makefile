@@ -24,12 +24,13 @@ test: lint unit e2e ## the whole suite: lint, unit + integration, e2e on a local
 unit: $(STAMP) ## unit and integration tests (real gRPC servers and processes; GPU tests skip without a GPU)
 	$(BIN)/pytest -q tests
 
-lint: $(STAMP) ## ruff, shellcheck, kind config YAML, and the generated stubs match proto/
+lint: $(STAMP) ## ruff, shellcheck, every YAML file parses, and the generated stubs match proto/
 	$(BIN)/ruff check .
 	$(BIN)/python hack/gen_protos.py --check
 	@command -v shellcheck >/dev/null || apt-get install -y -q shellcheck >/dev/null
 	shellcheck hack/*.sh .ci/run
-	$(BIN)/python -c "import yaml; list(yaml.safe_load_all(open('hack/kind/cluster.yaml')))"
+	$(BIN)/python -c "import glob, yaml; [list(yaml.safe_load_all(open(f))) for f in \
+	  glob.glob('manifests/**/*.yaml', recursive=True) + glob.glob('hack/**/*.yaml', recursive=True)]"
 
 protos: $(STAMP) ## regenerate the gRPC stubs from proto/
 	$(BIN)/python hack/gen_protos.py
