@@ -22,6 +22,9 @@ from timeslice.driver.errors import Unavailable, error_from_status
 MISSING_PREFIX = "no-agent:"
 # Slack on top of the step's own bound, for the RPC itself (seconds).
 RPC_SLACK_SECONDS = 5.0
+# A channel is reused across agent restarts (same target under hostNetwork): cap gRPC's
+# reconnect backoff (default up to 120 s, during which every call fails at once).
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class AgentClient:
     def __init__(self, target: str, token: TokenFile | None = None) -> None:
         self.target = target
         self._token = token
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = apb_grpc.NodeAgentStub(self._channel)
 
     def _metadata(self) -> Metadata | None:

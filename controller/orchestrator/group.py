@@ -224,6 +224,7 @@ class LockGroup:
         if parked is not None:
             self._forget_preempted(parked)
             self.queue.remove(parked)
+            self._disarm_max_hold_when_unwaited()
             log.info("preempted holder released group=%s job=%s", self.id, job_id)
             self._notify("released", job_id, epoch)
             self._dispatch()
@@ -284,7 +285,9 @@ class LockGroup:
         self.epoch = epoch
         if resident is not None:
             now = self._clock()
-            self.holder = Hold(resident, ADOPTED, epoch, now, now + self.spec.lease_seconds, set(), False, 0.0)
+            member = self.spec.member(resident)
+            self.holder = Hold(resident, ADOPTED, epoch, now, now + self.spec.lease_seconds, set(), False, 0.0,
+                               member.priority if member is not None else 0)
             self._arm_lease_timer()
         log.info("adopted group=%s resident=%s checkpointed=%s epoch=%d", self.id, resident, sorted(checkpointed),
                  epoch)
@@ -519,7 +522,14 @@ class LockGroup:
 
     def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> Waiter | None:
         w, h = self._preempted.get(lease_id, (None, None))
-        if h is None or h.job_id != job_id or (epoch != h.epoch and epoch not in h.past_epochs):
+        if h is None:  # a presumptive holder preempted before it showed its lease shows it now
+            w, h = self._preempted.get(ADOPTED, (None, None))
+            if h is None or h.job_id != job_id:
+                return None
+            if h.lease_id == ADOPTED:  # from now on it is the only lease (still keyed ADOPTED, like its entry)
+                h.lease_id, h.epoch = lease_id, epoch
+                self.epoch = max(self.epoch, epoch)
+        if h.job_id != job_id or h.lease_id != lease_id or (epoch != h.epoch and epoch not in h.past_epochs):
             return None
         return w
 
