@@ -10,12 +10,12 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
 - The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
   a lapsed holder loses the lock and the next waiter is granted.
 - `maxHoldSeconds` (a member's, else the group's) counts from the moment another job
-  waits (no waiter, no limit). Past it the holder is preempted: with a checkpointing
-  backend it is switched out like a releasing holder and re-queued behind the jobs
-  already waiting at its priority, keeping its lease (its keep-alives and release stay
-  valid, the lease does not lapse while it waits), and restored when its turn comes, so
-  the preemption is invisible to its code; with `none` (nothing to checkpoint) its lease
-  is revoked like a lapsed one.
+  waits at the holder's priority or above (no such waiter, no limit). Past it the
+  holder is preempted: with a checkpointing backend it is switched out like a releasing
+  holder and re-queued behind the jobs already waiting at its priority, keeping its
+  lease (its keep-alives and release stay valid, the lease does not lapse while it
+  waits), and restored when its turn comes, so the preemption is invisible to its code;
+  with `none` (nothing to checkpoint) its lease is revoked like a lapsed one.
 - In a cluster (members known) a job queues at its claim set's configured priority, not
   at the priority its client asks for: a pod cannot jump the queue.
 - A waiter whose caller left (disconnect, timeout) is removed and never granted; a
@@ -481,22 +481,27 @@ class LockGroup:
     def _arm_max_hold_timer(self) -> None:
         """Start the holder's maxHoldSeconds when another job waits and none runs yet."""
         h = self.holder
-        if h is None or self._max_hold_timer is not None or not any(w.job_id != h.job_id for w in self.queue):
+        if h is None or self._max_hold_timer is not None or not self._contenders(h):
             return
         limit = self._max_hold_seconds(h.job_id)
         if limit is not None:
             self._max_hold_timer = asyncio.get_running_loop().call_later(limit, self._on_max_hold, h, limit)
 
+    def _contenders(self, h: Hold) -> bool:
+        """Another job waits at the holder's priority or above (a lower one would only be
+        passed over again: preempting for it would re-grant the holder at once)."""
+        return any(w.job_id != h.job_id and w.priority >= h.priority for w in self.queue)
+
     def _disarm_max_hold_when_unwaited(self) -> None:
         """No other job waits any more: the clock stops, and starts again at the next arrival."""
         h = self.holder
-        if self._max_hold_timer is not None and (h is None or all(w.job_id == h.job_id for w in self.queue)):
+        if self._max_hold_timer is not None and (h is None or not self._contenders(h)):
             self._max_hold_timer.cancel()
             self._max_hold_timer = None
 
     def _on_max_hold(self, h: Hold, limit: float) -> None:
         self._max_hold_timer = None
-        if self.holder is not h or self.switching is not None:
+        if self.holder is not h or self.switching is not None or not self._contenders(h):
             return
         self.counters.preemptions += 1
         log.warning("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", self.id, h.job_id,

@@ -6,13 +6,16 @@ and removes groups as claims change). The gRPC servicer looks groups up here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup, Observer, Switcher
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
-from timeslice.driver.errors import NotFound
+from timeslice.driver.errors import NotFound, TimeSliceServerError
+
+log = logging.getLogger("timeslice.orchestrator")
 
 
 class Orchestrator:
@@ -64,10 +67,15 @@ class Orchestrator:
         return group, member
 
     async def checkpointed_jobs(self, group: LockGroup) -> set[str]:
-        """The group's jobs that its node agents report checkpointed (leader takeover)."""
+        """The group's jobs that its node agents report checkpointed (leader takeover). An
+        agent that does not answer (its node has no plugin pod, it is restarting) is
+        logged and skipped: the rest of the group's state is still worth adopting."""
         found: set[str] = set()
         for target in group.spec.agents:
-            found |= await self._pool.get(target).checkpointed_jobs()
+            try:
+                found |= await self._pool.get(target).checkpointed_jobs()
+            except TimeSliceServerError as err:
+                log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
         return found & {m.job for m in group.spec.members} if group.spec.members else found
 
     def groups(self) -> list[LockGroup]:
