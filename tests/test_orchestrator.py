@@ -170,6 +170,7 @@ async def test_release_without_waiter_keeps_holder_resident(make_cluster) -> Non
     (acquire("a", "1", timeout=-1), "timeout_seconds must be"),
     (acquire("a", "1", timeout=float("nan")), "timeout_seconds must be"),
     (acquire("a", "x" * 200), "request_id must be"),
+    (acquire("a", "*preempted*some-lease"), "not start with '*'"),
 ])
 async def test_bad_arguments_give_invalid_argument(make_cluster, request_, field) -> None:
     c = await make_cluster()

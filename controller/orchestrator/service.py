@@ -87,8 +87,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         if not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, got {t}")
         request_id = request.request_id or uuid.uuid4().hex
-        if len(request_id) > 128:
-            raise InvalidArgument("request_id must be at most 128 characters")
+        if len(request_id) > 128 or request_id.startswith("*"):
+            raise InvalidArgument("request_id must be at most 128 characters and not start with '*' "
+                                  "(reserved for the orchestrator's own queue entries)")
         grant = await group.acquire(job, request.priority, request_id, t or None)
         return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch, lease_seconds=grant.lease_seconds,
                                   waited_seconds=grant.waited_seconds, restored=grant.restored,
