@@ -479,7 +479,7 @@ class LockGroup:
         return member.max_hold_seconds if member is not None else self.spec.max_hold_seconds
 
     def _arm_max_hold_timer(self) -> None:
-        """Start the holder's maxHoldSeconds when another job waits and none runs yet."""
+        """Start the holder's maxHoldSeconds clock when a contender waits and no clock runs yet."""
         h = self.holder
         if h is None or self._max_hold_timer is not None or not self._contenders(h):
             return
