@@ -32,6 +32,7 @@ from typing import Any
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
+from timeslice.driver import signals
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
@@ -126,6 +127,10 @@ class DemoRunner:
         try:
             out, _ = await proc.communicate()
         finally:
+            if proc.returncode is None:  # cancelled (interrupted): the job goes first
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+                await proc.wait()
             assert self.orchestrator is not None
             self.orchestrator.group(group).drop_job(job, "demo job finished")
             self.resolver.remove(job)
@@ -215,12 +220,31 @@ def render(result: dict[str, Any], width: int = 72) -> str:
     return "\n".join(lines)
 
 
+async def _until_stopped(runner: DemoRunner) -> dict[str, Any] | None:
+    """The demo's result, or None when SIGINT/SIGTERM stopped it first (its jobs and
+    workers are stopped, frozen ones thawed first, before this returns)."""
+    stop = signals.stop_event()
+    demo = asyncio.create_task(runner.run())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({demo, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if demo.done():
+        return demo.result()
+    demo.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await demo
+    return None
+
+
 def run(cfg: DemoConfig, as_json: bool) -> int:
     try:
-        result = asyncio.run(DemoRunner(cfg).run())
+        result = asyncio.run(_until_stopped(DemoRunner(cfg)))
     except (RuntimeError, OSError) as err:
         print(f"timeslice demo failed: {err}", file=sys.stderr)
         return 1
+    if result is None:
+        print("timeslice demo: interrupted", file=sys.stderr)
+        return 130
     if as_json:
         print(json.dumps(result))
     else:

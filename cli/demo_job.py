@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 import time
@@ -19,6 +20,7 @@ from timeslice import TimeSliceOrchestratorClient
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to `timeslice demo`, which stops us
     p = argparse.ArgumentParser(description="timeslice demo job (started by `timeslice demo`)")
     p.add_argument("--worker-fd", type=int, required=True)
     p.add_argument("--rounds", type=int, default=6)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import signal
 import socket
 import time
 from typing import Any
@@ -107,6 +108,7 @@ def serve(sock: socket.socket, make_state: Any) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to `timeslice demo`, which stops us
     p = argparse.ArgumentParser(description="timeslice demo accelerator worker (started by `timeslice demo`)")
     p.add_argument("--fd", type=int, required=True, help="inherited socket to the job process")
     p.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -40,6 +41,17 @@ def _orchestrator(a: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"listen": a.listen})
     asyncio.run(serve(cfg))
     return 0
+
+
+def _at_least(low: float, kind: type) -> Any:
+    """An argparse type: `kind(text)`, at least `low`."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:
@@ -123,14 +135,17 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run the orchestrator, a node agent and synthetic RL jobs on this machine",
                        description="Run N synthetic RL jobs that share one accelerator through the real "
                                    "orchestrator and node agent; print a timeline and a summary.")
-    d.add_argument("--jobs", type=int, default=2, help="jobs sharing the accelerator (default 2)")
-    d.add_argument("--rounds", type=int, default=6, help="generate/train + reward rounds per job (default 6)")
+    d.add_argument("--jobs", type=_at_least(1, int), default=2, help="jobs sharing the accelerator (default 2)")
+    d.add_argument("--rounds", type=_at_least(1, int), default=6,
+                   help="generate/train + reward rounds per job (default 6)")
     d.add_argument("--backend", default="auto", choices=["auto", "freeze", "cuda", "cuda-checkpoint", "none"],
                    help="checkpoint backend; auto: cuda with a GPU and PyTorch, else freeze")
-    d.add_argument("--gen-seconds", type=float, default=0.3, help="accelerator phase length, seconds")
-    d.add_argument("--reward-seconds", type=float, default=0.3, help="reward phase length, seconds")
-    d.add_argument("--state-mb", type=int, default=16, help="CPU worker state, MiB")
-    d.add_argument("--state-gb", type=float, default=1.0, help="GPU worker state, GB")
+    d.add_argument("--gen-seconds", type=_at_least(0, float), default=0.3,
+                   help="accelerator phase length, seconds (default 0.3)")
+    d.add_argument("--reward-seconds", type=_at_least(0, float), default=0.3,
+                   help="reward phase length, seconds (default 0.3)")
+    d.add_argument("--state-mb", type=_at_least(1, int), default=16, help="CPU worker state, MiB (default 16)")
+    d.add_argument("--state-gb", type=_at_least(0.001, float), default=1.0, help="GPU worker state, GB (default 1)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
     d.add_argument("-v", "--verbose", action="store_true", help="log orchestrator and agent activity")
     d.set_defaults(fn=_demo)
@@ -204,9 +219,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
-    if getattr(a, "jobs", 1) < 1 or getattr(a, "rounds", 1) < 1:
-        parser().error("--jobs and --rounds must be >= 1")
-    return int(a.fn(a))
+    try:
+        return int(a.fn(a))
+    except (OSError, ValueError) as err:  # a bad config file, flag value or address: one line, no traceback
+        print(f"timeslice {a.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

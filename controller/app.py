@@ -116,7 +116,7 @@ class Controller:
             except Exception as err:  # nothing to take over: start the group empty
                 log.warning("no state adopted group=%s: %s", group.id, err)
         auth = TokenReviewAuthenticator(k8s.AuthenticationV1Api(self.api)) if self.cfg.auth == "tokenreview" else None
-        server, port = await create_server(self.orchestrator, self.cfg.listen, auth)
+        server, port = await self._bind(auth)
         self.writer.start()  # only the leader writes claim status
         agents = self.cfg.agent_template or f"plugin pods in {self.cfg.agent_namespace}"
         log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s agent_token_file=%s",
@@ -126,6 +126,19 @@ class Controller:
             await asyncio.Event().wait()
         finally:
             await server.stop(2)
+
+    async def _bind(self, auth: TokenReviewAuthenticator | None) -> tuple[Any, int]:
+        """Start serving; while the address is in use (a replaced leader on the same host
+        network still stopping) retry for up to two lease durations. Raises OSError."""
+        deadline = asyncio.get_running_loop().time() + 2 * self.cfg.lease_duration
+        while True:
+            try:
+                return await create_server(self.orchestrator, self.cfg.listen, auth)
+            except OSError as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("cannot serve yet listen=%s: %s; retrying", self.cfg.listen, err)
+                await asyncio.sleep(0.5)
 
     async def take_over(self, group: LockGroup) -> None:
         """Adopt a group's state after a leader change: checkpointed jobs from the node

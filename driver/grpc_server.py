@@ -50,10 +50,13 @@ def rpc_method(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks).
+# Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks). No
+# SO_REUSEPORT (gRPC's default on Linux): a second server on a busy port must fail, not
+# share it (two orchestrators answering at random would be two lock tables).
 SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -71,8 +74,17 @@ async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health
 
 
 def bind(server: grpc.aio.Server, listen: str) -> int:
-    """Bind `listen` (`host:port` or `unix:///path`) without TLS; returns the port (0 for unix)."""
-    port = server.add_insecure_port(listen)
+    """Bind `listen` (`host:port` or `unix:///path`) without TLS; returns the port (0 for
+    unix). Raises ValueError for a port outside 0..65535, OSError when the address cannot
+    be bound (in use, not local)."""
+    if not listen.startswith("unix:"):
+        _, _, port_text = listen.rpartition(":")
+        if not port_text.isdigit() or int(port_text) > 65535:
+            raise ValueError(f"listen address {listen!r}: the port must be a number in 0..65535")
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind to address ...")
+        raise OSError(f"cannot listen on {listen}: address in use or not local") from err
     if port == 0 and not listen.startswith("unix:"):
-        raise OSError(f"cannot listen on {listen}")
+        raise OSError(f"cannot listen on {listen}: address in use or not local")
     return port

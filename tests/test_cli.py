@@ -74,7 +74,7 @@ def test_help_lists_the_subcommands() -> None:
     assert r.returncode == 0 and all(cmd in r.stdout for cmd in ("demo", "orchestrator", "status"))
 
 
-def test_kubelet_plugin_agent_auth_flags(monkeypatch) -> None:
+def test_kubelet_plugin_agent_auth_flags(monkeypatch, capsys) -> None:
     from timeslice.cli.main import main
     from timeslice.driver import logs
     from timeslice.kubelet_plugin import app
@@ -93,8 +93,9 @@ def test_kubelet_plugin_agent_auth_flags(monkeypatch) -> None:
         "none", ("system:serviceaccount:timeslice-system:timeslice-controller",))
     assert (seen[1].agent_auth, seen[1].agent_allowed_users) == (
         "tokenreview", ("system:serviceaccount:a:b", "system:serviceaccount:c:d"))
-    with pytest.raises(ValueError, match="at least 1 item"):
-        main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users", " ,"])
+    assert main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users",
+                 " ,"]) == 2  # one error line, no traceback
+    assert "agent_allowed_users" in capsys.readouterr().err
 
 
 def test_controller_agent_token_file_flag(monkeypatch) -> None:
@@ -115,3 +116,48 @@ def test_controller_agent_token_file_flag(monkeypatch) -> None:
     main(["controller", "--agent-token-file", "/var/run/secrets/timeslice.dev/node-agent/token"])
     assert seen[0].agent_token_file is None
     assert seen[1].agent_token_file == Path("/var/run/secrets/timeslice.dev/node-agent/token")
+
+
+def test_bad_input_is_one_error_line(tmp_path, capsys) -> None:
+    from timeslice.cli.main import main
+
+    bad = tmp_path / "groups.yaml"
+    for text, expected in (("groups: [", "not valid YAML"),
+                           ("groups: [{id: g, backend: freeze}]", "needs at least one agent"),
+                           ("listen: 127.0.0.1:99999", "port must be a number in 0..65535")):
+        bad.write_text(text)
+        assert main(["orchestrator", "--config", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("timeslice orchestrator: error:") and expected in err and "Traceback" not in err
+    assert main(["orchestrator", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path) -> None:
+    """SIGTERM (or Ctrl-C) stops the demo: its jobs and workers (frozen ones too) are
+    stopped, it says so in one line and exits 130."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    demo = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "demo", "--rounds", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(4)  # into the shared phase: workers take turns, one of them frozen
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=30)
+        assert demo.returncode == 130 and err.strip().endswith("timeslice demo: interrupted"), err
+        time.sleep(0.5)
+        try:
+            os.killpg(demo.pid, 0)
+            leftovers = subprocess.run(["pgrep", "-g", str(demo.pid), "-a"], capture_output=True, text=True).stdout
+            raise AssertionError(f"processes left in the demo's group: {leftovers}")
+        except ProcessLookupError:
+            pass
+    finally:  # whatever is left (a failed run): thaw, then kill the whole group
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(demo.pid, sig)

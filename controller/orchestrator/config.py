@@ -81,6 +81,11 @@ class OrchestratorConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> OrchestratorConfig:
-        """Load from a YAML file; raises pydantic.ValidationError or OSError."""
+        """Load from a YAML file; raises pydantic.ValidationError (a ValueError), ValueError
+        for malformed YAML, or OSError."""
         with open(path) as f:
-            return cls.model_validate(yaml.safe_load(f) or {})
+            try:
+                data = yaml.safe_load(f)
+            except yaml.YAMLError as err:
+                raise ValueError(f"{path}: not valid YAML: {err}") from None
+        return cls.model_validate(data or {})

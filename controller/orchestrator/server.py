@@ -37,12 +37,13 @@ async def serve(config: OrchestratorConfig, grace: float = 5.0) -> None:
     """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls."""
     orchestrator = Orchestrator(config.groups)
     server, port = await create_server(orchestrator, config.listen)
-    log.info("orchestrator serving listen=%s port=%d groups=%d", config.listen, port, len(config.groups))
+    log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
     gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
     stop = signals.stop_event()
     try:
         await stop.wait()
     finally:
+        log.info("orchestrator stopping grace=%gs", grace)
         await server.stop(grace)
         with contextlib.suppress(Exception):
             await orchestrator.close()
