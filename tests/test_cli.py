@@ -118,8 +118,11 @@ def test_controller_agent_token_file_flag(monkeypatch) -> None:
     assert seen[1].agent_token_file == Path("/var/run/secrets/timeslice.dev/node-agent/token")
 
 
-def test_bad_input_is_one_error_line(tmp_path, capsys) -> None:
+def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch) -> None:
     from timeslice.cli.main import main
+    from timeslice.driver import logs
+
+    monkeypatch.setattr(logs, "setup", lambda level: None)  # keep pytest's log handlers and levels
 
     bad = tmp_path / "groups.yaml"
     for text, expected in (("groups: [", "not valid YAML"),
