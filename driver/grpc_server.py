@@ -70,9 +70,14 @@ async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health
     return servicer
 
 
-def bind(server: grpc.aio.Server, listen: str) -> int:
-    """Bind `listen` (`host:port` or `unix:///path`) without TLS; returns the port (0 for unix)."""
-    port = server.add_insecure_port(listen)
+def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `listen` (`host:port` or `unix:///path`); returns the port (0 for unix).
+
+    Without `credentials` the port is plaintext (`add_insecure_port`); with them (e.g.
+    `grpc.ssl_server_credentials`) it serves TLS only (`add_secure_port`), and a plaintext
+    caller's connection is closed during the handshake. Raises OSError when gRPC cannot
+    bind the address."""
+    port = server.add_insecure_port(listen) if credentials is None else server.add_secure_port(listen, credentials)
     if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"cannot listen on {listen}")
     return port
