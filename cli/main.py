@@ -56,7 +56,7 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
         "node_name": a.node_name, "fake_gpus": a.fake_gpus, "sharing": a.sharing, "seats": a.seats,
         "state_dir": a.state_dir, "cdi_dir": a.cdi_dir, "plugin_data_dir": a.plugin_data_dir,
         "registry_dir": a.registry_dir, "agent_listen": a.agent_listen, "agent_auth": a.agent_auth,
-        "agent_allowed_users": _names(a.agent_allowed_users),
+        "agent_allowed_users": _names(a.agent_allowed_users), "agent_tls": a.agent_tls or None,
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
@@ -161,6 +161,11 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--agent-allowed-users",
                    help="with --agent-auth tokenreview: TokenReview user names allowed to call the agent, "
                         "comma-separated (default system:serviceaccount:timeslice-system:timeslice-controller)")
+    k.add_argument("--agent-tls", action="store_true",
+                   help="serve the node agent with TLS: a self-signed ECDSA P-256 certificate made at start (valid "
+                        "1 year, name timeslice-node-agent; the key stays in memory), published on this pod as "
+                        "annotation timeslice.dev/agent-certificate (needs $POD_NAME, $POD_NAMESPACE and RBAC "
+                        "'patch pods'), where the controller pins it (default off: plaintext)")
     k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")

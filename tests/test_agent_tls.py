@@ -7,7 +7,9 @@ annotation through the real kubernetes.aio client against the fake API server
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,15 +25,22 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
-from timeslice.driver.names import AGENT_AUDIENCE, AGENT_TLS_SERVER_NAME, DEFAULT_AGENT_CALLERS
+from timeslice.driver.names import (
+    AGENT_AUDIENCE,
+    AGENT_CERTIFICATE_ANNOTATION,
+    AGENT_TLS_SERVER_NAME,
+    DEFAULT_AGENT_CALLERS,
+)
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 from timeslice.kubelet_plugin.agent.tls import AgentIdentity, self_signed
+from timeslice.kubelet_plugin.agent_certificate import CertificatePublisher
+from timeslice.kubelet_plugin.slice_publisher import Backoff
 
-from tests.conftest import FakeBackend
+from tests.conftest import FakeBackend, eventually
 from tests.fake_apiserver import FakeApiServer
 
 CONTROLLER = DEFAULT_AGENT_CALLERS[0]
@@ -141,3 +150,153 @@ async def test_the_agent_port_speaks_only_tls(agent) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await health(agent.target)  # plaintext: the server closes the connection in the handshake
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# -- the certificate on the plugin's pod ------------------------------------------------
+
+FAST = Backoff(initial=0.01, maximum=0.05)
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[tuple[FakeApiServer, object]]:
+    """(fake API server holding the plugin's pod `timeslice-system/plugin-a`, a real
+    kubernetes.aio CoreV1Api on it)."""
+    from kubernetes.aio import client as k8s
+
+    from tests.test_node_agents import plugin_pod
+
+    server = FakeApiServer()
+    await server.start()
+    pod = plugin_pod("plugin-a", "node-a")
+    pod["metadata"]["annotations"] = {"other": "kept"}
+    server.put(pod)
+    api = k8s.ApiClient(k8s.Configuration(host=server.url))
+    yield server, k8s.CoreV1Api(api)
+    await api.close()
+    await server.stop()
+
+
+def annotations(server: FakeApiServer) -> dict[str, str]:
+    return server.pod("timeslice-system", "plugin-a")["metadata"].get("annotations", {})
+
+
+async def test_the_certificate_is_published_on_the_plugins_own_pod(pods) -> None:
+    server, core = pods
+    pem = self_signed("node-a").certificate_pem.decode()
+    publisher = CertificatePublisher(core, "timeslice-system", "plugin-a", pem, backoff=FAST)
+    publisher.start()
+    await asyncio.wait_for(publisher.published.wait(), 5)
+    await publisher.stop()
+    assert annotations(server) == {"other": "kept", AGENT_CERTIFICATE_ANNOTATION: pem}  # merged, not replaced
+    (patch,) = server.pod_patches
+    assert patch == ("timeslice-system", "plugin-a", "application/merge-patch+json",
+                     {"metadata": {"annotations": {AGENT_CERTIFICATE_ANNOTATION: pem}}})
+    assert publisher.fingerprint == fingerprint(pem)
+
+
+async def test_publishing_is_retried_after_a_server_error(pods, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="timeslice")
+    server, core = pods
+    server.fail("Pod/patch", 500, times=2)
+    pem = self_signed("node-a").certificate_pem.decode()
+    publisher = CertificatePublisher(core, "timeslice-system", "plugin-a", pem, backoff=FAST)
+    publisher.start()
+    await asyncio.wait_for(publisher.published.wait(), 5)
+    await publisher.stop()
+    assert publisher.attempts == 3 and annotations(server)[AGENT_CERTIFICATE_ANNOTATION] == pem
+    failures = [r.getMessage() for r in caplog.records if "agent certificate not published" in r.getMessage()]
+    assert len(failures) == 2 and "pod=timeslice-system/plugin-a failures=1" in failures[0]
+    assert "HTTP 500: injected 500" in failures[0]
+    assert any("agent certificate published pod=timeslice-system/plugin-a" in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_a_forbidden_patch_says_which_rbac_is_missing_and_is_retried(pods, caplog) -> None:
+    server, core = pods
+    server.fail("Pod/patch", 403, times=1)
+    publisher = CertificatePublisher(core, "timeslice-system", "plugin-a", self_signed("n").certificate_pem.decode(),
+                                     backoff=FAST)
+    publisher.start()
+    await asyncio.wait_for(publisher.published.wait(), 5)
+    await publisher.stop()
+    (failure,) = [r for r in caplog.records if "agent certificate not published" in r.getMessage()]
+    assert failure.levelname == "ERROR" and "HTTP 403" in failure.getMessage()
+    assert "needs 'patch' on pods in its namespace" in failure.getMessage()
+
+
+async def test_a_wrong_pod_name_keeps_failing_until_stopped(pods) -> None:
+    server, core = pods
+    publisher = CertificatePublisher(core, "timeslice-system", "no-such-pod", self_signed("n").certificate_pem.decode(),
+                                     backoff=FAST)
+    publisher.start()
+    await eventually(lambda: publisher.attempts >= 3)
+    await publisher.stop()
+    assert not publisher.published.is_set() and "HTTP 404" in str(publisher.last_error)
+    assert AGENT_CERTIFICATE_ANNOTATION not in annotations(server)
+
+
+async def test_the_fake_api_server_patches_pod_metadata_as_the_api_server_does(pods) -> None:
+    """Strategic merge and JSON merge patches agree on metadata.annotations (a map): keys
+    merge, null deletes; a JSON Patch is not modelled (415), nor other fields (422)."""
+    import aiohttp
+
+    server, _ = pods
+    url = f"{server.url}/api/v1/namespaces/timeslice-system/pods/plugin-a"
+    async with aiohttp.ClientSession() as http:
+        for content_type, body, want in [
+                ("application/strategic-merge-patch+json", {"metadata": {"annotations": {"a": "1"}}},
+                 {"other": "kept", "a": "1"}),
+                ("application/merge-patch+json", {"metadata": {"annotations": {"other": None}}}, {"a": "1"}),
+                ("application/merge-patch+json", {"metadata": {"annotations": {"a": None}}}, {})]:
+            async with http.patch(url, json=body, headers={"Content-Type": content_type}) as resp:
+                assert resp.status == 200
+            assert annotations(server) == want
+        for content_type, body, code in [("application/json-patch+json", [{"op": "remove", "path": "/x"}], 415),
+                                         ("application/merge-patch+json", {"spec": {"nodeName": "x"}}, 422)]:
+            async with http.patch(url, json=body, headers={"Content-Type": content_type}) as resp:
+                assert resp.status == code
+        async with http.patch(url.replace("plugin-a", "gone"), json={"metadata": {}},
+                              headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status == 404
+
+
+async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods, short_tmp, tmp_path,
+                                                                           monkeypatch) -> None:
+    """`timeslice kubelet-plugin --agent-tls` as wired by kubelet_plugin/app.py: the agent
+    port answers only a caller that pins the certificate found on the plugin's pod."""
+    import socket
+
+    import yaml
+    from timeslice.kubelet_plugin.app import KubeletPluginConfig, run
+
+    server, _ = pods
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": server.url}}],
+        "users": [{"name": "fake", "user": {"token": "plugin"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+    from kubernetes.aio.config import kube_config
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))  # read from $KUBECONFIG at import
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("POD_NAME", "plugin-a")
+    monkeypatch.setenv("POD_NAMESPACE", "timeslice-system")
+    with socket.socket() as s:  # a free port for the agent
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = KubeletPluginConfig(node_name="node-a", fake_gpus="1xH200", state_dir=short_tmp / "state",
+                              cdi_dir=short_tmp / "cdi", plugin_data_dir=short_tmp / "plugin",
+                              registry_dir=short_tmp / "registry", agent_listen=f"127.0.0.1:{port}", agent_tls=True)
+    assert (cfg.pod_name, cfg.pod_namespace) == ("plugin-a", "timeslice-system")  # from the downward API's env
+    stop = asyncio.Event()
+    task = asyncio.create_task(run(cfg, stop))
+    try:
+        await eventually(lambda: AGENT_CERTIFICATE_ANNOTATION in annotations(server), timeout=20)
+        pem = annotations(server)[AGENT_CERTIFICATE_ANNOTATION]
+        assert await health(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(pem.encode())) == \
+            health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health(f"127.0.0.1:{port}")  # plaintext is refused
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)

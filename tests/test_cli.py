@@ -95,6 +95,11 @@ def test_kubelet_plugin_agent_auth_flags(monkeypatch) -> None:
         "tokenreview", ("system:serviceaccount:a:b", "system:serviceaccount:c:d"))
     with pytest.raises(ValueError, match="at least 1 item"):
         main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users", " ,"])
+    monkeypatch.setenv("POD_NAME", "plugin-x")
+    monkeypatch.setenv("POD_NAMESPACE", "timeslice-system")
+    main(["kubelet-plugin", "--node-name", "n", "--agent-tls"])
+    assert not seen[0].agent_tls
+    assert (seen[-1].agent_tls, seen[-1].pod_name, seen[-1].pod_namespace) == (True, "plugin-x", "timeslice-system")
 
 
 def test_controller_agent_token_file_flag(monkeypatch) -> None:
