@@ -72,7 +72,7 @@ def _controller(a: argparse.Namespace) -> int:
               "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
-              "agent_token_file": a.agent_token_file}
+              "agent_token_file": a.agent_token_file, "require_agent_tls": a.require_agent_tls or None}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -190,6 +190,12 @@ def parser() -> argparse.ArgumentParser:
                    help="token file sent to the node agents as 'authorization: Bearer' on every call, re-read "
                         "when the file changes: a projected ServiceAccount token with audience "
                         "timeslice.dev/node-agent, for agents run with --agent-auth tokenreview (default: none)")
+    c.add_argument("--require-agent-tls", action="store_true",
+                   help="call only node agents whose plugin pod publishes a TLS certificate (annotation "
+                        "timeslice.dev/agent-certificate, kubelet-plugin --agent-tls); switches on a node whose "
+                        "agent publishes none fail (UNAVAILABLE) and roll back. Without it, agents that publish a "
+                        "certificate are called over TLS pinning it, the others in plaintext. Needs the plugin "
+                        "pods: not with --agent-template")
     c.add_argument("--leader-election", action="store_true",
                    help="serve only while holding the Lease timeslice-system/timeslice-controller")
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")

@@ -23,8 +23,17 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from timeslice import AsyncTimeSliceOrchestratorClient, SwitchFailed
+from timeslice.controller.grouping import Snapshot
+from timeslice.controller.node_agents import AgentEndpoint, trim_plugin_pod
+from timeslice.controller.orchestrator.agents import AgentPool
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
+from timeslice.controller.reconciler import Reconciler
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
+from timeslice.driver.errors import TimeSliceServerError, Unavailable
 from timeslice.driver.names import (
     AGENT_AUDIENCE,
     AGENT_CERTIFICATE_ANNOTATION,
@@ -152,6 +161,151 @@ async def test_the_agent_port_speaks_only_tls(agent) -> None:
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+# -- the controller's pool pins the published certificate -------------------------------
+
+async def test_a_pinned_certificate_carries_the_calls_and_the_token(agent, token) -> None:
+    pool = AgentPool(token)
+    pool.set_certificates({agent.target: agent.pem})
+    client = pool.get(agent.target)
+    assert client.tls and client.fingerprint == agent.identity.fingerprint
+    assert (await client.checkpoint("a", "freeze", "g", 5)).bytes == 1000
+    assert await client.checkpointed_jobs() == {"a"}
+    await client.restore("a", "freeze", "g", 5)
+    assert [c[1] for c in agent.calls] == ["checkpoint", "restore"]
+    assert agent.apiserver.reviews == [{"token": "controller", "audiences": [AGENT_AUDIENCE]}]  # sent over TLS
+    assert pool.get(agent.target) is client  # reused
+    await pool.close()
+
+
+async def test_another_certificate_is_refused_before_the_token_is_sent(agent, token) -> None:
+    """An agent that cannot prove it holds the published certificate (here: the pool pins
+    another self-signed one) fails the handshake: no call runs, and the token never leaves."""
+    other = self_signed("node-a")
+    pool = AgentPool(token)
+    pool.set_certificates({agent.target: other.certificate_pem.decode()})
+    client = pool.get(agent.target)
+    with pytest.raises(TimeSliceServerError) as err:
+        await client.checkpoint("a", "freeze", "g", 5)
+    message = str(err.value)
+    assert f"checkpoint of job a on agent {agent.target}: UNAVAILABLE:" in message
+    assert "CERTIFICATE_VERIFY_FAILED" in message
+    assert (f"(TLS: the agent did not prove it holds the certificate its plugin pod publishes, {other.fingerprint}, "
+            f"annotation {AGENT_CERTIFICATE_ANNOTATION}, for the name {AGENT_TLS_SERVER_NAME};") in message
+    with pytest.raises(TimeSliceServerError, match="CERTIFICATE_VERIFY_FAILED"):
+        await client.checkpointed_jobs()
+    assert agent.calls == [] and agent.apiserver.reviews == []
+    await pool.close()
+
+
+async def test_a_new_certificate_for_the_same_target_replaces_the_channel(agent, token) -> None:
+    """A restarted plugin pod under hostNetwork keeps its IP and port but has a new key:
+    the old channel (pinning the old certificate) cannot reach it; the pool replaces the
+    client when the reconciler hands it the new certificate."""
+    pool = AgentPool(token)
+    pool.set_certificates({agent.target: agent.pem})
+    old = pool.get(agent.target)
+    assert await old.checkpointed_jobs() == set()
+    await agent.restart()
+    with pytest.raises(TimeSliceServerError, match="CERTIFICATE_VERIFY_FAILED"):
+        await old.checkpointed_jobs()
+    pool.set_certificates({agent.target: agent.pem})  # the new pod's annotation reached the snapshot
+    new = pool.get(agent.target)
+    assert new is not old and new.fingerprint == agent.identity.fingerprint != old.fingerprint
+    assert await new.checkpointed_jobs() == set()
+    await eventually(lambda: old._channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN)  # old channel closed
+    pool.set_certificates({agent.target: agent.pem})  # the same certificate again: the client is kept
+    assert pool.get(agent.target) is new
+    await pool.close()
+
+
+async def test_required_tls_refuses_an_agent_that_publishes_no_certificate(agent, token) -> None:
+    pool = AgentPool(token, require_tls=True)
+    client = pool.get(agent.target)
+    with pytest.raises(Unavailable) as err:
+        await client.checkpoint("a", "freeze", "g", 5)
+    assert str(err.value) == (
+        f"checkpoint of job a on agent {agent.target}: it publishes no TLS certificate (no annotation "
+        f"{AGENT_CERTIFICATE_ANNOTATION} on its timeslice-kubelet-plugin pod: run the plugin with --agent-tls) "
+        "and the controller runs with --require-agent-tls")
+    with pytest.raises(Unavailable, match="--require-agent-tls"):
+        await client.checkpointed_jobs()
+    assert agent.calls == []
+    pool.set_certificates({agent.target: agent.pem})  # the plugin published its certificate
+    assert await pool.get(agent.target).checkpointed_jobs() == set()
+    pool.set_certificates({})  # ... and the annotation went away: refused again, never plaintext
+    with pytest.raises(Unavailable, match="publishes no TLS certificate"):
+        await pool.get(agent.target).checkpointed_jobs()
+    await pool.close()
+
+
+async def test_without_required_tls_an_agent_without_certificate_gets_plaintext(agent, token) -> None:
+    pool = AgentPool(token)
+    client = pool.get(agent.target)
+    assert not client.tls
+    with pytest.raises(TimeSliceServerError, match="UNAVAILABLE"):  # this agent speaks only TLS
+        await client.checkpointed_jobs()
+    await pool.close()
+
+
+async def test_a_malformed_published_certificate_is_refused_not_downgraded(agent, token) -> None:
+    pool = AgentPool(token)
+    pool.set_certificates({agent.target: "not a certificate"})
+    with pytest.raises(Unavailable, match=r"the certificate its plugin pod publishes \(annotation "
+                                          r"timeslice.dev/agent-certificate\) is unusable: not one PEM certificate"):
+        await pool.get(agent.target).checkpointed_jobs()
+    assert agent.calls == []
+    await pool.close()
+
+
+async def test_the_orchestrator_switches_over_tls_and_fails_clearly_without_a_certificate(agent, token) -> None:
+    """Client -> orchestrator -> TLS agent, the certificate handed over as the reconciler
+    does (`Orchestrator.set_agent_certificates`); with TLS required and no certificate the
+    switch fails with that cause and rolls back."""
+    for certificates, ok in [({agent.target: agent.pem}, True), ({}, False)]:
+        orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(agent.target,))],
+                            agents=AgentPool(token, require_tls=True))
+        orch.set_agent_certificates(certificates)
+        server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+        a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
+        try:
+            await a.acquire()
+            task = asyncio.create_task(b.acquire())
+            await eventually(lambda o=orch: o.group("g").view().waiters)
+            await a.release()
+            if ok:
+                await task  # a checkpointed on the agent over TLS, then b granted
+                assert agent.calls[-1][1] == "checkpoint"
+            else:
+                with pytest.raises(SwitchFailed, match=f"checkpoint of job a on agent {agent.target}: it publishes "
+                                                       "no TLS certificate"):
+                    await task
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop(0)
+            await orch.close()
+
+
+async def test_the_reconciler_hands_the_published_certificates_to_the_orchestrator(agent, token) -> None:
+    orch = Orchestrator(agents=AgentPool(token, require_tls=True))
+    reconciler = Reconciler(orch)
+    await reconciler.apply(Snapshot(node_agents={"node-a": AgentEndpoint(agent.target, agent.pem),
+                                                 "node-b": AgentEndpoint("127.0.0.1:1")}))
+    assert await orch._pool.get(agent.target).checkpointed_jobs() == set()
+    with pytest.raises(Unavailable, match="publishes no TLS certificate"):
+        await orch._pool.get("127.0.0.1:1").checkpointed_jobs()
+    await orch.close()
+
+
+def test_required_tls_needs_the_plugin_pods() -> None:
+    from timeslice.controller.app import ControllerConfig
+
+    assert ControllerConfig(require_agent_tls=True).require_agent_tls
+    with pytest.raises(ValueError, match="cannot be combined with agent_template"):
+        ControllerConfig(require_agent_tls=True, agent_template="{node}:50052")
+
+
 # -- the certificate on the plugin's pod ------------------------------------------------
 
 FAST = Backoff(initial=0.01, maximum=0.05)
@@ -192,6 +346,9 @@ async def test_the_certificate_is_published_on_the_plugins_own_pod(pods) -> None
     assert patch == ("timeslice-system", "plugin-a", "application/merge-patch+json",
                      {"metadata": {"annotations": {AGENT_CERTIFICATE_ANNOTATION: pem}}})
     assert publisher.fingerprint == fingerprint(pem)
+    # what the controller reads from the pod (its reflector's trim) is the same certificate
+    trimmed = trim_plugin_pod(server.pod("timeslice-system", "plugin-a"), "timeslice-system")
+    assert trimmed["certificate"] == pem
 
 
 async def test_publishing_is_retried_after_a_server_error(pods, caplog) -> None:
