@@ -457,3 +457,41 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
+
+
+# -- the manifests ----------------------------------------------------------------------
+
+def test_the_manifests_turn_agent_tls_on() -> None:
+    """manifests/base: the plugin serves TLS and knows its pod (downward API), may annotate
+    pods in its own namespace only; the controller requires TLS. hack/local-driver replaces
+    both command lists whole, so it must keep the flags."""
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    base = root / "manifests" / "base"
+    plugin = yaml.safe_load((base / "kubelet-plugin.yaml").read_text())
+    container = plugin["spec"]["template"]["spec"]["containers"][0]
+    assert "--agent-tls" in container["command"]
+    env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    rbac = list(yaml.safe_load_all((base / "rbac-kubelet-plugin.yaml").read_text()))
+    role = next(d for d in rbac if d["kind"] == "Role")
+    binding = next(d for d in rbac if d["kind"] == "RoleBinding")
+    namespace = plugin["metadata"]["namespace"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": plugin["spec"]["template"]["spec"][
+        "serviceAccountName"], "namespace": namespace}]
+    cluster_role = next(d for d in rbac if d["kind"] == "ClusterRole")
+    assert not any("patch" in r["verbs"] for r in cluster_role["rules"] if "pods" in r["resources"])  # not cluster-wide
+    controller = next(d for d in yaml.safe_load_all((base / "controller.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    assert "--require-agent-tls" in controller["spec"]["template"]["spec"]["containers"][0]["command"]
+    local = yaml.safe_load((root / "hack" / "local-driver" / "kustomization.yaml").read_text())
+    commands = {p["target"]["kind"]: next(op["value"] for op in yaml.safe_load(p["patch"])
+                                          if op["path"].endswith("/command"))
+                for p in local["patches"] if "/command" in p["patch"]}
+    assert "--agent-tls" in commands["DaemonSet"] and "--require-agent-tls" in commands["Deployment"]

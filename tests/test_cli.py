@@ -120,3 +120,7 @@ def test_controller_agent_token_file_flag(monkeypatch) -> None:
     main(["controller", "--agent-token-file", "/var/run/secrets/timeslice.dev/node-agent/token"])
     assert seen[0].agent_token_file is None
     assert seen[1].agent_token_file == Path("/var/run/secrets/timeslice.dev/node-agent/token")
+    main(["controller", "--require-agent-tls"])
+    assert not seen[0].require_agent_tls and seen[2].require_agent_tls
+    with pytest.raises(ValueError, match="cannot be combined with agent_template"):
+        main(["controller", "--require-agent-tls", "--agent-template", "{node}:50052"])
