@@ -33,7 +33,7 @@ from timeslice.controller.orchestrator.server import create_server as create_orc
 from timeslice.controller.reconciler import Reconciler
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
-from timeslice.driver.errors import TimeSliceServerError, Unavailable
+from timeslice.driver.errors import NotFound, TimeSliceServerError, Unavailable
 from timeslice.driver.names import (
     AGENT_AUDIENCE,
     AGENT_CERTIFICATE_ANNOTATION,
@@ -174,6 +174,9 @@ async def test_a_pinned_certificate_carries_the_calls_and_the_token(agent, token
     assert [c[1] for c in agent.calls] == ["checkpoint", "restore"]
     assert agent.apiserver.reviews == [{"token": "controller", "audiences": [AGENT_AUDIENCE]}]  # sent over TLS
     assert pool.get(agent.target) is client  # reused
+    with pytest.raises(NotFound) as err:  # the agent's own errors pass unchanged, with no TLS hint
+        await client.checkpoint("atlas-ssl-tls", "freeze", "g", 5)
+    assert "(TLS:" not in str(err.value)
     await pool.close()
 
 
@@ -495,3 +498,40 @@ def test_the_manifests_turn_agent_tls_on() -> None:
                                           if op["path"].endswith("/command"))
                 for p in local["patches"] if "/command" in p["patch"]}
     assert "--agent-tls" in commands["DaemonSet"] and "--require-agent-tls" in commands["Deployment"]
+
+
+async def test_a_rollback_goes_through_the_agents_current_channel() -> None:
+    """A switch's rollback asks the pool again: when an agent's certificate changed mid-switch
+    (its old client's channel is being closed), the compensating restore uses the new one."""
+    from timeslice.controller.orchestrator.agents import StepResult
+    from timeslice.controller.orchestrator.group import SwitchError
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    class Client:
+        def __init__(self, target: str, name: str, fail: bool = False) -> None:
+            self.target, self.name, self.fail = target, name, fail
+
+        async def checkpoint(self, job, *args):
+            calls.append((self.name, "checkpoint", job))
+            if self.fail:
+                raise Unavailable("down")
+            if self.target == "x":
+                pool.clients["x"] = Client("x", "x-new")  # the certificate of x changed meanwhile
+            return StepResult(1, 0.0)
+
+        async def restore(self, job, *args):
+            calls.append((self.name, "restore", job))
+            return StepResult(1, 0.0)
+
+    class Pool:
+        def __init__(self) -> None:
+            self.clients = {"x": Client("x", "x-old"), "y": Client("y", "y", fail=True)}
+
+        def get(self, target: str) -> Client:
+            return self.clients[target]
+
+    calls: list[tuple[str, str, str]] = []
+    pool = Pool()
+    with pytest.raises(SwitchError, match="rolled back"):
+        await SwitchCoordinator(pool)(GroupSpec(id="g", backend="freeze", agents=("x", "y")), "a", "b", True)
+    assert sorted(calls) == [("x-new", "restore", "a"), ("x-old", "checkpoint", "a"), ("y", "checkpoint", "a")]

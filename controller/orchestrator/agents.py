@@ -49,8 +49,10 @@ TLS_OPTIONS = (("grpc.ssl_target_name_override", AGENT_TLS_SERVER_NAME),)
 # Calls still running on a replaced channel (its agent's certificate changed) get this
 # long before the channel is closed (seconds).
 RETIRE_GRACE_SECONDS = 5.0
-# Words of gRPC's error details that mark a failed TLS handshake or certificate check.
-_TLS_FAILURE_WORDS = ("handshake", "certificate", "ssl", "tls", "hostname verification")
+# Words of gRPC's error details (of an UNAVAILABLE call) that mark a failed TLS handshake or
+# certificate check, e.g. "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...
+# CERTIFICATE_VERIFY_FAILED" or "Hostname Verification Check failed".
+_TLS_FAILURE_WORDS = ("handshake", "certificate_verify_failed", "ssl_error", "hostname verification")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class AgentClient:
         failed TLS handshake, the certificate that was pinned."""
         details = err.details() or ""
         message = f"{what} on agent {self.target}: {err.code().name}: {details}"
-        if self.tls and any(w in details.lower() for w in _TLS_FAILURE_WORDS):
+        if self.tls and err.code() == grpc.StatusCode.UNAVAILABLE and \
+                any(w in details.lower() for w in _TLS_FAILURE_WORDS):
             message += (f" (TLS: the agent did not prove it holds the certificate its plugin pod publishes, "
                         f"{self.fingerprint}, annotation {AGENT_CERTIFICATE_ANNOTATION}, for the name "
                         f"{AGENT_TLS_SERVER_NAME}; a restarted plugin publishes a new one, which replaces this "
