@@ -68,7 +68,7 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
         "node_name": a.node_name, "fake_gpus": a.fake_gpus, "sharing": a.sharing, "seats": a.seats,
         "state_dir": a.state_dir, "cdi_dir": a.cdi_dir, "plugin_data_dir": a.plugin_data_dir,
         "registry_dir": a.registry_dir, "agent_listen": a.agent_listen, "agent_auth": a.agent_auth,
-        "agent_allowed_users": _names(a.agent_allowed_users),
+        "agent_allowed_users": _names(a.agent_allowed_users), "agent_tls": a.agent_tls or None,
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
@@ -84,7 +84,7 @@ def _controller(a: argparse.Namespace) -> int:
               "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
-              "agent_token_file": a.agent_token_file}
+              "agent_token_file": a.agent_token_file, "require_agent_tls": a.require_agent_tls or None}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -176,6 +176,11 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--agent-allowed-users",
                    help="with --agent-auth tokenreview: TokenReview user names allowed to call the agent, "
                         "comma-separated (default system:serviceaccount:timeslice-system:timeslice-controller)")
+    k.add_argument("--agent-tls", action="store_true",
+                   help="serve the node agent with TLS: a self-signed ECDSA P-256 certificate made at start (valid "
+                        "1 year, name timeslice-node-agent; the key stays in memory), published on this pod as "
+                        "annotation timeslice.dev/agent-certificate (needs $POD_NAME, $POD_NAMESPACE and RBAC "
+                        "'patch pods'), where the controller pins it (default off: plaintext)")
     k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
@@ -200,6 +205,12 @@ def parser() -> argparse.ArgumentParser:
                    help="token file sent to the node agents as 'authorization: Bearer' on every call, re-read "
                         "when the file changes: a projected ServiceAccount token with audience "
                         "timeslice.dev/node-agent, for agents run with --agent-auth tokenreview (default: none)")
+    c.add_argument("--require-agent-tls", action="store_true",
+                   help="call only node agents whose plugin pod publishes a TLS certificate (annotation "
+                        "timeslice.dev/agent-certificate, kubelet-plugin --agent-tls); switches on a node whose "
+                        "agent publishes none fail (UNAVAILABLE) and roll back. Without it, agents that publish a "
+                        "certificate are called over TLS pinning it, the others in plaintext. Needs the plugin "
+                        "pods: not with --agent-template")
     c.add_argument("--leader-election", action="store_true",
                    help="serve only while holding the Lease timeslice-system/timeslice-controller")
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")

@@ -12,7 +12,10 @@ its Lease exits (its pod restarts as a follower).
 With `auth: tokenreview` every lock call carries a projected ServiceAccount token that
 must belong to a pod of the claim set it acts for (`auth.py`). With `agent_token_file`
 every node-agent call carries the controller's own projected token (audience
-`timeslice.dev/node-agent`), for agents that run with `--agent-auth tokenreview`.
+`timeslice.dev/node-agent`), for agents that run with `--agent-auth tokenreview`. An
+agent whose plugin pod publishes a TLS certificate (`--agent-tls` on the plugin) is
+called over TLS pinning that certificate; with `require_agent_tls` an agent that
+publishes none is not called at all (its switches fail with `Unavailable` and roll back).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kubernetes.aio import config as k8s_config
 from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.aio.leaderelection import electionconfig, leaderelection
 from kubernetes.aio.leaderelection.resourcelock.leaselock import LeaseLock
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from timeslice.controller.auth import TokenReviewAuthenticator
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
@@ -53,7 +56,9 @@ class ControllerConfig(BaseModel):
     `app.kubernetes.io/name=timeslice-kubelet-plugin`, at their `agent` port);
     `default_backend` stands for a group's `auto` backend; `agent_token_file`: a token
     file sent to the node agents as `authorization: Bearer`, re-read when it changes
-    (None: no token). Times in seconds."""
+    (None: no token); `require_agent_tls`: call only agents whose plugin pod publishes a
+    TLS certificate (annotation `timeslice.dev/agent-certificate`), so it needs the
+    plugin pods (no `agent_template`). Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -67,9 +72,18 @@ class ControllerConfig(BaseModel):
     identity: str = Field(default_factory=lambda: os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
     auth: Literal["none", "tokenreview"] = "none"
     agent_token_file: Path | None = None
+    require_agent_tls: bool = False
     lease_duration: int = 15
     renew_deadline: float = 10.0
     retry_period: float = 2.0
+
+
+    @model_validator(mode="after")
+    def _tls_needs_plugin_pods(self) -> ControllerConfig:
+        if self.require_agent_tls and self.agent_template is not None:
+            raise ValueError("require_agent_tls needs the agents' certificates from their plugin pods: it cannot be "
+                             "combined with agent_template (--agent-template)")
+        return self
 
 
 class _LeaseLock(LeaseLock):
@@ -102,7 +116,8 @@ class Controller:
                 token.token()
             except Unauthenticated as err:  # the agents will refuse every call: say so now
                 log.error("no token for the node agents: %s", err)
-        self.orchestrator = Orchestrator(observer=self.writer.observe, agents=AgentPool(token))
+        self.orchestrator = Orchestrator(observer=self.writer.observe,
+                                         agents=AgentPool(token, require_tls=cfg.require_agent_tls))
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.state = ClusterState(api, self.reconciler.apply,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
@@ -119,9 +134,9 @@ class Controller:
         server, port = await self._bind(auth)
         self.writer.start()  # only the leader writes claim status
         agents = self.cfg.agent_template or f"plugin pods in {self.cfg.agent_namespace}"
-        log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s agent_token_file=%s",
-                 self.cfg.identity, self.cfg.listen, port, agents, self.cfg.default_backend,
-                 self.cfg.agent_token_file or "-")
+        log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s agent_token_file=%s "
+                 "agent_tls=%s", self.cfg.identity, self.cfg.listen, port, agents, self.cfg.default_backend,
+                 self.cfg.agent_token_file or "-", "required" if self.cfg.require_agent_tls else "when published")
         try:
             await asyncio.Event().wait()
         finally:

@@ -9,7 +9,8 @@ it warm); its `on_change(snapshot)` callback feeds the orchestrator wiring. One
                     when they reference a claim (`spec.resourceClaims`)
     ResourceSlices  field selector spec.driver=gpu.timeslice.dev
     plugin pods     label app.kubernetes.io/name=timeslice-kubelet-plugin in
-                    `agent_namespace` (unless None): the node agents (`node_agents`)
+                    `agent_namespace` (unless None): the node agents (`node_agents`:
+                    target and published TLS certificate)
 
 After any change, and once all three kinds have listed once (a partial cache would
 look like claim sets gone), `grouping.compute` runs at most once per `debounce_seconds`:
@@ -154,7 +155,7 @@ class ClusterState:
         snap = grouping.compute(self.claims.objects.values(), self.pods.objects.values(), gpus)
         if self.agents is None:
             return snap
-        return dataclasses.replace(snap, node_agents=node_agents.agent_targets(self.agents.objects.values()))
+        return dataclasses.replace(snap, node_agents=node_agents.agent_endpoints(self.agents.objects.values()))
 
     def _changed(self) -> None:
         self._dirty.set()

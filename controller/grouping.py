@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timeslice.controller.jobs import job_id, safe_id
+from timeslice.controller.node_agents import AgentEndpoint
 from timeslice.driver import config as ts_config
 from timeslice.driver import names
 from timeslice.driver.errors import InvalidArgument
@@ -153,7 +154,7 @@ class Snapshot:
     claim_sets: Mapping[str, ClaimSet] = field(default_factory=dict)   # by claim-set id
     group_of: Mapping[str, str] = field(default_factory=dict)          # claim-set id -> group id
     warnings: tuple[GroupingWarning, ...] = ()
-    node_agents: Mapping[str, str] = field(default_factory=dict)       # node name -> agent target
+    node_agents: Mapping[str, AgentEndpoint] = field(default_factory=dict)  # node name -> (agent target, cert)
 
     def claim_set(self, job: str, name: str) -> ClaimSet | None:
         return self.claim_sets.get(claim_set_id(job, name))

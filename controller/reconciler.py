@@ -4,7 +4,9 @@ Owned by the controller app; called with every new `grouping.Snapshot` from
 `ClusterState`. Each `Group` becomes a `GroupSpec` whose members are its claim sets
 (a claim set holds the lock as `<job>:<claim name>`), with the node agents of the
 group's nodes (found from the node-plugin pods, `node_agents.py`, or from a fixed
-`agent_template` such as `{node}:50052` when the agents are not pods); clients name
+`agent_template` such as `{node}:50052` when the agents are not pods), and the agents'
+published TLS certificates (target -> PEM) go to the orchestrator before any group
+changes, so that every call pins the certificate of the agent as it is now; clients name
 their claim set by the pod-level claim name, mapped by (job, claim name) aliases.
 Groups that vanished are removed; claim sets that vanished (claim deallocated, pods
 gone) are dropped from their group: they leave the queue and lose the lock at once, not
@@ -17,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from timeslice.controller.grouping import Group, Snapshot
-from timeslice.controller.node_agents import missing_target
+from timeslice.controller.node_agents import agent_certificates, missing_target
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -31,7 +33,8 @@ def agent_target(node: str, snapshot: Snapshot, template: str | None) -> str:
     else the node's plugin pod, else `missing_target(node)`."""
     if template is not None:
         return template.format(node=node)
-    return snapshot.node_agents.get(node) or missing_target(node)
+    endpoint = snapshot.node_agents.get(node)
+    return endpoint.target if endpoint is not None else missing_target(node)
 
 
 def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) -> GroupSpec:
@@ -63,6 +66,7 @@ class Reconciler:
 
     async def apply(self, snapshot: Snapshot) -> None:
         old, self.snapshot = self.snapshot, snapshot
+        self.orchestrator.set_agent_certificates(agent_certificates(snapshot.node_agents.values()))
         for cs_id in old.claim_sets:
             if cs_id not in snapshot.claim_sets or snapshot.group_of.get(cs_id) != old.group_of.get(cs_id):
                 self._drop(old.group_of.get(cs_id), cs_id, "its claims were deallocated or its pods are gone"

@@ -73,16 +73,20 @@ async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health
     return servicer
 
 
-def bind(server: grpc.aio.Server, listen: str) -> int:
-    """Bind `listen` (`host:port` or `unix:///path`) without TLS; returns the port (0 for
-    unix). Raises ValueError for a port outside 0..65535, OSError when the address cannot
-    be bound (in use, not local)."""
+def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind `listen` (`host:port` or `unix:///path`); returns the port (0 for unix).
+
+    Without `credentials` the port is plaintext (`add_insecure_port`); with them (e.g.
+    `grpc.ssl_server_credentials`) it serves TLS only (`add_secure_port`), and a plaintext
+    caller's connection is closed during the handshake. Raises ValueError for a port
+    outside 0..65535, OSError when the address cannot be bound (in use, not local)."""
     if not listen.startswith("unix:"):
         _, _, port_text = listen.rpartition(":")
         if not port_text.isdigit() or int(port_text) > 65535:
             raise ValueError(f"listen address {listen!r}: the port must be a number in 0..65535")
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_insecure_port(listen) if credentials is None
+                else server.add_secure_port(listen, credentials))
     except RuntimeError as err:  # grpc raises RuntimeError("Failed to bind to address ...")
         raise OSError(f"cannot listen on {listen}: address in use or not local") from err
     if port == 0 and not listen.startswith("unix:"):

@@ -29,3 +29,10 @@ DEFAULT_LOCK_TIMEOUT_SECONDS = 10.0
 # ServiceAccount token with this audience; the agent accepts only these users by default.
 AGENT_AUDIENCE = "timeslice.dev/node-agent"
 DEFAULT_AGENT_CALLERS = ("system:serviceaccount:timeslice-system:timeslice-controller",)
+
+# Node-agent TLS (`timeslice kubelet-plugin --agent-tls`, DESIGN.md "Security"): the agent
+# serves a self-signed certificate that names this server name, and publishes it (PEM) on
+# its own pod under this annotation; the controller pins exactly that certificate and
+# checks this name (gRPC channel option `grpc.ssl_target_name_override`).
+AGENT_TLS_SERVER_NAME = "timeslice-node-agent"
+AGENT_CERTIFICATE_ANNOTATION = LABEL_PREFIX + "agent-certificate"

@@ -2,8 +2,10 @@
 the node plugin as a DaemonSet pod (one fake GPU, `freeze` backend), the controller as a
 Deployment of two leader-elected replicas. The controller finds the node agent from the
 plugin pod (no `--agent-template`) and calls it with its projected ServiceAccount token,
-which the agent checks with TokenReview; the example's two Jobs alternate on one GPU, and
-deleting the leader controller pod mid-run keeps the group working.
+which the agent checks with TokenReview, over TLS pinning the certificate the plugin
+publishes on its pod (`--agent-tls`, `--require-agent-tls`); the example's two Jobs
+alternate on one GPU, and deleting the leader controller pod mid-run keeps the group
+working.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from timeslice.driver.certificates import fingerprint
+from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION, AGENT_TLS_SERVER_NAME
 
 from e2e.example_check import EXAMPLE, run_example_and_check, status
 from e2e.plugin_fixtures import DRIVER, our_slices, wait
@@ -44,6 +50,23 @@ def serving_leader(kube) -> str | None:
     return holder if "controller serving" in log else None
 
 
+def certificate(pod: dict) -> str | None:
+    """The agent certificate (PEM) the plugin pod publishes, if any."""
+    return (pod.get("metadata", {}).get("annotations") or {}).get(AGENT_CERTIFICATE_ANNOTATION)
+
+
+def agent_health(target: str, pem: str | None) -> int:
+    """grpc.health.v1 of the node agent at `target`: over TLS pinning `pem` (as the
+    controller dials), or plaintext when `pem` is None. Raises grpc.RpcError."""
+    if pem is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=pem.encode()),
+                                      options=[("grpc.ssl_target_name_override", AGENT_TLS_SERVER_NAME)])
+    with channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
 def logs(kube, app: str) -> str:
     return kube.run("logs", "-n", SYSTEM, "-l", f"app.kubernetes.io/name={app}", "--tail=200", "--prefix",
                     check=False).stdout
@@ -54,6 +77,9 @@ def installed(kube):
     kube.run("apply", "-k", str(DRIVER_OVERLAY), timeout=120)
     try:
         wait(lambda: any(ready(p) for p in pods(kube, "timeslice-kubelet-plugin")), 120, "the plugin pod Ready")
+        # the controller requires TLS (--require-agent-tls): no switch before the certificate is out
+        wait(lambda: any(ready(p) and certificate(p) for p in pods(kube, "timeslice-kubelet-plugin")), 60,
+             f"the plugin pod's {AGENT_CERTIFICATE_ANNOTATION} annotation")
         wait(lambda: our_slices(kube), 60, f"ResourceSlices of {DRIVER}")
         wait(lambda: serving_leader(kube), 120, "a serving leader controller pod")
         yield
@@ -92,3 +118,21 @@ def test_installed_driver_alternates_jobs_and_survives_deleting_the_leader_pod(k
     assert "agent_token_file=/var/run/secrets/timeslice.dev/node-agent/token" in log, log[-3000:]
     plugin_log = kube.run("logs", "-n", SYSTEM, plugin["metadata"]["name"]).stdout
     assert "agent_auth=tokenreview" in plugin_log, plugin_log[-3000:]
+    # ... over TLS: the plugin pod publishes its certificate, the leader pinned exactly that one
+    # (it dials lazily: its takeover listed the agent's jobs, and the switches went through it)
+    pem = certificate(plugin)
+    assert pem and pem.startswith("-----BEGIN CERTIFICATE-----"), plugin["metadata"].get("annotations")
+    fp = fingerprint(pem)
+    assert "agent_tls=on" in plugin_log, plugin_log[-3000:]
+    assert (f"agent certificate published pod={SYSTEM}/{plugin['metadata']['name']} "
+            f"annotation={AGENT_CERTIFICATE_ANNOTATION} certificate={fp}") in plugin_log, plugin_log[-3000:]
+    assert "agent_tls=required" in log, log[-3000:]
+    target = group["agent_targets"][0]
+    assert f"agent channel target={target} tls=pinned certificate={fp}" in log, log[-3000:]
+    assert "tls=off" not in log and "agent refused" not in log, log[-3000:]
+    # the agent port speaks TLS only: a caller pinning the published certificate gets an
+    # answer, a plaintext one does not (run here, on the node: hostNetwork on 127.0.0.1)
+    assert agent_health(target, pem) == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        agent_health(target, None)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE

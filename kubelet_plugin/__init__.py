@@ -7,6 +7,7 @@
     sockets.py        socket paths under the kubelet directories, stale-socket clean-up
     plugin_server.py  create_servers: the DRA server, then the registration server
     agent/            the node agent: checkpoints and restores a job's processes
+    agent_certificate.py  CertificatePublisher: the agent's TLS certificate on the plugin's own pod
 
 Imports `timeslice.driver`, never `timeslice.controller`.
 """

@@ -4,9 +4,13 @@ Owned by the kubelet plugin; started by the CLI. One asyncio loop serves: the DR
 registration sockets (`plugin_server`), ResourceSlice publishing (`slice_publisher`),
 device health (`health`), the claim preparer (`preparer`) and the node agent
 (`agent/`), which the orchestrator calls to checkpoint and restore claims' processes;
-with `agent_auth: tokenreview` only `agent_allowed_users` may call it (`agent/auth.py`).
-Order at start: restore CDI specs from the checkpoint, publish slices, serve the agent,
-then the DRA socket and, last, the registration socket (kubelet calls in at once).
+with `agent_auth: tokenreview` only `agent_allowed_users` may call it (`agent/auth.py`);
+with `agent_tls` it serves TLS with a self-signed certificate made at start
+(`agent/tls.py`, key in memory only) and publishes the certificate on its own pod
+(`POD_NAMESPACE`/`POD_NAME`, `agent_certificate.py`) for the controller to pin.
+Order at start: restore CDI specs from the checkpoint, publish slices, serve the agent
+(then publish its certificate, retried in the background), then the DRA socket and,
+last, the registration socket (kubelet calls in at once).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +35,8 @@ from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+from timeslice.kubelet_plugin.agent.tls import self_signed
+from timeslice.kubelet_plugin.agent_certificate import CertificatePublisher
 from timeslice.kubelet_plugin.checkpoint import Checkpoint
 from timeslice.kubelet_plugin.devices import GpuInfo, discover_gpus
 from timeslice.kubelet_plugin.health import DeviceRef, NvmlHealthSource, StaticHealthSource
@@ -44,7 +51,9 @@ log = logging.getLogger("timeslice.kubelet_plugin")
 class KubeletPluginConfig(BaseModel):
     """Everything `timeslice kubelet-plugin` needs; paths are host paths. `agent_auth`:
     `tokenreview` lets only `agent_allowed_users` (TokenReview user names) call the node
-    agent, `none` anyone who reaches `agent_listen`."""
+    agent, `none` anyone who reaches `agent_listen`. `agent_tls`: serve the agent port with
+    TLS and publish its certificate on pod `pod_namespace`/`pod_name` (default: env
+    `POD_NAMESPACE` / `POD_NAME`, from the downward API)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,6 +68,9 @@ class KubeletPluginConfig(BaseModel):
     agent_listen: str = "127.0.0.1:50052"
     agent_auth: Literal["none", "tokenreview"] = "none"
     agent_allowed_users: tuple[str, ...] = Field(default=names.DEFAULT_AGENT_CALLERS, min_length=1)
+    agent_tls: bool = False
+    pod_name: str = Field(default_factory=lambda: os.environ.get("POD_NAME", ""))
+    pod_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", ""))
     backends: tuple[str, ...] = ("freeze", "none")
     orchestrator: str = ""
 
@@ -113,14 +125,31 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     elif not _local(cfg.agent_listen):
         log.warning("node agent on %s accepts calls from anyone (--agent-auth none): use --agent-auth "
                     "tokenreview, or restrict the port", cfg.agent_listen)
-    agent_server, agent_port = await create_agent_server(agent, cfg.agent_listen, callers)
+    identity = self_signed(cfg.node_name) if cfg.agent_tls else None
+    if identity is None and not _local(cfg.agent_listen):
+        log.warning("node agent on %s is plaintext (no --agent-tls): its calls and tokens are not encrypted in "
+                    "transit", cfg.agent_listen)
+    agent_server, agent_port = await create_agent_server(
+        agent, cfg.agent_listen, callers, identity.server_credentials() if identity else None)
+    cert_publisher = None
+    if identity is not None:
+        log.info("node agent TLS certificate=%s not_after=%s", identity.fingerprint, identity.not_after.isoformat())
+        if cfg.pod_name and cfg.pod_namespace:
+            cert_publisher = CertificatePublisher(k8s.CoreV1Api(api), cfg.pod_namespace, cfg.pod_name,
+                                                  identity.certificate_pem.decode())
+            cert_publisher.start()
+        else:
+            log.error("node agent certificate NOT published: POD_NAME and POD_NAMESPACE are not set (the downward "
+                      "API in manifests/base/kubelet-plugin.yaml sets them), so the controller cannot pin it: "
+                      "calls to this agent fail their TLS handshake, or are refused with --require-agent-tls")
     refs = [DeviceRef(cfg.node_name, d["name"], "" if table[d["name"]].fake else table[d["name"]].uuid)
             for d in devices]
     source = StaticHealthSource(lambda: refs) if cfg.fake_gpus else NvmlHealthSource(lambda: refs)
     servers = await create_servers(PluginServerConfig(plugin_data_dir=cfg.plugin_data_dir,
                                                       registry_dir=cfg.registry_dir), preparer, source)
-    log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d agent_auth=%s",
-             cfg.node_name, len(gpus), len(devices), restored, agent_port, cfg.agent_auth)
+    log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d agent_auth=%s "
+             "agent_tls=%s", cfg.node_name, len(gpus), len(devices), restored, agent_port, cfg.agent_auth,
+             "on" if identity else "off")
     if stop is None:
         stop = signals.stop_event()
     try:
@@ -129,5 +158,7 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
         with contextlib.suppress(Exception):
             await servers.stop(1)
         await agent_server.stop(1)
+        if cert_publisher is not None:
+            await cert_publisher.stop()
         await publisher.stop()
         await api.close()

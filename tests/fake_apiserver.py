@@ -9,9 +9,14 @@ the claim status writer uses: GET of one ResourceClaim (404 NotFound when absent
 of its `status` subresource (a merge patch: objects merge, lists and values replace, null
 deletes; only `status` is applied, a new resourceVersion and a MODIFIED watch event, as
 the API server does for a strategic merge patch of `status.devices`, which has no patch
-strategy), and POST of core/v1 Events (201 Created). Fault and request keys are the kind,
-`ResourceClaim/status` for status patches and `Event` for Event creation. Faults for the
-tests:
+strategy), and POST of core/v1 Events (201 Created). What the kubelet plugin's
+certificate publisher uses: PATCH of one Pod's `metadata` (a JSON merge patch or a
+strategic merge patch, by Content-Type; for `metadata.annotations`, a map of strings, the
+two are the same: keys merge, a value replaces, null deletes; any other field in the
+body is refused with 422 here, and a JSON Patch with 415, so no test relies on what this
+fake does not model; 404 for an unknown pod; a new resourceVersion and a MODIFIED watch
+event). Fault and request keys are the kind, `ResourceClaim/status` for status patches,
+`Pod/patch` for pod patches and `Event` for Event creation. Faults for the tests:
 
 - `fail(kind, status, times)`: the next requests of that key get a Status error;
   `times=None`: every request until `heal(kind)`;
@@ -45,6 +50,8 @@ PATHS = {
     "/apis/resource.k8s.io/v1/resourceslices": "ResourceSlice",
 }
 CLAIM_PATH = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
+MERGE_PATCHES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 EVENTS_PATH = "/api/v1/namespaces/{namespace}/events"
 TOKENREVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
 # The audience of a TokenReview without spec.audiences (the API server's own).
@@ -99,6 +106,7 @@ class FakeApiServer:
         self.failing: dict[str, int] = {}  # key -> status code, until healed
         self.requests: list[tuple[str, bool, dict[str, str]]] = []  # (key, watch?, query)
         self.status_patches: list[tuple[str, str, Obj]] = []  # applied: (namespace, name, patch body)
+        self.pod_patches: list[tuple[str, str, str, Obj]] = []  # applied: (namespace, name, content type, body)
         self.events: list[Obj] = []  # created Events
         self.tokens: dict[str, tuple[Obj, list[str]]] = {}  # token -> (status.user, audiences)
         self.reviews: list[Obj] = []  # spec of every TokenReview received
@@ -116,6 +124,7 @@ class FakeApiServer:
             app.router.add_get(path, self._handle)
         app.router.add_get(CLAIM_PATH, self._get_claim)
         app.router.add_patch(CLAIM_PATH + "/status", self._patch_claim_status)
+        app.router.add_patch(POD_PATH, self._patch_pod)
         app.router.add_post(EVENTS_PATH, self._create_event)
         app.router.add_post(TOKENREVIEWS, self._review)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
@@ -191,6 +200,11 @@ class FakeApiServer:
         return next((c for c in self.objects["ResourceClaim"].values()
                      if c["metadata"]["namespace"] == namespace and c["metadata"]["name"] == name), None)
 
+    def pod(self, namespace: str, name: str) -> Obj | None:
+        """The stored Pod of that namespace and name, if any."""
+        return next((p for p in self.objects["Pod"].values()
+                     if p["metadata"]["namespace"] == namespace and p["metadata"]["name"] == name), None)
+
     # -- HTTP --------------------------------------------------------------------
     def _fault(self, key: str) -> web.Response | None:
         code = self.faults[key].pop(0) if self.faults.get(key) else self.failing.get(key)
@@ -244,6 +258,32 @@ class FakeApiServer:
         updated = copy.deepcopy(claim)
         updated["status"] = _merge(updated.get("status") or {}, body.get("status") or {})
         self.status_patches.append((ns, name, body))
+        return web.json_response(self.put(updated))
+
+    async def _patch_pod(self, request: web.Request) -> web.Response:
+        self.requests.append(("Pod/patch", False, dict(request.query)))
+        fault = self._fault("Pod/patch")
+        if fault is not None:
+            return fault
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        content_type = request.content_type
+        if content_type not in MERGE_PATCHES:
+            return web.json_response(status(415, "UnsupportedMediaType", f"the fake API server takes only "
+                                                                         f"{', '.join(MERGE_PATCHES)}"), status=415)
+        body = await request.json()
+        if not isinstance(body, dict) or set(body) - {"metadata"} or \
+                set(body.get("metadata") or {}) - {"annotations", "labels"}:
+            return web.json_response(status(422, "Invalid", "the fake API server patches only metadata.annotations "
+                                                            "and metadata.labels of a pod"), status=422)
+        pod = self.pod(ns, name)
+        if pod is None:
+            return web.json_response(status(404, "NotFound", f'pods "{name}" not found'), status=404)
+        updated = copy.deepcopy(pod)
+        updated["metadata"] = _merge(updated["metadata"], body.get("metadata") or {})
+        for key in ("annotations", "labels"):  # the API server drops an emptied map
+            if key in updated["metadata"] and not updated["metadata"][key]:
+                del updated["metadata"][key]
+        self.pod_patches.append((ns, name, content_type, body))
         return web.json_response(self.put(updated))
 
     async def _create_event(self, request: web.Request) -> web.Response:

@@ -96,9 +96,14 @@ def test_kubelet_plugin_agent_auth_flags(monkeypatch, capsys) -> None:
     assert main(["kubelet-plugin", "--node-name", "n", "--agent-auth", "tokenreview", "--agent-allowed-users",
                  " ,"]) == 2  # one error line, no traceback
     assert "agent_allowed_users" in capsys.readouterr().err
+    monkeypatch.setenv("POD_NAME", "plugin-x")
+    monkeypatch.setenv("POD_NAMESPACE", "timeslice-system")
+    main(["kubelet-plugin", "--node-name", "n", "--agent-tls"])
+    assert not seen[0].agent_tls
+    assert (seen[-1].agent_tls, seen[-1].pod_name, seen[-1].pod_namespace) == (True, "plugin-x", "timeslice-system")
 
 
-def test_controller_agent_token_file_flag(monkeypatch) -> None:
+def test_controller_agent_token_file_flag(monkeypatch, capsys) -> None:
     from pathlib import Path
 
     from timeslice.cli.main import main
@@ -116,6 +121,10 @@ def test_controller_agent_token_file_flag(monkeypatch) -> None:
     main(["controller", "--agent-token-file", "/var/run/secrets/timeslice.dev/node-agent/token"])
     assert seen[0].agent_token_file is None
     assert seen[1].agent_token_file == Path("/var/run/secrets/timeslice.dev/node-agent/token")
+    main(["controller", "--require-agent-tls"])
+    assert not seen[0].require_agent_tls and seen[2].require_agent_tls
+    assert main(["controller", "--require-agent-tls", "--agent-template", "{node}:50052"]) == 2
+    assert "cannot be combined with agent_template" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch) -> None:

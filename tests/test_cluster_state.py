@@ -235,9 +235,12 @@ async def test_node_agents_come_from_the_plugin_pods(apiserver, api) -> None:
     rec = Recorder()
     async with state(api, rec, agent_namespace="timeslice-system") as cs:
         snap = await cs.wait_synced(10)
-        assert snap.node_agents == {"node-a": "10.1.0.1:50052"}
+        assert snap.node_agents == {"node-a": ("10.1.0.1:50052", None)}
         moved = plugin_pod("plugin-a2", "node-a", ip="10.1.0.9", created="2026-11-29T11:00:00Z")
         apiserver.put(moved)  # the plugin pod was replaced: the new address reaches the snapshot
-        await eventually(lambda: rec.last.node_agents == {"node-a": "10.1.0.9:50052"})
+        await eventually(lambda: rec.last.node_agents == {"node-a": ("10.1.0.9:50052", None)})
+        moved["metadata"]["annotations"] = {names.AGENT_CERTIFICATE_ANNOTATION: "PEM"}
+        apiserver.put(moved)  # the plugin published its certificate: it reaches the snapshot
+        await eventually(lambda: rec.last.node_agents == {"node-a": ("10.1.0.9:50052", "PEM")})
     selectors = [q.get("labelSelector") for k, w_, q in apiserver.requests if k == "Pod"]
     assert "app.kubernetes.io/name=timeslice-kubelet-plugin" in selectors

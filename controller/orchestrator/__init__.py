@@ -4,7 +4,7 @@
     lock_queue.py  LockQueue: waiters in grant order
     group.py       LockGroup: holder, lease, epoch, resident job; decides grants
     switch.py      SwitchCoordinator: checkpoint out / restore in over node agents, rollback
-    agents.py      AgentClient / AgentPool: gRPC calls to node agents
+    agents.py      AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
     service.py     gRPC servicer for `timeslice.v1.Orchestrator`
     server.py      create_server / serve
 """

@@ -4,10 +4,24 @@ Owned by the orchestrator; used by `SwitchCoordinator`. One `grpc.aio` channel p
 agent target, reused; errors are translated to `timeslice.driver.errors` here. With a
 `TokenFile` (the controller's `--agent-token-file`) every call carries `authorization:
 Bearer <token>` for agents that run with `--agent-auth tokenreview`.
+
+TLS: the controller's reconciler hands the pool each agent's certificate as its plugin
+pod publishes it (`set_certificates`, target -> PEM; kubelet plugin `--agent-tls`). For a
+target with a certificate the channel is TLS with that certificate as the only trusted
+root and the server name `timeslice-node-agent` checked instead of the address
+(`grpc.ssl_channel_credentials(root_certificates=...)` and the channel option
+`grpc.ssl_target_name_override`, gRPC Python API reference): pinning, no CA. A target
+without one gets a plaintext channel, or, with `require_tls` (`--require-agent-tls`), a
+stand-in that refuses every call with `Unavailable`. When a target's certificate changes
+(a restarted plugin under hostNetwork keeps its address but makes a new key), its client
+is replaced by a new channel; the old one is closed after `RETIRE_GRACE_SECONDS`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -16,7 +30,11 @@ from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.bearer import Metadata, TokenFile
-from timeslice.driver.errors import Unavailable, error_from_status
+from timeslice.driver.certificates import fingerprint
+from timeslice.driver.errors import TimeSliceServerError, Unavailable, error_from_status
+from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION, AGENT_TLS_SERVER_NAME
+
+log = logging.getLogger("timeslice.orchestrator.agents")
 
 # Target prefix of a node without a node agent: `no-agent:<node>` (see MissingAgent).
 MISSING_PREFIX = "no-agent:"
@@ -25,6 +43,16 @@ RPC_SLACK_SECONDS = 5.0
 # A channel is reused across agent restarts (same target under hostNetwork): cap gRPC's
 # reconnect backoff (default up to 120 s, during which every call fails at once).
 CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 1000))
+# TLS channels check this name in the agent's certificate instead of the target's address
+# (an IP, the node's under hostNetwork, which a self-signed certificate cannot foresee).
+TLS_OPTIONS = (("grpc.ssl_target_name_override", AGENT_TLS_SERVER_NAME),)
+# Calls still running on a replaced channel (its agent's certificate changed) get this
+# long before the channel is closed (seconds).
+RETIRE_GRACE_SECONDS = 5.0
+# Words of gRPC's error details (of an UNAVAILABLE call) that mark a failed TLS handshake or
+# certificate check, e.g. "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...
+# CERTIFICATE_VERIFY_FAILED" or "Hostname Verification Check failed".
+_TLS_FAILURE_WORDS = ("handshake", "certificate_verify_failed", "ssl_error", "hostname verification")
 
 
 @dataclass(frozen=True)
@@ -34,17 +62,45 @@ class StepResult:
 
 
 class AgentClient:
-    """`token`: the bearer token file sent on every call (None: no token)."""
+    """Calls one node agent at `target` (`host:port` or `unix:///path`). `token`: the bearer
+    token file sent on every call (None: no token). `certificate`: the agent's own
+    certificate (PEM), pinned as the only trusted root of a TLS channel that checks the
+    name `timeslice-node-agent` (None: a plaintext channel). Raises ValueError when
+    `certificate` is not one PEM certificate."""
 
-    def __init__(self, target: str, token: TokenFile | None = None) -> None:
+    def __init__(self, target: str, token: TokenFile | None = None, certificate: str | None = None) -> None:
         self.target = target
         self._token = token
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.certificate = certificate
+        if certificate is None:
+            self.fingerprint = ""
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self.fingerprint = fingerprint(certificate)
+            credentials = grpc.ssl_channel_credentials(root_certificates=certificate.encode())
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS + TLS_OPTIONS)
         self._stub = apb_grpc.NodeAgentStub(self._channel)
+
+    @property
+    def tls(self) -> bool:
+        return self.certificate is not None
 
     def _metadata(self) -> Metadata | None:
         """The call's token; raises Unauthenticated when the token file cannot be read."""
         return self._token.metadata() if self._token is not None else None
+
+    def _error(self, err: grpc.aio.AioRpcError, what: str) -> TimeSliceServerError:
+        """`err` in the driver's tree, its message naming the call, the agent and, for a
+        failed TLS handshake, the certificate that was pinned."""
+        details = err.details() or ""
+        message = f"{what} on agent {self.target}: {err.code().name}: {details}"
+        if self.tls and err.code() == grpc.StatusCode.UNAVAILABLE and \
+                any(w in details.lower() for w in _TLS_FAILURE_WORDS):
+            message += (f" (TLS: the agent did not prove it holds the certificate its plugin pod publishes, "
+                        f"{self.fingerprint}, annotation {AGENT_CERTIFICATE_ANNOTATION}, for the name "
+                        f"{AGENT_TLS_SERVER_NAME}; a restarted plugin publishes a new one, which replaces this "
+                        f"channel)")
+        return error_from_status(err.code(), message)
 
     async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
                          member: MemberSpec | None = None) -> StepResult:
@@ -67,8 +123,7 @@ class AgentClient:
         try:
             resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
-            raise error_from_status(err.code(), f"{what} of job {job_id} on agent {self.target}: "
-                                                f"{err.code().name}: {err.details()}") from err
+            raise self._error(err, f"{what} of job {job_id}") from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
     async def checkpointed_jobs(self) -> set[str]:
@@ -79,58 +134,124 @@ class AgentClient:
             resp = await self._stub.ListJobs(apb.ListJobsRequest(), timeout=RPC_SLACK_SECONDS,
                                              metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
-            raise error_from_status(err.code(), f"list jobs on agent {self.target}: {err.details()}") from err
+            raise self._error(err, "list jobs") from err
         return {j.job_id for j in resp.jobs}
 
-    async def close(self) -> None:
-        await self._channel.close()
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel; calls still running get `grace` seconds (None: cancelled now)."""
+        await self._channel.close(grace)
 
 
-class MissingAgent(AgentClient):
-    """The stand-in for a node without a node agent (target `no-agent:<node>`): every
-    call raises `Unavailable`, so a switch there fails and rolls back with a clear cause."""
+class UnusableAgent(AgentClient):
+    """The stand-in for an agent the orchestrator must not call: every call raises
+    `Unavailable("<call> on <where>: <why>")`, so a switch there fails and rolls back with a
+    clear cause. `certificate`: what its plugin pod published (kept so that the pool
+    replaces this stand-in when that changes)."""
 
-    def __init__(self, target: str) -> None:  # no channel
+    def __init__(self, target: str, where: str, why: str, certificate: str | None = None) -> None:  # no channel
         self.target = target
-        self._node = target.partition(":")[2]
+        self.certificate = certificate
+        self.fingerprint = ""
+        self._where = where
+        self._why = why
 
     async def checkpoint(self, job_id: str, *args: object, **kw: object) -> StepResult:
-        raise self._missing(f"checkpoint of job {job_id}")
+        raise self._refused(f"checkpoint of job {job_id}")
 
     async def restore(self, job_id: str, *args: object, **kw: object) -> StepResult:
-        raise self._missing(f"restore of job {job_id}")
+        raise self._refused(f"restore of job {job_id}")
 
     async def checkpointed_jobs(self) -> set[str]:
-        raise self._missing("list jobs")
+        raise self._refused("list jobs")
 
-    def _missing(self, what: str) -> Unavailable:
-        return Unavailable(f"{what} on node {self._node}: no node agent there (no running timeslice-kubelet-plugin "
-                           "pod on that node)")
+    def _refused(self, what: str) -> Unavailable:
+        return Unavailable(f"{what} on {self._where}: {self._why}")
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
         pass
+
+
+class MissingAgent(UnusableAgent):
+    """The stand-in for a node without a node agent (target `no-agent:<node>`)."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target, f"node {target.partition(':')[2]}",
+                         "no node agent there (no running timeslice-kubelet-plugin pod on that node)")
 
 
 class AgentPool:
     """Agent clients by target, created on first use, all sending `token` (None: no
-    token); `MISSING_PREFIX` targets get a `MissingAgent`."""
+    token); `MISSING_PREFIX` targets get a `MissingAgent`. Targets with a certificate
+    (`set_certificates`) get a TLS client pinning it; the others a plaintext one, or, with
+    `require_tls`, an `UnusableAgent` that says why."""
 
-    def __init__(self, token: TokenFile | None = None) -> None:
+    def __init__(self, token: TokenFile | None = None, require_tls: bool = False) -> None:
         self._token = token
+        self.require_tls = require_tls
         self._clients: dict[str, AgentClient] = {}
+        self._certificates: dict[str, str] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def set_certificates(self, certificates: Mapping[str, str]) -> None:
+        """Replace the table target -> the agent's certificate (PEM), as the agents' plugin
+        pods publish them now. A pooled client whose target's certificate changed, appeared
+        or went away is dropped (its channel closed after `RETIRE_GRACE_SECONDS`, in the
+        background: call from within the event loop); the next `get` makes a new one."""
+        self._certificates = dict(certificates)
+        for target, client in list(self._clients.items()):
+            if target.startswith(MISSING_PREFIX) or client.certificate == self._certificates.get(target):
+                continue
+            del self._clients[target]
+            log.info("agent certificate changed target=%s old=%s new=%s: new channel", target,
+                     client.fingerprint or ("none" if client.certificate is None else "unusable"),
+                     self._describe(self._certificates.get(target)))
+            task = asyncio.get_running_loop().create_task(client.close(RETIRE_GRACE_SECONDS),
+                                                          name=f"close-agent-channel-{target}")
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    @staticmethod
+    def _describe(certificate: str | None) -> str:
+        if certificate is None:
+            return "none"
+        try:
+            return fingerprint(certificate)
+        except ValueError:
+            return "unusable"
 
     def get(self, target: str) -> AgentClient:
         client = self._clients.get(target)
         if client is None:
-            if target.startswith(MISSING_PREFIX):
-                client = self._clients[target] = MissingAgent(target)
-            else:
-                client = self._clients[target] = AgentClient(target, self._token)
+            client = self._clients[target] = self._new(target)
+        return client
+
+    def _new(self, target: str) -> AgentClient:
+        if target.startswith(MISSING_PREFIX):
+            return MissingAgent(target)
+        certificate = self._certificates.get(target)
+        if certificate is None:
+            if self.require_tls:
+                log.warning("agent refused target=%s: no TLS certificate published and TLS is required", target)
+                return UnusableAgent(
+                    target, f"agent {target}",
+                    f"it publishes no TLS certificate (no annotation {AGENT_CERTIFICATE_ANNOTATION} on its "
+                    "timeslice-kubelet-plugin pod: run the plugin with --agent-tls) and the controller runs with "
+                    "--require-agent-tls")
+            log.info("agent channel target=%s tls=off", target)
+            return AgentClient(target, self._token)
+        try:
+            client = AgentClient(target, self._token, certificate)
+        except ValueError as err:
+            log.warning("agent refused target=%s: unusable certificate: %s", target, err)
+            why = f"the certificate its plugin pod publishes (annotation {AGENT_CERTIFICATE_ANNOTATION}) is unusable"
+            return UnusableAgent(target, f"agent {target}", f"{why}: {err}", certificate)
+        log.info("agent channel target=%s tls=pinned certificate=%s server_name=%s", target, client.fingerprint,
+                 AGENT_TLS_SERVER_NAME)
         return client
 
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
-
-
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)

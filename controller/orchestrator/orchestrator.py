@@ -7,7 +7,7 @@ and removes groups as claims change). The gRPC servicer looks groups up here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -55,6 +55,13 @@ class Orchestrator:
     def set_aliases(self, aliases: dict[tuple[str, str], tuple[str, str]]) -> None:
         """Replace the (job, claim-set name) -> (group id, member job) table (the reconciler)."""
         self._aliases = dict(aliases)
+
+    def set_agent_certificates(self, certificates: Mapping[str, str]) -> None:
+        """Replace the table node-agent target -> the certificate (PEM) its plugin pod
+        publishes (the reconciler, on every snapshot). Calls to a target listed here go over
+        TLS pinning that certificate; a changed certificate gets a new channel
+        (`AgentPool.set_certificates`)."""
+        self._pool.set_certificates(certificates)
 
     def group_for(self, job: str, name: str) -> tuple[LockGroup, str]:
         """(group, the job as the group knows it) for `job` naming `name`: a group id, or the

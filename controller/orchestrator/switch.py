@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -38,7 +38,7 @@ class SwitchCoordinator:
             rec.checkpoint_seconds = time.monotonic() - t0
             rec.bytes_checkpointed = sum(r.bytes for r in done.values())
             if failures:
-                back = await self._undo(list(done), "restore", spec, outgoing)
+                back = await self._undo(self._current(done), "restore", spec, outgoing)
                 raise self._failed(rec, f"checkpoint of {outgoing} failed", failures, back)
         if restore:
             t0 = time.monotonic()
@@ -46,7 +46,7 @@ class SwitchCoordinator:
             rec.restore_seconds = time.monotonic() - t0
             rec.bytes_restored = sum(r.bytes for r in done.values())
             if failures:
-                await self._undo(list(done), "checkpoint", spec, incoming)
+                await self._undo(self._current(done), "checkpoint", spec, incoming)
                 back = outgoing is None or await self._undo(self._agents(spec, outgoing), "restore", spec, outgoing)
                 raise self._failed(rec, f"restore of {incoming} failed", failures, back)
         return rec
@@ -56,6 +56,11 @@ class SwitchCoordinator:
         member = spec.member(job)
         targets = list(member.claims_by_agent) if member else spec.agents
         return [self._pool.get(t) for t in targets]
+
+    def _current(self, agents: Iterable[AgentClient]) -> list[AgentClient]:
+        """The pool's clients now for the targets of `agents` (a client is replaced, and its
+        channel closed, when its agent's TLS certificate changes mid-switch)."""
+        return [self._pool.get(a.target) for a in agents]
 
     async def _on_all(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec,
                       job: str) -> tuple[dict[AgentClient, StepResult], dict[AgentClient, BaseException]]:

@@ -5,5 +5,6 @@
     records.py   JobRecords: which PIDs this agent checkpointed (persisted)
     service.py   gRPC servicer for `timeslice.agent.v1.NodeAgent`
     auth.py      AllowedCallers: only the orchestrator's ServiceAccount (TokenReview)
+    tls.py       AgentIdentity: the self-signed certificate of --agent-tls (key in memory)
     server.py    create_server / serve
 """

@@ -1,12 +1,15 @@
 """Node-agent gRPC server: `create_server` builds and starts it.
 
 Owned by the node agent; called by the demo, tests and the kubelet plugin. Listens on
-a unix socket (`unix:///path`) or TCP without TLS; on TCP beyond loopback, pass `callers`
-(`auth.AllowedCallers`) so that only the orchestrator may call it.
+a unix socket (`unix:///path`) or TCP, plaintext or, with `credentials` (the kubelet
+plugin's `--agent-tls`: `tls.AgentIdentity.server_credentials()`), TLS only. On TCP
+beyond loopback, pass `callers` (`auth.AllowedCallers`) so that only the orchestrator may
+call it, and `credentials` so that its token and the calls are encrypted in transit.
 """
 
 from __future__ import annotations
 
+import grpc
 import grpc.aio
 from timeslice.driver import grpc_server
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
@@ -17,13 +20,15 @@ from timeslice.kubelet_plugin.agent.service import CallerCheck, NodeAgentService
 SERVICE_NAME = apb.DESCRIPTOR.services_by_name["NodeAgent"].full_name
 
 
-async def create_server(agent: NodeAgent, listen: str,
-                        callers: CallerCheck | None = None) -> tuple[grpc.aio.Server, int]:
+async def create_server(agent: NodeAgent, listen: str, callers: CallerCheck | None = None,
+                        credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
     """A started server for `agent` on `listen`; returns (server, port; 0 for unix sockets).
-    `callers`: who may call the NodeAgent service (None: anyone); health stays open."""
+    `callers`: who may call the NodeAgent service (None: anyone); health stays open.
+    `credentials`: serve TLS with them (None: plaintext). Raises OSError when `listen`
+    cannot be bound."""
     server = grpc_server.new_server()
     apb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent, callers), server)
     await grpc_server.add_health(server, [SERVICE_NAME])
-    port = grpc_server.bind(server, listen)
+    port = grpc_server.bind(server, listen, credentials)
     await server.start()
     return server, port
