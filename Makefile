@@ -47,5 +47,5 @@ cluster-up: wheels ## start the local single-node cluster (hack/local-cluster.sh
 cluster-down: ## stop it and remove its state
 	hack/local-cluster.sh down
 
-bench: $(STAMP) ## CPU benchmarks into bench/results/ (GPU ones: see bench/README.md)
+bench: $(STAMP) ## CPU benchmarks, overwriting bench/results/ (GPU and cluster ones: README "Reproduce")
 	$(BIN)/python bench/handoff.py --groups 100 --jobs 8 --hold 1.0 --seconds 20 --out bench/results/handoff-2core.json
