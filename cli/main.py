@@ -232,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         return int(a.fn(a))
+    except BrokenPipeError:  # `timeslice status | head`: the reader left; no traceback (Python docs, signal)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except (OSError, ValueError) as err:  # a bad config file, flag value or address: one line, no traceback
         print(f"timeslice {a.command}: error: {err}", file=sys.stderr)
         return 2
