@@ -50,6 +50,7 @@ class DemoConfig:
     state_mb: int = 16
     state_gb: float = 1.0
     lease_seconds: float = 10.0
+    max_hold_seconds: float | None = None  # the shared group's maxHoldSeconds (None: no limit)
 
 
 def gpu_present() -> bool:
@@ -84,7 +85,8 @@ class DemoRunner:
             agent = NodeAgent(self.resolver, backends=[self.backend])
             agent_server, _ = await create_agent_server(agent, agent_target)
             agents = () if self.backend == "none" else (agent_target,)
-            specs = [GroupSpec(id=g, backend=self.backend, agents=agents, lease_seconds=self.cfg.lease_seconds)
+            specs = [GroupSpec(id=g, backend=self.backend, agents=agents, lease_seconds=self.cfg.lease_seconds,
+                               max_hold_seconds=self.cfg.max_hold_seconds)
                      for g in ("solo", "shared")]
             self.orchestrator = Orchestrator(specs)
             server, port = await create_orchestrator_server(self.orchestrator, "127.0.0.1:0")
@@ -150,6 +152,7 @@ class DemoRunner:
             "jobs": self.cfg.jobs, "rounds": self.cfg.rounds, "backend": self.backend, "mode": self.mode,
             "gen_seconds": self.cfg.gen_seconds, "reward_seconds": self.cfg.reward_seconds,
             "switches": view.counters.switches, "failed_switches": view.counters.failed_switches,
+            "max_hold_seconds": self.cfg.max_hold_seconds, "preemptions": view.counters.preemptions,
             "duty_cycle_solo": round(duty_cycle(solo), 4), "duty_cycle_shared": round(duty_cycle(shared), 4),
             "handoffs": len(handoffs),
             "handoff_ms_p50": round(percentile(handoffs, 50), 3), "handoff_ms_p99": round(percentile(handoffs, 99), 3),
@@ -180,10 +183,11 @@ def duty_cycle(events: list[dict[str, Any]]) -> float:
 
 
 def handoff_ms(events: list[dict[str, Any]]) -> list[float]:
-    """Milliseconds from a holder's release to the next holder's grant, when that one waited."""
+    """Milliseconds from a holder's release to the next holder's grant, when that one waited
+    (a grant before the release is a preemption, not a hand-off: left out)."""
     out = []
     for prev, nxt in itertools.pairwise(events):
-        if prev["job"] != nxt["job"] and nxt["acquire"] < prev["release"]:
+        if prev["job"] != nxt["job"] and nxt["acquire"] < prev["release"] <= nxt["granted"]:
             out.append((nxt["granted"] - prev["release"]) * 1000.0)
     return out
 
@@ -214,9 +218,9 @@ def render(result: dict[str, Any], width: int = 72) -> str:
                     for c in range(int((a - t0) * scale), min(width, int((b - t0) * scale))):
                         row[c] = ch
             lines.append(f"  {job:>14} |{''.join(row)}|")
-    keys = ("jobs", "rounds", "backend", "switches", "failed_switches", "duty_cycle_solo", "duty_cycle_shared",
-            "handoff_ms_p50", "handoff_ms_p99", "switch_seconds_mean", "data_ok")
-    lines.append("summary: " + ", ".join(f"{k}={result[k]}" for k in keys))
+    keys = ("jobs", "rounds", "backend", "switches", "failed_switches", "preemptions", "duty_cycle_solo",
+            "duty_cycle_shared", "handoff_ms_p50", "handoff_ms_p99", "switch_seconds_mean", "data_ok")
+    lines.append("summary: " + ", ".join(f"{k}={result[k]}" for k in keys if k in result))
     return "\n".join(lines)
 
 

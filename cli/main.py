@@ -26,7 +26,8 @@ def _demo(a: argparse.Namespace) -> int:
 
     logs.setup("WARNING" if not a.verbose else "INFO")
     cfg = DemoConfig(jobs=a.jobs, rounds=a.rounds, backend=a.backend, gen_seconds=a.gen_seconds,
-                     reward_seconds=a.reward_seconds, state_mb=a.state_mb, state_gb=a.state_gb)
+                     reward_seconds=a.reward_seconds, state_mb=a.state_mb, state_gb=a.state_gb,
+                     max_hold_seconds=a.max_hold_seconds)
     return run(cfg, a.json)
 
 
@@ -146,6 +147,8 @@ def parser() -> argparse.ArgumentParser:
                    help="reward phase length, seconds (default 0.3)")
     d.add_argument("--state-mb", type=_at_least(1, int), default=16, help="CPU worker state, MiB (default 16)")
     d.add_argument("--state-gb", type=_at_least(0.001, float), default=1.0, help="GPU worker state, GB (default 1)")
+    d.add_argument("--max-hold-seconds", type=_at_least(0.001, float),
+                   help="preempt a holder after this long while another job waits (default: no limit)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
     d.add_argument("-v", "--verbose", action="store_true", help="log orchestrator and agent activity")
     d.set_defaults(fn=_demo)

@@ -30,6 +30,17 @@ def test_demo_json_runs_real_processes_and_keeps_data() -> None:
     assert r.stderr == ""  # no warnings
 
 
+def test_demo_with_max_hold_preempts_mid_phase_and_keeps_data() -> None:
+    """Phases of 1.2 s, maxHoldSeconds 0.3: each holder is frozen mid-phase while the
+    other computes, and every worker's state survives."""
+    r = timeslice("demo", "--jobs", "2", "--rounds", "2", "--backend", "freeze", "--gen-seconds", "1.2",
+                  "--reward-seconds", "0.1", "--max-hold-seconds", "0.3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["preemptions"] >= 2 and out["max_hold_seconds"] == 0.3 and out["data_ok"] is True
+    assert out["failed_switches"] == 0 and all(h >= 0 for h in (out["handoff_ms_p50"], out["handoff_ms_p99"]))
+
+
 def test_demo_prints_a_timeline() -> None:
     r = timeslice("demo", "--jobs", "2", "--rounds", "2", "--backend", "none", "--gen-seconds", "0.05",
                   "--reward-seconds", "0.05")

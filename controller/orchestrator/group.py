@@ -504,7 +504,7 @@ class LockGroup:
         if self.holder is not h or self.switching is not None or not self._contenders(h):
             return
         self.counters.preemptions += 1
-        log.warning("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", self.id, h.job_id,
+        log.info("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", self.id, h.job_id,
                     h.epoch, limit, len(self.queue))
         self._notify("preempted", h.job_id, h.epoch)
         self._end_hold(h, f"maxHoldSeconds {limit:g} exceeded while others waited")
