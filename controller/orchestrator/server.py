@@ -33,8 +33,10 @@ async def create_server(orchestrator: Orchestrator, listen: str,
     return server, port
 
 
-async def serve(config: OrchestratorConfig, grace: float = 5.0) -> None:
-    """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls."""
+async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
+    """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls (short:
+    what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
+    those with the same request id against the next orchestrator)."""
     orchestrator = Orchestrator(config.groups)
     server, port = await create_server(orchestrator, config.listen)
     log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
