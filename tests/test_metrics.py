@@ -5,6 +5,7 @@ orchestrator gRPC server and node agents (FakeBackend at the seam), and from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from timeslice.controller.orchestrator.metrics import start_metrics_server
 from tests.conftest import eventually
 from tests.test_max_hold import set_group
 from tests.test_orchestrator import acquire, release
+from tests.test_status_outage import A, apiserver  # noqa: F401  (fixture: a fake API server with one group)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -188,3 +190,40 @@ def test_orchestrator_command_serves_metrics(tmp_path) -> None:
         assert p.wait(10) == 0
         if p.stderr:
             p.stderr.close()
+
+
+async def test_controller_reports_groups_only_while_leading(apiserver, short_tmp, metrics_url) -> None:  # noqa: F811
+    """Every controller replica serves /metrics; one that does not lead (its groups are
+    reconciled but not served) reports none. The leader's claim-status observer and the
+    metrics both see its grants."""
+    from kubernetes.aio import client as k8s
+    from timeslice.controller.app import Controller, ControllerConfig
+
+    api = k8s.ApiClient(k8s.Configuration(host=apiserver.url))
+    target = f"unix://{short_tmp / 'orch.sock'}"
+    ctl = Controller(ControllerConfig(listen=target, default_backend="none", identity="test"), api)
+    ctl.state.start()
+    task = None
+    try:
+        url = await metrics_url(ctl.orchestrator)
+        await eventually(lambda: ctl.orchestrator.groups())
+        assert not [k for k in await scrape(url) if k[0].startswith("timeslice_group_")]
+        task = asyncio.create_task(ctl.lead())
+        await eventually(lambda: ctl.orchestrator.metrics.active)
+        (group,) = ctl.orchestrator.groups()
+        s = await scrape(url)
+        assert value(s, "timeslice_group_grants_total", group=group.id) == 0
+        grant = await group.acquire(A, 0, "r1", None)
+        group.release(A, grant.lease_id, grant.epoch)
+        s = await scrape(url)
+        assert value(s, "timeslice_group_grants_total", group=group.id) == 1
+        assert value(s, "timeslice_acquire_wait_seconds_count", group=group.id) == 1
+    finally:
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await ctl.state.stop()
+        await ctl.writer.stop()
+        await ctl.orchestrator.close()
+        await api.close()
