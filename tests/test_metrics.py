@@ -12,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc.aio
 import pytest
@@ -227,3 +228,24 @@ async def test_controller_reports_groups_only_while_leading(apiserver, short_tmp
         await ctl.writer.stop()
         await ctl.orchestrator.close()
         await api.close()
+
+
+def test_manifests_serve_metrics_in_base_and_not_on_the_local_host_network() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent
+    ctl = next(d for d in yaml.safe_load_all((root / "manifests" / "base" / "controller.yaml").read_text())
+               if d["kind"] == "Deployment")
+    pod = ctl["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    command = container["command"]
+    assert command[command.index("--metrics-listen") + 1] == "0.0.0.0:8080"
+    assert {"name": "metrics", "containerPort": 8080} in container["ports"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8080"
+    local = yaml.safe_load((root / "hack" / "local-driver" / "kustomization.yaml").read_text())
+    patch = next(p for p in local["patches"] if p["target"]["kind"] == "Deployment")
+    ops = yaml.safe_load(patch["patch"])
+    command = next(op["value"] for op in ops if op["path"].endswith("/command"))
+    assert "--metrics-listen" not in command  # two hostNetwork replicas on one node would collide
+    removed = {op["path"] for op in ops if op["op"] == "remove"}
+    assert removed >= {"/spec/template/spec/containers/0/ports", "/spec/template/metadata/annotations"}
