@@ -40,6 +40,8 @@ def _orchestrator(a: argparse.Namespace) -> int:
     cfg = OrchestratorConfig.from_yaml(a.config) if a.config else OrchestratorConfig()
     if a.listen:
         cfg = cfg.model_copy(update={"listen": a.listen})
+    if a.metrics_listen:
+        cfg = cfg.model_copy(update={"metrics_listen": a.metrics_listen})
     asyncio.run(serve(cfg))
     return 0
 
@@ -81,7 +83,7 @@ def _controller(a: argparse.Namespace) -> int:
     from timeslice.driver import logs
 
     logs.setup(a.log_level)
-    fields = {"listen": a.listen, "agent_template": a.agent_template,
+    fields = {"listen": a.listen, "metrics_listen": a.metrics_listen, "agent_template": a.agent_template,
               "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
@@ -154,8 +156,12 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
 
     o = sub.add_parser("orchestrator", help="serve the orchestrator with static groups")
-    o.add_argument("--config", help="YAML: {listen: host:port, groups: [{id, backend, agents, lease_seconds}]}")
+    o.add_argument("--config", help="YAML: {listen: host:port, metrics_listen: host:port, groups: [{id, backend, "
+                                    "agents, lease_seconds}]}")
     o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
+    o.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "
+                        "config's metrics_listen; default off)")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(fn=_orchestrator)
 
@@ -194,6 +200,9 @@ def parser() -> argparse.ArgumentParser:
                        description="Derive lock groups from ResourceClaims allocated by gpu.timeslice.dev and "
                                    "serve the orchestrator API for them; write claim status and Events.")
     c.add_argument("--listen", help="orchestrator gRPC address (default 0.0.0.0:50051)")
+    c.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics on every replica; a replica that "
+                        "does not lead reports no groups (default off)")
     c.add_argument("--agent-template",
                    help="a node's agent address, {node} = node name, for agents that are not pods (default: the "
                         "node-plugin pods' IP and 'agent' port)")

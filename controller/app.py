@@ -39,6 +39,7 @@ from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.controller.reconciler import Reconciler
@@ -58,11 +59,14 @@ class ControllerConfig(BaseModel):
     file sent to the node agents as `authorization: Bearer`, re-read when it changes
     (None: no token); `require_agent_tls`: call only agents whose plugin pod publishes a
     TLS certificate (annotation `timeslice.dev/agent-certificate`), so it needs the
-    plugin pods (no `agent_template`). Times in seconds."""
+    plugin pods (no `agent_template`); `metrics_listen`: `host:port` of the Prometheus
+    `/metrics` endpoint, served on every replica (a replica that does not lead reports no
+    groups; None: off). Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     listen: str = "0.0.0.0:50051"
+    metrics_listen: str | None = None
     agent_template: str | None = None
     agent_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", "timeslice-system"))
     default_backend: str = "cuda"
@@ -118,6 +122,7 @@ class Controller:
                 log.error("no token for the node agents: %s", err)
         self.orchestrator = Orchestrator(observer=self.writer.observe,
                                          agents=AgentPool(token, require_tls=cfg.require_agent_tls))
+        self.orchestrator.metrics.active = False  # groups are reported while leading (they are served then)
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.state = ClusterState(api, self.reconciler.apply,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
@@ -132,6 +137,7 @@ class Controller:
                 log.warning("no state adopted group=%s: %s", group.id, err)
         auth = TokenReviewAuthenticator(k8s.AuthenticationV1Api(self.api)) if self.cfg.auth == "tokenreview" else None
         server, port = await self._bind(auth)
+        self.orchestrator.metrics.active = True
         self.writer.start()  # only the leader writes claim status
         agents = self.cfg.agent_template or f"plugin pods in {self.cfg.agent_namespace}"
         log.info("controller serving identity=%s listen=%s port=%d agents=%s default_backend=%s agent_token_file=%s "
@@ -187,6 +193,13 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
         await k8s_config.load_kube_config()
     api = k8s.ApiClient()
     ctl = Controller(cfg, api)
+    metrics = None
+    if cfg.metrics_listen:
+        try:
+            metrics, _ = await start_metrics_server(ctl.orchestrator.metrics, cfg.metrics_listen)
+        except BaseException:
+            await api.close()
+            raise
     ctl.state.start()
     if stop is None:
         stop = signals.stop_event()
@@ -206,6 +219,8 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
             await task
         await ctl.state.stop()
         await ctl.writer.stop()
+        if metrics is not None:
+            await metrics.cleanup()
         with contextlib.suppress(Exception):
             await ctl.orchestrator.close()
         await api.close()

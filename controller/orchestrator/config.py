@@ -64,11 +64,13 @@ class GroupSpec(BaseModel):
 
 
 class OrchestratorConfig(BaseModel):
-    """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster."""
+    """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster.
+    `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off)."""
 
     model_config = ConfigDict(extra="forbid")
 
     listen: str = "127.0.0.1:50051"
+    metrics_listen: str | None = None
     groups: list[GroupSpec] = []
 
     @model_validator(mode="after")

@@ -84,14 +84,16 @@ Switcher = Callable[[GroupSpec, "str | None", str, bool], Awaitable[SwitchRecord
 
 @dataclass(frozen=True)
 class GroupEvent:
-    """What happened in a group, for observers (claim status, Events): `kind` is
-    "granted", "released", "switched", "switch-failed", "lease-expired" or "preempted"."""
+    """What happened in a group, for observers (claim status, Events, metrics): `kind` is
+    "granted", "released", "switched", "switch-failed", "lease-expired" or "preempted".
+    `waited_seconds` (a grant): the longest wait among the granted job's waiters, seconds."""
 
     kind: str
     group_id: str
     job_id: str
     epoch: int = 0
     record: SwitchRecord | None = None
+    waited_seconds: float = 0.0
 
 
 Observer = Callable[["LockGroup", GroupEvent], None]
@@ -123,11 +125,15 @@ class Hold:
 
 @dataclass
 class Counters:
+    """Totals since the group was created. `held_seconds`: seconds of ended holds (the
+    current hold is `GroupView.held_seconds`)."""
+
     grants: int = 0
     switches: int = 0
     failed_switches: int = 0
     lease_expiries: int = 0
     preemptions: int = 0
+    held_seconds: float = 0.0
 
 
 @dataclass
@@ -329,8 +335,10 @@ class LockGroup:
         return h
 
     def _end_hold(self, h: Hold, why: str) -> None:
+        held = max(0.0, self._clock() - h.granted_at)
+        self.counters.held_seconds += held
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
-                 h.epoch, self._clock() - h.granted_at, why)
+                 h.epoch, held, why)
         self.holder = None
         if self._lease_timer is not None:
             self._lease_timer.cancel()
@@ -348,11 +356,12 @@ class LockGroup:
                 w.future.set_exception(err)
                 w.future.exception()  # retrieved here: the caller may be gone already
 
-    def _notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None) -> None:
+    def _notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None,
+                waited: float = 0.0) -> None:
         if self._observer is None:
             return
         try:
-            self._observer(self, GroupEvent(kind, self.id, job_id, epoch, record))
+            self._observer(self, GroupEvent(kind, self.id, job_id, epoch, record, waited))
         except Exception:  # an observer must never break the lock
             log.exception("group observer failed group=%s event=%s", self.id, kind)
 
@@ -447,7 +456,7 @@ class LockGroup:
         for w in waiters:
             w.future.set_result(self._grant_info(h, waited=now - w.enqueued_at))
         log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
-        self._notify("granted", job_id, h.epoch)
+        self._notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
         self._arm_lease_timer()
         self._arm_max_hold_timer()
 

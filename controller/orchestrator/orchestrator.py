@@ -1,7 +1,9 @@
-"""Orchestrator: owns the lock groups and the switch coordinator.
+"""Orchestrator: owns the lock groups, the switch coordinator and the metrics.
 
 Owned by the orchestrator server (and, in the cluster, by the controller, which adds
-and removes groups as claims change). The gRPC servicer looks groups up here.
+and removes groups as claims change). The gRPC servicer looks groups up here. Group
+events go to the metrics first, then to the caller's observer (claim status); each
+observer is isolated from the others' failures.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Iterable, Mapping
 
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.group import LockGroup, Observer, Switcher
+from timeslice.controller.orchestrator.group import GroupEvent, LockGroup, Observer, Switcher
+from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
 from timeslice.driver.errors import NotFound, TimeSliceServerError
 
@@ -22,7 +25,8 @@ class Orchestrator:
     def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
                  observer: Observer | None = None, agents: AgentPool | None = None) -> None:
         self._pool = agents or AgentPool()
-        self._observer = observer
+        self.metrics = OrchestratorMetrics(self.groups)
+        self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
@@ -35,15 +39,24 @@ class Orchestrator:
         """Add a group, or replace the spec of a known one (its state is kept)."""
         group = self._groups.get(spec.id)
         if group is None:
-            group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observer)
+            group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observe)
         else:
             group.spec = spec
         return group
 
     async def remove_group(self, group_id: str) -> None:
+        """Forget a group: its lock stops, its metrics series go."""
         group = self._groups.pop(group_id, None)
         if group is not None:
             await group.close()
+            self.metrics.forget(group_id)
+
+    def _observe(self, group: LockGroup, event: GroupEvent) -> None:
+        for observer in self._observers:
+            try:
+                observer(group, event)
+            except Exception:  # an observer must never break the lock, nor the other observers
+                log.exception("group observer failed group=%s event=%s", group.id, event.kind)
 
     def group(self, group_id: str) -> LockGroup:
         """The group of that id; raises NotFound."""

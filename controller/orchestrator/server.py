@@ -1,4 +1,5 @@
-"""Orchestrator gRPC server: `create_server` builds it, `serve` runs it until a signal.
+"""Orchestrator gRPC server: `create_server` builds it, `serve` runs it (and, with
+`metrics_listen`, the Prometheus `/metrics` endpoint) until a signal.
 
 Owned by the orchestrator; called by `timeslice orchestrator`, the demo and tests.
 """
@@ -11,6 +12,7 @@ import logging
 
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.service import Authenticator, OrchestratorServicer
 from timeslice.driver import grpc_server, signals
@@ -38,7 +40,15 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
     those with the same request id against the next orchestrator)."""
     orchestrator = Orchestrator(config.groups)
-    server, port = await create_server(orchestrator, config.listen)
+    metrics = None
+    if config.metrics_listen:
+        metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
+    try:
+        server, port = await create_server(orchestrator, config.listen)
+    except BaseException:
+        if metrics is not None:
+            await metrics.cleanup()
+        raise
     log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
     gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
     stop = signals.stop_event()
@@ -47,5 +57,7 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     finally:
         log.info("orchestrator stopping grace=%gs", grace)
         await server.stop(grace)
+        if metrics is not None:
+            await metrics.cleanup()
         with contextlib.suppress(Exception):
             await orchestrator.close()

@@ -1,0 +1,164 @@
+"""Prometheus metrics of the orchestrator, and the asyncio HTTP server that exposes them.
+
+Owned by `Orchestrator` (one `OrchestratorMetrics` each, with its own registry, never
+the process-wide default one); served by `timeslice orchestrator` and `timeslice
+controller` with `--metrics-listen HOST:PORT`. Two kinds of series, all labelled `group`:
+
+- read from the groups at scrape time (`GroupCollector` over `Orchestrator.groups()`):
+  `timeslice_group_waiters` (queue depth), `timeslice_group_holder_held_seconds` (the
+  current hold, 0 when none), `timeslice_group_epoch`, the counters
+  `timeslice_group_{grants,switches,failed_switches,lease_expiries,preemptions}_total`
+  and `timeslice_group_held_seconds_total` (seconds a holder held the lock, the current
+  hold included: `rate(timeslice_group_held_seconds_total[5m])` is the group's duty
+  cycle, 0..1). A removed group is simply not there at the next scrape.
+- fed by group events (`observe`, chained with the other observers): the histograms
+  `timeslice_switch_duration_seconds{group,result}` (result ok|failed; checkpoint plus
+  restore seconds) and `timeslice_acquire_wait_seconds{group}` (per grant, the longest
+  wait among the granted job's callers), and the counter
+  `timeslice_switch_bytes_total{group,direction}` (direction checkpointed|restored).
+  `forget(group_id)` drops a removed group's label sets, so cardinality stays bounded.
+
+Collectors run on the event loop thread (the HTTP server is aiohttp on the same loop):
+they read group state that only that thread changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
+
+log = logging.getLogger("timeslice.orchestrator")
+
+# 1 ms .. 600 s, roughly x2.5 per step: lock hand-offs are milliseconds, GPU switches seconds,
+# waits behind a long phase minutes.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,
+           250.0, 600.0)
+RESULTS = ("ok", "failed")
+DIRECTIONS = ("checkpointed", "restored")
+
+
+class GroupCollector(Collector):
+    """Per-group series read from `groups()` at each scrape (while `active()`)."""
+
+    def __init__(self, groups: Callable[[], Sequence[LockGroup]], active: Callable[[], bool]) -> None:
+        self._groups = groups
+        self._active = active
+
+    def collect(self) -> Iterator[Metric]:
+        waiters = GaugeMetricFamily("timeslice_group_waiters", "Queue entries waiting for the group's lock.",
+                                    labels=["group"])
+        held = GaugeMetricFamily("timeslice_group_holder_held_seconds",
+                                 "Seconds the current holder has held the lock (0 when none).", labels=["group"])
+        epoch = GaugeMetricFamily("timeslice_group_epoch", "The group's fencing epoch (+1 per grant).",
+                                  labels=["group"])
+        counters = {
+            "grants": CounterMetricFamily("timeslice_group_grants", "Grants of the group's lock.",
+                                          labels=["group"]),
+            "switches": CounterMetricFamily("timeslice_group_switches",
+                                            "Switches (checkpoint and/or restore) that succeeded.", labels=["group"]),
+            "failed_switches": CounterMetricFamily("timeslice_group_failed_switches",
+                                                   "Switches that failed and were rolled back.", labels=["group"]),
+            "lease_expiries": CounterMetricFamily("timeslice_group_lease_expiries",
+                                                  "Holders that lost the lock because their lease lapsed.",
+                                                  labels=["group"]),
+            "preemptions": CounterMetricFamily("timeslice_group_preemptions",
+                                               "Holders preempted after maxHoldSeconds while others waited.",
+                                               labels=["group"]),
+        }
+        held_total = CounterMetricFamily("timeslice_group_held_seconds",
+                                         "Seconds a holder held the group's lock, the current hold included "
+                                         "(its rate is the group's duty cycle).", labels=["group"])
+        for group in self._groups() if self._active() else ():
+            v = group.view()
+            labels = [v.group_id]
+            waiters.add_metric(labels, len(v.waiters))
+            held.add_metric(labels, v.held_seconds)
+            epoch.add_metric(labels, v.epoch)
+            for name, family in counters.items():
+                family.add_metric(labels, getattr(v.counters, name))
+            held_total.add_metric(labels, v.counters.held_seconds + v.held_seconds)
+        yield from (waiters, held, epoch, *counters.values(), held_total)
+
+
+class OrchestratorMetrics:
+    """The orchestrator's metrics in their own `registry`. `active`: False reports no
+    groups (a controller replica that does not lead; its groups are not served)."""
+
+    def __init__(self, groups: Callable[[], Sequence[LockGroup]]) -> None:
+        self.active = True
+        self.registry = CollectorRegistry()
+        self.registry.register(GroupCollector(groups, lambda: self.active))
+        self.switch_seconds = Histogram(
+            "timeslice_switch_duration_seconds", "Switch duration (checkpoint + restore, summed over nodes), "
+            "seconds; result ok|failed.", ["group", "result"], buckets=BUCKETS, registry=self.registry)
+        self.switch_bytes = Counter(
+            "timeslice_switch_bytes", "Bytes moved by switches (summed over nodes); direction "
+            "checkpointed (off the GPU) | restored (onto it).", ["group", "direction"], registry=self.registry)
+        self.acquire_wait = Histogram(
+            "timeslice_acquire_wait_seconds", "Seconds from queueing to the grant (per grant: the longest wait "
+            "among the job's callers).", ["group"], buckets=BUCKETS, registry=self.registry)
+
+    def observe(self, group: LockGroup, event: GroupEvent) -> None:
+        """A group observer (`group.Observer`): record switches and grants."""
+        r = event.record
+        if event.kind in ("switched", "switch-failed") and r is not None:
+            self.switch_seconds.labels(event.group_id, "ok" if r.ok else "failed").observe(r.seconds)
+            self.switch_bytes.labels(event.group_id, "checkpointed").inc(r.bytes_checkpointed)
+            self.switch_bytes.labels(event.group_id, "restored").inc(r.bytes_restored)
+        elif event.kind == "granted":
+            self.acquire_wait.labels(event.group_id).observe(event.waited_seconds)
+
+    def forget(self, group_id: str) -> None:
+        """Drop the event-driven series of a removed group."""
+        for metric, values in ((self.switch_seconds, RESULTS), (self.switch_bytes, DIRECTIONS)):
+            for value in values:
+                with contextlib.suppress(KeyError):
+                    metric.remove(group_id, value)
+        with contextlib.suppress(KeyError):
+            self.acquire_wait.remove(group_id)
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def _host_port(listen: str) -> tuple[str | None, int]:
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"metrics listen address {listen!r}: use HOST:PORT with a port in 0..65535")
+    host = host.strip("[]")  # [::1]:9090
+    return host or None, int(port_text)
+
+
+async def start_metrics_server(metrics: OrchestratorMetrics, listen: str) -> tuple[web.AppRunner, int]:
+    """Serve `GET /metrics` on `listen` (`HOST:PORT`, port 0 picks one) on this event loop;
+    returns (runner, bound port): `await runner.cleanup()` stops it. Raises ValueError for
+    a malformed address, OSError when it cannot be bound."""
+    host, port = _host_port(listen)
+
+    async def handle(request: web.Request) -> web.Response:
+        body = metrics.exposition()  # collectors run here, on the loop thread
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise OSError(f"cannot serve metrics on {listen}: {err.strerror or err}") from None
+    bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
+    log.info("metrics serving listen=%s port=%d path=/metrics", listen, bound)
+    return runner, bound
