@@ -136,3 +136,31 @@ def test_installed_driver_alternates_jobs_and_survives_deleting_the_leader_pod(k
     with pytest.raises(grpc.RpcError) as err:
         agent_health(target, None)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_plugin_may_annotate_only_its_own_pod(kube, installed) -> None:
+    """manifests/base/plugin-pod-policy.yaml: with a token bound to its pod, the plugin may set
+    its own certificate annotation, and nothing else: not on another pod (here a controller
+    pod on the same node), not another annotation, and not with a token bound to no pod."""
+    plugin = next(p for p in pods(kube, "timeslice-kubelet-plugin") if ready(p))["metadata"]["name"]
+    other = pods(kube, "timeslice-controller")[0]["metadata"]["name"]
+    cert = kube.run("get", "pod", "-n", SYSTEM, plugin, "-o",
+                    r"jsonpath={.metadata.annotations.timeslice\.dev/agent-certificate}").stdout
+
+    def as_plugin(token: str, *args: str):
+        return kube.run("--token", token, "--kubeconfig", "/dev/null", "--server", "https://127.0.0.1:6443",
+                        "--insecure-skip-tls-verify", "-n", SYSTEM, *args, check=False)
+
+    bound = kube.run("create", "token", "-n", SYSTEM, "timeslice-kubelet-plugin", "--bound-object-kind", "Pod",
+                     "--bound-object-name", plugin).stdout.strip()
+    unbound = kube.run("create", "token", "-n", SYSTEM, "timeslice-kubelet-plugin").stdout.strip()
+    ok = as_plugin(bound, "annotate", "--overwrite", "pod", plugin, f"timeslice.dev/agent-certificate={cert}")
+    assert ok.returncode == 0, ok.stderr
+    for token, args, why in (
+            (bound, ("annotate", "pod", other, "timeslice.dev/agent-certificate=forged"), "only its own pod"),
+            (bound, ("annotate", "pod", plugin, "x=y"), "only the annotation timeslice.dev/agent-certificate"),
+            (bound, ("label", "pod", plugin, "x=y"), "only the annotation timeslice.dev/agent-certificate"),
+            (unbound, ("annotate", "--overwrite", "pod", plugin, "timeslice.dev/agent-certificate=forged"),
+             "its token names none")):
+        r = as_plugin(token, *args)
+        assert r.returncode != 0 and "Forbidden" in r.stderr and why in r.stderr, (args, r.stderr)
