@@ -14,7 +14,9 @@ A failed patch (API server away, 5xx, or a rejection such as 403 without that RB
 when the pod name is wrong) is logged with the API server's message and retried with
 exponential backoff until it succeeds or `stop()`: the agent serves meanwhile, and
 callers that pinned nothing or an older certificate fail their TLS handshake with a clear
-error until the new one is published.
+error until the new one is published. Every `recheck_seconds` after that the same patch is
+sent again, so an annotation someone removed or edited comes back (an unchanged pod is
+not written by the API server).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ MERGE_PATCH = "application/merge-patch+json"
 # Bound on one patch call, seconds.
 DEFAULT_TIMEOUT_SECONDS = 10.0
 DEFAULT_BACKOFF = Backoff(initial=1.0, maximum=60.0)
+# Between re-assertions of a published annotation, seconds.
+DEFAULT_RECHECK_SECONDS = 300.0
 _RBAC_HINT = ("the plugin's ServiceAccount needs 'patch' on pods in its namespace (Role timeslice-kubelet-plugin "
               "in manifests/base/rbac-kubelet-plugin.yaml)")
 
@@ -45,11 +49,13 @@ _RBAC_HINT = ("the plugin's ServiceAccount needs 'patch' on pods in its namespac
 class CertificatePublisher:
     """Publishes `certificate` (one PEM certificate) on pod `namespace`/`name` with
     `core_api` (kubernetes.aio `CoreV1Api`, or anything with its `patch_namespaced_pod`).
-    `start()` runs the publishing task; `published` is set once the patch succeeded;
+    `start()` runs the publishing task (it re-sends the patch every `recheck_seconds`);
+    `published` is set once the patch succeeded;
     `attempts` counts patch calls. Times in seconds."""
 
     def __init__(self, core_api: Any, namespace: str, name: str, certificate: str,
-                 backoff: Backoff = DEFAULT_BACKOFF, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+                 backoff: Backoff = DEFAULT_BACKOFF, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                 recheck_seconds: float = DEFAULT_RECHECK_SECONDS) -> None:
         self._api = core_api
         self.namespace = namespace
         self.name = name
@@ -57,6 +63,7 @@ class CertificatePublisher:
         self.fingerprint = fingerprint(certificate)  # ValueError for a malformed certificate: a bug
         self.backoff = backoff
         self._timeout = timeout
+        self._recheck = recheck_seconds
         self.published = asyncio.Event()
         self.attempts = 0
         self.last_error: Exception | None = None
@@ -103,7 +110,9 @@ class CertificatePublisher:
                         self.namespace, self.name, failures, delay, err, hint)
                 await asyncio.sleep(delay)
                 continue
-            log.info("agent certificate published pod=%s/%s annotation=%s certificate=%s attempts=%d",
-                     self.namespace, self.name, AGENT_CERTIFICATE_ANNOTATION, self.fingerprint, self.attempts)
-            self.published.set()
-            return
+            if not self.published.is_set():
+                log.info("agent certificate published pod=%s/%s annotation=%s certificate=%s attempts=%d",
+                         self.namespace, self.name, AGENT_CERTIFICATE_ANNOTATION, self.fingerprint, self.attempts)
+                self.published.set()
+            failures = 0
+            await asyncio.sleep(self._recheck)

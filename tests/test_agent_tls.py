@@ -354,6 +354,21 @@ async def test_the_certificate_is_published_on_the_plugins_own_pod(pods) -> None
     assert trimmed["certificate"] == pem
 
 
+async def test_a_removed_annotation_is_published_again(pods) -> None:
+    server, core = pods
+    pem = self_signed("node-a").certificate_pem.decode()
+    publisher = CertificatePublisher(core, "timeslice-system", "plugin-a", pem, backoff=FAST, recheck_seconds=0.05)
+    publisher.start()
+    try:
+        await asyncio.wait_for(publisher.published.wait(), 5)
+        pod = server.pod("timeslice-system", "plugin-a")
+        pod["metadata"]["annotations"] = {"other": "kept"}  # someone removed ours
+        server.put(pod)
+        await eventually(lambda: annotations(server).get(AGENT_CERTIFICATE_ANNOTATION) == pem, timeout=5)
+    finally:
+        await publisher.stop()
+
+
 async def test_publishing_is_retried_after_a_server_error(pods, caplog) -> None:
     caplog.set_level(logging.INFO, logger="timeslice")
     server, core = pods
