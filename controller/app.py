@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
-from kubernetes.aio import config as k8s_config
 from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.aio.leaderelection import electionconfig, leaderelection
 from kubernetes.aio.leaderelection.resourcelock.leaselock import LeaseLock
@@ -43,7 +42,7 @@ from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.controller.reconciler import Reconciler
-from timeslice.driver import names, signals
+from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.errors import Unauthenticated
 from timeslice.driver.events import EventRecorder
@@ -187,11 +186,7 @@ class Controller:
 
 
 async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
-    try:
-        k8s_config.load_incluster_config()
-    except k8s_config.ConfigException:
-        await k8s_config.load_kube_config()
-    api = k8s.ApiClient()
+    api = await kubeapi.api_client()
     ctl = Controller(cfg, api)
     metrics = None
     if cfg.metrics_listen:

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
-from kubernetes.aio import config as k8s_config
 from kubernetes.aio.client.exceptions import ApiException
 from pydantic import BaseModel, ConfigDict, Field
-from timeslice.driver import names, signals
+from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.driver.tokenreview import TokenReviewer
@@ -90,11 +89,7 @@ def _local(listen: str) -> bool:
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
-    try:
-        k8s_config.load_incluster_config()
-    except k8s_config.ConfigException:
-        await k8s_config.load_kube_config()
-    api = k8s.ApiClient()
+    api = await kubeapi.api_client()
     resource_api = k8s.ResourceV1Api(api)
     events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/kubelet-plugin", cfg.node_name)
 
