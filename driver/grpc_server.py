@@ -92,3 +92,16 @@ def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentia
     if port == 0 and not listen.startswith("unix:"):
         raise OSError(f"cannot listen on {listen}: address in use or not local")
     return port
+
+
+async def start(add_servicer: Callable[[grpc.aio.Server], object], services: Iterable[str], listen: str,
+                credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """A started server: `add_servicer(server)` registers the service, health reports
+    SERVING for `services`, bound to `listen` (TLS with `credentials`, see `bind`). Returns
+    (server, port; 0 for unix sockets). Raises ValueError / OSError as `bind` does."""
+    server = new_server()
+    add_servicer(server)
+    await add_health(server, services)
+    port = bind(server, listen, credentials)
+    await server.start()
+    return server, port

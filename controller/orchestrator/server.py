@@ -27,12 +27,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 async def create_server(orchestrator: Orchestrator, listen: str,
                         authenticator: Authenticator | None = None) -> tuple[grpc.aio.Server, int]:
     """A started server for `orchestrator` on `listen`; returns (server, bound port)."""
-    server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orchestrator, authenticator), server)
-    await grpc_server.add_health(server, [SERVICE_NAME])
-    port = grpc_server.bind(server, listen)
-    await server.start()
-    return server, port
+    servicer = OrchestratorServicer(orchestrator, authenticator)
+    return await grpc_server.start(lambda s: pb_grpc.add_OrchestratorServicer_to_server(servicer, s),
+                                   [SERVICE_NAME], listen)
 
 
 async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:

@@ -26,9 +26,6 @@ async def create_server(agent: NodeAgent, listen: str, callers: CallerCheck | No
     `callers`: who may call the NodeAgent service (None: anyone); health stays open.
     `credentials`: serve TLS with them (None: plaintext). Raises OSError when `listen`
     cannot be bound."""
-    server = grpc_server.new_server()
-    apb_grpc.add_NodeAgentServicer_to_server(NodeAgentServicer(agent, callers), server)
-    await grpc_server.add_health(server, [SERVICE_NAME])
-    port = grpc_server.bind(server, listen, credentials)
-    await server.start()
-    return server, port
+    servicer = NodeAgentServicer(agent, callers)
+    return await grpc_server.start(lambda s: apb_grpc.add_NodeAgentServicer_to_server(servicer, s),
+                                   [SERVICE_NAME], listen, credentials)
