@@ -24,8 +24,9 @@ from typing import Any
 
 from timeslice.controller.grouping import Snapshot
 from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
-from timeslice.controller.reflector import Backoff, describe_error
+from timeslice.controller.reflector import describe_error
 from timeslice.driver import names
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.events import EventRecorder
 
 log = logging.getLogger("timeslice.controller.status")

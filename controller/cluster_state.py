@@ -35,8 +35,9 @@ from typing import Any
 from kubernetes.aio import client as k8s
 from timeslice.controller import grouping, jobs, node_agents
 from timeslice.controller.grouping import Snapshot
-from timeslice.controller.reflector import DEFAULT_BACKOFF, Backoff, Obj, Reflector
+from timeslice.controller.reflector import DEFAULT_BACKOFF, Obj, Reflector
 from timeslice.driver import names
+from timeslice.driver.backoff import Backoff
 
 log = logging.getLogger("timeslice.controller.cluster_state")
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from typing import Any
 
 from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.aio.watch import Watch
+from timeslice.driver.backoff import Backoff
 
 log = logging.getLogger("timeslice.controller.reflector")
 
@@ -45,21 +45,6 @@ Trim = Callable[[Obj], "Obj | None"]
 GONE = 410
 # Client-side bound on one HTTP call beyond the server-side watch timeout (seconds).
 REQUEST_SLACK_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Delay before retry `attempt` (0, 1, ...): initial * factor**attempt, at most
-    `maximum`, spread by +-`jitter` (a fraction) so that replicas do not retry in step."""
-
-    initial: float = 0.5
-    maximum: float = 30.0
-    factor: float = 2.0
-    jitter: float = 0.2
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.maximum, self.initial * self.factor ** min(attempt, 64))
-        return base * (1 + self.jitter * (2 * random.random() - 1))
 
 
 DEFAULT_BACKOFF = Backoff()

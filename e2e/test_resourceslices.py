@@ -21,10 +21,11 @@ pytestmark = pytest.mark.e2e
 
 kubernetes_aio = pytest.importorskip("kubernetes.aio", reason="needs the kubernetes extra (kubernetes>=37)")
 
+from timeslice.driver.backoff import Backoff  # noqa: E402
 from timeslice.driver.names import DRIVER_NAME  # noqa: E402
 from timeslice.kubelet_plugin.devices import discover_gpus  # noqa: E402
 from timeslice.kubelet_plugin.resourceslices import CONSUMABLE, build_devices  # noqa: E402
-from timeslice.kubelet_plugin.slice_publisher import ApiSliceStore, Backoff, SlicePublisher  # noqa: E402
+from timeslice.kubelet_plugin.slice_publisher import ApiSliceStore, SlicePublisher  # noqa: E402
 
 SLICES = "resourceslices.v1.resource.k8s.io"
 
@@ -76,7 +77,7 @@ async def api(kube) -> AsyncIterator[Any]:
 
 @pytest.fixture
 async def publisher(kube, api, node_name: str) -> AsyncIterator[SlicePublisher]:
-    pub = SlicePublisher(ApiSliceStore(api), node_name, resync_seconds=30, backoff=Backoff(0.2, 2.0))
+    pub = SlicePublisher(ApiSliceStore(api), node_name, resync_seconds=30, backoff=Backoff(0.2, 2.0, overshoot=False))
     try:
         yield pub
     finally:

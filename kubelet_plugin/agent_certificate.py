@@ -28,18 +28,18 @@ from typing import Any
 
 import aiohttp
 from kubernetes.aio.client.exceptions import ApiException
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.certificates import fingerprint
 from timeslice.driver.errors import KubernetesApiRejected
 from timeslice.driver.kubeapi import api_error
 from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION
-from timeslice.kubelet_plugin.slice_publisher import Backoff
 
 log = logging.getLogger("timeslice.kubelet_plugin.agent_certificate")
 
 MERGE_PATCH = "application/merge-patch+json"
 # Bound on one patch call, seconds.
 DEFAULT_TIMEOUT_SECONDS = 10.0
-DEFAULT_BACKOFF = Backoff(initial=1.0, maximum=60.0)
+DEFAULT_BACKOFF = Backoff(initial=1.0, maximum=60.0, overshoot=False)
 # Between re-assertions of a published annotation, seconds.
 DEFAULT_RECHECK_SECONDS = 300.0
 _RBAC_HINT = ("the plugin's ServiceAccount needs 'patch' on pods in its namespace (Role timeslice-kubelet-plugin "
@@ -102,7 +102,7 @@ class CertificatePublisher:
             except Exception as err:  # every failure is retried; none ends publishing
                 failures += 1
                 self.last_error = err
-                delay = self.backoff.delay(failures)
+                delay = self.backoff.delay(failures - 1)
                 hint = f" ({_RBAC_HINT})" if isinstance(err, KubernetesApiRejected) and err.status == 403 else ""
                 log.log(logging.ERROR if isinstance(err, KubernetesApiRejected) else logging.WARNING,
                         "agent certificate not published pod=%s/%s failures=%d retry_in=%.1fs: %s%s "

@@ -36,9 +36,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-import random
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Protocol
 
@@ -47,6 +45,7 @@ from kubernetes.aio import watch as kwatch
 from kubernetes.aio.client import ApiClient, CoreV1Api, ResourceV1Api
 from kubernetes.aio.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.errors import KubernetesApiError, KubernetesApiRejected
 from timeslice.driver.kubeapi import api_error
 from timeslice.driver.names import DRIVER_NAME
@@ -159,16 +158,8 @@ class ApiSliceStore:
             raise api_error(err, "watch resourceslices") from err
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff with jitter: initial, doubled per failure, capped at maximum."""
-
-    initial: float = 0.5
-    maximum: float = 30.0
-
-    def delay(self, failures: int) -> float:
-        base = min(self.maximum, self.initial * 2 ** max(0, failures - 1))
-        return base * random.uniform(0.8, 1.0)
+# Retries of a failed publish: 0.5 s doubling to 30 s, jittered down by up to 20 %.
+DEFAULT_BACKOFF = Backoff(overshoot=False)
 
 
 _QUANTITY_KEYS = {"value", "default", "min", "max", "step"}
@@ -225,7 +216,7 @@ class SlicePublisher:
                  backoff: Backoff | None = None, max_devices_per_slice: int = MAX_DEVICES_PER_SLICE):
         self.store, self.node, self.driver = store, node, driver
         self.resync_seconds = resync_seconds
-        self.backoff = backoff or Backoff()
+        self.backoff = backoff or DEFAULT_BACKOFF
         self.max_devices = max_devices_per_slice
         self._fixed_uid = node_uid
         self._desired: list[Device] | None = None
@@ -335,7 +326,7 @@ class SlicePublisher:
     async def _failed(self, err: Exception, level: int | None) -> None:
         self.failures += 1
         self.last_error = err
-        delay = self.backoff.delay(self.failures)
+        delay = self.backoff.delay(self.failures - 1)
         if level is not None:
             log.log(level, "publishing slices failed node=%s failures=%d retry_in=%.1fs: %s",
                     self.node, self.failures, delay, err)

@@ -31,6 +31,7 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
 from timeslice.controller.reconciler import Reconciler
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
 from timeslice.driver.errors import NotFound, TimeSliceServerError, Unavailable
@@ -47,7 +48,6 @@ from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 from timeslice.kubelet_plugin.agent.tls import AgentIdentity, self_signed
 from timeslice.kubelet_plugin.agent_certificate import CertificatePublisher
-from timeslice.kubelet_plugin.slice_publisher import Backoff
 
 from tests.conftest import FakeBackend, eventually
 from tests.fake_apiserver import FakeApiServer
@@ -311,7 +311,7 @@ def test_required_tls_needs_the_plugin_pods() -> None:
 
 # -- the certificate on the plugin's pod ------------------------------------------------
 
-FAST = Backoff(initial=0.01, maximum=0.05)
+FAST = Backoff(initial=0.01, maximum=0.05, overshoot=False)
 
 
 @pytest.fixture

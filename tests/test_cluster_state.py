@@ -13,8 +13,8 @@ import pytest
 from kubernetes.aio import client as k8s
 from timeslice.controller.cluster_state import ClusterState
 from timeslice.controller.grouping import Snapshot
-from timeslice.controller.reflector import Backoff
 from timeslice.driver import names
+from timeslice.driver.backoff import Backoff
 
 from tests.cluster_objects import OTHER_DRIVER, World, slice_obj
 from tests.conftest import eventually
@@ -163,6 +163,8 @@ def test_backoff_grows_to_its_bound() -> None:
     assert [b.delay(i) for i in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     j = Backoff(initial=1.0, jitter=0.2)
     assert all(0.8 <= j.delay(0) <= 1.2 for _ in range(100))
+    capped = Backoff(initial=1.0, maximum=1.0, overshoot=False)  # the kubelet plugin's kind
+    assert all(0.8 <= capped.delay(n) <= 1.0 for n in (0, 1, 5000))  # never above maximum, no overflow
 
 
 async def test_api_server_outage_is_survived(apiserver, api) -> None:

@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.errors import KubernetesApiError, KubernetesApiRejected
 from timeslice.driver.names import DRIVER_NAME
 from timeslice.kubelet_plugin.devices import discover_gpus
 from timeslice.kubelet_plugin.resourceslices import CONSUMABLE, build_devices
-from timeslice.kubelet_plugin.slice_publisher import Backoff, SlicePublisher, api_error
+from timeslice.kubelet_plugin.slice_publisher import SlicePublisher, api_error
 
 from tests.conftest import eventually
 
 NODE, NODE_UID = "node-a", "uid-node-a"
-FAST = Backoff(initial=0.01, maximum=0.05)
+FAST = Backoff(initial=0.01, maximum=0.05, overshoot=False)
 
 
 @dataclass

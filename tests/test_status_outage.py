@@ -30,7 +30,7 @@ from timeslice.controller.app import Controller, ControllerConfig
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.reconciler import Reconciler
-from timeslice.controller.reflector import Backoff
+from timeslice.driver.backoff import Backoff
 from timeslice.driver.events import EventRecorder
 
 from tests.cluster_objects import World
