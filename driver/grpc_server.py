@@ -73,6 +73,15 @@ async def add_health(server: grpc.aio.Server, services: Iterable[str]) -> health
     return servicer
 
 
+def host_port(listen: str, what: str = "listen address") -> tuple[str, int]:
+    """(host, port) of a `HOST:PORT` address (`[::1]:50051` gives host `::1`; an empty host
+    means every address). Raises ValueError naming `what` unless the port is 0..65535."""
+    host, sep, port_text = listen.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise ValueError(f"{what} {listen!r}: use HOST:PORT; the port must be a number in 0..65535")
+    return host.strip("[]"), int(port_text)
+
+
 def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """Bind `listen` (`host:port` or `unix:///path`); returns the port (0 for unix).
 
@@ -81,9 +90,7 @@ def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentia
     caller's connection is closed during the handshake. Raises ValueError for a port
     outside 0..65535, OSError when the address cannot be bound (in use, not local)."""
     if not listen.startswith("unix:"):
-        _, _, port_text = listen.rpartition(":")
-        if not port_text.isdigit() or int(port_text) > 65535:
-            raise ValueError(f"listen address {listen!r}: the port must be a number in 0..65535")
+        host_port(listen)
     try:
         port = (server.add_insecure_port(listen) if credentials is None
                 else server.add_secure_port(listen, credentials))

@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from timeslice.driver.grpc_server import host_port
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
@@ -132,19 +133,11 @@ class OrchestratorMetrics:
         return generate_latest(self.registry)
 
 
-def _host_port(listen: str) -> tuple[str | None, int]:
-    host, sep, port_text = listen.rpartition(":")
-    if not sep or not port_text.isdigit() or int(port_text) > 65535:
-        raise ValueError(f"metrics listen address {listen!r}: use HOST:PORT with a port in 0..65535")
-    host = host.strip("[]")  # [::1]:9090
-    return host or None, int(port_text)
-
-
 async def start_metrics_server(metrics: OrchestratorMetrics, listen: str) -> tuple[web.AppRunner, int]:
     """Serve `GET /metrics` on `listen` (`HOST:PORT`, port 0 picks one) on this event loop;
     returns (runner, bound port): `await runner.cleanup()` stops it. Raises ValueError for
     a malformed address, OSError when it cannot be bound."""
-    host, port = _host_port(listen)
+    host, port = host_port(listen, "metrics listen address")
 
     async def handle(request: web.Request) -> web.Response:
         body = metrics.exposition()  # collectors run here, on the loop thread
@@ -155,7 +148,7 @@ async def start_metrics_server(metrics: OrchestratorMetrics, listen: str) -> tup
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host or None, port).start()
     except OSError as err:
         await runner.cleanup()
         raise OSError(f"cannot serve metrics on {listen}: {err.strerror or err}") from None
