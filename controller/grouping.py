@@ -89,14 +89,18 @@ class JobConfig:
     backend: str = "auto"
     max_hold_seconds: float | None = None
     lease_seconds: float = names.DEFAULT_LEASE_SECONDS
+    residency: str = names.RESIDENCY_AUTO
+    memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
 
     @classmethod
     def of(cls, cfg: ts_config.TimeSliceConfig) -> JobConfig:
-        return cls(cfg.priority, cfg.backend, cfg.maxHoldSeconds, cfg.leaseSeconds)
+        return cls(cfg.priority, cfg.backend, cfg.maxHoldSeconds, cfg.leaseSeconds, cfg.residency,
+                   cfg.memoryHeadroom)
 
     def describe(self) -> str:
         return (f"priority={self.priority} backend={self.backend} maxHoldSeconds={self.max_hold_seconds} "
-                f"leaseSeconds={self.lease_seconds:g}")
+                f"leaseSeconds={self.lease_seconds:g} residency={self.residency} "
+                f"memoryHeadroom={self.memory_headroom}")
 
 
 def claim_set_id(job: str, name: str) -> str:
@@ -133,6 +137,8 @@ class Group:
     gpus: tuple[str, ...]
     backend: str                      # "auto" when every claim set leaves it to the node
     lease_seconds: float
+    residency: str = names.RESIDENCY_AUTO  # the oldest claim set's, like the backend
+    memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
 
     @property
     def jobs(self) -> tuple[str, ...]:
@@ -377,14 +383,17 @@ def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group
     first = min(claim_sets, key=lambda cs: (cs.oldest, cs.id))
     gid = group_id(gpus)
     for cs in claim_sets:
-        if cs.config.backend != first.config.backend:
-            warnings.append(GroupingWarning(
-                cs.oldest, CONFLICTING_GROUP_CONFIG,
-                f"claim set {cs.name!r} of job {cs.job} asks backend={cs.config.backend}, but group {gid} "
-                f"uses backend={first.config.backend} of its oldest claim set ({first.name!r} of job {first.job})"))
+        for key in ("backend", "residency", "memory_headroom"):
+            mine, theirs = getattr(cs.config, key), getattr(first.config, key)
+            if mine != theirs:
+                warnings.append(GroupingWarning(
+                    cs.oldest, CONFLICTING_GROUP_CONFIG,
+                    f"claim set {cs.name!r} of job {cs.job} asks {key}={mine}, but group {gid} "
+                    f"uses {key}={theirs} of its oldest claim set ({first.name!r} of job {first.job})"))
     return Group(id=gid, claim_sets=tuple(claim_sets), nodes=tuple(sorted({n for cs in claim_sets for n in cs.nodes})),
                  gpus=tuple(gpus), backend=first.config.backend,
-                 lease_seconds=max(cs.config.lease_seconds for cs in claim_sets))
+                 lease_seconds=max(cs.config.lease_seconds for cs in claim_sets),
+                 residency=first.config.residency, memory_headroom=first.config.memory_headroom)
 
 
 def diff(old: Snapshot, new: Snapshot) -> SnapshotDiff:

@@ -48,7 +48,7 @@ def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) 
     backend = default_backend if group.backend == "auto" else group.backend
     agents = () if backend == "none" else tuple(agent(n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,
-                     members=tuple(members))
+                     residency=group.residency, memory_headroom=group.memory_headroom, members=tuple(members))
 
 
 class Reconciler:

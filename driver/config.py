@@ -8,7 +8,9 @@ controller (job-level values). Wire form, in a DeviceClass's or a claim's
       apiVersion: timeslice.dev/v1alpha1
       kind: TimeSliceConfig
       priority: 10               # queue priority, higher first (-1000..1000)
-      backend: auto              # auto | cuda | cuda-checkpoint | freeze | none
+      backend: auto              # auto | cuda | cuda-checkpoint | cooperative | freeze | none
+      residency: auto            # auto: move memory only when the next job does not fit | exclusive
+      memoryHeadroom: "10%"      # kept free per GPU under residency auto: percent or quantity ("8Gi")
       maxHoldSeconds: 600        # counted from a waiter's arrival; absent = no limit
       leaseSeconds: 10           # holder lease without keep-alive
       job: my-job                # job identity override (else pod label / owner)
@@ -23,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from timeslice.driver import names
 from timeslice.driver.errors import InvalidArgument
+from timeslice.driver.headroom import parse_headroom
 
 
 class TimeSliceConfig(BaseModel):
@@ -35,9 +38,17 @@ class TimeSliceConfig(BaseModel):
     kind: Literal["TimeSliceConfig"]
     job: str | None = Field(default=None, min_length=1, max_length=253)
     priority: int = Field(default=0, ge=-1000, le=1000)
-    backend: Literal["auto", "cuda", "cuda-checkpoint", "freeze", "none"] = "auto"
+    backend: Literal["auto", "cuda", "cuda-checkpoint", "cooperative", "freeze", "none"] = "auto"
+    residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO
+    memoryHeadroom: str = names.DEFAULT_MEMORY_HEADROOM
     maxHoldSeconds: float | None = Field(default=None, gt=0)
     leaseSeconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0, le=300)
+
+    @field_validator("memoryHeadroom")
+    @classmethod
+    def _headroom(cls, v: str) -> str:
+        parse_headroom(v)
+        return v
 
 
 DEFAULT = TimeSliceConfig(apiVersion=names.CONFIG_API_VERSION, kind=names.CONFIG_KIND)

@@ -16,6 +16,14 @@ BACKEND_CUDA_CHECKPOINT = "cuda-checkpoint"
 BACKEND_FREEZE = "freeze"
 BACKEND_NONE = "none"
 BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_NONE)
+# Moved by the job's own process (timeslice.torch) on the orchestrator's command, not by a
+# node agent: agents only report memory for it.
+BACKEND_COOPERATIVE = "cooperative"
+# Residency (DESIGN.md): "auto" moves memory only when the incoming job does not fit, with
+# this much of each GPU's memory kept free; "exclusive" checkpoints at every hand-off.
+RESIDENCY_AUTO = "auto"
+RESIDENCY_EXCLUSIVE = "exclusive"
+DEFAULT_MEMORY_HEADROOM = "10%"
 
 DEFAULT_LEASE_SECONDS = 10.0
 # Bound on one checkpoint or restore step on one node, seconds. The CUDA driver

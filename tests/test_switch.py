@@ -154,7 +154,8 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
                           pod_uids=("pod-a",)),
                MemberSpec(job="b", claims_by_agent={targets[1]: (("ns", "b-1"),)}, pod_uids=("pod-b",)))
     spec = c.orchestrator.group("g").spec
-    c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "members": members}))
+    # exclusive: only the switch steps ask the resolver (auto would add memory reports)
+    c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "members": members, "residency": "exclusive"}))
     c.orchestrator.set_aliases({("a", "trainer"): ("g", "a"), ("b", "trainer"): ("g", "b")})
     a, b = c.client("a", group="trainer"), c.client("b", group="trainer")
     await a.acquire()

@@ -24,39 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"q\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x8b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\"S\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x86\x03\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x32\x8f\x03\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"s\n\x15MemoryCommandsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x11\n\tstream_id\x18\x05 \x01(\t\"\x8c\x01\n\rMemoryCommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tpool_path\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\"\xa8\x01\n\x10MemoryCommandAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05op_id\x18\x03 \x01(\t\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x18\n\x10registered_bytes\x18\t \x01(\x04\"\x1a\n\x18MemoryCommandAckResponse\"q\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x8b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\"S\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x8a\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x12\x11\n\tresidency\x18\x10 \x01(\t\x12\x18\n\x10resident_job_ids\x18\x11 \x03(\t\x12(\n\x04jobs\x18\x12 \x03(\x0b\x32\x1a.timeslice.v1.JobResidency\x12+\n\x07\x64\x65vices\x18\x13 \x03(\x0b\x32\x1a.timeslice.v1.DeviceMemory\"s\n\x0cJobResidency\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12\x63heckpointed_bytes\x18\x05 \x01(\x04\"\\\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01\x32\xc1\x04\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponse\x12T\n\x0eMemoryCommands\x12#.timeslice.v1.MemoryCommandsRequest\x1a\x1b.timeslice.v1.MemoryCommand0\x01\x12Z\n\x10\x41\x63kMemoryCommand\x12\x1e.timeslice.v1.MemoryCommandAck\x1a&.timeslice.v1.MemoryCommandAckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'timeslice.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACQUIREREQUEST']._serialized_start=49
-  _globals['_ACQUIREREQUEST']._serialized_end=162
-  _globals['_ACQUIRERESPONSE']._serialized_start=165
-  _globals['_ACQUIRERESPONSE']._serialized_end=304
-  _globals['_RELEASEREQUEST']._serialized_start=306
-  _globals['_RELEASEREQUEST']._serialized_end=389
-  _globals['_RELEASERESPONSE']._serialized_start=391
-  _globals['_RELEASERESPONSE']._serialized_end=449
-  _globals['_KEEPALIVEREQUEST']._serialized_start=451
-  _globals['_KEEPALIVEREQUEST']._serialized_end=536
-  _globals['_KEEPALIVERESPONSE']._serialized_start=538
-  _globals['_KEEPALIVERESPONSE']._serialized_end=590
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=592
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=633
-  _globals['_LISTGROUPSREQUEST']._serialized_start=635
-  _globals['_LISTGROUPSREQUEST']._serialized_end=654
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=656
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=719
-  _globals['_HOLDER']._serialized_start=721
-  _globals['_HOLDER']._serialized_end=833
-  _globals['_WAITER']._serialized_start=835
-  _globals['_WAITER']._serialized_end=920
-  _globals['_SWITCHRECORD']._serialized_start=923
-  _globals['_SWITCHRECORD']._serialized_end=1135
-  _globals['_GROUPSTATUS']._serialized_start=1138
-  _globals['_GROUPSTATUS']._serialized_end=1528
-  _globals['_ORCHESTRATOR']._serialized_start=1531
-  _globals['_ORCHESTRATOR']._serialized_end=1930
+  _globals['_MEMORYCOMMANDSREQUEST']._serialized_start=49
+  _globals['_MEMORYCOMMANDSREQUEST']._serialized_end=164
+  _globals['_MEMORYCOMMAND']._serialized_start=167
+  _globals['_MEMORYCOMMAND']._serialized_end=307
+  _globals['_MEMORYCOMMANDACK']._serialized_start=310
+  _globals['_MEMORYCOMMANDACK']._serialized_end=478
+  _globals['_MEMORYCOMMANDACKRESPONSE']._serialized_start=480
+  _globals['_MEMORYCOMMANDACKRESPONSE']._serialized_end=506
+  _globals['_ACQUIREREQUEST']._serialized_start=508
+  _globals['_ACQUIREREQUEST']._serialized_end=621
+  _globals['_ACQUIRERESPONSE']._serialized_start=624
+  _globals['_ACQUIRERESPONSE']._serialized_end=763
+  _globals['_RELEASEREQUEST']._serialized_start=765
+  _globals['_RELEASEREQUEST']._serialized_end=848
+  _globals['_RELEASERESPONSE']._serialized_start=850
+  _globals['_RELEASERESPONSE']._serialized_end=908
+  _globals['_KEEPALIVEREQUEST']._serialized_start=910
+  _globals['_KEEPALIVEREQUEST']._serialized_end=995
+  _globals['_KEEPALIVERESPONSE']._serialized_start=997
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1049
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1051
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1092
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1094
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1113
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1115
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=1178
+  _globals['_HOLDER']._serialized_start=1180
+  _globals['_HOLDER']._serialized_end=1292
+  _globals['_WAITER']._serialized_start=1294
+  _globals['_WAITER']._serialized_end=1379
+  _globals['_SWITCHRECORD']._serialized_start=1382
+  _globals['_SWITCHRECORD']._serialized_end=1594
+  _globals['_GROUPSTATUS']._serialized_start=1597
+  _globals['_GROUPSTATUS']._serialized_end=2119
+  _globals['_JOBRESIDENCY']._serialized_start=2121
+  _globals['_JOBRESIDENCY']._serialized_end=2236
+  _globals['_DEVICEMEMORY']._serialized_start=2238
+  _globals['_DEVICEMEMORY']._serialized_end=2330
+  _globals['_ORCHESTRATOR']._serialized_start=2333
+  _globals['_ORCHESTRATOR']._serialized_end=2910
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,64 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class MemoryCommandsRequest(_message.Message):
+    __slots__ = ("job_id", "group_id", "registered_bytes", "pid", "stream_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    registered_bytes: int
+    pid: int
+    stream_id: str
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+
+class MemoryCommand(_message.Message):
+    __slots__ = ("op_id", "kind", "pool_path", "pool_bytes", "offset", "length", "timeout_seconds")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_PATH_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: str
+    pool_path: str
+    pool_bytes: int
+    offset: int
+    length: int
+    timeout_seconds: float
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class MemoryCommandAck(_message.Message):
+    __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    op_id: str
+    ok: bool
+    error: str
+    bytes: int
+    seconds: float
+    pinned: bool
+    registered_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+
+class MemoryCommandAckResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AcquireRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "priority", "request_id", "timeout_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -139,7 +197,7 @@ class SwitchRecord(_message.Message):
     def __init__(self, from_job_id: _Optional[str] = ..., to_job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checkpoint_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., bytes_checkpointed: _Optional[int] = ..., bytes_restored: _Optional[int] = ..., finished_at_unix: _Optional[float] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets", "preemptions")
+    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets", "preemptions", "residency", "resident_job_ids", "jobs", "devices")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +213,10 @@ class GroupStatus(_message.Message):
     RECENT_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     AGENT_TARGETS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     backend: str
     holder: Holder
@@ -170,4 +232,34 @@ class GroupStatus(_message.Message):
     recent_switches: _containers.RepeatedCompositeFieldContainer[SwitchRecord]
     agent_targets: _containers.RepeatedScalarFieldContainer[str]
     preemptions: int
-    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    residency: str
+    resident_job_ids: _containers.RepeatedScalarFieldContainer[str]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobResidency]
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceMemory]
+    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., residency: _Optional[str] = ..., resident_job_ids: _Optional[_Iterable[str]] = ..., jobs: _Optional[_Iterable[_Union[JobResidency, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ...) -> None: ...
+
+class JobResidency(_message.Message):
+    __slots__ = ("job_id", "state", "device_bytes", "peak_bytes", "checkpointed_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    device_bytes: int
+    peak_bytes: int
+    checkpointed_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., device_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., checkpointed_bytes: _Optional[int] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("device", "total_bytes", "free_bytes", "age_seconds")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    total_bytes: int
+    free_bytes: int
+    age_seconds: float
+    def __init__(self, device: _Optional[str] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., age_seconds: _Optional[float] = ...) -> None: ...

@@ -59,6 +59,16 @@ class OrchestratorStub:
                 request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsRequest.SerializeToString,
                 response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsResponse.FromString,
                 _registered_method=True)
+        self.MemoryCommands = channel.unary_stream(
+                '/timeslice.v1.Orchestrator/MemoryCommands',
+                request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandsRequest.SerializeToString,
+                response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommand.FromString,
+                _registered_method=True)
+        self.AckMemoryCommand = channel.unary_unary(
+                '/timeslice.v1.Orchestrator/AckMemoryCommand',
+                request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAck.SerializeToString,
+                response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAckResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServicer:
@@ -104,6 +114,25 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MemoryCommands(self, request, context):
+        """Cooperative backend: a job process that registered GPU state (timeslice.torch)
+        keeps this stream open; the orchestrator sends it checkpoint and restore
+        commands, which the process acknowledges with AckMemoryCommand. The first
+        message is a "hello" command naming the node's pinned host pool, if any.
+        Errors: NOT_FOUND (unknown group), INVALID_ARGUMENT, FAILED_PRECONDITION (the
+        group's backend is not cooperative).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckMemoryCommand(self, request, context):
+        """Result of one MemoryCommand. Errors: NOT_FOUND (no such command pending).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +160,16 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.ListGroups,
                     request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsRequest.FromString,
                     response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsResponse.SerializeToString,
+            ),
+            'MemoryCommands': grpc.unary_stream_rpc_method_handler(
+                    servicer.MemoryCommands,
+                    request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandsRequest.FromString,
+                    response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommand.SerializeToString,
+            ),
+            'AckMemoryCommand': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckMemoryCommand,
+                    request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAck.FromString,
+                    response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +307,60 @@ class Orchestrator:
             '/timeslice.v1.Orchestrator/ListGroups',
             timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsRequest.SerializeToString,
             timeslice_dot_v1_dot_orchestrator__pb2.ListGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MemoryCommands(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/timeslice.v1.Orchestrator/MemoryCommands',
+            timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandsRequest.SerializeToString,
+            timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckMemoryCommand(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice.v1.Orchestrator/AckMemoryCommand',
+            timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAck.SerializeToString,
+            timeslice_dot_v1_dot_orchestrator__pb2.MemoryCommandAckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +59,17 @@ _TLS_FAILURE_WORDS = ("handshake", "certificate_verify_failed", "ssl_error", "ho
 class StepResult:
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class AgentMemory:
+    """One node's `GetMemory` answer: `gpus` uuid -> (total, free) bytes; per job, bytes by
+    GPU uuid on the GPUs now and checkpointed; host bytes available for checkpoints."""
+
+    gpus: dict[str, tuple[int, int]]
+    device_bytes: dict[str, dict[str, int]]
+    checkpointed_bytes: dict[str, dict[str, int]]
+    host_available: int
 
 
 class AgentClient:
@@ -115,16 +126,33 @@ class AgentClient:
 
     async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
                     group_id: str, timeout: float, member: MemberSpec | None) -> StepResult:
-        claims = member.claims_by_agent.get(self.target, ()) if member else ()
-        req = apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
-                                    claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
-                                    pod_uids=member.pod_uids if member else (),
-                                    claim_name=member.claim_name if member else "")
+        req = self._step_request(job_id, backend, group_id, timeout, member)
         try:
             resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise self._error(err, f"{what} of job {job_id}") from err
         return StepResult(int(resp.bytes), float(resp.seconds))
+
+    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:
+        """This node's memory report for `jobs` ((job, member) pairs). Raises a
+        `TimeSliceServerError` subclass."""
+        req = apb.GetMemoryRequest(jobs=[self._step_request(job, "", "", 0.0, member) for job, member in jobs])
+        try:
+            resp = await self._stub.GetMemory(req, timeout=RPC_SLACK_SECONDS, metadata=self._metadata())
+        except grpc.aio.AioRpcError as err:
+            raise self._error(err, "memory report") from err
+        return AgentMemory({g.uuid: (int(g.total_bytes), int(g.free_bytes)) for g in resp.gpus},
+                           {j.job_id: dict(j.device_bytes) for j in resp.jobs},
+                           {j.job_id: dict(j.checkpointed_bytes) for j in resp.jobs if j.checkpointed_bytes},
+                           int(resp.host_available_bytes))
+
+    def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
+                      member: MemberSpec | None) -> apb.SwitchStepRequest:
+        claims = member.claims_by_agent.get(self.target, ()) if member else ()
+        return apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
+                                     claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
+                                     pod_uids=member.pod_uids if member else (),
+                                     claim_name=member.claim_name if member else "")
 
     async def checkpointed_jobs(self) -> set[str]:
         """Jobs this agent holds checkpoint records for (it checkpointed them). Raises a
@@ -163,6 +191,9 @@ class UnusableAgent(AgentClient):
 
     async def checkpointed_jobs(self) -> set[str]:
         raise self._refused("list jobs")
+
+    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:
+        raise self._refused("memory report")
 
     def _refused(self, what: str) -> Unavailable:
         return Unavailable(f"{what} on {self._where}: {self._why}")

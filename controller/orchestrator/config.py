@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from timeslice.driver import names
+from timeslice.driver.headroom import parse_headroom
 
-Backend = Literal["cuda", "cuda-checkpoint", "freeze", "none"]
+Backend = Literal["cuda", "cuda-checkpoint", "freeze", "cooperative", "none"]
+# Backends that move GPU memory, whose groups place jobs by memory (residency "auto").
+MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_COOPERATIVE})
 
 
 class MemberSpec(BaseModel):
@@ -37,8 +40,12 @@ class GroupSpec(BaseModel):
 
     `agents` are node-agent gRPC targets (`unix:///path` or `host:port`), one per node
     that runs the group's jobs; `backend` names the checkpoint backend the agents use
-    (`none` needs no agent: lock hand-off only); `max_hold_seconds` bounds a hold once
-    another job waits (members' own values win). Times are seconds.
+    (`none` needs no agent: lock hand-off only; `cooperative` is moved by the jobs' own
+    processes, its agents report memory); `max_hold_seconds` bounds a hold once another
+    job waits (members' own values win). Times are seconds. `residency`: `auto` moves
+    memory only when the incoming job does not fit, keeping `memory_headroom` free on
+    each GPU (a percent of its memory, "10%", or a quantity, "8Gi"); `exclusive`
+    checkpoints at every hand-off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,12 +56,20 @@ class GroupSpec(BaseModel):
     lease_seconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0)
     step_timeout_seconds: float = Field(default=names.DEFAULT_STEP_TIMEOUT_SECONDS, gt=0)
     max_hold_seconds: float | None = Field(default=None, gt=0)
+    residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO
+    memory_headroom: str | int = names.DEFAULT_MEMORY_HEADROOM
     # Cluster mode: the group's jobs and where they run. Empty (static mode): any job may
     # acquire, and every agent resolves the job by its own table.
     members: tuple[MemberSpec, ...] = ()
 
     def member(self, job: str) -> MemberSpec | None:
         return next((m for m in self.members if m.job == job), None)
+
+    @field_validator("memory_headroom")
+    @classmethod
+    def _headroom(cls, v: str | int) -> str | int:
+        parse_headroom(v)
+        return v
 
     @model_validator(mode="after")
     def _agents_for_backend(self) -> GroupSpec:
@@ -63,14 +78,26 @@ class GroupSpec(BaseModel):
         return self
 
 
+class PinnedPoolSpec(BaseModel):
+    """This node's pinned host pool for cooperative checkpoints: a file on a memory
+    filesystem and its size, bytes (the node's bound on pinned memory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: Path
+    bytes: int = Field(gt=0)
+
+
 class OrchestratorConfig(BaseModel):
     """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster.
-    `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off)."""
+    `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off).
+    `pinned_pool`: the node's shared pinned pool for cooperative groups (one-box mode)."""
 
     model_config = ConfigDict(extra="forbid")
 
     listen: str = "127.0.0.1:50051"
     metrics_listen: str | None = None
+    pinned_pool: PinnedPoolSpec | None = None
     groups: list[GroupSpec] = []
 
     @model_validator(mode="after")

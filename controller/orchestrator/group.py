@@ -21,7 +21,16 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
 - A waiter whose caller left (disconnect, timeout) is removed and never granted; a
   grant whose only caller left in the same instant is revoked at once.
 - A release with nobody waiting moves nothing: the job stays resident and its next
-  acquire is immediate. A switch runs only to grant a waiter that is not resident.
+  acquire is immediate.
+- Residency (`residency.py`). Several jobs may be resident at once; the lock orders
+  compute, memory moves only when needed. `auto` (the default, for the backends that
+  move GPU memory): a resident waiter is granted at once; any other is granted after a
+  plan over fresh node-agent memory reports checkpoints the least recently held idle
+  residents it does not fit beside, then restores it when it is checkpointed. A plan
+  without room fails the waiters with `SwitchFailed` (nothing attempted, not retried).
+  When the group goes idle, checkpointed jobs that fit are restored in the background.
+  `exclusive` (and the `freeze` backend, and agents that report no GPU memory): only
+  one job is resident, as in a checkpoint at every hand-off.
 - A failed switch is rolled back by the `Switcher`; the incoming job's waiters get
   `SwitchFailed` and the group serves the next waiter.
 """
@@ -34,11 +43,13 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
 from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
+from timeslice.controller.orchestrator.residency import MemorySnapshot, NoRoom, Residency, parse_headroom, plan_room
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -51,7 +62,8 @@ PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue ent
 
 @dataclass
 class SwitchRecord:
-    """One switch, as shown in status. Seconds and bytes summed over the group's nodes."""
+    """One switch, as shown in status. Seconds and bytes summed over the group's nodes.
+    `evicted`: every job checkpointed to make room (`from_job` is the first of them)."""
 
     from_job: str | None
     to_job: str
@@ -62,6 +74,7 @@ class SwitchRecord:
     bytes_checkpointed: int = 0
     bytes_restored: int = 0
     finished_at_unix: float = 0.0
+    evicted: tuple[str, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -69,17 +82,23 @@ class SwitchRecord:
 
 
 class SwitchError(SwitchFailed):
-    """Raised by a `Switcher`: the switch failed; `outgoing_resident` says whether the
-    rollback put the outgoing job back on the GPUs."""
+    """Raised by a `Switcher`: the switch failed; `off_gpu` names the evicted jobs whose
+    state the rollback could not put back on the GPUs (normally none)."""
 
-    def __init__(self, message: str, record: SwitchRecord, outgoing_resident: bool) -> None:
+    def __init__(self, message: str, record: SwitchRecord, off_gpu: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.record = record
-        self.outgoing_resident = outgoing_resident
+        self.off_gpu = frozenset(off_gpu)
 
 
-# (spec, outgoing job or None, incoming job, restore the incoming job?) -> record
-Switcher = Callable[[GroupSpec, "str | None", str, bool], Awaitable[SwitchRecord]]
+class Switcher(Protocol):
+    """Moves GPU state for a group (`SwitchCoordinator`). `__call__(spec, evict, incoming,
+    restore)`: checkpoint every job of `evict`, then restore `incoming` when `restore`;
+    raises SwitchError. A switcher that can also report memory has `memory(spec, jobs) ->
+    MemorySnapshot | None`; without it the group keeps one resident job."""
+
+    async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
+                       restore: bool) -> SwitchRecord: ...
 
 
 @dataclass(frozen=True)
@@ -161,6 +180,10 @@ class GroupView:
     counters: Counters
     recent_switches: list[SwitchRecord]
     agents: list[str]
+    residency: str = "exclusive"
+    resident_jobs: list[str] = field(default_factory=list)  # least recently held first
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
+    memory: MemorySnapshot | None = None
 
 
 class LockGroup:
@@ -172,13 +195,13 @@ class LockGroup:
         self._clock = clock
         self.queue = LockQueue()
         self.holder: Hold | None = None
-        self.resident: str | None = None
-        self.checkpointed: set[str] = set()
+        self.residency = Residency()
         self.switching: tuple[str | None, str] | None = None
         self.epoch = 0
         self.counters = Counters()
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
         self._switch_task: asyncio.Task[None] | None = None
+        self._refresh_task: asyncio.Task[None] | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
         self._preempted: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
@@ -191,6 +214,21 @@ class LockGroup:
     @property
     def phase(self) -> str:
         return "switching" if self.switching else ("held" if self.holder else "idle")
+
+    @property
+    def resident(self) -> str | None:
+        """The most recently held resident job (None: none)."""
+        return self.residency.most_recent
+
+    @property
+    def checkpointed(self) -> set[str]:
+        return self.residency.checkpointed
+
+    @property
+    def memory_aware(self) -> bool:
+        """Residency `auto` on a backend that moves GPU memory, with a switcher that reports it."""
+        return (self.spec.residency == "auto" and self.spec.backend in MEMORY_BACKENDS
+                and hasattr(self._switcher, "memory"))
 
     # -- RPC entry points ------------------------------------------------------
     async def acquire(self, job_id: str, priority: int, request_id: str,
@@ -240,6 +278,7 @@ class LockGroup:
         waiters = len(self.queue)
         self._notify("released", job_id, epoch)
         self._dispatch()
+        self._refresh_memory()
         return waiters, self.switching is not None
 
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
@@ -273,10 +312,9 @@ class LockGroup:
         self._disarm_max_hold_when_unwaited()
         if self.holder is not None and self.holder.job_id == job_id:
             self._end_hold(self.holder, f"dropped: {reason}")
-        self.checkpointed.discard(job_id)
-        if self.resident == job_id:
-            self.resident = None
+        self.residency.forget(job_id)
         self._dispatch()
+        self._refresh_memory()
 
     def adopt(self, resident: str | None, checkpointed: set[str], epoch: int) -> None:
         """Take over after a leader change (only on an empty group). `resident` and
@@ -286,8 +324,10 @@ class LockGroup:
         lease); if it was not holding, the hold lapses after one lease period."""
         if self.holder is not None or self.epoch or len(self.queue):
             return
-        self.resident = resident
-        self.checkpointed = set(checkpointed)
+        for job in checkpointed:
+            self.residency.moved_out(job)
+        if resident is not None:
+            self.residency.held(resident)
         self.epoch = epoch
         if resident is not None:
             now = self._clock()
@@ -309,16 +349,20 @@ class LockGroup:
                      for i, w in enumerate(self.queue)],
             resident_job=self.resident, checkpointed_jobs=sorted(self.checkpointed),
             counters=Counters(**vars(self.counters)), recent_switches=list(self.recent),
-            agents=list(self.spec.agents))
+            agents=list(self.spec.agents),
+            residency=self.spec.residency if self.memory_aware else "exclusive",
+            resident_jobs=list(self.residency.residents),
+            peaks={j: dict(p) for j, p in self.residency.peaks.items()}, memory=self.residency.snapshot)
 
     async def close(self) -> None:
         for timer in (self._lease_timer, self._max_hold_timer):
             if timer is not None:
                 timer.cancel()
-        if self._switch_task is not None:
-            self._switch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._switch_task
+        for task in (self._switch_task, self._refresh_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # -- internals -------------------------------------------------------------
     def _check_holder(self, job_id: str, lease_id: str, epoch: int, what: str) -> Hold:
@@ -384,60 +428,146 @@ class LockGroup:
                 self._dispatch()
 
     def _dispatch(self) -> None:
-        """Grant the head waiter if the lock is free, switching first when needed."""
+        """Grant the head waiter if the lock is free, moving memory first when needed."""
         if self.holder is not None or self.switching is not None:
             return
         head = self.queue.head()
         if head is None:
             return
         incoming = head.job_id
-        outgoing = self.resident if self.resident != incoming else None
-        restore = incoming in self.checkpointed
-        if self.spec.backend == "none" or (outgoing is None and not restore):
-            self.resident = incoming
+        r = self.residency
+        restore = incoming in r.checkpointed
+        if self.spec.backend == "none" or (self.memory_aware and incoming in r.residents
+                                           and not self._preempted_residents(incoming)):
             self._grant(incoming, restored=False, switch_seconds=0.0)
             return
-        self.switching = (outgoing, incoming)
-        self._switch_task = asyncio.get_running_loop().create_task(
-            self._switch(outgoing, incoming, restore), name=f"switch-{self.id}")
+        if self.memory_aware and not restore and not r.lru(excluding=[incoming]):
+            self._grant(incoming, restored=False, switch_seconds=0.0)  # nobody to make room from
+            return
+        evict = None if self.memory_aware else r.lru(excluding=[incoming])
+        if evict is not None and not evict and not restore:
+            self._grant(incoming, restored=False, switch_seconds=0.0)
+            return
+        self._start_switch(evict, incoming, restore, grant=True)
 
-    async def _switch(self, outgoing: str | None, incoming: str, restore: bool) -> None:
-        log.info("switch start group=%s from=%s to=%s restore=%s", self.id, outgoing, incoming, restore)
+    def _start_switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
+        self.switching = (evict[0] if evict else None, incoming)
+        self._switch_task = asyncio.get_running_loop().create_task(
+            self._switch(evict, incoming, restore, grant), name=f"switch-{self.id}")
+
+    async def _snapshot(self) -> MemorySnapshot | None:
+        """Fresh memory reports of the group's jobs (None: the agents report no GPU memory)."""
+        jobs = sorted({*self.residency.residents, *self.residency.checkpointed, *(w.job_id for w in self.queue)})
+        snap = await self._switcher.memory(self.spec, jobs)  # type: ignore[attr-defined]
+        if snap is None or not snap.devices:
+            return None
+        self.residency.observe(snap)
+        return snap
+
+    def _preempted_residents(self, incoming: str) -> list[str]:
+        """Holders preempted mid-phase that are still on the GPUs: they must leave whether or
+        not the incoming job fits beside them (their processes are still computing)."""
+        return [h.job_id for _, h in self._preempted.values()
+                if h.job_id != incoming and h.job_id in self.residency.residents]
+
+    async def _plan(self, incoming: str, allow_evictions: bool) -> list[str]:
+        """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
+        holders first. Raises NoRoom."""
+        forced = self._preempted_residents(incoming) if allow_evictions else []
+        snap = await self._snapshot()
+        if snap is None:  # no memory information: one resident at a time
+            return self.residency.lru(excluding=[incoming]) if allow_evictions else []
+        residents = self.residency.lru(excluding=[incoming, *forced]) if allow_evictions else []
+        for job in forced:  # what they hold is free once they leave
+            for dev, b in snap.on_device(job).items():
+                if dev in snap.devices:
+                    m = snap.devices[dev]
+                    snap.devices[dev] = type(m)(m.total, m.free + b)
+        plan = plan_room(incoming, residents, snap, self.residency.peaks, parse_headroom(self.spec.memory_headroom),
+                         host_checked=self.spec.backend != "cooperative")
+        return [*forced, *plan]
+
+    async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
+        record: SwitchRecord | None = None
+        r = self.residency
         try:
-            record = await self._switcher(self.spec, outgoing, incoming, restore)
+            if evict is None:
+                evict = await self._plan(incoming, allow_evictions=True)
+                self.switching = (evict[0] if evict else None, incoming)
+            if not evict and not restore:
+                record = None
+            else:
+                log.info("switch start group=%s evict=%s to=%s restore=%s", self.id, evict, incoming, restore)
+                record = await self._switcher(self.spec, tuple(evict), incoming, restore)
+        except NoRoom as err:
+            record = SwitchRecord(None, incoming, ok=False, error=str(err))
+            log.warning("no room group=%s job=%s: %s", self.id, incoming, err)
+            self._fail_job(incoming, SwitchFailed(f"group {self.id}: {err}"))
         except SwitchError as err:
             record = err.record
             self.counters.failed_switches += 1
-            self.resident = outgoing if err.outgoing_resident else None
-            if outgoing and not err.outgoing_resident:
-                self.checkpointed.add(outgoing)
-            log.warning("switch failed group=%s from=%s to=%s: %s", self.id, outgoing, incoming, err)
+            for job in err.off_gpu:
+                r.moved_out(job)
+            log.warning("switch failed group=%s evict=%s to=%s: %s", self.id, evict, incoming, err)
             self._fail_job(incoming, SwitchFailed(f"group {self.id}: {err}"))
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
-            log.exception("switch crashed group=%s from=%s to=%s", self.id, outgoing, incoming)
-            record = SwitchRecord(outgoing, incoming, ok=False, error=f"internal error: {err!r}")
+            log.exception("switch crashed group=%s evict=%s to=%s", self.id, evict, incoming)
+            record = SwitchRecord(None, incoming, ok=False, error=f"internal error: {err!r}")
             self.counters.failed_switches += 1
-            self.resident = None
             self._fail_job(incoming, SwitchFailed(f"group {self.id}: internal error: {err!r}"))
         else:
-            self.counters.switches += 1
-            self.resident = incoming
-            self.checkpointed.discard(incoming)
-            if outgoing:
-                self.checkpointed.add(outgoing)
-            log.info("switch done group=%s from=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", self.id,
-                     outgoing, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
+            for job in evict:
+                r.moved_out(job)
+            if record is not None:
+                self.counters.switches += 1
+                log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", self.id,
+                         evict, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
+            if grant:
+                r.held(incoming)
+            elif restore:
+                r.moved_in(incoming)
         finally:
             self.switching = None
             self._switch_task = None
-        record.finished_at_unix = time.time()
-        self.recent.append(record)
-        self._notify("switched" if record.ok else "switch-failed", incoming, record=record)
-        if record.ok:
-            self._grant(incoming, restored=restore, switch_seconds=record.seconds)
+        if record is not None:
+            record.finished_at_unix = time.time()
+            self.recent.append(record)
+            self._notify("switched" if record.ok else "switch-failed", incoming, record=record)
+        if grant and (record is None or record.ok):
+            self._grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
         self._dispatch()
+        if self.holder is None and self.switching is None and not len(self.queue):
+            self._refresh_memory()
+
+    def _refresh_memory(self) -> None:
+        """In the background: take a memory snapshot (residents' peaks), and when the group
+        is idle restore a checkpointed job that fits without moving anyone (a job may touch
+        its GPU after its last hold). Tried once per trigger (a release, an idle group)."""
+        if not self.memory_aware or self._refresh_task is not None:
+            return
+        self._refresh_task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{self.id}")
+
+    async def _refresh(self) -> None:
+        try:
+            snap = await self._snapshot()
+            if snap is None or self.holder is not None or self.switching is not None or len(self.queue):
+                return
+            for job in sorted(self.residency.checkpointed):
+                try:
+                    if await self._plan(job, allow_evictions=False) == [] and self.switching is None \
+                            and self.holder is None and not len(self.queue):
+                        log.info("background restore group=%s job=%s: the group is idle and it fits", self.id, job)
+                        self._start_switch([], job, restore=True, grant=False)
+                        return
+                except NoRoom as err:
+                    log.info("no background restore group=%s job=%s: %s", self.id, job, err)
+        except Exception as err:  # a report that fails changes nothing; the next switch asks again
+            log.warning("memory report failed group=%s: %s", self.id, err)
+        finally:
+            self._refresh_task = None
 
     def _grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
+        self.residency.held(job_id)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
@@ -517,7 +647,7 @@ class LockGroup:
                     h.epoch, limit, len(self.queue))
         self._notify("preempted", h.job_id, h.epoch)
         self._end_hold(h, f"maxHoldSeconds {limit:g} exceeded while others waited")
-        if self.spec.backend != "none":  # checkpointed by the switch, re-queued keeping its lease
+        if self.spec.backend not in ("none", "cooperative"):  # checkpointed by the switch, re-queued keeping its lease
             self._park(h)
         self._dispatch()
 

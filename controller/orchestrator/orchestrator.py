@@ -1,4 +1,4 @@
-"""Orchestrator: owns the lock groups, the switch coordinator and the metrics.
+"""Orchestrator: owns the lock groups, the switch coordinator, the cooperative processes and the metrics.
 
 Owned by the orchestrator server (and, in the cluster, by the controller, which adds
 and removes groups as claims change). The gRPC servicer looks groups up here. Group
@@ -13,8 +13,10 @@ from collections.abc import Iterable, Mapping
 
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import GroupEvent, LockGroup, Observer, Switcher
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
+from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
 from timeslice.driver.errors import NotFound, TimeSliceServerError
 
@@ -23,11 +25,15 @@ log = logging.getLogger("timeslice.orchestrator")
 
 class Orchestrator:
     def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
-                 observer: Observer | None = None, agents: AgentPool | None = None) -> None:
+                 observer: Observer | None = None, agents: AgentPool | None = None,
+                 pinned_pool: PinnedPool | None = None) -> None:
+        """`pinned_pool`: this node's shared pinned host memory for cooperative checkpoints
+        (one-box mode; None: each cooperative process keeps its own host copy)."""
         self._pool = agents or AgentPool()
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
-        self._switcher: Switcher = switcher or SwitchCoordinator(self._pool)
+        self.cooperative = CooperativeJobs(pinned_pool)
+        self._switcher: Switcher = switcher or SwitchCoordinator(self._pool, self.cooperative)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
         # its pod-level claim, and holds the lock as its claim set
@@ -101,7 +107,14 @@ class Orchestrator:
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]
 
+    def drop_job(self, group_id: str, job: str, reason: str) -> None:
+        """A job of the group is gone: its waiters fail, its hold ends, its cooperative
+        processes and their pinned ranges are forgotten. Raises NotFound."""
+        self.group(group_id).drop_job(job, reason)
+        self.cooperative.forget(group_id, job)
+
     async def close(self) -> None:
         for group in list(self._groups.values()):
             await group.close()
         await self._pool.close()
+        await self.cooperative.close()

@@ -14,6 +14,7 @@ import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.service import Authenticator, OrchestratorServicer
 from timeslice.driver import grpc_server, signals
 from timeslice.v1 import orchestrator_pb2 as pb
@@ -36,7 +37,8 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls (short:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
     those with the same request id against the next orchestrator)."""
-    orchestrator = Orchestrator(config.groups)
+    pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes) if config.pinned_pool else None
+    orchestrator = Orchestrator(config.groups, pinned_pool=pool)
     metrics = None
     if config.metrics_listen:
         metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc.aio
 from timeslice.controller.orchestrator.group import GroupView, LockGroup
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.driver.errors import InvalidArgument, PermissionDenied
+from timeslice.driver import names
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, TimeSliceServerError
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -33,8 +36,25 @@ def _check_id(field: str, value: str) -> str:
     return value
 
 
+def _jobs(v: GroupView) -> list[pb.JobResidency]:
+    snap = v.memory
+    out = []
+    for job in sorted({*v.resident_jobs, *v.checkpointed_jobs, *v.peaks}):
+        state = "resident" if job in v.resident_jobs else ("checkpointed" if job in v.checkpointed_jobs else "unknown")
+        out.append(pb.JobResidency(
+            job_id=job, state=state, peak_bytes=sum(v.peaks.get(job, {}).values()),
+            device_bytes=sum(snap.on_device(job).values()) if snap else 0,
+            checkpointed_bytes=sum(snap.checkpointed_bytes.get(job, {}).values()) if snap else 0))
+    return out
+
+
 def group_status(v: GroupView) -> pb.GroupStatus:
+    snap = v.memory
     s = pb.GroupStatus(
+        residency=v.residency, resident_job_ids=v.resident_jobs, jobs=_jobs(v),
+        devices=[pb.DeviceMemory(device=d, total_bytes=m.total, free_bytes=m.free,
+                                 age_seconds=max(0.0, time.monotonic() - snap.taken_at))
+                 for d, m in sorted(snap.devices.items())] if snap else [],
         group_id=v.group_id, backend=v.backend, phase=v.phase, epoch=v.epoch,
         resident_job_id=v.resident_job or "", checkpointed_job_ids=v.checkpointed_jobs,
         grants=v.counters.grants, switches=v.counters.switches,
@@ -43,7 +63,7 @@ def group_status(v: GroupView) -> pb.GroupStatus:
         waiters=[pb.Waiter(job_id=w.job_id, priority=w.priority, waiting_seconds=w.waiting_seconds,
                            position=w.position) for w in v.waiters],
         recent_switches=[pb.SwitchRecord(
-            from_job_id=r.from_job or "", to_job_id=r.to_job, ok=r.ok, error=r.error,
+            from_job_id=",".join(r.evicted) or r.from_job or "", to_job_id=r.to_job, ok=r.ok, error=r.error,
             checkpoint_seconds=r.checkpoint_seconds, restore_seconds=r.restore_seconds,
             bytes_checkpointed=r.bytes_checkpointed, bytes_restored=r.bytes_restored,
             finished_at_unix=r.finished_at_unix) for r in v.recent_switches])
@@ -107,6 +127,30 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         group, job = await self._resolve(request, context)
         remaining = group.keep_alive(job, request.lease_id, request.epoch)
         return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
+
+    async def MemoryCommands(self, request: pb.MemoryCommandsRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MemoryCommand]:
+        """A cooperative process's command stream (`CooperativeJobs.stream`)."""
+        try:
+            group, job = await self._resolve(request, context)
+            if group.spec.backend != names.BACKEND_COOPERATIVE:
+                raise FailedPrecondition(f"group {group.id} uses backend {group.spec.backend}, not cooperative: its "
+                                         "GPU state is moved by the node agent, nothing to register")
+            if not request.stream_id or len(request.stream_id) > 128:
+                raise InvalidArgument("stream_id is required (at most 128 characters)")
+        except TimeSliceServerError as err:
+            await context.abort(err.code, str(err))
+        async for command in self._orch.cooperative.stream(group.id, job, request.stream_id, request.pid,
+                                                           request.registered_bytes):
+            yield command
+
+    @rpc_method
+    async def AckMemoryCommand(self, request: pb.MemoryCommandAck,
+                               context: grpc.aio.ServicerContext) -> pb.MemoryCommandAckResponse:
+        _, job = await self._resolve(request, context)
+        request.job_id = job
+        self._orch.cooperative.ack(request)
+        return pb.MemoryCommandAckResponse()
 
     @rpc_method
     async def GetGroupStatus(self, request: pb.GetGroupStatusRequest,

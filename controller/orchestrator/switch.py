@@ -1,11 +1,13 @@
 """SwitchCoordinator: the switch transaction over every node agent of a group.
 
 Owned by the orchestrator; called by `LockGroup` when a waiter that is not resident
-is to be granted. Steps (DESIGN.md): checkpoint the outgoing job on all nodes (in
-parallel), then restore the incoming job on all nodes, then the group grants.
-Rollback: a failed checkpoint restores the outgoing job where it was checkpointed;
-a failed restore checkpoints the incoming job where it was restored and restores the
-outgoing job everywhere. The outcome is raised as `SwitchError` with the record.
+is to be granted. Steps (DESIGN.md): checkpoint each job to evict on all its nodes (in
+parallel over nodes, one job after the other), then restore the incoming job on all
+nodes, then the group grants. Rollback: a failed checkpoint restores that job where it
+was checkpointed and the jobs evicted before it; a failed restore checkpoints the
+incoming job where it was restored and restores the evicted jobs. The outcome is raised
+as `SwitchError` with the record. Groups on the `cooperative` backend are moved by the
+jobs' own processes (`CooperativeJobs`); their agents only report memory (`memory`).
 """
 
 from __future__ import annotations
@@ -14,56 +16,106 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
+from timeslice.driver import names
 from timeslice.driver.errors import NotFound
 
 log = logging.getLogger("timeslice.switch")
 
 
 class SwitchCoordinator:
-    def __init__(self, pool: AgentPool) -> None:
-        self._pool = pool
+    """`pool`: the node-agent clients; `cooperative`: the processes of `cooperative` groups,
+    which move their own state (their agents only report memory)."""
 
-    async def __call__(self, spec: GroupSpec, outgoing: str | None, incoming: str,
+    def __init__(self, pool: AgentPool, cooperative: CooperativeJobs | None = None) -> None:
+        self._pool = pool
+        self.cooperative = cooperative or CooperativeJobs()
+
+    async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord:
-        rec = SwitchRecord(outgoing, incoming)
-        if outgoing is not None:
-            t0 = time.monotonic()
-            done, failures = await self._on_all(self._agents(spec, outgoing), "checkpoint", spec, outgoing)
-            # A node where the outgoing job has no live process has nothing to move.
+        rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+        t0 = time.monotonic()
+        out: list[str] = []
+        for job in evict:  # one job at a time: each takes the pinned pool's largest free range
+            done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
+            # A node where the job has no live process has nothing to move.
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
-            rec.checkpoint_seconds = time.monotonic() - t0
-            rec.bytes_checkpointed = sum(r.bytes for r in done.values())
+            rec.bytes_checkpointed += sum(r.bytes for r in done.values())
             if failures:
-                back = await self._undo(self._current(done), "restore", spec, outgoing)
-                raise self._failed(rec, f"checkpoint of {outgoing} failed", failures, back)
+                rec.checkpoint_seconds = time.monotonic() - t0
+                back = await self._undo(self._current(done), "restore", spec, job)
+                stuck = await self._restore_all(spec, out)
+                raise self._failed(rec, f"checkpoint of {job} failed", failures, back and not stuck,
+                                   stuck + ([] if back else [job]))
+            out.append(job)
+        rec.checkpoint_seconds = time.monotonic() - t0
         if restore:
             t0 = time.monotonic()
-            done, failures = await self._on_all(self._agents(spec, incoming), "restore", spec, incoming)
+            done, failures = await self._on_all(self._targets(spec, incoming), "restore", spec, incoming)
             rec.restore_seconds = time.monotonic() - t0
             rec.bytes_restored = sum(r.bytes for r in done.values())
             if failures:
                 await self._undo(self._current(done), "checkpoint", spec, incoming)
-                back = outgoing is None or await self._undo(self._agents(spec, outgoing), "restore", spec, outgoing)
-                raise self._failed(rec, f"restore of {incoming} failed", failures, back)
+                stuck = await self._restore_all(spec, out)
+                raise self._failed(rec, f"restore of {incoming} failed", failures, not stuck, stuck)
         return rec
 
-    def _agents(self, spec: GroupSpec, job: str) -> list[AgentClient]:
-        """The agents of the nodes where `job` runs (all of the group's, in static mode)."""
+    async def memory(self, spec: GroupSpec, jobs: Sequence[str]) -> MemorySnapshot:
+        """One snapshot of the group's memory from all its node agents (in parallel). An
+        agent that does not answer is left out (logged); its devices are then unknown."""
+        targets = list(spec.agents)
+        reports = await asyncio.gather(*(self._pool.get(t).memory([(j, spec.member(j)) for j in jobs])
+                                         for t in targets), return_exceptions=True)
+        snap = MemorySnapshot()
+        for target, rep in zip(targets, reports):
+            if isinstance(rep, BaseException):
+                log.warning("memory report failed group=%s agent=%s: %s", spec.id, target, rep)
+                continue
+            for uuid, (total, free) in rep.gpus.items():
+                snap.devices[f"{target}/{uuid}"] = DeviceMemory(total, free)
+            for job, per in rep.device_bytes.items():
+                snap.device_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
+            for job, per in rep.checkpointed_bytes.items():
+                snap.checkpointed_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
+            snap.host_available[target] = rep.host_available
+        if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
+            (dev,) = snap.devices
+            for job in jobs:  # what the job's processes registered is what they hold when restored
+                n = self.cooperative.registered_bytes(spec.id, job)
+                if n:
+                    snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
+        return snap
+
+    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
+        """Roll back evictions: restore each of `jobs`; returns those that stay off the GPUs."""
+        stuck = []
+        for job in jobs:
+            if not await self._undo(self._targets(spec, job), "restore", spec, job):
+                stuck.append(job)
+        return stuck
+
+    def _targets(self, spec: GroupSpec, job: str) -> list[AgentClient | _CooperativeStep]:
+        """Who moves `job`: its processes (cooperative), else the agents of the nodes where it
+        runs (all of the group's, in static mode)."""
+        if spec.backend == names.BACKEND_COOPERATIVE:
+            return [_CooperativeStep(self.cooperative)]
         member = spec.member(job)
         targets = list(member.claims_by_agent) if member else spec.agents
         return [self._pool.get(t) for t in targets]
 
-    def _current(self, agents: Iterable[AgentClient]) -> list[AgentClient]:
+    def _current(self, agents: Iterable[AgentClient | _CooperativeStep]) -> list[AgentClient | _CooperativeStep]:
         """The pool's clients now for the targets of `agents` (a client is replaced, and its
         channel closed, when its agent's TLS certificate changes mid-switch)."""
-        return [self._pool.get(a.target) for a in agents]
+        return [a if isinstance(a, _CooperativeStep) else self._pool.get(a.target) for a in agents]
 
-    async def _on_all(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec,
-                      job: str) -> tuple[dict[AgentClient, StepResult], dict[AgentClient, BaseException]]:
+    async def _on_all(self, agents: Sequence[AgentClient | _CooperativeStep], step: str, spec: GroupSpec,
+                      job: str) -> tuple[dict[Any, StepResult], dict[Any, BaseException]]:
         member = spec.member(job)
         results = await asyncio.gather(
             *(getattr(a, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member) for a in agents),
@@ -74,7 +126,8 @@ class SwitchCoordinator:
             log.warning("%s failed group=%s job=%s agent=%s: %s", step, spec.id, job, a.target, err)
         return done, failures
 
-    async def _undo(self, agents: Sequence[AgentClient], step: str, spec: GroupSpec, job: str) -> bool:
+    async def _undo(self, agents: Sequence[AgentClient | _CooperativeStep], step: str, spec: GroupSpec,
+                    job: str) -> bool:
         """Run the compensating step; True when it succeeded on every agent."""
         if not agents:
             return True
@@ -85,9 +138,24 @@ class SwitchCoordinator:
         return not failures
 
     @staticmethod
-    def _failed(rec: SwitchRecord, what: str, failures: dict[AgentClient, BaseException],
-                rolled_back: bool) -> SwitchError:
+    def _failed(rec: SwitchRecord, what: str, failures: dict[Any, BaseException], rolled_back: bool,
+                off_gpu: Sequence[str]) -> SwitchError:
         causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
         rec.ok = False
         rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
-        return SwitchError(rec.error, rec, outgoing_resident=rolled_back and rec.from_job is not None)
+        return SwitchError(rec.error, rec, off_gpu)
+
+
+class _CooperativeStep:
+    """The cooperative backend behind the same step calls as an `AgentClient`."""
+
+    target = "cooperative"
+
+    def __init__(self, jobs: CooperativeJobs) -> None:
+        self._jobs = jobs
+
+    async def checkpoint(self, job: str, backend: str, group: str, timeout: float, member: object) -> StepResult:
+        return await self._jobs.checkpoint(group, job, timeout)
+
+    async def restore(self, job: str, backend: str, group: str, timeout: float, member: object) -> StepResult:
+        return await self._jobs.restore(group, job, timeout)

@@ -1,14 +1,16 @@
-"""GPU memory per process, from NVML (`nvidia-ml-py`).
+"""GPU memory per GPU and per process, from NVML (`nvidia-ml-py`); host memory from /proc.
 
-Owned by the node agent; used to report the bytes a checkpoint moves. NVML lists
-only processes with a live CUDA context: a checkpointed process is absent
-(reference/checkpoint-h200.md), so the agent records the size at checkpoint time.
+Owned by the node agent; used to report the bytes a checkpoint moves and the memory
+report (`GetMemory`) that residency decisions rest on. NVML lists only processes with
+a live CUDA context: a checkpointed process is absent (reference/checkpoint-h200.md),
+so the agent records the size at checkpoint time.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 log = logging.getLogger("timeslice.agent")
 _lock = threading.Lock()
@@ -34,12 +36,49 @@ def _nvml() -> object | None:
 
 def process_gpu_bytes() -> dict[int, int]:
     """{pid: bytes of GPU memory in use} over all GPUs; empty without NVML."""
+    sizes: dict[int, int] = {}
+    for gpu in gpus():
+        for pid, n in gpu.processes.items():
+            sizes[pid] = sizes.get(pid, 0) + n
+    return sizes
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU: NVML uuid and index, total and free bytes (`nvmlDeviceGetMemoryInfo`), and
+    bytes used by each process with a CUDA context on it (`nvmlDeviceGetComputeRunningProcesses`)."""
+
+    uuid: str
+    index: int
+    total: int
+    free: int
+    processes: dict[int, int] = field(default_factory=dict)
+
+
+def gpus() -> list[GpuInfo]:
+    """Every GPU of the node; empty without NVML."""
     nv = _nvml()
     if nv is None:
-        return {}
-    sizes: dict[int, int] = {}
+        return []
+    out = []
     for i in range(nv.nvmlDeviceGetCount()):  # type: ignore[attr-defined]
         handle = nv.nvmlDeviceGetHandleByIndex(i)  # type: ignore[attr-defined]
+        mem = nv.nvmlDeviceGetMemoryInfo(handle)  # type: ignore[attr-defined]
+        uuid = nv.nvmlDeviceGetUUID(handle)  # type: ignore[attr-defined]
+        procs: dict[int, int] = {}
         for p in nv.nvmlDeviceGetComputeRunningProcesses(handle):  # type: ignore[attr-defined]
-            sizes[p.pid] = sizes.get(p.pid, 0) + int(p.usedGpuMemory or 0)
-    return sizes
+            procs[p.pid] = procs.get(p.pid, 0) + int(p.usedGpuMemory or 0)
+        out.append(GpuInfo(uuid if isinstance(uuid, str) else uuid.decode(), i, int(mem.total), int(mem.free), procs))
+    return out
+
+
+def host_available_bytes() -> int:
+    """`MemAvailable` of /proc/meminfo, bytes (0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as err:
+        log.warning("cannot read /proc/meminfo: %s", err)
+    return 0

@@ -1,8 +1,10 @@
-"""NodeAgent: checkpoint and restore of whole jobs on this node.
+"""NodeAgent: checkpoint and restore of whole jobs on this node, and its memory report.
 
 Owned by the agent server; called by its gRPC servicer. Resolves a job to PIDs,
 serializes steps per job, runs the named backend, and records what it checkpointed
 (`JobRecords`) so that restore finds the same PIDs even when NVML cannot see them.
+A checkpoint into host memory (`cuda`, `cuda-checkpoint`) is refused before anything is
+touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTES`).
 """
 
 from __future__ import annotations
@@ -11,20 +13,63 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from timeslice.driver import names
-from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument, NotFound, ProcessGone
+from timeslice.driver.errors import (
+    BackendError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ProcessGone,
+    TimeSliceServerError,
+)
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
 
 log = logging.getLogger("timeslice.agent")
+# Host memory a checkpoint must leave to the node's other processes, bytes.
+HOST_RESERVE_BYTES = 2 << 30
+# Backends whose checkpoint lands in host memory the agent can count.
+HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """A job as a switch step names it (see `NodeAgent.checkpoint`)."""
+
+    job_id: str
+    claims: Sequence[tuple[str, str]] = ()
+    pod_uids: Sequence[str] = ()
+    claim_name: str = ""
+
+
+@dataclass
+class MemoryView:
+    """`GetMemory`'s answer: the GPUs, per job its bytes per GPU uuid now and checkpointed,
+    and the host memory available (bytes)."""
+
+    gpus: list[GpuInfo]
+    device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_available: int = 0
+
+
+def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
+    wanted = set(pids)
+    out: dict[str, int] = {}
+    for g in gpu_list:
+        n = sum(b for p, b in g.processes.items() if p in wanted)
+        if n:
+            out[g.uuid] = n
+    return out
 
 
 @dataclass(frozen=True)
@@ -69,7 +114,9 @@ class NodeAgent:
                  names.BACKEND_NONE), records_path: Path | None = None,
                  default_timeout: float = names.DEFAULT_STEP_TIMEOUT_SECONDS,
                  lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS,
-                 claim_resolver: ClaimProcessResolver | None = None) -> None:
+                 claim_resolver: ClaimProcessResolver | None = None,
+                 memory_probe: Callable[[], list[GpuInfo]] = gpus,
+                 host_probe: Callable[[], int] = host_available_bytes) -> None:
         self.resolver = resolver
         self.claim_resolver = claim_resolver
         given = list(backends)
@@ -82,6 +129,8 @@ class NodeAgent:
         self.default_timeout = default_timeout
         self.lock_timeout = lock_timeout
         self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._memory_probe = memory_probe
+        self._host_probe = host_probe
 
     def backend(self, name: str) -> Backend:
         """The backend of that name; InvalidArgument when not offered, FailedPrecondition
@@ -112,8 +161,11 @@ class NodeAgent:
         async with self._job_locks[job_id]:
             t0 = time.monotonic()
             pids = live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
+            on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
+            if backend_name in HOST_MEMORY_BACKENDS:
+                await self._check_host_room(job_id, sum(on_gpus.values()))
             procs = await backend.checkpoint(pids, timeout or self.default_timeout)
-            record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs})
+            record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs}, on_gpus)
             self.records.put(job_id, record)
             seconds = time.monotonic() - t0
             log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
@@ -136,6 +188,33 @@ class NodeAgent:
             log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
                      group_id, backend_name, pids, moved, seconds)
             return StepOutcome(job_id, procs, moved, seconds)
+
+    async def _check_host_room(self, job_id: str, need: int) -> None:
+        """Raise FailedPrecondition when the host cannot take `need` more bytes."""
+        available = await asyncio.to_thread(self._host_probe)
+        if need > available - HOST_RESERVE_BYTES:
+            raise FailedPrecondition(
+                f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "
+                f"the node has {available / 1e9:.2f} GB available and keeps {HOST_RESERVE_BYTES / 1e9:.2f} GB "
+                "for its other processes; nothing was touched, the job stays on the GPUs")
+
+    async def memory(self, jobs: Sequence[JobRef]) -> MemoryView:
+        """The node's GPUs and host memory, and where each job's memory is. A job whose
+        processes cannot be resolved (gone, not started) has no device bytes."""
+        gpu_list = await asyncio.to_thread(self._memory_probe)
+        view = MemoryView(gpu_list, host_available=await asyncio.to_thread(self._host_probe))
+        for job in jobs:
+            record = self.records.jobs.get(job.job_id)
+            if record is not None:
+                view.checkpointed_bytes[job.job_id] = dict(record.devices) or (
+                    {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
+            try:
+                pids = await self._pids(job.job_id, job.claims, job.pod_uids, job.claim_name)
+            except TimeSliceServerError as err:
+                log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
+                continue
+            view.device_bytes[job.job_id] = _per_device(gpu_list, pids)
+        return view
 
     async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
         record = self.records.jobs.get(job_id)

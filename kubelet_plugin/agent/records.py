@@ -5,7 +5,10 @@ remember them: which job, backend, PIDs and bytes. File format (JSON, written to
 temp file, fsynced and renamed):
 
     {"apiVersion": "timeslice.dev/agent-records/v1",
-     "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>}}}}
+     "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
+                        "devices": {"<GPU uuid>": <bytes>}}}}
+
+`devices` (optional): the checkpoint's bytes by GPU, for residency decisions.
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -28,6 +31,7 @@ class JobRecord:
     backend: str
     group: str
     pids: dict[int, int] = field(default_factory=dict)
+    devices: dict[str, int] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
@@ -48,7 +52,8 @@ class JobRecords:
             data = json.loads(path.read_text())
             if data.get("apiVersion") != API_VERSION:
                 raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
-            self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()})
+            self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()},
+                                        {str(d): int(b) for d, b in r.get("devices", {}).items()})
                          for job, r in data["jobs"].items()}
         except (ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are.

@@ -17,17 +17,18 @@ from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent, StepOutcome, job_state
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepOutcome, job_state
 
 
 def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
     return [apb.ProcessState(pid=p.pid, state=p.state, gpu_bytes=p.gpu_bytes) for p in procs]
 
 
-def _step_args(request: apb.SwitchStepRequest) -> tuple[str, str, str, float, list[tuple[str, str]], list[str], str]:
+def _step_args(request: apb.SwitchStepRequest, backend_required: bool = True,
+               ) -> tuple[str, str, str, float, list[tuple[str, str]], list[str], str]:
     if not request.job_id:
         raise InvalidArgument("job_id is required")
-    if not request.backend:
+    if backend_required and not request.backend:
         raise InvalidArgument("backend is required")
     t = request.timeout_seconds
     if not math.isfinite(t) or t < 0:
@@ -82,6 +83,22 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
         procs = await self._agent.state(request.job_id, request.backend)
         return apb.JobState(job_id=request.job_id, backend=request.backend, state=job_state(procs),
                             processes=_procs(procs))
+
+    @rpc_method
+    async def GetMemory(self, request: apb.GetMemoryRequest,
+                        context: grpc.aio.ServicerContext) -> apb.MemoryReport:
+        await self._check(context)
+        jobs = []
+        for j in request.jobs:
+            job_id, _, _, _, claims, pod_uids, claim_name = _step_args(j, backend_required=False)
+            jobs.append(JobRef(job_id, claims, pod_uids, claim_name))
+        view = await self._agent.memory(jobs)
+        names = sorted(set(view.device_bytes) | set(view.checkpointed_bytes))
+        return apb.MemoryReport(
+            gpus=[apb.GpuMemory(uuid=g.uuid, index=g.index, total_bytes=g.total, free_bytes=g.free) for g in view.gpus],
+            jobs=[apb.JobMemory(job_id=n, device_bytes=view.device_bytes.get(n, {}),
+                                checkpointed_bytes=view.checkpointed_bytes.get(n, {})) for n in names],
+            host_available_bytes=view.host_available)
 
     @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,

@@ -6,6 +6,58 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetMemoryRequest(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[SwitchStepRequest]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ...) -> None: ...
+
+class GpuMemory(_message.Message):
+    __slots__ = ("uuid", "index", "total_bytes", "free_bytes")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    index: int
+    total_bytes: int
+    free_bytes: int
+    def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+
+class JobMemory(_message.Message):
+    __slots__ = ("job_id", "device_bytes", "checkpointed_bytes")
+    class DeviceBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CheckpointedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    device_bytes: _containers.ScalarMap[str, int]
+    checkpointed_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class MemoryReport(_message.Message):
+    __slots__ = ("gpus", "jobs", "host_available_bytes")
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    HOST_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuMemory]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobMemory]
+    host_available_bytes: int
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., host_available_bytes: _Optional[int] = ...) -> None: ...
+
 class SwitchStepRequest(_message.Message):
     __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class NodeAgentStub:
                 request_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
+        self.GetMemory = channel.unary_unary(
+                '/timeslice.agent.v1.NodeAgent/GetMemory',
+                request_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.SerializeToString,
+                response_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -89,6 +94,16 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMemory(self, request, context):
+        """Memory on this node: per GPU total and free (NVML), per named job its device
+        footprint (NVML per-process used memory over the job's processes) and its
+        checkpointed size, and the host memory available for checkpoints. A job whose
+        processes cannot be resolved is reported with no device bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsRequest.FromString,
                     response_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'GetMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMemory,
+                    request_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.FromString,
+                    response_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +241,33 @@ class NodeAgent:
             '/timeslice.agent.v1.NodeAgent/ListJobs',
             timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsRequest.SerializeToString,
             timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice.agent.v1.NodeAgent/GetMemory',
+            timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.SerializeToString,
+            timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,186 @@
+"""Memory-aware residency: which idle jobs must leave the GPUs before a job is granted.
+
+Owned by `LockGroup` (one `Residency` per group); the pure `plan_room` is the policy,
+unit-tested over fake memory reports. DESIGN.md, "Lock groups and the orchestrator":
+the lock orders compute, memory moves only when the incoming job does not fit.
+
+Terms. A *device* is one GPU of one node, keyed `"<agent target>/<GPU uuid>"`. A
+`MemorySnapshot` merges the node agents' reports (`GetMemory`, NVML): per device its
+total and free bytes, per job its bytes on each device and the size of its checkpoint.
+A job's *need* on a device is what it will hold there while it computes: the most it
+held while holding (its peak), at least its checkpoint's size; a job never seen holding
+is estimated at the largest peak of the group's other jobs (jobs of one group are
+usually alike). The *room* it lacks is need - what it holds now + headroom - free.
+Residents are checkpointed least recently held first until no device lacks room; a
+checkpoint also needs host memory for its bytes on that node. Without room the plan
+raises `NoRoom` naming the device and the numbers, and nothing is attempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from timeslice.driver.errors import FailedPrecondition
+from timeslice.driver.headroom import parse_headroom
+
+__all__ = ["MemorySnapshot", "NoRoom", "Residency", "parse_headroom", "plan_room"]
+
+class NoRoom(FailedPrecondition):
+    """No plan makes room: the job stays where it is (checkpointed or not granted)."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total: int
+    free: int
+
+
+@dataclass
+class MemorySnapshot:
+    """The group's memory as its node agents reported it; bytes; `taken_at` monotonic seconds.
+    `host_available`: per agent target, host bytes a checkpoint may use."""
+
+    devices: dict[str, DeviceMemory] = field(default_factory=dict)
+    device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
+    checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_available: dict[str, int] = field(default_factory=dict)
+    taken_at: float = field(default_factory=time.monotonic)
+
+    def on_device(self, job: str) -> dict[str, int]:
+        return self.device_bytes.get(job, {})
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def agent_of(device: str) -> str:
+    """The agent target of a device key `"<target>/<uuid>"` (targets may hold slashes)."""
+    return device.rsplit("/", 1)[0]
+
+
+def need_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """Bytes `job` will hold on each device while it computes (see the module docstring)."""
+    own = peaks.get(job, {})
+    ckpt = snap.checkpointed_bytes.get(job, {})
+    need: dict[str, int] = {}
+    if own or ckpt:
+        for dev in set(own) | set(ckpt):
+            need[dev] = max(own.get(dev, 0), ckpt.get(dev, 0))
+        return need
+    for other, per_dev in peaks.items():  # never seen holding: like the largest of the others
+        if other != job:
+            for dev, b in per_dev.items():
+                need[dev] = max(need.get(dev, 0), b)
+    return need
+
+
+def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
+              peaks: Mapping[str, Mapping[str, int]], headroom: tuple[float, int],
+              host_checked: bool = True) -> list[str]:
+    """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
+
+    `residents_lru`: the idle resident jobs, least recently held first (never the incoming
+    job). `headroom`: (fraction of device total, bytes), from `parse_headroom`.
+    `host_checked`: each checkpoint must fit in its node's available host memory (the
+    backends that copy device memory to host memory). Raises NoRoom.
+    """
+    free = {d: m.free for d, m in snap.devices.items()}
+    have = snap.on_device(incoming)
+    lacking: dict[str, int] = {}
+    for dev, need in need_of(incoming, snap, peaks).items():
+        mem = snap.devices.get(dev)
+        if mem is None:
+            continue  # a device no agent reports (its node is gone): the switch step will say so
+        margin = int(headroom[0] * mem.total) + headroom[1]
+        short = max(0, need - have.get(dev, 0)) + margin - free[dev]
+        if need > have.get(dev, 0) and short > 0:
+            lacking[dev] = short
+    evict: list[str] = []
+    host = dict(snap.host_available)
+    for job in residents_lru:
+        if not lacking:
+            break
+        held = snap.on_device(job)
+        if not any(held.get(dev, 0) > 0 for dev in lacking):
+            continue
+        if host_checked:
+            for agent, n in _per_agent(held).items():
+                if n > host.get(agent, 0):
+                    raise NoRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
+                                 f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
+                                 "stays where it is)")
+                host[agent] -= n
+        evict.append(job)
+        for dev in list(lacking):
+            lacking[dev] -= held.get(dev, 0)
+            if lacking[dev] <= 0:
+                del lacking[dev]
+    if lacking:
+        dev, short = next(iter(lacking.items()))
+        mem = snap.devices[dev]
+        raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need_of(incoming, snap, peaks)[dev])} plus "
+                     f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "
+                     f"would leave it {_gb(short)} short; {incoming} stays where it is")
+    return evict
+
+
+def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dev, n in per_device.items():
+        out[agent_of(dev)] = out.get(agent_of(dev), 0) + n
+    return out
+
+
+class Residency:
+    """Where each job of a group is: resident (least recently held first) or checkpointed,
+    the last `MemorySnapshot`, and each job's peak bytes per device seen while resident
+    (a resident's footprint grows only while it holds)."""
+
+    def __init__(self) -> None:
+        self.residents: OrderedDict[str, None] = OrderedDict()
+        self.checkpointed: set[str] = set()
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.snapshot: MemorySnapshot | None = None
+
+    def held(self, job: str) -> None:
+        """`job` was granted: it is resident and the most recently held."""
+        self.checkpointed.discard(job)
+        self.residents[job] = None
+        self.residents.move_to_end(job)
+
+    def moved_out(self, job: str) -> None:
+        self.residents.pop(job, None)
+        self.checkpointed.add(job)
+
+    def moved_in(self, job: str) -> None:
+        """Restored without a grant (a background restore): resident, least recently held."""
+        self.checkpointed.discard(job)
+        if job not in self.residents:
+            self.residents[job] = None
+            self.residents.move_to_end(job, last=False)
+
+    def forget(self, job: str) -> None:
+        self.residents.pop(job, None)
+        self.checkpointed.discard(job)
+        self.peaks.pop(job, None)
+
+    def lru(self, excluding: Iterable[str] = ()) -> list[str]:
+        skip = set(excluding)
+        return [j for j in self.residents if j not in skip]
+
+    @property
+    def most_recent(self) -> str | None:
+        return next(reversed(self.residents), None)
+
+    def observe(self, snap: MemorySnapshot) -> None:
+        """Take a new snapshot: residents' peaks grow to what they hold now."""
+        self.snapshot = snap
+        for job in self.residents:
+            peak = self.peaks.setdefault(job, {})
+            for dev, b in snap.on_device(job).items():
+                if b > peak.get(dev, 0):
+                    peak[dev] = b
