@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from timeslice import _rpc
 from timeslice.errors import NotHolding
+from timeslice.memory_commands import MemoryCommandLoop, StateStore
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -58,6 +59,7 @@ class TimeSliceOrchestratorClient:
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
         self._lock = threading.Lock()
+        self._memory_loops: list[MemoryCommandLoop] = []
 
     @property
     def job_id(self) -> str:
@@ -169,8 +171,18 @@ class TimeSliceOrchestratorClient:
                     return
                 log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
 
+    def serve_memory_commands(self, store: StateStore, group_id: str | None = None) -> MemoryCommandLoop:
+        """Let the orchestrator move `store` off the GPU while this job does not hold
+        `group_id` (the `cooperative` backend): a daemon thread keeps a command stream open
+        until `close()`. Usually called through `timeslice.torch.register`."""
+        loop = MemoryCommandLoop(self._stub, self._s, _rpc.group_of(self._s, group_id), store)
+        self._memory_loops.append(loop)
+        return loop
+
     def close(self) -> None:
-        """Release every hold (best effort) and close the channel."""
+        """Release every hold (best effort), stop the memory-command threads, close the channel."""
+        for loop in self._memory_loops:
+            loop.close()
         for group in list(self._holds):
             try:
                 while group in self._holds:

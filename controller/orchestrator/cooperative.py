@@ -129,7 +129,7 @@ class CooperativeJobs:
                 used = ack.bytes if ack.pinned else 0
                 self.pool.shrink(offset, used)  # type: ignore[union-attr]
                 p.pool_range = (offset, used) if used else None
-            if not ack.pinned:
+            if not ack.pinned and length:
                 log.warning("cooperative checkpoint group=%s job=%s pid=%d went to the process's own pageable memory "
                             "(the pinned pool's largest free range, %d bytes, is smaller than its %d bytes): slower",
                             group, job, p.pid, length, p.registered)

@@ -1,0 +1,173 @@
+"""`timeslice.torch`: PyTorch state that may leave the GPU between phases (cooperative backend).
+
+Owned by the client package (extra `torch`). Usage::
+
+    from timeslice import TimeSliceOrchestratorClient
+    import timeslice.torch
+
+    client = TimeSliceOrchestratorClient()
+    timeslice.torch.register(client, model, optimizer, group_id="trainer")
+    with client.on_accelerators("trainer"):
+        train_step()
+
+When the orchestrator needs this job's GPU memory for another job (and only while this
+job does not hold the group), `TorchState` copies every registered CUDA storage (module
+parameters, gradients and buffers; optimizer state; plain tensors) into host memory,
+frees the storages (`UntypedStorage.resize_(0)`, then `torch.cuda.empty_cache()` so that
+NVML shows the memory free), and on the next grant, before `acquire()` returns, brings
+them back into the same tensor objects (`resize_` then copy). Addresses are not kept:
+fine for eager training and sampling, not for captured CUDA graphs (measured choice:
+see README, "Cooperative backend"). Tensors that share a storage (tied weights, views)
+move once.
+
+Host memory: the node's pinned pool when the orchestrator offers one (a shared file
+mapped here and registered with `cudaHostRegister`, CUDA Runtime API), else a pinned
+buffer of this process allocated on the first checkpoint and reused. Copies run on a
+side stream, each direction at the link's pinned-memory speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from timeslice.memory_commands import MemoryCommandLoop
+
+log = logging.getLogger("timeslice.torch")
+ALIGN = 4096  # bytes: each storage starts on a page in host memory (DMA-friendly)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all bytes of `storage` (on its device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+
+
+class TorchState:
+    """The CUDA storages reachable from `objects` (modules, optimizers, tensors), found
+    anew at each checkpoint (optimizer state appears after the first step). Thread-safe:
+    commands run on the memory-command thread."""
+
+    def __init__(self, objects: Iterable[Any] = ()) -> None:
+        self._objects: list[Any] = list(objects)
+        self._lock = threading.Lock()
+        self._pool: torch.Tensor | None = None
+        self._own: torch.Tensor | None = None
+        self._moved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, host offset, bytes)
+        self._in_pool = False
+
+    def add(self, *objects: Any) -> None:
+        """Register more state (modules, optimizers, tensors)."""
+        with self._lock:
+            self._objects.extend(objects)
+
+    def _tensors(self) -> Iterable[torch.Tensor]:
+        for obj in self._objects:
+            if isinstance(obj, torch.nn.Module):
+                for p in obj.parameters():
+                    yield p
+                    if p.grad is not None:
+                        yield p.grad
+                yield from obj.buffers()
+            elif isinstance(obj, torch.optim.Optimizer):
+                for state in obj.state.values():
+                    yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+            elif isinstance(obj, torch.Tensor):
+                yield obj
+            else:
+                raise TypeError(f"timeslice.torch cannot move {type(obj).__name__}: register modules, optimizers "
+                                "or tensors")
+
+    def _storages(self) -> list[torch.UntypedStorage]:
+        seen: dict[int, torch.UntypedStorage] = {}
+        for t in self._tensors():
+            if t.is_cuda:
+                s = t.untyped_storage()
+                if s.nbytes() > 0:
+                    seen.setdefault(s.data_ptr(), s)
+        return list(seen.values())
+
+    def nbytes(self) -> int:
+        with self._lock:
+            if self._moved:
+                return sum(n for _, _, n in self._moved)
+            return sum(s.nbytes() for s in self._storages())
+
+    def attach_pool(self, pool: mmap.mmap) -> None:
+        host = torch.frombuffer(pool, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the pinned pool failed: error {int(err)}")
+        with self._lock:
+            self._pool = host
+
+    def checkpoint(self, offset: int, length: int) -> tuple[int, bool]:
+        """Returns (host bytes used, storages packed at 4 KiB boundaries; in the pool)."""
+        with self._lock:
+            if self._moved:  # already out (a repeated command)
+                return sum(_align(n) for _, _, n in self._moved), self._in_pool
+            storages = self._storages()
+            layout, total = [], 0
+            for s in storages:
+                layout.append((s, total, s.nbytes()))
+                total += _align(s.nbytes())
+            in_pool = self._pool is not None and total <= length
+            if in_pool:
+                host = self._pool[offset:offset + total]  # type: ignore[index]
+            else:
+                if self._own is None or self._own.numel() < total:
+                    self._own = None
+                    self._own = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+                host = self._own
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for s, off, n in layout:
+                    host[off:off + n].copy_(_bytes_view(s), non_blocking=True)
+            stream.synchronize()
+            for s, _, _ in layout:
+                s.resize_(0)
+            torch.cuda.empty_cache()
+            self._moved, self._in_pool = layout, in_pool
+            return total, in_pool
+
+    def restore(self, offset: int, length: int) -> int:
+        with self._lock:
+            if not self._moved:
+                return 0
+            if self._in_pool:
+                host = self._pool[offset:offset + length] if length else None  # type: ignore[index]
+                if host is None:
+                    raise RuntimeError("restore without the pool range this state was checkpointed to")
+            else:
+                host = self._own
+            for s, _, n in self._moved:  # allocated on the current stream, where the tensors are used
+                s.resize_(n)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for s, off, n in self._moved:
+                    _bytes_view(s).copy_(host[off:off + n], non_blocking=True)  # type: ignore[index]
+            stream.synchronize()
+            moved = sum(n for _, _, n in self._moved)
+            self._moved = []
+            return moved
+
+
+def register(client: Any, *objects: Any, group_id: str | None = None) -> TorchState:
+    """Let `objects` (modules, optimizers, CUDA tensors) leave the GPU while this job does
+    not hold `group_id` (a group whose backend is `cooperative`). `client` is a
+    `TimeSliceOrchestratorClient`; returns the `TorchState` (`.add(...)` registers more).
+    Raises TypeError for an object it cannot move."""
+    state = TorchState(objects)
+    state.nbytes()  # raises TypeError now rather than at the first checkpoint
+    loop: MemoryCommandLoop = client.serve_memory_commands(state, group_id)
+    state.loop = loop  # type: ignore[attr-defined]
+    return state

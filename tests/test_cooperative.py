@@ -1,0 +1,215 @@
+"""The cooperative backend's protocol on the CPU: a real orchestrator server, real clients
+(`TimeSliceOrchestratorClient.serve_memory_commands`) and a fake tensor store whose
+"device" state is a bytearray. Checks that state leaves only while its job does not
+hold, comes back bit for bit before acquire() returns, lands in the shared pinned pool
+(a real file both processes map), falls back to the store's own memory when the pool is
+too small, and that a failing store fails the switch cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import mmap
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from tests.conftest import eventually
+from timeslice import TimeSliceOrchestratorClient
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.pinned_pool import PinnedPool
+from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
+from timeslice.errors import SwitchFailed
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+
+
+class FakeStore:
+    """A job's "GPU" state: `device` (None while checkpointed)."""
+
+    def __init__(self, seed: str, size: int = 64 * 1024, fail: bool = False) -> None:
+        self.original = (hashlib.sha256(seed.encode()).digest() * (size // 32 + 1))[:size]
+        self.device: bytearray | None = bytearray(self.original)
+        self.pool: mmap.mmap | None = None
+        self.own: bytes | None = None
+        self.fail = fail
+        self.commands: list[str] = []
+
+    def nbytes(self) -> int:
+        return len(self.original)
+
+    def attach_pool(self, pool: mmap.mmap) -> None:
+        self.pool = pool
+
+    def checkpoint(self, offset: int, length: int) -> tuple[int, bool]:
+        self.commands.append("checkpoint")
+        if self.fail:
+            raise RuntimeError("injected copy failure")
+        assert self.device is not None
+        n = len(self.device)
+        in_pool = self.pool is not None and n <= length
+        if in_pool:
+            self.pool[offset:offset + n] = self.device  # type: ignore[index]
+        else:
+            self.own = bytes(self.device)
+        self.device = None
+        return n, in_pool
+
+    def restore(self, offset: int, length: int) -> int:
+        self.commands.append("restore")
+        if self.device is not None:
+            return 0
+        self.device = bytearray(self.pool[offset:offset + length] if length else self.own)  # type: ignore[index]
+        return len(self.device)
+
+
+@pytest.fixture
+async def coop(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
+    """`await coop(pool_bytes=..., backend="cooperative")` -> (orchestrator, target)."""
+    closers: list[Callable[[], object]] = []
+
+    async def make(pool_bytes: int = 1 << 20, backend: str = "cooperative") -> tuple[Orchestrator, str]:
+        agent_target = f"unix://{short_tmp / 'agent.sock'}"
+        agent_server, _ = await create_agent_server(NodeAgent(StaticProcessResolver()), agent_target)
+        pool = PinnedPool(short_tmp / "pinned-pool", pool_bytes) if pool_bytes else None
+        orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(agent_target,))], pinned_pool=pool)
+        server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+        closers.extend([lambda: agent_server.stop(0), lambda: server.stop(0), orch.close])
+        return orch, f"127.0.0.1:{port}"
+
+    yield make
+    for close in reversed(closers):
+        result = close()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+def job(target: str, name: str, store: FakeStore) -> TimeSliceOrchestratorClient:
+    client = TimeSliceOrchestratorClient(target, name, "g")
+    client.serve_memory_commands(store)
+    return client
+
+
+async def connected(client: TimeSliceOrchestratorClient) -> None:
+    await asyncio.to_thread(client._memory_loops[0].connected.wait, 10)
+
+
+async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through_the_pool(coop) -> None:
+    orch, target = await coop()
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        for _ in range(3):
+            await asyncio.to_thread(a.acquire)
+            assert sa.device == bytearray(sa.original)
+            assert sb.device is None or not sb.commands  # b vacated for a, once b has run
+            await asyncio.to_thread(a.release)
+            await asyncio.to_thread(b.acquire)
+            assert sb.device == bytearray(sb.original) and sa.device is None  # a vacated for b
+            await asyncio.to_thread(b.release)
+        assert sa.pool is not None and sa.own is None and sb.own is None  # the shared pool, not own copies
+        status = orch.group("g").view()
+        assert status.counters.switches >= 5 and status.counters.failed_switches == 0
+        assert all(r.bytes_checkpointed == 64 * 1024 for r in status.recent_switches)
+        assert orch.cooperative.pool is not None and orch.cooperative.pool.used_bytes == 64 * 1024  # b's state
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(coop, caplog) -> None:
+    orch, target = await coop(pool_bytes=1024)
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    caplog.set_level(logging.WARNING, "timeslice.cooperative")
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        await asyncio.to_thread(b.acquire)
+        assert sa.device is None and sa.own == sa.original
+        await asyncio.to_thread(b.release)
+        await asyncio.to_thread(a.acquire)
+        assert sa.device == bytearray(sa.original)
+        assert "own pageable memory" in caplog.text and orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop) -> None:
+    orch, target = await coop()
+    sa, sb = FakeStore("a", fail=True), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        with pytest.raises(SwitchFailed, match="injected copy failure"):
+            await asyncio.to_thread(b.acquire)
+        assert sa.device == bytearray(sa.original)  # a kept its state on the "GPU"
+        assert orch.group("g").resident == "a" and orch.group("g").view().counters.failed_switches == 1
+        await asyncio.to_thread(a.acquire)  # a resident: granted at once
+        await asyncio.to_thread(a.release)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_process_that_closes_its_stream_while_checkpointed_keeps_its_pool_range(coop) -> None:
+    orch, target = await coop()
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        await asyncio.to_thread(b.acquire)
+        assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]
+        a._memory_loops[0].close()
+        await eventually(lambda: not orch.cooperative._procs[("g", "a")][a._memory_loops[0].stream_id].connected)
+        assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]  # its bytes still there
+        orch.drop_job("g", "a", "finished")
+        assert orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
+        await asyncio.to_thread(b.release)
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_registering_on_a_group_that_is_not_cooperative_is_refused_clearly(coop) -> None:
+    _, target = await coop(backend="freeze")
+    client = TimeSliceOrchestratorClient(target, "a", "g")
+    try:
+        loop = client.serve_memory_commands(FakeStore("a"))
+        await eventually(lambda: loop.error is not None)
+        assert loop.error.startswith("FAILED_PRECONDITION: group g uses backend freeze, not cooperative")
+    finally:
+        client.close()
+
+
+def test_pinned_pool_hands_out_the_largest_range_and_merges_what_comes_back(short_tmp: Path) -> None:
+    pool = PinnedPool(short_tmp / "pool", 100)
+    off, n = pool.take_largest()
+    assert (off, n) == (0, 100)
+    pool.shrink(off, 30)
+    off2, n2 = pool.take_largest()
+    assert (off2, n2) == (30, 70)
+    pool.shrink(off2, 20)
+    pool.release(0)
+    assert pool.take_largest() == (50, 50) and pool.used_bytes == 70
+    pool.release(30)
+    pool.release(50)
+    assert pool.used_bytes == 0 and pool.take_largest() == (0, 100)
+    assert (short_tmp / "pool").stat().st_size == 100
+    with pytest.raises(ValueError):
+        PinnedPool(short_tmp / "p2", 0)

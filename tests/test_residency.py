@@ -1,0 +1,238 @@
+"""Memory-aware residency: the policy over fake memory reports, and a group driving it.
+
+`FakeGpu` is a switcher with a memory model: one 100 GB device, bytes per job on it or
+checkpointed; its checkpoint and restore move the bytes. No timing: every wait is on a
+grant or a condition (`eventually`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tests.conftest import eventually
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import GrantInfo, LockGroup, SwitchRecord
+from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, plan_room
+from timeslice.driver.errors import SwitchFailed
+from timeslice.driver.headroom import parse_headroom
+
+GB = 10**9
+DEV = "agent-0/GPU-0"
+
+
+class FakeGpu:
+    def __init__(self, total: int = 100 * GB, host: int = 1000 * GB, **on_gpu: int) -> None:
+        self.total, self.host = total, host
+        self.on = {j: b * GB for j, b in on_gpu.items()}
+        self.off: dict[str, int] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.reports = 0
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        for job in evict:
+            self.off[job] = self.on.pop(job, 0)
+            self.calls.append(("checkpoint", job))
+        if restore:
+            self.on[incoming] = self.off.pop(incoming, 0)
+            self.calls.append(("restore", incoming))
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    async def memory(self, spec, jobs) -> MemorySnapshot:
+        self.reports += 1
+        free = self.total - sum(self.on.values())
+        return MemorySnapshot(devices={DEV: DeviceMemory(self.total, free)},
+                              device_bytes={j: {DEV: b} for j, b in self.on.items()},
+                              checkpointed_bytes={j: {DEV: b} for j, b in self.off.items()},
+                              host_available={"agent-0": self.host})
+
+
+def group(gpu: FakeGpu, **kw: object) -> LockGroup:
+    return LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), **kw), gpu)  # type: ignore[arg-type]
+
+
+async def hold(g: LockGroup, job: str, then=None) -> GrantInfo:
+    """Acquire, run `then()` (what the job does on the GPU), release."""
+    grant = await g.acquire(job, 0, f"{job}-{g.epoch}", timeout=None)
+    if then is not None:
+        then()
+    g.release(job, grant.lease_id, grant.epoch)
+    return grant
+
+
+# -- the pure policy ------------------------------------------------------------------
+
+
+def snap(free: int, total: int = 100, host: int = 1000, ckpt=None, **on: int) -> MemorySnapshot:
+    return MemorySnapshot(devices={DEV: DeviceMemory(total * GB, free * GB)},
+                          device_bytes={j: {DEV: b * GB} for j, b in on.items()},
+                          checkpointed_bytes={j: {DEV: b * GB} for j, b in (ckpt or {}).items()},
+                          host_available={"agent-0": host * GB})
+
+
+def test_parse_headroom() -> None:
+    assert parse_headroom("10%") == (0.10, 0)
+    assert parse_headroom("8Gi") == (0.0, 8 * 2**30)
+    assert parse_headroom("500M") == (0.0, 500 * 10**6)
+    assert parse_headroom(1024) == (0.0, 1024)
+    for bad in ("ten", "95%", "-1", "8 parsecs"):
+        with pytest.raises(ValueError, match="memory headroom"):
+            parse_headroom(bad)
+    with pytest.raises(ValueError, match="headroom"):
+        GroupSpec(id="g", memory_headroom="lots")
+
+
+def test_a_checkpointed_job_that_fits_evicts_nobody() -> None:
+    s = snap(free=50, ckpt={"c": 30}, a=50)
+    assert plan_room("c", ["a"], s, {"c": {DEV: 30 * GB}}, parse_headroom("10%")) == []
+
+
+def test_eviction_is_least_recently_held_first_and_stops_when_it_fits() -> None:
+    s = snap(free=10, ckpt={"c": 45}, a=45, b=45)
+    assert plan_room("c", ["a", "b"], s, {}, parse_headroom("10%")) == ["a"]
+    assert plan_room("c", ["b", "a"], s, {}, parse_headroom("10%")) == ["b"]
+
+
+def test_headroom_decides_between_fit_and_eviction() -> None:
+    s = snap(free=30, ckpt={"c": 25}, a=70)
+    assert plan_room("c", ["a"], s, {}, parse_headroom("5%")) == []
+    assert plan_room("c", ["a"], s, {}, parse_headroom("10%")) == ["a"]
+    assert plan_room("c", ["a"], s, {}, parse_headroom("6G")) == ["a"]
+
+
+def test_a_newcomer_is_sized_like_the_largest_peak_of_the_others() -> None:
+    s = snap(free=20, a=40, b=40)
+    assert plan_room("n", ["a", "b"], s, {"a": {DEV: 40 * GB}}, parse_headroom("10%")) == ["a"]
+    assert plan_room("n", ["a", "b"], s, {}, parse_headroom("10%")) == []  # nothing known: nothing moves
+
+
+def test_no_room_even_after_evicting_everyone() -> None:
+    s = snap(free=10, ckpt={"c": 120}, a=90)
+    with pytest.raises(NoRoom, match=r"no room for c on agent-0/GPU-0: it needs 120.00 GB"):
+        plan_room("c", ["a"], s, {}, parse_headroom("10%"))
+
+
+def test_no_host_memory_for_the_checkpoint_it_would_need() -> None:
+    s = snap(free=10, ckpt={"c": 45}, host=40, a=45, b=45)
+    with pytest.raises(NoRoom, match=r"no host memory to checkpoint a on agent-0: it holds 45.00 GB, the node has "
+                                     r"40.00 GB"):
+        plan_room("c", ["a", "b"], s, {}, parse_headroom("10%"))
+    assert plan_room("c", ["a", "b"], s, {}, parse_headroom("10%"), host_checked=False) == ["a"]
+
+
+# -- a group driving it ------------------------------------------------------------------
+
+
+async def test_jobs_that_fit_together_stay_resident_and_hand_off_without_moving() -> None:
+    gpu = FakeGpu(a=40, b=40)
+    g = group(gpu)
+    for _ in range(3):
+        await hold(g, "a")
+        grant = await hold(g, "b")
+        assert not grant.restored
+    assert gpu.calls == [] and list(g.residency.residents) == ["a", "b"]
+    reports = gpu.reports
+    await hold(g, "a")  # a resident job is granted at once: not even a memory report
+    assert gpu.reports == reports
+    await g.close()
+
+
+async def test_a_job_that_does_not_fit_evicts_the_least_recently_held_residents() -> None:
+    gpu = FakeGpu(a=45)
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB  # b loads its model
+    await hold(g, "b")
+    assert gpu.calls == []  # 90 of 100 GB: both fit
+    grant = await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # c needs ~45 GB: a must go
+    assert gpu.calls == [("checkpoint", "a")] and not grant.restored
+    grant = await hold(g, "a")  # a back: b is now the least recently held
+    assert gpu.calls[1:] == [("checkpoint", "b"), ("restore", "a")] and grant.restored
+    assert list(g.residency.residents) == ["c", "a"] and g.residency.checkpointed == {"b"}
+    assert g.view().residency == "auto"
+    await g.close()
+
+
+async def test_no_room_fails_the_waiter_cleanly_once_and_the_group_serves_the_others() -> None:
+    gpu = FakeGpu(a=90)
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.off["big"] = 120 * GB
+    g.residency.moved_out("big")
+    with pytest.raises(SwitchFailed, match="no room for big"):
+        await g.acquire("big", 0, "big-1", timeout=None)
+    assert gpu.calls == []  # nothing attempted
+    assert g.recent[-1].ok is False and "no room" in g.recent[-1].error
+    await hold(g, "a")
+    assert gpu.calls == [] and g.residency.checkpointed == {"big"}  # not retried in a loop
+    await g.close()
+
+
+async def test_no_host_memory_fails_cleanly_and_the_job_stays_resident() -> None:
+    gpu = FakeGpu(host=10 * GB, a=60)
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.off["c"] = 60 * GB
+    g.residency.moved_out("c")
+    with pytest.raises(SwitchFailed, match="no host memory to checkpoint a"):
+        await g.acquire("c", 0, "c-1", timeout=None)
+    assert gpu.calls == [] and "a" in g.residency.residents
+    await g.close()
+
+
+async def test_an_idle_group_restores_a_checkpointed_job_that_fits_in_the_background() -> None:
+    gpu = FakeGpu(a=60)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 60 * GB))  # a checkpointed for c
+    assert gpu.calls == [("checkpoint", "a")]
+    gpu.on.pop("c")  # c exits
+    g.drop_job("c", "finished")
+    await eventually(lambda: ("restore", "a") in gpu.calls)
+    await eventually(lambda: "a" in g.residency.residents and g.phase == "idle")
+    grant = await hold(g, "a")
+    assert not grant.restored  # already back: a job touching its GPU after its last hold is not stuck
+    await g.close()
+
+
+async def test_a_background_restore_that_does_not_fit_is_not_attempted() -> None:
+    gpu = FakeGpu(a=60)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 60 * GB))
+    reports = gpu.reports
+    await eventually(lambda: gpu.reports > reports)  # the idle group looked
+    await eventually(lambda: g._refresh_task is None)
+    assert gpu.calls == [("checkpoint", "a")] and g.residency.checkpointed == {"a"}
+    await g.close()
+
+
+async def test_exclusive_residency_checkpoints_at_every_hand_off() -> None:
+    gpu = FakeGpu(a=10, b=10)
+    g = group(gpu, residency="exclusive")
+    await hold(g, "a")
+    await hold(g, "b")
+    await hold(g, "a")
+    assert gpu.calls == [("checkpoint", "a"), ("checkpoint", "b"), ("restore", "a")]
+    assert g.view().residency == "exclusive"
+    await g.close()
+
+
+async def test_peaks_follow_what_residents_hold() -> None:
+    gpu = FakeGpu(a=10)
+    g = group(gpu)
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))  # a grows while holding
+    await eventually(lambda: g.residency.peaks.get("a", {}).get(DEV) == 30 * GB)
+    gpu.on["a"] = 5 * GB  # emptied its cache: the peak stays
+    await hold(g, "b")
+    assert g.residency.peaks["a"][DEV] == 30 * GB
+    await g.close()
+
+
+async def test_preempted_holder_is_checkpointed_even_when_the_waiter_would_fit() -> None:
+    gpu = FakeGpu(a=10, b=10)
+    g = group(gpu, max_hold_seconds=0.05)
+    grant = await g.acquire("a", 0, "a-1", timeout=None)  # a holds and keeps computing
+    got = await asyncio.wait_for(g.acquire("b", 0, "b-1", timeout=None), 10)
+    assert ("checkpoint", "a") in gpu.calls and got.epoch == grant.epoch + 1
+    await g.close()
