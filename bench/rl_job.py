@@ -132,7 +132,7 @@ def score(prompt: list[int], completion: list[int]) -> float:
     target = prompt[-1] % 8
     hits = sum(1 for t in completion if t % 8 == target) / len(completion)
     a = [t % 8 for t in prompt]
-    row = [0] * (len(a) + 1)
+    row = [0] * (len(a) + 1)  # row[i]: LCS of a[:i] and the completion so far; prev_diag: the previous row[i - 1]
     for t in completion:
         b = t % 8
         prev_diag = 0

@@ -119,8 +119,8 @@ async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through
         assert all(r.bytes_checkpointed == 64 * 1024 for r in status.recent_switches)
         assert orch.cooperative.pool is not None and orch.cooperative.pool.used_bytes == 64 * 1024  # b's state
     finally:
-        a.close()
-        b.close()
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
 
 
 async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(coop, caplog) -> None:
@@ -140,8 +140,8 @@ async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(
         assert sa.device == bytearray(sa.original)
         assert "own pageable memory" in caplog.text and orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
     finally:
-        a.close()
-        b.close()
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
 
 
 async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop) -> None:
@@ -160,8 +160,8 @@ async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop)
         await asyncio.to_thread(a.acquire)  # a resident: granted at once
         await asyncio.to_thread(a.release)
     finally:
-        a.close()
-        b.close()
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
 
 
 async def test_a_process_that_closes_its_stream_while_checkpointed_keeps_its_pool_range(coop) -> None:
@@ -182,8 +182,8 @@ async def test_a_process_that_closes_its_stream_while_checkpointed_keeps_its_poo
         assert orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
         await asyncio.to_thread(b.release)
     finally:
-        a.close()
-        b.close()
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
 
 
 async def test_registering_on_a_group_that_is_not_cooperative_is_refused_clearly(coop) -> None:
@@ -194,7 +194,7 @@ async def test_registering_on_a_group_that_is_not_cooperative_is_refused_clearly
         await eventually(lambda: loop.error is not None)
         assert loop.error.startswith("FAILED_PRECONDITION: group g uses backend freeze, not cooperative")
     finally:
-        client.close()
+        await asyncio.to_thread(client.close)
 
 
 def test_pinned_pool_hands_out_the_largest_range_and_merges_what_comes_back(short_tmp: Path) -> None:
