@@ -72,6 +72,8 @@ class MemoryCommandLoop:
         self._stop = threading.Event()
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
+        self._attached = threading.Event()  # the pool is usable, or will not be
+        self._attached.set()
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
         self._thread.start()
@@ -102,10 +104,13 @@ class MemoryCommandLoop:
 
     def _handle(self, command: pb.MemoryCommand) -> None:
         if command.kind == "hello":
-            if command.pool_path and self._pool is None:
-                self._attach(command.pool_path, command.pool_bytes)
+            if command.pool_path and self._pool is None and self._attached.is_set():
+                self._attached.clear()  # registering a large pool takes seconds: not on this thread's path
+                threading.Thread(target=self._attach, args=(command.pool_path, command.pool_bytes), daemon=True,
+                                 name=f"timeslice-pool-{self.group}").start()
             self.connected.set()
             return
+        self._attached.wait()
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
         try:
@@ -139,6 +144,8 @@ class MemoryCommandLoop:
         except Exception as err:  # no pool: checkpoints go to the store's own memory
             self._pool = None
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
+        finally:
+            self._attached.set()
 
     def close(self) -> None:
         """Stop the thread and close the stream (the orchestrator forgets this process

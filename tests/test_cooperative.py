@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from tests.conftest import eventually
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -26,6 +25,8 @@ from timeslice.errors import SwitchFailed
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+
+from tests.conftest import eventually
 
 
 class FakeStore:

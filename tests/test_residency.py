@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tests.conftest import eventually
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import GrantInfo, LockGroup, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, plan_room
 from timeslice.driver.errors import SwitchFailed
 from timeslice.driver.headroom import parse_headroom
+
+from tests.conftest import eventually
 
 GB = 10**9
 DEV = "agent-0/GPU-0"

@@ -99,6 +99,9 @@ class CooperativeJobs:
     def registered_bytes(self, group: str, job: str) -> int:
         return sum(p.registered for p in self._procs.get((group, job), {}).values())
 
+    def checkpointed(self, group: str, job: str) -> bool:
+        return any(p.checkpointed for p in self._procs.get((group, job), {}).values())
+
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory. All or
         nothing: on a failure the processes already done restore. Raises NotFound (no

@@ -88,8 +88,12 @@ class SwitchCoordinator:
             (dev,) = snap.devices
             for job in jobs:  # what the job's processes registered is what they hold when restored
                 n = self.cooperative.registered_bytes(spec.id, job)
-                if n:
+                if not n:
+                    continue
+                if self.cooperative.checkpointed(spec.id, job):
                     snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
+                elif not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
+                    snap.device_bytes[job] = {dev: n}
         return snap
 
     async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""RL benchmark: N GRPO-shaped jobs (bench/rl_job.py) one after the other, then sharing one GPU.
+
+Solo: each job runs alone with no client (`--no-orchestrator`), one after the other; the
+baseline is the sum of their wall times. Shared: the N jobs start together and every GPU
+phase holds the group `gpu` through the product: the same orchestrator, node agent
+(NVML memory reports; the `cuda` backend's checkpoints) and client code as `timeslice
+demo` and the cluster, wired in this process on loopback and a unix socket. For the
+`cooperative` backend each job registers its model, optimizer and extra tensor
+(`timeslice.torch.register`) and the orchestrator offers a pinned pool of `--pool-gb`.
+
+Prints (and writes to --out) one JSON object per shared run:
+  seconds_solo_sum, seconds_shared, gain (= seconds_solo_sum / seconds_shared), the same
+  without process start-up (gain_phases), gpu_busy_fraction (union of GPU phases over the
+  shared span), gpu_time_bound (sum of solo seconds / sum of solo GPU-busy seconds: the
+  gain of a GPU kept 100% busy) and gain / gpu_time_bound, switches (count, seconds,
+  bytes out and in, each record), hand-off milliseconds (a release to the next job's
+  grant when it waited; p50, p99) split by whether memory moved, failed switches, and the
+  parameter hashes solo vs shared per seed (bitwise_equal).
+
+    python bench/rl_grpo.py --jobs 2 --extra-gb 7 --backends cuda cooperative --out bench/results/rl-grpo-a.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from timeslice.cli.demo import percentile  # noqa: E402
+from timeslice.controller.orchestrator.config import GroupSpec  # noqa: E402
+from timeslice.controller.orchestrator.group import GroupEvent, LockGroup  # noqa: E402
+from timeslice.controller.orchestrator.orchestrator import Orchestrator  # noqa: E402
+from timeslice.controller.orchestrator.pinned_pool import PinnedPool  # noqa: E402
+from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server  # noqa: E402
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent  # noqa: E402
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver  # noqa: E402
+from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server  # noqa: E402
+
+from bench import machine  # noqa: E402
+
+GROUP = "gpu"
+
+
+def job_args(a: argparse.Namespace, seed: int) -> list[str]:
+    return [sys.executable, str(ROOT / "bench" / "rl_job.py"), "--seed", str(seed), "--size", a.size,
+            "--steps", str(a.steps), "--batch", str(a.batch), "--new-tokens", str(a.new_tokens),
+            "--reward-seconds", str(a.reward_seconds), "--extra-gb", str(a.extra_gb), "--device", a.device,
+            "--group", GROUP]
+
+
+async def run_job(argv: list[str], env: dict[str, str], started: asyncio.Queue[int] | None = None) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE)
+    if started is not None:
+        started.put_nowait(proc.pid)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[1:4])} exited with {proc.returncode}")
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def solo(a: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for i in range(a.jobs):
+        t0 = time.time()
+        r = await run_job([*job_args(a, i), "--no-orchestrator"], dict(os.environ))
+        r["wall_seconds"] = time.time() - t0
+        results.append(r)
+        print(f"solo seed={i} seconds={r['wall_seconds']:.1f} busy={r['gpu_busy_seconds']:.1f}", file=sys.stderr)
+    return results
+
+
+async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, Any]:
+    resolver = StaticProcessResolver()
+    agent_target = f"unix://{tmp / f'agent-{backend}.sock'}"
+    agent = NodeAgent(resolver, backends=[backend] if backend in ("cuda", "cuda-checkpoint") else ["none"])
+    agent_server, _ = await create_agent_server(agent, agent_target)
+    records: list[dict[str, Any]] = []
+
+    def observe(group: LockGroup, ev: GroupEvent) -> None:
+        if ev.record is not None:
+            records.append({**vars(ev.record), "seconds": ev.record.seconds})
+
+    pool = PinnedPool(Path(a.pool_dir) / f"timeslice-pool-{os.getpid()}", int(a.pool_gb * 1e9)) \
+        if backend == "cooperative" and a.pool_gb > 0 else None
+    spec = GroupSpec(id=GROUP, backend=backend, agents=(agent_target,), residency=a.residency,
+                     memory_headroom=a.headroom, lease_seconds=60.0, step_timeout_seconds=600.0)
+    orch = Orchestrator([spec], observer=observe, pinned_pool=pool)
+    server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+    try:
+        started: asyncio.Queue[int] = asyncio.Queue()
+        tasks = []
+        t0 = time.time()
+        for i in range(a.jobs):
+            env = {**os.environ, "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_JOB": f"job-{i}"}
+            argv = [*job_args(a, i), "--register", "all" if backend == "cooperative" else "none"]
+            tasks.append(asyncio.create_task(run_job(argv, env, started)))
+            resolver.set(f"job-{i}", [await started.get()])
+        jobs = await asyncio.gather(*tasks)
+        seconds = time.time() - t0
+        view = orch.group(GROUP).view()
+        return {"backend": backend, "seconds": seconds, "jobs": jobs, "switches": records,
+                "failed_switches": view.counters.failed_switches, "peaks": view.peaks,
+                "memory": {d: vars(m) for d, m in view.memory.devices.items()} if view.memory else {}}
+    finally:
+        await server.stop(1)
+        await agent_server.stop(1)
+        await orch.close()
+
+
+def busy_union(spans: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy
+
+
+def handoffs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each grant that waited for another job's release: milliseconds from that release."""
+    phases = sorted(((p, j["seed"]) for j in jobs for p in j["phases"]), key=lambda x: x[0]["granted"])
+    out = []
+    for (prev, pj), (nxt, nj) in itertools.pairwise(phases):
+        if pj != nj and nxt["acquire"] < prev["done"] <= nxt["granted"]:
+            out.append({"ms": (nxt["granted"] - prev["done"]) * 1000.0, "at": nxt["granted"]})
+    return out
+
+
+def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
+    jobs = run["jobs"]
+    solo_sum = sum(r["wall_seconds"] for r in solo_runs)
+    solo_phases = sum(r["wall_seconds"] - r["startup_seconds"] for r in solo_runs)
+    first = min(p["acquire"] for j in jobs for p in j["phases"])
+    last = max(p["released"] for j in jobs for p in j["phases"])
+    busy = busy_union([(p["granted"], p["done"]) for j in jobs for p in j["phases"]])
+    bound = solo_sum / sum(r["gpu_busy_seconds"] for r in solo_runs)
+    gain = solo_sum / run["seconds"]
+    sw = run["switches"]
+    moved_at = [s["finished_at_unix"] for s in sw if s["ok"] and (s["bytes_checkpointed"] or s["bytes_restored"])]
+    ho = handoffs(jobs)
+    resident_ho = [h["ms"] for h in ho if not any(abs(h["at"] - t) < 1.0 for t in moved_at)]
+    hashes = {j["seed"]: j["param_hash"] for j in jobs}
+    solo_hashes = {r["seed"]: r["param_hash"] for r in solo_runs}
+    return {
+        "benchmark": "rl_grpo", "backend": run["backend"], "residency": a.residency, "memory_headroom": a.headroom,
+        "jobs": a.jobs, "size": a.size, "params": jobs[0]["params"], "steps": a.steps, "batch": a.batch,
+        "new_tokens": a.new_tokens, "reward_seconds": a.reward_seconds, "extra_gb": a.extra_gb,
+        "pool_gb": a.pool_gb if run["backend"] == "cooperative" else 0,
+        "peak_allocated_gb": [round(j["peak_allocated_bytes"] / 1e9, 2) for j in jobs],
+        "seconds_solo_sum": round(solo_sum, 2), "seconds_shared": round(run["seconds"], 2),
+        "gain": round(gain, 3),
+        "gain_phases": round(solo_phases / (last - first), 3),
+        "gpu_busy_fraction": round(busy / (last - first), 3),
+        "gpu_time_bound": round(bound, 3), "gain_vs_bound": round(gain / bound, 3),
+        "switches": len(sw), "failed_switches": run["failed_switches"],
+        "switch_seconds": [round(s["seconds"], 3) for s in sw],
+        "switch_gb_out": [round(s["bytes_checkpointed"] / 1e9, 2) for s in sw],
+        "switch_gb_in": [round(s["bytes_restored"] / 1e9, 2) for s in sw],
+        "bytes_moved": sum(s["bytes_checkpointed"] + s["bytes_restored"] for s in sw),
+        "switch_errors": [s["error"] for s in sw if not s["ok"]],
+        "handoffs": len(ho), "handoff_ms_p50": round(percentile([h["ms"] for h in ho], 50), 3),
+        "handoff_ms_p99": round(percentile([h["ms"] for h in ho], 99), 3),
+        "handoffs_resident": len(resident_ho),
+        "handoff_resident_ms_p50": round(percentile(resident_ho, 50), 3),
+        "handoff_resident_ms_p99": round(percentile(resident_ho, 99), 3),
+        "param_hash_solo": solo_hashes, "param_hash_shared": hashes,
+        "bitwise_equal": all(solo_hashes.get(s) == h for s, h in hashes.items()),
+        "solo_seconds": [round(r["wall_seconds"], 2) for r in solo_runs],
+        "solo_gpu_busy_seconds": [round(r["gpu_busy_seconds"], 2) for r in solo_runs],
+        "shared_job_seconds": [round(j["total_seconds"], 2) for j in jobs],
+        "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
+        "memory_after": run["memory"], "switch_records": sw,
+    }
+
+
+async def main_async(a: argparse.Namespace, solo_runs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    solo_runs = solo_runs or await solo(a)
+    if a.save_solo:
+        await asyncio.to_thread(Path(a.save_solo).write_text, json.dumps(solo_runs))
+    out = []
+    with tempfile.TemporaryDirectory(prefix="rl-grpo-") as tmp:
+        for backend in a.backends:
+            run = await shared(a, backend, Path(tmp))
+            result = {**summarize(a, solo_runs, run), "solo_source": a.solo_json or "measured in this run"}
+            print(json.dumps({k: v for k, v in result.items() if k not in ("switch_records", "memory_after")}),
+                  file=sys.stderr)
+            out.append(result)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--backends", nargs="+", default=["cuda", "cooperative"],
+                   choices=["cuda", "cuda-checkpoint", "cooperative", "none"])
+    p.add_argument("--residency", choices=["auto", "exclusive"], default="auto")
+    p.add_argument("--headroom", default="10%", help="memoryHeadroom: percent of GPU memory or a quantity")
+    p.add_argument("--size", default="1b", choices=["tiny", "small", "1b"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reward-seconds", type=float, default=3.0)
+    p.add_argument("--extra-gb", type=float, default=0.0, help="extra resident GB per job (sizes its footprint)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--pool-gb", type=float, default=0.0, help="cooperative: the node's pinned pool, GB (0: none)")
+    p.add_argument("--pool-dir", default="/dev/shm", help="where the pinned pool file lives (a memory filesystem)")
+    p.add_argument("--solo-json", help="reuse solo runs saved by --save-solo (same steps and model)")
+    p.add_argument("--save-solo", help="write the solo runs here")
+    p.add_argument("--out", help="write the JSON list of results here")
+    a = p.parse_args()
+    solo_runs = json.loads(Path(a.solo_json).read_text())[: a.jobs] if a.solo_json else None
+    if solo_runs is not None and len(solo_runs) < a.jobs:
+        p.error(f"--solo-json holds {len(solo_runs)} solo runs, --jobs is {a.jobs}")
+    results = asyncio.run(main_async(a, solo_runs))
+    with contextlib.suppress(Exception):
+        results = [{**r, "machine": machine.describe(),
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())} for r in results]
+    text = json.dumps(results, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
