@@ -15,8 +15,12 @@ Prints (and writes to --out) one JSON object per shared run:
   shared span), gpu_time_bound (sum of solo seconds / sum of solo GPU-busy seconds: the
   gain of a GPU kept 100% busy) and gain / gpu_time_bound, switches (count, seconds,
   bytes out and in, each record), hand-off milliseconds (a release to the next job's
-  grant when it waited; p50, p99) split by whether memory moved, failed switches, and the
-  parameter hashes solo vs shared per seed (bitwise_equal).
+  grant when it waited; p50, p99; "resident": neither a job's first grant nor one that
+  moved memory), failed switches, the parameter hashes solo vs shared per seed
+  (bitwise_equal) and whether every job's extra tensor came through unchanged (extra_ok).
+  Solo runs may come from an earlier run (--solo-json, same model and steps): the extra
+  tensor is made once at start and only read at the end, so it changes no solo time that
+  matters and no parameter.
 
     python bench/rl_grpo.py --jobs 2 --extra-gb 7 --backends cuda cooperative --out bench/results/rl-grpo-a.json
 """
@@ -92,8 +96,10 @@ async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, An
         if ev.record is not None:
             records.append({**vars(ev.record), "seconds": ev.record.seconds})
 
-    pool = PinnedPool(Path(a.pool_dir) / f"timeslice-pool-{os.getpid()}", int(a.pool_gb * 1e9)) \
+    t_pool = time.monotonic()
+    pool = PinnedPool(Path(a.pool_dir) / f"timeslice-pool-{os.getpid()}", int(a.pool_gb * 1e9), populate=True) \
         if backend == "cooperative" and a.pool_gb > 0 else None
+    pool_setup = time.monotonic() - t_pool
     spec = GroupSpec(id=GROUP, backend=backend, agents=(agent_target,), residency=a.residency,
                      memory_headroom=a.headroom, lease_seconds=60.0, step_timeout_seconds=600.0)
     orch = Orchestrator([spec], observer=observe, pinned_pool=pool)
@@ -110,7 +116,7 @@ async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, An
         jobs = await asyncio.gather(*tasks)
         seconds = time.time() - t0
         view = orch.group(GROUP).view()
-        return {"backend": backend, "seconds": seconds, "jobs": jobs, "switches": records,
+        return {"backend": backend, "seconds": seconds, "jobs": jobs, "switches": records, "pool_setup": pool_setup,
                 "failed_switches": view.counters.failed_switches, "peaks": view.peaks,
                 "memory": {d: vars(m) for d, m in view.memory.devices.items()} if view.memory else {}}
     finally:
@@ -129,12 +135,15 @@ def busy_union(spans: list[tuple[float, float]]) -> float:
 
 
 def handoffs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each grant that waited for another job's release: milliseconds from that release."""
-    phases = sorted(((p, j["seed"]) for j in jobs for p in j["phases"]), key=lambda x: x[0]["granted"])
+    """Each grant that waited for another job's release: milliseconds from that release (the
+    end of its GPU work, so the release RPC counts); `first`: the job's first grant (it was not
+    resident yet: the orchestrator asks the node agent for memory before it)."""
+    phases = sorted(((p, j["seed"], i == 0) for j in jobs for i, p in enumerate(j["phases"])),
+                    key=lambda x: x[0]["granted"])
     out = []
-    for (prev, pj), (nxt, nj) in itertools.pairwise(phases):
+    for (prev, pj, _), (nxt, nj, first) in itertools.pairwise(phases):
         if pj != nj and nxt["acquire"] < prev["done"] <= nxt["granted"]:
-            out.append({"ms": (nxt["granted"] - prev["done"]) * 1000.0, "at": nxt["granted"]})
+            out.append({"ms": (nxt["granted"] - prev["done"]) * 1000.0, "at": nxt["granted"], "first": first})
     return out
 
 
@@ -150,7 +159,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
     sw = run["switches"]
     moved_at = [s["finished_at_unix"] for s in sw if s["ok"] and (s["bytes_checkpointed"] or s["bytes_restored"])]
     ho = handoffs(jobs)
-    resident_ho = [h["ms"] for h in ho if not any(abs(h["at"] - t) < 1.0 for t in moved_at)]
+    resident_ho = [h["ms"] for h in ho if not h["first"] and not any(abs(h["at"] - t) < 1.0 for t in moved_at)]
     hashes = {j["seed"]: j["param_hash"] for j in jobs}
     solo_hashes = {r["seed"]: r["param_hash"] for r in solo_runs}
     return {
@@ -177,6 +186,8 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "handoff_resident_ms_p99": round(percentile(resident_ho, 99), 3),
         "param_hash_solo": solo_hashes, "param_hash_shared": hashes,
         "bitwise_equal": all(solo_hashes.get(s) == h for s, h in hashes.items()),
+        "extra_ok": all(j["extra_ok"] for j in jobs),
+        "pool_setup_seconds": round(run["pool_setup"], 2),
         "solo_seconds": [round(r["wall_seconds"], 2) for r in solo_runs],
         "solo_gpu_busy_seconds": [round(r["gpu_busy_seconds"], 2) for r in solo_runs],
         "shared_job_seconds": [round(j["total_seconds"], 2) for j in jobs],
@@ -204,7 +215,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--backends", nargs="+", default=["cuda", "cooperative"],
+    p.add_argument("--backends", nargs="*", default=["cuda", "cooperative"],
                    choices=["cuda", "cuda-checkpoint", "cooperative", "none"])
     p.add_argument("--residency", choices=["auto", "exclusive"], default="auto")
     p.add_argument("--headroom", default="10%", help="memoryHeadroom: percent of GPU memory or a quantity")

@@ -26,7 +26,8 @@ are bitwise equal between a solo and a shared run of the same --seed.
 Prints one JSON line to stdout at the end (logs go to stderr). Times are wall seconds; the `phases` entries
 use `time.time()` (unix seconds, comparable across processes): `acquire` (acquire called), `granted` (acquire
 returned), `done` (GPU work synchronised), `released` (release returned). `param_hash` is the sha256 of the
-bytes of every parameter in `named_parameters()` order, then of the --extra-gb tensor, read in the final hold.
+bytes of every parameter in `named_parameters()` order (copied to the host in the final hold, hashed after it);
+`extra_ok` says the --extra-gb tensor's device checksum at the end equals the one taken when it was made.
 
     python bench/rl_job.py --seed 1 --size tiny --device cpu --no-orchestrator --steps 2 --reward-seconds 0.1
 """
@@ -234,15 +235,30 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    def param_hash() -> str:
-        h = hashlib.sha256()
-        tensors = [p for _, p in model.named_parameters()] + ([] if extra is None else [extra])
+    def params_to_host() -> list[torch.Tensor]:
+        """The parameters' bytes, copied to host memory (in a hold: a short GPU phase)."""
         with torch.no_grad():
-            for t in tensors:
-                flat = t.detach().contiguous().view(-1).view(torch.uint8)
-                for start in range(0, flat.numel(), HASH_CHUNK):
-                    h.update(flat[start:start + HASH_CHUNK].cpu().numpy())
+            return [p.detach().contiguous().view(-1).view(torch.uint8).cpu() for _, p in model.named_parameters()]
+
+    def sha256(chunks: list[torch.Tensor]) -> str:
+        """On the CPU, outside any hold: hashing is not GPU work."""
+        h = hashlib.sha256()
+        for flat in chunks:
+            for start in range(0, flat.numel(), HASH_CHUNK):
+                h.update(flat[start:start + HASH_CHUNK].numpy())
         return h.hexdigest()
+
+    def extra_checksum() -> list[int] | None:
+        """Two wrapping int64 sums over the extra tensor, on the device: it never changes, so any byte a
+        switch got wrong shows here (cheaper than copying tens of GB to the host for a hash)."""
+        if extra is None:
+            return None
+        with torch.no_grad():
+            words = extra[: extra.numel() // 8 * 8].view(torch.int64)
+            weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+            return [int(words.sum().item()), int((words * weights).sum().item())]
+
+    extra_at_start = extra_checksum()
 
     mean_rewards: list[float] = []
     for step in range(args.steps):
@@ -264,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
             train(prompts, completions, advantages)
 
     with holds.phase("hash", args.steps):
-        digest = param_hash()
+        host_params = params_to_host()
+        extra_at_end = extra_checksum()
+    digest = sha256(host_params)
     if client is not None:
         client.close()
 
@@ -274,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": n_params,
         "steps": args.steps,
         "param_hash": digest,
+        "extra_ok": extra_at_start == extra_at_end,
         "gpu_busy_seconds": holds.busy_seconds(),
         "wait_seconds": holds.wait_seconds(),
         "startup_seconds": holds.phases[0]["acquire"] - T_START,

@@ -237,3 +237,26 @@ async def test_preempted_holder_is_checkpointed_even_when_the_waiter_would_fit()
     got = await asyncio.wait_for(g.acquire("b", 0, "b-1", timeout=None), 10)
     assert ("checkpoint", "a") in gpu.calls and got.epoch == grant.epoch + 1
     await g.close()
+
+
+def test_a_thin_headroom_is_restored_by_evicting_idle_residents_but_never_fails_a_resident() -> None:
+    s = snap(free=5, a=50, b=45)  # b holds what it needs; only 5 of the 10 GB headroom is free
+    assert plan_room("b", ["a"], s, {"b": {DEV: 45 * GB}}, parse_headroom("10%")) == ["a"]
+    assert plan_room("b", [], s, {"b": {DEV: 45 * GB}}, parse_headroom("10%")) == []  # granted anyway
+
+
+async def test_a_resident_is_granted_at_once_only_while_the_last_report_shows_room() -> None:
+    gpu = FakeGpu(a=30, b=30)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "b")
+    await eventually(lambda: g._refresh_task is None and g.residency.snapshot is not None)
+    reports = gpu.reports
+    await hold(g, "a")
+    assert gpu.reports == reports  # 40 GB free: no report needed
+    gpu.on["b"] = 65 * GB  # b grew in its phase: the last report is stale and the GPU is nearly full
+    await eventually(lambda: g._refresh_task is None)
+    g.residency.observe(await gpu.memory(g.spec, ["a", "b"]))
+    await hold(g, "a")  # 5 GB free, below twice the headroom: a fresh report and a plan first
+    assert gpu.reports > reports + 1 and gpu.calls == [("checkpoint", "b")]
+    await g.close()

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -49,7 +50,14 @@ from typing import Protocol
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
 from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
-from timeslice.controller.orchestrator.residency import MemorySnapshot, NoRoom, Residency, parse_headroom, plan_room
+from timeslice.controller.orchestrator.residency import (
+    MemorySnapshot,
+    NoRoom,
+    Residency,
+    lacking_room,
+    parse_headroom,
+    plan_room,
+)
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -438,7 +446,7 @@ class LockGroup:
         r = self.residency
         restore = incoming in r.checkpointed
         if self.spec.backend == "none" or (self.memory_aware and incoming in r.residents
-                                           and not self._preempted_residents(incoming)):
+                                           and not self._preempted_residents(incoming) and self._roomy(incoming)):
             self._grant(incoming, restored=False, switch_seconds=0.0)
             return
         if self.memory_aware and not restore and not r.lru(excluding=[incoming]):
@@ -464,6 +472,16 @@ class LockGroup:
         self.residency.observe(snap)
         return snap
 
+    def _roomy(self, incoming: str) -> bool:
+        """The last memory report leaves a resident `incoming` its growth plus twice the
+        headroom (the holder that just released may have grown since that report): grant at
+        once. Otherwise the grant waits for a fresh report and a plan."""
+        snap = self.residency.snapshot
+        if snap is None:
+            return True
+        fraction, fixed = parse_headroom(self.spec.memory_headroom)
+        return not lacking_room(incoming, snap, self.residency.peaks, (2 * fraction, 2 * fixed))
+
     def _preempted_residents(self, incoming: str) -> list[str]:
         """Holders preempted mid-phase that are still on the GPUs: they must leave whether or
         not the incoming job fits beside them (their processes are still computing)."""
@@ -478,6 +496,8 @@ class LockGroup:
         if snap is None:  # no memory information: one resident at a time
             return self.residency.lru(excluding=[incoming]) if allow_evictions else []
         residents = self.residency.lru(excluding=[incoming, *forced]) if allow_evictions else []
+        if forced:
+            snap = dataclasses.replace(snap, devices=dict(snap.devices))
         for job in forced:  # what they hold is free once they leave
             for dev, b in snap.on_device(job).items():
                 if dev in snap.devices:

@@ -22,10 +22,13 @@ from pathlib import Path
 
 @dataclass
 class PinnedPool:
-    """`path`: the pool file (created sparse, `size` bytes, mode 0600); `size` in bytes."""
+    """`path`: the pool file (mode 0600); `size` in bytes; `populate`: allocate its memory now
+    (`posix_fallocate`; raises OSError when the filesystem lacks the room) rather than page by
+    page at the first checkpoints."""
 
     path: Path
     size: int
+    populate: bool = False
     _free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted, disjoint
     _used: dict[int, int] = field(default_factory=dict)  # offset -> length
 
@@ -36,6 +39,8 @@ class PinnedPool:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, self.size)
+            if self.populate:
+                os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
         finally:
             os.close(fd)
         self._free = [(0, self.size)]

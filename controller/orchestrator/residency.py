@@ -12,8 +12,9 @@ held while holding (its peak), at least its checkpoint's size; a job never seen 
 is estimated at the largest peak of the group's other jobs (jobs of one group are
 usually alike). The *room* it lacks is need - what it holds now + headroom - free.
 Residents are checkpointed least recently held first until no device lacks room; a
-checkpoint also needs host memory for its bytes on that node. Without room the plan
-raises `NoRoom` naming the device and the numbers, and nothing is attempted.
+checkpoint also needs host memory for its bytes on that node. Without room for what the
+job must add, the plan raises `NoRoom` naming the device and the numbers, and nothing is
+attempted; a resident job that only finds the headroom thin is granted anyway.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.headroom import parse_headroom
 
-__all__ = ["MemorySnapshot", "NoRoom", "Residency", "parse_headroom", "plan_room"]
+__all__ = ["MemorySnapshot", "NoRoom", "Residency", "lacking_room", "parse_headroom", "plan_room"]
 
 class NoRoom(FailedPrecondition):
     """No plan makes room: the job stays where it is (checkpointed or not granted)."""
@@ -78,27 +79,39 @@ def need_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int
     return need
 
 
+def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
+                 headroom: tuple[float, int]) -> dict[str, tuple[int, bool]]:
+    """Per device of `incoming` where free memory is short of (growth + headroom): the bytes
+    missing, and whether the job must grow there (restore, a newcomer, a peak above what it
+    holds: then the bytes must be found) or only the headroom is thin (found if idle residents
+    can give it, else the job is granted anyway: what it needs is already on the device)."""
+    have = snap.on_device(incoming)
+    need = need_of(incoming, snap, peaks)
+    out: dict[str, tuple[int, bool]] = {}
+    for dev in set(need) | set(have):
+        mem = snap.devices.get(dev)
+        if mem is None:
+            continue  # a device no agent reports (its node is gone): the switch step will say so
+        growth = max(0, need.get(dev, 0) - have.get(dev, 0))
+        short = growth + int(headroom[0] * mem.total) + headroom[1] - mem.free
+        if short > 0:
+            out[dev] = (short, growth > 0)
+    return out
+
+
 def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
               peaks: Mapping[str, Mapping[str, int]], headroom: tuple[float, int],
               host_checked: bool = True) -> list[str]:
     """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
 
     `residents_lru`: the idle resident jobs, least recently held first (never the incoming
-    job). `headroom`: (fraction of device total, bytes), from `parse_headroom`.
+    job). `headroom`: (fraction of device total, bytes), from `parse_headroom`: kept free on
+    each device of `incoming` (a resident job's next phase may grow past its peak so far).
     `host_checked`: each checkpoint must fit in its node's available host memory (the
-    backends that copy device memory to host memory). Raises NoRoom.
+    backends that copy device memory to host memory). Raises NoRoom when the job must grow
+    and cannot, or when a checkpoint it needs has no host memory.
     """
-    free = {d: m.free for d, m in snap.devices.items()}
-    have = snap.on_device(incoming)
-    lacking: dict[str, int] = {}
-    for dev, need in need_of(incoming, snap, peaks).items():
-        mem = snap.devices.get(dev)
-        if mem is None:
-            continue  # a device no agent reports (its node is gone): the switch step will say so
-        margin = int(headroom[0] * mem.total) + headroom[1]
-        short = max(0, need - have.get(dev, 0)) + margin - free[dev]
-        if need > have.get(dev, 0) and short > 0:
-            lacking[dev] = short
+    lacking = lacking_room(incoming, snap, peaks, headroom)
     evict: list[str] = []
     host = dict(snap.host_available)
     for job in residents_lru:
@@ -116,11 +129,15 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                 host[agent] -= n
         evict.append(job)
         for dev in list(lacking):
-            lacking[dev] -= held.get(dev, 0)
-            if lacking[dev] <= 0:
+            short, must = lacking[dev]
+            short -= held.get(dev, 0)
+            if short <= 0:
                 del lacking[dev]
-    if lacking:
-        dev, short = next(iter(lacking.items()))
+            else:
+                lacking[dev] = (short, must)
+    strict = {dev: short for dev, (short, must) in lacking.items() if must}
+    if strict:
+        dev, short = next(iter(strict.items()))
         mem = snap.devices[dev]
         raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need_of(incoming, snap, peaks)[dev])} plus "
                      f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "

@@ -37,7 +37,7 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls (short:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
     those with the same request id against the next orchestrator)."""
-    pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes) if config.pinned_pool else None
+    pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
     orchestrator = Orchestrator(config.groups, pinned_pool=pool)
     metrics = None
     if config.metrics_listen:
