@@ -61,7 +61,7 @@ def job_args(a: argparse.Namespace, seed: int) -> list[str]:
     return [sys.executable, str(ROOT / "bench" / "rl_job.py"), "--seed", str(seed), "--size", a.size,
             "--steps", str(a.steps), "--batch", str(a.batch), "--new-tokens", str(a.new_tokens),
             "--reward-seconds", str(a.reward_seconds), "--extra-gb", str(a.extra_gb), "--device", a.device,
-            "--group", GROUP]
+            "--group", GROUP, *(["--init-hold"] if a.init_hold else [])]
 
 
 async def run_job(argv: list[str], env: dict[str, str], started: asyncio.Queue[int] | None = None) -> dict[str, Any]:
@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--reward-seconds", type=float, default=3.0)
     p.add_argument("--extra-gb", type=float, default=0.0, help="extra resident GB per job (sizes its footprint)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--init-hold", action="store_true", help="jobs make their GPU state inside a hold (rl_job.py)")
     p.add_argument("--pool-gb", type=float, default=0.0, help="cooperative: the node's pinned pool, GB (0: none)")
     p.add_argument("--pool-dir", default="/dev/shm", help="where the pinned pool file lives (a memory filesystem)")
     p.add_argument("--solo-json", help="reuse solo runs saved by --save-solo (same steps and model)")

@@ -4,14 +4,14 @@
 # solo: 4 jobs alone, one after the other (saved; the shared runs compare with them)
 # a: 2 jobs x ~18 GB, residency auto, backends cuda and cooperative
 # c: 4 jobs x ~30 GB, residency auto (all fit with headroom), backend cuda
-# b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (100 GB pinned pool), cuda
+# b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (95 GB pinned pool), cuda
 # On the lent machine the project and its server dependencies come as wheels in .whl/.
-set -euo pipefail
+set -uo pipefail
 out="$1"
 shift
 export TIMESLICE_MACHINE="${TIMESLICE_MACHINE:-lent NVIDIA H200 host (device tool, nvidia-h200)}"
 export PYTHONUNBUFFERED=1
-run() { python3 bench/rl_grpo.py --steps "${STEPS:-3}" "$@"; }
+run() { python3 bench/rl_grpo.py --steps "${STEPS:-3}" "$@" || echo "stage failed: $*" >&2; }
 for stage in "$@"; do
   case "$stage" in
     probe)
@@ -24,13 +24,13 @@ x = torch.empty(int(2e9), dtype=torch.uint8, device='cuda')
 pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0)
 print('pid', os.getpid(), 'nvml processes', [(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)])"
       ;;
-    solo) run --jobs 4 --backends --save-solo "$out/solo.json" ;;
-    a) run --jobs 2 --extra-gb 7 --backends cuda cooperative --pool-gb 20 --solo-json "$out/solo.json" \
+    solo) run --jobs 4 --backends --save-solo "${SOLO:-$out/solo.json}" ;;
+    a) run --jobs 2 --extra-gb 7 --backends cuda cooperative --pool-gb 20 --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-a-h200.json" ;;
-    c) run --jobs 4 --extra-gb 19 --backends cuda --solo-json "$out/solo.json" --out "$out/rl-grpo-c-h200.json" ;;
-    b) run --jobs 3 --extra-gb 40 --backends cooperative --pool-gb 100 --solo-json "$out/solo.json" \
+    c) run --jobs 4 --extra-gb 19 --backends cuda --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-c-h200.json" ;;
+    b) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-b-h200.json" ;;
-    b-cuda) run --jobs 3 --extra-gb 40 --backends cuda --solo-json "$out/solo.json" \
+    b-cuda) run --jobs 3 --extra-gb 40 --init-hold --backends cuda --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-b-cuda-h200.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra resident device tensor of this many GB (1e9 bytes), never changed, hashed at the end")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="bf16 on cuda, float32 on cpu")
     p.add_argument("--group", default="gpu", help="the lock group (claim-set name) every GPU phase holds")
+    p.add_argument("--init-hold", action="store_true",
+                   help="make the model, optimizer and extra tensor inside a hold (a GPU too full for every job's "
+                        "state at once: the orchestrator makes room first)")
     p.add_argument("--no-orchestrator", action="store_true",
                    help="run alone without the time-slicing client (solo baseline)")
     p.add_argument("--register", choices=["none", "all"], default="all",
@@ -171,36 +174,42 @@ def main(argv: list[str] | None = None) -> None:
 
     config = LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
                          tie_word_embeddings=False, attn_implementation="sdpa")
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialise in the run dtype: no float32 copy on the device
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    extra = None
-    if args.extra_gb > 0:
-        extra = torch.randint(0, 256, (round(args.extra_gb * 1e9),), dtype=torch.uint8, device=device,
-                              generator=torch.Generator(device).manual_seed(stream_seed(args.seed, -1, "extra")))
+    client = None
+    if not args.no_orchestrator:
+        from timeslice import TimeSliceOrchestratorClient
+
+        client = TimeSliceOrchestratorClient()
+    holds = Holds(client, args.group, torch.cuda.synchronize if on_cuda else lambda: None)
+
+    # The job's device state is made inside a hold too: a GPU shared with jobs that fill it has room for a new
+    # job's state only once the orchestrator has made it (idle residents checkpointed).
+    with holds.phase("init", -1) if args.init_hold else contextlib.nullcontext():
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # initialise in the run dtype: no float32 copy on the device
+        try:
+            with device:
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        extra = None
+        if args.extra_gb > 0:
+            extra = torch.empty(round(args.extra_gb * 1e9), dtype=torch.uint8, device=device)
+            gen = torch.Generator(device).manual_seed(stream_seed(args.seed, -1, "extra"))
+            for start in range(0, extra.numel(), HASH_CHUNK):  # in pieces: no full-size temporary
+                piece = extra[start:start + HASH_CHUNK]
+                piece.copy_(torch.randint(0, 256, piece.shape, dtype=torch.uint8, device=device, generator=gen))
+        if client is not None and args.register == "all":
+            import timeslice.torch
+
+            timeslice.torch.register(client, model, optimizer, *([] if extra is None else [extra]),
+                                     group_id=args.group)
     n_params = sum(p.numel() for p in model.parameters())
     # transformers 5.x renames forward's `past_key_values` to `cache`; the cache object is updated in place
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     vocab = config.vocab_size
     log.info("model %s: %d parameters, %s on %s; extra %d bytes", args.size, n_params, dtype, device,
              0 if extra is None else extra.numel())
-
-    client = None
-    if not args.no_orchestrator:
-        from timeslice import TimeSliceOrchestratorClient
-
-        client = TimeSliceOrchestratorClient()
-        if args.register == "all":
-            import timeslice.torch
-
-            timeslice.torch.register(client, model, optimizer, *([] if extra is None else [extra]),
-                                     group_id=args.group)
-    holds = Holds(client, args.group, torch.cuda.synchronize if on_cuda else lambda: None)
 
     def sample(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         """[B, V] float32 logits -> [B] token ids, Gumbel-max at temperature 1."""

@@ -39,6 +39,7 @@ from timeslice.memory_commands import MemoryCommandLoop
 
 log = logging.getLogger("timeslice.torch")
 ALIGN = 4096  # bytes: each storage starts on a page in host memory (DMA-friendly)
+CONNECT_TIMEOUT_SECONDS = 30.0
 
 
 def _align(n: int) -> int:
@@ -164,10 +165,14 @@ class TorchState:
 def register(client: Any, *objects: Any, group_id: str | None = None) -> TorchState:
     """Let `objects` (modules, optimizers, CUDA tensors) leave the GPU while this job does
     not hold `group_id` (a group whose backend is `cooperative`). `client` is a
-    `TimeSliceOrchestratorClient`; returns the `TorchState` (`.add(...)` registers more).
+    `TimeSliceOrchestratorClient`; returns the `TorchState` (`.add(...)` registers more)
+    once the orchestrator's command stream is open (at most 30 s; a warning after that).
     Raises TypeError for an object it cannot move."""
     state = TorchState(objects)
     state.nbytes()  # raises TypeError now rather than at the first checkpoint
     loop: MemoryCommandLoop = client.serve_memory_commands(state, group_id)
     state.loop = loop  # type: ignore[attr-defined]
+    if not loop.connected.wait(CONNECT_TIMEOUT_SECONDS):  # until then the orchestrator cannot move this state
+        log.warning("memory commands not connected after %g s (%s); registered state stays on the GPU until then",
+                    CONNECT_TIMEOUT_SECONDS, loop.error or "still trying")
     return state
