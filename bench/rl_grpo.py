@@ -68,7 +68,12 @@ async def run_job(argv: list[str], env: dict[str, str], started: asyncio.Queue[i
     proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE)
     if started is not None:
         started.put_nowait(proc.pid)
-    out, _ = await proc.communicate()
+    try:
+        out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:  # another job failed: this one goes too (it holds GPU memory)
+            proc.kill()
+            await proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[1:4])} exited with {proc.returncode}")
     return json.loads(out.decode().strip().splitlines()[-1])
@@ -108,12 +113,13 @@ async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, An
         started: asyncio.Queue[int] = asyncio.Queue()
         tasks = []
         t0 = time.time()
-        for i in range(a.jobs):
-            env = {**os.environ, "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_JOB": f"job-{i}"}
-            argv = [*job_args(a, i), "--register", "all" if backend == "cooperative" else "none"]
-            tasks.append(asyncio.create_task(run_job(argv, env, started)))
-            resolver.set(f"job-{i}", [await started.get()])
-        jobs = await asyncio.gather(*tasks)
+        async with asyncio.TaskGroup() as tg:  # one job failing stops the others
+            for i in range(a.jobs):
+                env = {**os.environ, "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_JOB": f"job-{i}"}
+                argv = [*job_args(a, i), "--register", "all" if backend == "cooperative" else "none"]
+                tasks.append(tg.create_task(run_job(argv, env, started)))
+                resolver.set(f"job-{i}", [await started.get()])
+        jobs = [t.result() for t in tasks]
         seconds = time.time() - t0
         view = orch.group(GROUP).view()
         return {"backend": backend, "seconds": seconds, "jobs": jobs, "switches": records, "pool_setup": pool_setup,

@@ -181,6 +181,23 @@ def main(argv: list[str] | None = None) -> None:
         client = TimeSliceOrchestratorClient()
     holds = Holds(client, args.group, torch.cuda.synchronize if on_cuda else lambda: None)
 
+    def extra_checksum() -> list[int] | None:
+        """Two wrapping int64 sums over the extra tensor, on the device, in pieces (no full-size temporary): it
+        never changes, so any byte a switch got wrong shows here (cheaper than hashing tens of GB on the host)."""
+        if extra is None:
+            return None
+        with torch.no_grad():
+            words = extra[: extra.numel() // 8 * 8].view(torch.int64)
+            plain = torch.zeros((), dtype=torch.int64, device=device)
+            weighted = torch.zeros((), dtype=torch.int64, device=device)
+            step = HASH_CHUNK // 8
+            for start in range(0, words.numel(), step):
+                piece = words[start:start + step]
+                weights = torch.arange(start + 1, start + 1 + piece.numel(), device=device, dtype=torch.int64)
+                plain += piece.sum()
+                weighted += (piece * weights).sum()
+            return [int(plain.item()), int(weighted.item())]
+
     # The job's device state is made inside a hold too: a GPU shared with jobs that fill it has room for a new
     # job's state only once the orchestrator has made it (idle residents checkpointed).
     with holds.phase("init", -1) if args.init_hold else contextlib.nullcontext():
@@ -199,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
             for start in range(0, extra.numel(), HASH_CHUNK):  # in pieces: no full-size temporary
                 piece = extra[start:start + HASH_CHUNK]
                 piece.copy_(torch.randint(0, 256, piece.shape, dtype=torch.uint8, device=device, generator=gen))
+        extra_at_start = extra_checksum()
         if client is not None and args.register == "all":
             import timeslice.torch
 
@@ -257,17 +275,6 @@ def main(argv: list[str] | None = None) -> None:
                 h.update(flat[start:start + HASH_CHUNK].numpy())
         return h.hexdigest()
 
-    def extra_checksum() -> list[int] | None:
-        """Two wrapping int64 sums over the extra tensor, on the device: it never changes, so any byte a
-        switch got wrong shows here (cheaper than copying tens of GB to the host for a hash)."""
-        if extra is None:
-            return None
-        with torch.no_grad():
-            words = extra[: extra.numel() // 8 * 8].view(torch.int64)
-            weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
-            return [int(words.sum().item()), int((words * weights).sum().item())]
-
-    extra_at_start = extra_checksum()
 
     mean_rewards: list[float] = []
     for step in range(args.steps):
