@@ -63,6 +63,8 @@ class TorchState:
         self._own: torch.Tensor | None = None
         self._moved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, host offset, bytes)
         self._in_pool = False
+        # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def add(self, *objects: Any) -> None:
         """Register more state (modules, optimizers, tensors)."""
@@ -127,7 +129,7 @@ class TorchState:
                     self._own = None
                     self._own = torch.empty(total, dtype=torch.uint8, pin_memory=True)
                 host = self._own
-            stream = torch.cuda.Stream()
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for s, off, n in layout:
@@ -151,7 +153,7 @@ class TorchState:
                 host = self._own
             for s, _, n in self._moved:  # allocated on the current stream, where the tensors are used
                 s.resize_(n)
-            stream = torch.cuda.Stream()
+            stream = self._stream
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for s, off, n in self._moved:
