@@ -36,25 +36,45 @@ _FINAL = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.S
           grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
 
 
+Ranges = list[tuple[int, int]]  # (offset, length) in the pool, bytes, filled in order as one buffer
+
+
+def pieces(ranges: Ranges, start: int, n: int) -> list[tuple[int, int, int]]:
+    """Where bytes [start, start + n) of the buffer made of `ranges` lie: [(pool offset,
+    offset in the piece's source, length)], the second counted from `start`. Raises
+    ValueError when the ranges hold fewer bytes."""
+    out, base, done = [], 0, 0
+    for off, length in ranges:
+        lo, hi = max(start + done, base), min(start + n, base + length)
+        if lo < hi:
+            out.append((off + lo - base, lo - start, hi - lo))
+            done += hi - lo
+        base += length
+        if done == n:
+            return out
+    raise ValueError(f"pool ranges hold {base} bytes, {start + n} needed")
+
+
 class StateStore(Protocol):
-    """What a job registered to leave the GPU. Sizes and offsets in bytes."""
+    """What a job registered to leave the GPU. Sizes in bytes."""
 
     def nbytes(self) -> int:
         """Bytes a checkpoint would move now."""
         ...
 
     def attach_pool(self, pool: mmap.mmap) -> None:
-        """The node's pinned pool, mapped (called once, before any command that uses it)."""
+        """The node's pinned pool, mapped (called once, before the first command that uses it)."""
         ...
 
-    def checkpoint(self, offset: int, length: int) -> tuple[int, bool]:
-        """Copy the state out and free it on the GPU: into the pool at `offset` when it fits
-        in `length`, else into the store's own host memory. Returns (bytes, in the pool)."""
+    def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
+        """Copy the state out and free it on the GPU: into the pool `ranges` (in order, as one
+        buffer: see `pieces`) when it fits, else into the store's own host memory. Returns
+        (bytes used from the start of `ranges`, or copied; whether it went to the pool)."""
         ...
 
-    def restore(self, offset: int, length: int) -> int:
-        """Bring the state back (from the pool at `offset` when `length` > 0, else from the
-        store's own copy); returns bytes. A store that is not checkpointed returns 0."""
+    def restore(self, ranges: Ranges) -> int:
+        """Bring the state back (from the pool `ranges`, or from the store's own copy when it
+        kept one); returns bytes. A store that is not checkpointed returns 0."""
         ...
 
 
@@ -72,8 +92,7 @@ class MemoryCommandLoop:
         self._stop = threading.Event()
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
-        self._attached = threading.Event()  # the pool is usable, or will not be
-        self._attached.set()
+        self._pool_offer: tuple[str, int] | None = None  # (path, bytes) from "hello", attached at first use
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
         self._thread.start()
@@ -104,20 +123,19 @@ class MemoryCommandLoop:
 
     def _handle(self, command: pb.MemoryCommand) -> None:
         if command.kind == "hello":
-            if command.pool_path and self._pool is None and self._attached.is_set():
-                self._attached.clear()  # registering a large pool takes seconds: not on this thread's path
-                threading.Thread(target=self._attach, args=(command.pool_path, command.pool_bytes), daemon=True,
-                                 name=f"timeslice-pool-{self.group}").start()
+            self._pool_offer = (command.pool_path, command.pool_bytes) if command.pool_path else None
             self.connected.set()
             return
-        self._attached.wait()
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
+        ranges = [(r.offset, r.length) for r in command.ranges]
         try:
+            if ranges and self._pool is None and self._pool_offer is not None:
+                self._attach(*self._pool_offer)  # once, at the first command that needs it
             if command.kind == "checkpoint":
-                ack.bytes, ack.pinned = self.store.checkpoint(command.offset, command.length)
+                ack.bytes, ack.pinned = self.store.checkpoint(ranges if self._pool is not None else [])
             elif command.kind == "restore":
-                ack.bytes = self.store.restore(command.offset, command.length)
+                ack.bytes = self.store.restore(ranges)
             else:
                 raise ValueError(f"unknown memory command {command.kind!r}")
         except Exception as err:  # the orchestrator rolls back and reports it; this process goes on
@@ -133,19 +151,21 @@ class MemoryCommandLoop:
             log.warning("memory command ack refused group=%s op=%s: %s", self.group, command.op_id, err)
 
     def _attach(self, path: str, size: int) -> None:
+        """Map the pool and let the store register it (seconds for a large pool, once; not at
+        start, so that a job whose memory never moves never pays for it)."""
+        self._pool_offer = None
+        t0 = time.monotonic()
         try:
             fd = os.open(path, os.O_RDWR)
             try:
-                self._pool = mmap.mmap(fd, size)
+                pool = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self.store.attach_pool(self._pool)
-            log.info("pinned pool attached path=%s bytes=%d", path, size)
+            self.store.attach_pool(pool)
+            self._pool = pool
+            log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
         except Exception as err:  # no pool: checkpoints go to the store's own memory
-            self._pool = None
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
-        finally:
-            self._attached.set()
 
     def close(self) -> None:
         """Stop the thread and close the stream (the orchestrator forgets this process

@@ -25,6 +25,7 @@ from timeslice.errors import SwitchFailed
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+from timeslice.memory_commands import pieces
 
 from tests.conftest import eventually
 
@@ -46,25 +47,31 @@ class FakeStore:
     def attach_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
 
-    def checkpoint(self, offset: int, length: int) -> tuple[int, bool]:
+    def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
         self.commands.append("checkpoint")
         if self.fail:
             raise RuntimeError("injected copy failure")
         assert self.device is not None
         n = len(self.device)
-        in_pool = self.pool is not None and n <= length
+        in_pool = self.pool is not None and n <= sum(k for _, k in ranges)
         if in_pool:
-            self.pool[offset:offset + n] = self.device  # type: ignore[index]
+            for off, src, k in pieces(ranges, 0, n):
+                self.pool[off:off + k] = self.device[src:src + k]  # type: ignore[index]
         else:
             self.own = bytes(self.device)
         self.device = None
         return n, in_pool
 
-    def restore(self, offset: int, length: int) -> int:
+    def restore(self, ranges: list[tuple[int, int]]) -> int:
         self.commands.append("restore")
         if self.device is not None:
             return 0
-        self.device = bytearray(self.pool[offset:offset + length] if length else self.own)  # type: ignore[index]
+        if self.own is not None:
+            self.device, self.own = bytearray(self.own), None
+        else:
+            self.device = bytearray(len(self.original))
+            for off, src, k in pieces(ranges, 0, len(self.original)):
+                self.device[src:src + k] = self.pool[off:off + k]  # type: ignore[index]
         return len(self.device)
 
 
@@ -139,7 +146,7 @@ async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(
         await asyncio.to_thread(b.release)
         await asyncio.to_thread(a.acquire)
         assert sa.device == bytearray(sa.original)
-        assert "own pageable memory" in caplog.text and orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
+        assert "own host memory" in caplog.text and orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
     finally:
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
@@ -198,19 +205,44 @@ async def test_registering_on_a_group_that_is_not_cooperative_is_refused_clearly
         await asyncio.to_thread(client.close)
 
 
-def test_pinned_pool_hands_out_the_largest_range_and_merges_what_comes_back(short_tmp: Path) -> None:
+def test_pinned_pool_hands_out_every_free_range_and_merges_what_comes_back(short_tmp: Path) -> None:
     pool = PinnedPool(short_tmp / "pool", 100)
-    off, n = pool.take_largest()
-    assert (off, n) == (0, 100)
-    pool.shrink(off, 30)
-    off2, n2 = pool.take_largest()
-    assert (off2, n2) == (30, 70)
-    pool.shrink(off2, 20)
-    pool.release(0)
-    assert pool.take_largest() == (50, 50) and pool.used_bytes == 70
-    pool.release(30)
-    pool.release(50)
-    assert pool.used_bytes == 0 and pool.take_largest() == (0, 100)
+    a = pool.keep(pool.take_all(), 30)
+    b = pool.keep(pool.take_all(), 50)
+    assert a == [(0, 30)] and b == [(30, 50)] and pool.used_bytes == 80
+    pool.release(a)  # free: [0, 30) and [80, 100): fragmented
+    c = pool.take_all()
+    assert c == [(0, 30), (80, 20)]  # largest first
+    assert pool.keep(c, 40) == [(0, 30), (80, 10)] and pool.used_bytes == 90
+    pool.release(b)
+    pool.release(pool.keep(pool.take_all(), 0))
+    assert pool.take_all() == [(30, 50), (90, 10)]  # c still holds [0, 30) and [80, 90)
     assert (short_tmp / "pool").stat().st_size == 100
     with pytest.raises(ValueError):
         PinnedPool(short_tmp / "p2", 0)
+
+
+def test_pieces_spans_ranges_in_order() -> None:
+    ranges = [(100, 10), (0, 5), (50, 20)]
+    assert pieces(ranges, 0, 10) == [(100, 0, 10)]
+    assert pieces(ranges, 8, 10) == [(108, 0, 2), (0, 2, 5), (50, 7, 3)]
+    with pytest.raises(ValueError, match="hold 35 bytes"):
+        pieces(ranges, 30, 10)
+
+
+async def test_three_jobs_rotate_through_a_pool_sized_for_their_states(coop) -> None:
+    orch, target = await coop(pool_bytes=3 * 64 * 1024)
+    stores = {j: FakeStore(j) for j in ("a", "b", "c")}
+    clients = {j: job(target, j, s) for j, s in stores.items()}
+    try:
+        for c in clients.values():
+            await connected(c)
+        for j in ("a", "b", "c", "a", "c", "b", "a"):  # exclusive: each hand-off checkpoints the resident
+            await asyncio.to_thread(clients[j].acquire)
+            assert stores[j].device == bytearray(stores[j].original)
+            await asyncio.to_thread(clients[j].release)
+        assert all(s.own is None for s in stores.values())  # always the pool, never the fallback
+        assert orch.group("g").view().counters.failed_switches == 0
+    finally:
+        for c in clients.values():
+            await asyncio.to_thread(c.close)

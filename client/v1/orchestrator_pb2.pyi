@@ -21,22 +21,28 @@ class MemoryCommandsRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class MemoryCommand(_message.Message):
-    __slots__ = ("op_id", "kind", "pool_path", "pool_bytes", "offset", "length", "timeout_seconds")
+    __slots__ = ("op_id", "kind", "pool_path", "pool_bytes", "timeout_seconds", "ranges")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     POOL_PATH_FIELD_NUMBER: _ClassVar[int]
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    LENGTH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
     op_id: str
     kind: str
     pool_path: str
     pool_bytes: int
+    timeout_seconds: float
+    ranges: _containers.RepeatedCompositeFieldContainer[PoolRange]
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ranges: _Optional[_Iterable[_Union[PoolRange, _Mapping]]] = ...) -> None: ...
+
+class PoolRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    timeout_seconds: float
-    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[str] = ..., pool_path: _Optional[str] = ..., pool_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class MemoryCommandAck(_message.Message):
     __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes")

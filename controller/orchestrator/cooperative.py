@@ -6,9 +6,9 @@ whose backend is `cooperative`, and by the servicer's `MemoryCommands` /
 keeps a `MemoryCommands` stream open, also between its phases; a checkpoint sends it
 "checkpoint" (copy to host memory, free the device memory, acknowledge with the bytes),
 a restore sends "restore" (copy back into the same tensors). With a `PinnedPool` the
-checkpoint lands in the node's shared pinned pool at a range this class hands out (the
-largest free one, shrunk to what the process used); a process whose state does not fit
-keeps its own pageable copy instead (`pinned=False` in its ack).
+checkpoint lands in the node's shared pinned pool, in the free ranges this class hands
+out (all of them, in order, then trimmed to what the process used); a process whose
+state does not fit in the free total keeps its own host copy instead (`pinned=False`).
 
 A process is one stream (`stream_id`); a reconnect with the same id (the orchestrator
 was briefly unreachable) takes over its entry, checkpoint included. The entry of a
@@ -44,7 +44,7 @@ class _Process:
     commands: asyncio.Queue[pb.MemoryCommand] = field(default_factory=asyncio.Queue)
     connected: bool = True
     checkpointed: bool = False
-    pool_range: tuple[int, int] | None = None  # (offset, bytes) of its checkpoint in the pool
+    pool_ranges: list[tuple[int, int]] = field(default_factory=list)  # where its checkpoint is in the pool
 
 
 class CooperativeJobs:
@@ -112,30 +112,28 @@ class CooperativeJobs:
         for p in self._live(group, job):
             if p.checkpointed:
                 continue
-            offset, length = self.pool.take_largest() if self.pool else (0, 0)
+            offered = self.pool.take_all() if self.pool else []
             try:
-                ack = await self._command(p, "checkpoint", offset, length, timeout)
+                ack = await self._command(p, "checkpoint", offered, timeout)
             except BaseException as err:
                 if isinstance(err, StepTimeout):  # it may still finish: restore it too (a no-op if it did not)
-                    p.pool_range = (offset, length) if length else None
+                    p.pool_ranges = offered
                     p.checkpointed = True
                     done.append(p)
-                elif length:
-                    self.pool.shrink(offset, 0)  # type: ignore[union-attr]
+                elif offered:
+                    self.pool.keep(offered, 0)  # type: ignore[union-attr]
                 undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
                 stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
                 note = f"; ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"; rolled back {len(done)} process(es)"
                 if isinstance(err, BackendError | StepTimeout | ProcessGone):
                     raise type(err)(f"{err}{note}") from err
                 raise
-            if length:
-                used = ack.bytes if ack.pinned else 0
-                self.pool.shrink(offset, used)  # type: ignore[union-attr]
-                p.pool_range = (offset, used) if used else None
-            if not ack.pinned and length:
-                log.warning("cooperative checkpoint group=%s job=%s pid=%d went to the process's own pageable memory "
-                            "(the pinned pool's largest free range, %d bytes, is smaller than its %d bytes): slower",
-                            group, job, p.pid, length, p.registered)
+            if offered:
+                p.pool_ranges = self.pool.keep(offered, ack.bytes if ack.pinned else 0)  # type: ignore[union-attr]
+            if not ack.pinned and self.pool is not None:
+                log.warning("cooperative checkpoint group=%s job=%s pid=%d went to the process's own host memory (the "
+                            "pinned pool had %d bytes free for its %d bytes): slower",
+                            group, job, p.pid, sum(n for _, n in offered), p.registered)
             p.checkpointed = True
             done.append(p)
             moved += ack.bytes or p.registered
@@ -159,8 +157,8 @@ class CooperativeJobs:
     def forget(self, group: str, job: str) -> None:
         """The job is gone: drop its processes and free their pool ranges."""
         for p in self._procs.pop((group, job), {}).values():
-            if p.pool_range is not None and self.pool is not None:
-                self.pool.release(p.pool_range[0])
+            if self.pool is not None:
+                self.pool.release(p.pool_ranges)
 
     # -- internals -----------------------------------------------------------------
     def _live(self, group: str, job: str) -> list[_Process]:
@@ -171,21 +169,20 @@ class CooperativeJobs:
         return procs
 
     async def _restore_one(self, p: _Process, timeout: float) -> int:
-        offset, length = p.pool_range or (0, 0)
-        ack = await self._command(p, "restore", offset, length, timeout)
-        if p.pool_range is not None and self.pool is not None:
-            self.pool.release(p.pool_range[0])
-        p.pool_range = None
+        ack = await self._command(p, "restore", p.pool_ranges, timeout)
+        if self.pool is not None:
+            self.pool.release(p.pool_ranges)
+        p.pool_ranges = []
         p.checkpointed = False
         return int(ack.bytes)
 
-    async def _command(self, p: _Process, kind: str, offset: int, length: int,
+    async def _command(self, p: _Process, kind: str, ranges: list[tuple[int, int]],
                        timeout: float) -> pb.MemoryCommandAck:
         op = uuid.uuid4().hex
         fut: asyncio.Future[pb.MemoryCommandAck] = asyncio.get_running_loop().create_future()
         self._pending[op] = (fut, p)
-        p.commands.put_nowait(pb.MemoryCommand(op_id=op, kind=kind, offset=offset, length=length,
-                                               timeout_seconds=timeout))
+        p.commands.put_nowait(pb.MemoryCommand(op_id=op, kind=kind, timeout_seconds=timeout,
+                                               ranges=[pb.PoolRange(offset=o, length=n) for o, n in ranges]))
         try:
             ack = await asyncio.wait_for(fut, timeout)
         except TimeoutError:

@@ -9,8 +9,9 @@ only what is checkpointed now, not a buffer per job. Its size is the node's boun
 pinned memory: a job whose state does not fit in the largest free range falls back to
 its own pageable memory (slower, with a warning), it does not fail.
 
-This class only hands out byte ranges (first fit over sorted free ranges, merged on
-free); the bytes are written by the job processes.
+This class only hands out byte ranges (free ranges merged when given back); a job's
+state may span several ranges, so fragmentation never refuses a state that fits in the
+free total. The bytes are written by the job processes.
 """
 
 from __future__ import annotations
@@ -45,29 +46,36 @@ class PinnedPool:
             os.close(fd)
         self._free = [(0, self.size)]
 
-    def take_largest(self) -> tuple[int, int]:
-        """Reserve the largest free range; returns (offset, length), length 0 when full."""
-        if not self._free:
-            return 0, 0
-        i = max(range(len(self._free)), key=lambda k: self._free[k][1])
-        off, length = self._free.pop(i)
-        self._used[off] = length
-        return off, length
+    def take_all(self) -> list[tuple[int, int]]:
+        """Reserve every free range, largest first; [(offset, length)], [] when full. A
+        checkpoint fills them in order as one buffer, then `keep` gives back the rest."""
+        taken = sorted(self._free, key=lambda r: (-r[1], r[0]))
+        self._free = []
+        for off, length in taken:
+            self._used[off] = length
+        return taken
 
-    def shrink(self, offset: int, used: int) -> None:
-        """Keep only the first `used` bytes of the range at `offset` (0: give it all back)."""
-        length = self._used.pop(offset)
-        used = max(0, min(used, length))
-        if used:
-            self._used[offset] = used
-        if used < length:
-            self._give_back(offset + used, length - used)
+    def keep(self, ranges: list[tuple[int, int]], used: int) -> list[tuple[int, int]]:
+        """Of `ranges` (from `take_all`), keep the first `used` bytes in order and give back
+        the rest; returns the ranges kept."""
+        kept = []
+        for off, length in ranges:
+            n = max(0, min(length, used))
+            used -= n
+            self._used.pop(off, None)
+            if n:
+                self._used[off] = n
+                kept.append((off, n))
+            if n < length:
+                self._give_back(off + n, length - n)
+        return kept
 
-    def release(self, offset: int) -> None:
-        """Give back the range at `offset` (a no-op for an unknown offset)."""
-        length = self._used.pop(offset, None)
-        if length:
-            self._give_back(offset, length)
+    def release(self, ranges: list[tuple[int, int]]) -> None:
+        """Give back `ranges` (ranges this pool does not hold are ignored)."""
+        for off, _ in ranges:
+            length = self._used.pop(off, None)
+            if length:
+                self._give_back(off, length)
 
     @property
     def used_bytes(self) -> int:
