@@ -116,11 +116,17 @@ def _status(a: argparse.Namespace) -> int:
     for g in groups:
         holder = (f"{g.holder.job_id} (epoch {g.holder.epoch}, held {g.holder.held_seconds:.1f}s, lease "
                   f"{g.holder.lease_remaining_seconds:.1f}s left)") if g.holder.job_id else "-"
-        print(f"group {g.group_id}  backend={g.backend}  phase={g.phase}  holder={holder}  "
-              f"resident={g.resident_job_id or '-'}")
+        print(f"group {g.group_id}  backend={g.backend}  residency={g.residency or '-'}  phase={g.phase}  "
+              f"holder={holder}  resident={','.join(g.resident_job_ids) or g.resident_job_id or '-'}")
         print(f"  grants={g.grants} switches={g.switches} failed={g.failed_switches} "
               f"lease_expiries={g.lease_expiries} preemptions={g.preemptions} "
               f"checkpointed={','.join(g.checkpointed_job_ids) or '-'}")
+        for d in g.devices:
+            print(f"  device {d.device}: {d.free_bytes / 1e9:.1f} of {d.total_bytes / 1e9:.1f} GB free "
+                  f"({d.age_seconds:.1f}s ago)")
+        for j in g.jobs if g.devices else ():  # footprints need a memory report
+            print(f"  job {j.job_id}: {j.state}  on GPU {j.device_bytes / 1e9:.2f} GB  peak {j.peak_bytes / 1e9:.2f} GB"
+                  f"  checkpointed {j.checkpointed_bytes / 1e9:.2f} GB")
         for w in g.waiters:
             print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
         for r in g.recent_switches[-5:]:

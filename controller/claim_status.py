@@ -140,9 +140,12 @@ class ClaimStatusWriter:
         last = v.recent_switches[-1] if v.recent_switches else None
         for member in group.spec.members:
             held = v.holder is not None and v.holder.job_id == member.job
-            resident = v.resident_job == member.job
+            resident = member.job in v.resident_jobs
             data = {"groupId": v.group_id, "holder": v.holder.job_id if v.holder else "",
-                    "epoch": v.epoch,
+                    "epoch": v.epoch, "residency": v.residency, "residents": v.resident_jobs,
+                    "peakBytes": sum(v.peaks.get(member.job, {}).values()),
+                    "deviceBytes": sum(v.memory.on_device(member.job).values()) if v.memory else 0,
+                    "freeBytes": min((m.free for m in v.memory.devices.values()), default=0) if v.memory else 0,
                     "queuePosition": positions.get(member.job, -1),
                     "lastSwitchSeconds": round(last.seconds, 3) if last else 0.0,
                     "bytesMoved": (last.bytes_checkpointed + last.bytes_restored) if last else 0}
@@ -151,7 +154,7 @@ class ClaimStatusWriter:
                           f"group {v.group_id}: holder {data['holder'] or 'none'}", now),
                 condition("Resident", resident, "Resident" if resident else "Checkpointed"
                           if member.job in v.checkpointed_jobs else "NotLoaded",
-                          f"group {v.group_id}: resident {v.resident_job or 'none'}", now)]
+                          f"group {v.group_id}: resident {', '.join(v.resident_jobs) or 'none'}", now)]
             for namespace, name in self._claims_of(member.job):
                 claim = self._api.api_client.sanitize_for_serialization(
                     await self._api.read_namespaced_resource_claim(name, namespace))

@@ -101,12 +101,13 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture
 async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
-    """`await make_cluster(backend="cuda", nodes=1, lease_seconds=10, jobs={job: pids})`."""
+    """`await make_cluster(backend="cuda", nodes=1, lease_seconds=10, jobs={job: pids}, memory_probe=...)`
+    (`memory_probe`: the agents' NVML stand-in, `NodeAgent(memory_probe=...)`)."""
     closers: list[Callable[[], object]] = []
 
     async def make(backend: str = "none", nodes: int = 1, lease_seconds: float = 10.0,
                    jobs: dict[str, list[int]] | None = None, groups: Sequence[str] = ("g",),
-                   real_backend: bool = False) -> Cluster:
+                   real_backend: bool = False, memory_probe: Callable[[], list] | None = None) -> Cluster:
         calls: list[tuple[str, str, tuple[int, ...]]] = []
         agents, resolvers, fakes, targets = {}, {}, {}, []
         if backend != "none":
@@ -118,7 +119,8 @@ async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
                     pids = {j: [p.pid] for j, p in sleepers.items()}
                 resolvers[node] = StaticProcessResolver(jobs or pids)
                 fakes[node] = FakeBackend(node, calls, name=backend)
-                agents[node] = NodeAgent(resolvers[node], backends=[backend if real_backend else fakes[node]])
+                agents[node] = NodeAgent(resolvers[node], backends=[backend if real_backend else fakes[node]],
+                                         **({"memory_probe": memory_probe} if memory_probe else {}))
                 target = f"unix://{short_tmp / (node + '.sock')}"
                 server, _ = await create_agent_server(agents[node], target)
                 closers.append(lambda s=server: s.stop(0))

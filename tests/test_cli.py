@@ -71,7 +71,7 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
         await asyncio.sleep(0.02)
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target)
     assert r.returncode == 0, r.stderr
-    assert "group g  backend=none  phase=held  holder=trainer-a (epoch 1" in r.stdout
+    assert "group g  backend=none  residency=exclusive  phase=held  holder=trainer-a (epoch 1" in r.stdout
     assert "waiting #0: trainer-b priority=0" in r.stdout
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "g", "--json")
     assert json.loads(r.stdout)[0]["holder"]["job_id"] == "trainer-a"

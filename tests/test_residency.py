@@ -260,3 +260,52 @@ async def test_a_resident_is_granted_at_once_only_while_the_last_report_shows_ro
     await hold(g, "a")  # 5 GB free, below twice the headroom: a fresh report and a plan first
     assert gpu.reports > reports + 1 and gpu.calls == [("checkpoint", "b")]
     await g.close()
+
+
+# -- through real node agents (GetMemory over gRPC) -----------------------------------------
+
+
+async def test_real_agents_report_memory_and_status_shows_residents(make_cluster) -> None:
+    from timeslice.controller.orchestrator.metrics import GroupCollector
+    from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
+
+    c = None
+    sizes = {"a": 6 * GB, "b": 6 * GB, "c": 6 * GB}
+
+    def probe() -> list[GpuInfo]:  # NVML as the fake backend leaves it: a checkpointed process holds nothing
+        assert c is not None
+        pids = {j: c.resolvers["node-0"]._jobs[j][0] for j in sizes}
+        out = {pid: 0 for pid in pids.values()}
+        for _, step, moved in c.calls:
+            for pid in moved:
+                out[pid] = 0 if step == "checkpoint" else next(sizes[j] for j, p in pids.items() if p == pid)
+        for j, pid in pids.items():
+            if not any(pid in moved for _, _, moved in c.calls) and j in started:
+                out[pid] = sizes[j]
+        used = sum(out.values())
+        return [GpuInfo("GPU-0", 0, 15 * GB, 15 * GB - used, {p: b for p, b in out.items() if b})]
+
+    started: set[str] = set()
+    c = await make_cluster(backend="cuda", memory_probe=probe)
+    a, b, cc = c.client("a"), c.client("b"), c.client("c")
+    for job, client in (("a", a), ("b", b)):
+        started.add(job)
+        await client.acquire()
+        await client.release()
+    status = await c.status()
+    assert c.calls == [] and list(status.resident_job_ids) == ["a", "b"] and status.residency == "auto"
+    started.add("c")  # c loads 6 GB: 15 - 18 < 0 in truth, so a (least recently held) must go first
+    sizes["c"] = 0  # ... c is not loaded yet; it will be after its grant
+    await cc.acquire()
+    sizes["c"] = 6 * GB
+    await cc.release()
+    assert [(step, pids) for _, step, pids in c.calls] == [("checkpoint", tuple(c.resolvers["node-0"]._jobs["a"]))]
+    status = await c.status()
+    assert list(status.resident_job_ids) == ["b", "c"] and list(status.checkpointed_job_ids) == ["a"]
+    jobs = {j.job_id: j for j in status.jobs}
+    assert jobs["a"].state == "checkpointed" and jobs["a"].peak_bytes == 6 * GB and jobs["b"].state == "resident"
+    assert len(status.devices) == 1 and status.devices[0].total_bytes == 15 * GB
+    names = {m.name for m in GroupCollector(c.orchestrator.groups, lambda: True).collect()}
+    assert {"timeslice_device_free_bytes", "timeslice_job_device_bytes", "timeslice_group_resident_jobs"} <= names
+    for client in (a, b, cc):
+        await client.close()

@@ -76,6 +76,15 @@ class GroupCollector(Collector):
                                                "Holders preempted after maxHoldSeconds while others waited.",
                                                labels=["group"]),
         }
+        residents = GaugeMetricFamily("timeslice_group_resident_jobs", "Jobs whose GPU state is on the GPUs.",
+                                      labels=["group"])
+        job_bytes = GaugeMetricFamily("timeslice_job_device_bytes", "Bytes a job holds on the group's GPUs "
+                                      "(last node-agent report); kind now | peak (the most seen while resident).",
+                                      labels=["group", "job", "kind"])
+        device_free = GaugeMetricFamily("timeslice_device_free_bytes", "Free memory of a GPU of the group (last "
+                                        "node-agent report, NVML).", labels=["group", "device"])
+        device_total = GaugeMetricFamily("timeslice_device_total_bytes", "Memory of a GPU of the group (NVML).",
+                                         labels=["group", "device"])
         held_total = CounterMetricFamily("timeslice_group_held_seconds",
                                          "Seconds a holder held the group's lock, the current hold included "
                                          "(its rate is the group's duty cycle).", labels=["group"])
@@ -88,7 +97,17 @@ class GroupCollector(Collector):
             for name, family in counters.items():
                 family.add_metric(labels, getattr(v.counters, name))
             held_total.add_metric(labels, v.counters.held_seconds + v.held_seconds)
-        yield from (waiters, held, epoch, *counters.values(), held_total)
+            residents.add_metric(labels, len(v.resident_jobs))
+            for job, peak in v.peaks.items():
+                job_bytes.add_metric([v.group_id, job, "peak"], sum(peak.values()))
+            if v.memory is not None:
+                for job, per_device in v.memory.device_bytes.items():
+                    job_bytes.add_metric([v.group_id, job, "now"], sum(per_device.values()))
+                for device, mem in v.memory.devices.items():
+                    device_free.add_metric([v.group_id, device], mem.free)
+                    device_total.add_metric([v.group_id, device], mem.total)
+        yield from (waiters, held, epoch, *counters.values(), held_total, residents, job_bytes, device_free,
+                    device_total)
 
 
 class OrchestratorMetrics:
