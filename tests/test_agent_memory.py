@@ -1,0 +1,90 @@
+"""The node agent's memory report (`GetMemory`) and its host-memory check, over real gRPC
+with an NVML stand-in (`memory_probe`) and a host stand-in (`host_probe`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from tests.conftest import FakeBackend
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
+from timeslice.kubelet_plugin.agent.node_agent import HOST_RESERVE_BYTES, NodeAgent
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server
+
+GB = 10**9
+
+
+@pytest.fixture
+async def agent(short_tmp: Path) -> AsyncIterator[tuple[apb_grpc.NodeAgentStub, dict, list, Path]]:
+    """(stub, knobs {"host": bytes}, backend calls, records file) for an agent whose job "a"
+    is a real sleeping process holding 5 GB on GPU-0 and 1 GB on GPU-1 (per the probe)."""
+    sleeper = subprocess.Popen(["sleep", "600"])
+    pid = sleeper.pid
+    knobs = {"host": 100 * GB}
+    calls: list = []
+
+    def probe() -> list[GpuInfo]:
+        return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {pid: 5 * GB, 4242: 5 * GB}),
+                GpuInfo("GPU-1", 1, 80 * GB, 79 * GB, {pid: 1 * GB})]
+
+    records = short_tmp / "records.json"
+    node = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[FakeBackend("n", calls, name="cuda")],
+                     records_path=records, memory_probe=probe, host_probe=lambda: knobs["host"])
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    server, _ = await create_server(node, target)
+    channel = grpc.aio.insecure_channel(target)
+    yield apb_grpc.NodeAgentStub(channel), knobs, calls, records
+    await channel.close()
+    await server.stop(0)
+    sleeper.kill()
+    sleeper.wait()
+
+
+async def test_memory_report_gives_gpus_jobs_per_gpu_and_host(agent) -> None:
+    stub, _, _, _ = agent
+    rep = await stub.GetMemory(apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="a"),
+                                                          apb.SwitchStepRequest(job_id="gone")]))
+    assert [(g.uuid, g.total_bytes, g.free_bytes) for g in rep.gpus] == [("GPU-0", 80 * GB, 70 * GB),
+                                                                          ("GPU-1", 80 * GB, 79 * GB)]
+    jobs = {j.job_id: j for j in rep.jobs}
+    assert dict(jobs["a"].device_bytes) == {"GPU-0": 5 * GB, "GPU-1": 1 * GB}  # pid 4242 is another job's
+    assert "gone" not in jobs  # no processes: nothing to report, no error
+    assert rep.host_available_bytes == 100 * GB
+
+
+async def test_a_checkpoint_records_its_bytes_per_gpu(agent) -> None:
+    stub, _, calls, records = agent
+    await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
+    rep = await stub.GetMemory(apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="a")]))
+    assert dict(next(j for j in rep.jobs if j.job_id == "a").checkpointed_bytes) == {"GPU-0": 5 * GB,
+                                                                                      "GPU-1": 1 * GB}
+    saved = json.loads(records.read_text())["jobs"]["a"]
+    assert saved["devices"] == {"GPU-0": 5 * GB, "GPU-1": 1 * GB} and len(calls) == 1
+
+
+async def test_a_checkpoint_without_host_memory_is_refused_before_anything_is_touched(agent) -> None:
+    stub, knobs, calls, records = agent
+    knobs["host"] = 6 * GB + HOST_RESERVE_BYTES - 1  # one byte short of the job's 6 GB plus the reserve
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no host memory for the checkpoint of job a: it holds 6.00 GB" in err.value.details()
+    assert calls == [] and not records.exists()
+    knobs["host"] += 1
+    await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
+    assert len(calls) == 1
+
+
+async def test_a_memory_request_without_a_job_id_is_invalid(agent) -> None:
+    stub, _, _, _ = agent
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GetMemory(apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="")]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "job_id is required" in err.value.details()
