@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import grpc.aio
 import pytest
-from tests.conftest import FakeBackend
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
@@ -19,15 +18,25 @@ from timeslice.kubelet_plugin.agent.node_agent import HOST_RESERVE_BYTES, NodeAg
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 
+from tests.conftest import FakeBackend
+
 GB = 10**9
 
 
 @pytest.fixture
-async def agent(short_tmp: Path) -> AsyncIterator[tuple[apb_grpc.NodeAgentStub, dict, list, Path]]:
+def sleeper() -> Iterator[int]:
+    """The PID of a real process (job "a")."""
+    p = subprocess.Popen(["sleep", "600"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+@pytest.fixture
+async def agent(short_tmp: Path, sleeper: int) -> AsyncIterator[tuple[apb_grpc.NodeAgentStub, dict, list, Path]]:
     """(stub, knobs {"host": bytes}, backend calls, records file) for an agent whose job "a"
     is a real sleeping process holding 5 GB on GPU-0 and 1 GB on GPU-1 (per the probe)."""
-    sleeper = subprocess.Popen(["sleep", "600"])
-    pid = sleeper.pid
+    pid = sleeper
     knobs = {"host": 100 * GB}
     calls: list = []
 
@@ -44,8 +53,6 @@ async def agent(short_tmp: Path) -> AsyncIterator[tuple[apb_grpc.NodeAgentStub, 
     yield apb_grpc.NodeAgentStub(channel), knobs, calls, records
     await channel.close()
     await server.stop(0)
-    sleeper.kill()
-    sleeper.wait()
 
 
 async def test_memory_report_gives_gpus_jobs_per_gpu_and_host(agent) -> None:
