@@ -43,6 +43,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10000),
 ]
 
+# Codes retried with the same request id: UNAVAILABLE, and CANCELLED, which only the server
+# side sends these blocking calls (a stopping leader's in-flight Acquire, a dropped stream):
+# a caller's own cancel surfaces as an exception of its own, not as this status.
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0
@@ -138,7 +142,7 @@ def hold_request(cls: type, s: Settings, g: Grant):  # -> pb.ReleaseRequest | pb
 class Retry:
     """The retry policy of one logical call, shared by the sync and asyncio clients.
 
-    UNAVAILABLE is retried (the caller resends the same request, so the same request id)
+    UNAVAILABLE and CANCELLED are retried (the caller resends the same request, so the same request id)
     with exponential backoff for `unavailable_timeout` seconds; `deadline` (monotonic
     seconds, or None) bounds the whole call with AcquireTimeout. With `retried_ok`, a
     FAILED_PRECONDITION after a retry means an earlier attempt did succeed.
@@ -170,7 +174,7 @@ class Retry:
             return None
         now = time.monotonic()
         self._since = self._since or now
-        if code != grpc.StatusCode.UNAVAILABLE or now - self._since >= self._unavailable_timeout:
+        if code not in RETRIED or now - self._since >= self._unavailable_timeout:
             raise translate(err, self.what) from err
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
         self._delay = next_backoff(self._delay)

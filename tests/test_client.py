@@ -135,6 +135,34 @@ async def test_unavailable_is_retried_with_the_same_request_id() -> None:
         await orch.close()
 
 
+async def test_cancelled_by_the_server_is_retried_with_the_same_request_id() -> None:
+    """A stopping leader's in-flight Acquire can come back CANCELLED (e2e: deleting the leader
+    pod failed a job with `acquire gpu: CANCELLED`); only the server side sends it to these
+    blocking calls, so the client retries as for UNAVAILABLE."""
+    seen: list[str] = []
+
+    class Stopping(OrchestratorServicer):
+        async def Acquire(self, request, context):
+            seen.append(request.request_id)
+            if len(seen) == 1:
+                await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+            return await super().Acquire(request, context)
+
+    orch = Orchestrator([GroupSpec(id="g")])
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(Stopping(orch), server)
+    port = grpc_server.bind(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+        grant = await asyncio.to_thread(client.acquire)
+        assert grant.epoch == 1 and len(seen) == 2 and len(set(seen)) == 1
+        await asyncio.to_thread(client.close)
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
 async def test_orchestrator_started_late_is_reached_by_retries() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
