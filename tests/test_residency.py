@@ -309,3 +309,31 @@ async def test_real_agents_report_memory_and_status_shows_residents(make_cluster
     assert {"timeslice_device_free_bytes", "timeslice_job_device_bytes", "timeslice_group_resident_jobs"} <= names
     for client in (a, b, cc):
         await client.close()
+
+
+async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> None:
+    """A checkpointed job whose process died: its background restore fails (the agent says the
+    process is gone). Before: the idle group retried it ~12,000 times in 2 s."""
+    from timeslice.controller.orchestrator.group import SwitchError
+
+    class DeadRestore(FakeGpu):
+        async def __call__(self, spec, evict, incoming, restore):
+            if restore:
+                self.calls.append(("restore", incoming))
+                raise SwitchError(f"restore of {incoming} failed (process gone)", SwitchRecord(None, incoming,
+                                                                                               ok=False))
+            return await super().__call__(spec, evict, incoming, restore)
+
+    gpu = DeadRestore(a=60)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 60 * GB))  # a checkpointed for c
+    gpu.on.pop("c")
+    g.drop_job("c", "finished")  # a fits again: one background try
+    await eventually(lambda: ("restore", "a") in gpu.calls)
+    await eventually(lambda: g._refresh_task is None and g.phase == "idle")
+    reports = gpu.reports
+    await hold(g, "b")  # a new trigger: still not retried in the background
+    await eventually(lambda: g._refresh_task is None and g.phase == "idle")
+    assert gpu.calls.count(("restore", "a")) == 1 and gpu.reports <= reports + 3
+    await g.close()

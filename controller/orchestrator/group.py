@@ -210,6 +210,7 @@ class LockGroup:
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
         self._switch_task: asyncio.Task[None] | None = None
         self._refresh_task: asyncio.Task[None] | None = None
+        self._background_failed: set[str] = set()  # background restores that failed, until granted again
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
         self._preempted: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
@@ -321,6 +322,7 @@ class LockGroup:
         if self.holder is not None and self.holder.job_id == job_id:
             self._end_hold(self.holder, f"dropped: {reason}")
         self.residency.forget(job_id)
+        self._background_failed.discard(job_id)
         self._dispatch()
         self._refresh_memory()
 
@@ -555,14 +557,18 @@ class LockGroup:
             self._notify("switched" if record.ok else "switch-failed", incoming, record=record)
         if grant and (record is None or record.ok):
             self._grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
+        if not grant and (record is None or not record.ok):
+            self._background_failed.add(incoming)  # not again in the background: only when it asks
         self._dispatch()
-        if self.holder is None and self.switching is None and not len(self.queue):
+        if self.holder is None and self.switching is None and not len(self.queue) and (record is None or record.ok):
             self._refresh_memory()
 
     def _refresh_memory(self) -> None:
         """In the background: take a memory snapshot (residents' peaks), and when the group
         is idle restore a checkpointed job that fits without moving anyone (a job may touch
-        its GPU after its last hold). Tried once per trigger (a release, an idle group)."""
+        its GPU after its last hold). Tried once per trigger (a release, an idle group, a
+        switch that succeeded); a job whose background restore failed is not tried in the
+        background again until it is granted (its own acquire restores it, or says why not)."""
         if not self.memory_aware or self._refresh_task is not None:
             return
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{self.id}")
@@ -572,7 +578,7 @@ class LockGroup:
             snap = await self._snapshot()
             if snap is None or self.holder is not None or self.switching is not None or len(self.queue):
                 return
-            for job in sorted(self.residency.checkpointed):
+            for job in sorted(self.residency.checkpointed - self._background_failed):
                 try:
                     if await self._plan(job, allow_evictions=False) == [] and self.switching is None \
                             and self.holder is None and not len(self.queue):
@@ -588,6 +594,7 @@ class LockGroup:
 
     def _grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
         self.residency.held(job_id)
+        self._background_failed.discard(job_id)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
