@@ -88,6 +88,9 @@ class TimeSliceOrchestratorClient:
                 _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
                 metadata=_rpc.call_metadata()))
         grant = _rpc.grant_of(group, self._s.job_id, resp)
+        for loop in self._memory_loops:  # normally a no-op: the orchestrator restored before granting
+            if loop.group == group and loop.ensure_restored():
+                log.warning("state of group %s restored by the client at its grant (a command had timed out)", group)
         hold = _Hold(grant)
         with self._lock:
             self._holds[group] = hold
@@ -175,7 +178,8 @@ class TimeSliceOrchestratorClient:
         """Let the orchestrator move `store` off the GPU while this job does not hold
         `group_id` (the `cooperative` backend): a daemon thread keeps a command stream open
         until `close()`. Usually called through `timeslice.torch.register`."""
-        loop = MemoryCommandLoop(self._stub, self._s, _rpc.group_of(self._s, group_id), store)
+        group = _rpc.group_of(self._s, group_id)
+        loop = MemoryCommandLoop(self._stub, self._s, group, store, in_hold=lambda: group in self._holds)
         self._memory_loops.append(loop)
         return loop
 

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -73,8 +74,8 @@ class StateStore(Protocol):
         ...
 
     def restore(self, ranges: Ranges) -> int:
-        """Bring the state back (from the pool `ranges`, or from the store's own copy when it
-        kept one); returns bytes. A store that is not checkpointed returns 0."""
+        """Bring the state back (from the pool `ranges`, none: from where it was checkpointed
+        to); returns bytes. A store that is not checkpointed returns 0."""
         ...
 
 
@@ -82,9 +83,10 @@ class MemoryCommandLoop:
     """Serve the memory commands of `group` for `job_id` on `store` in a daemon thread."""
 
     def __init__(self, stub: pb_grpc.OrchestratorStub, settings: _rpc.Settings, group: str,
-                 store: StateStore) -> None:
+                 store: StateStore, in_hold: Callable[[], bool] = lambda: False) -> None:
         self.group = group
         self.store = store
+        self._in_hold = in_hold
         self.error: str | None = None
         self.stream_id = uuid.uuid4().hex
         self._stub = stub
@@ -94,6 +96,7 @@ class MemoryCommandLoop:
         self._pool: mmap.mmap | None = None
         self._pool_offer: tuple[str, int] | None = None  # (path, bytes) from "hello", attached at first use
         self.connected = threading.Event()
+        self.ready = threading.Event()  # connected once, or refused for good (`error`)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
         self._thread.start()
 
@@ -114,6 +117,7 @@ class MemoryCommandLoop:
                 if code in _FINAL:
                     self.error = f"{code.name}: {err.details()}"  # type: ignore[union-attr]
                     log.error("memory commands refused group=%s job=%s: %s", self.group, self._s.job_id, self.error)
+                    self.ready.set()
                     return
                 log.info("memory command stream lost group=%s (reconnecting): %s", self.group, code)
             finally:
@@ -125,6 +129,7 @@ class MemoryCommandLoop:
         if command.kind == "hello":
             self._pool_offer = (command.pool_path, command.pool_bytes) if command.pool_path else None
             self.connected.set()
+            self.ready.set()
             return
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
@@ -133,6 +138,9 @@ class MemoryCommandLoop:
             if ranges and self._pool is None and self._pool_offer is not None:
                 self._attach(*self._pool_offer)  # once, at the first command that needs it
             if command.kind == "checkpoint":
+                if self._in_hold():  # a revoked or lapsed holder may still be computing: never under it
+                    raise RuntimeError(f"job {self._s.job_id} is inside its GPU phase on group {self.group} (it "
+                                       "holds it, or its lease lapsed mid-phase): its state stays on the GPU")
                 ack.bytes, ack.pinned = self.store.checkpoint(ranges if self._pool is not None else [])
             elif command.kind == "restore":
                 ack.bytes = self.store.restore(ranges)
@@ -166,6 +174,12 @@ class MemoryCommandLoop:
             log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
         except Exception as err:  # no pool: checkpoints go to the store's own memory
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
+
+    def ensure_restored(self) -> int:
+        """Bring the state back if it is still out (the client calls this when a grant
+        arrives: the orchestrator restores before it grants, but a command it gave up on
+        may have finished since). Returns bytes restored (0: it was on the GPU)."""
+        return self.store.restore([])
 
     def close(self) -> None:
         """Stop the thread and close the stream (the orchestrator forgets this process

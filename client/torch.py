@@ -49,6 +49,17 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _prefix(ranges: Ranges, n: int) -> Ranges:
+    """The first `n` bytes of `ranges`, as ranges."""
+    out = []
+    for off, length in ranges:
+        if n <= 0:
+            break
+        out.append((off, min(length, n)))
+        n -= length
+    return out
+
+
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over all bytes of `storage` (on its device)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
@@ -66,6 +77,7 @@ class TorchState:
         self._own: torch.Tensor | None = None
         self._moved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, host offset, bytes)
         self._in_pool = False
+        self._ranges: Ranges = []  # the pool ranges the state is in
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -136,12 +148,14 @@ class TorchState:
                 s.resize_(0)
             torch.cuda.empty_cache()
             self._moved, self._in_pool = layout, in_pool
+            self._ranges = _prefix(ranges, total) if in_pool else []
             return total, in_pool
 
     def restore(self, ranges: Ranges) -> int:
         with self._lock:
             if not self._moved:
                 return 0
+            ranges = ranges or self._ranges
             if self._in_pool and (self._pool is None or sum(n for _, n in ranges) < self._host_bytes()):
                 raise RuntimeError(f"restore: the pool ranges given hold {sum(n for _, n in ranges)} bytes, this "
                                    f"state was checkpointed into {self._host_bytes()}")
@@ -178,8 +192,8 @@ class TorchState:
         if self._own is not None and self._own.numel() >= total:
             return self._own
         self._own = None
-        try:
-            self._own = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        try:  # with a pool, the pool is the node's bound on pinned memory: beyond it, pageable
+            self._own = torch.empty(total, dtype=torch.uint8, pin_memory=self._pool is None)
         except RuntimeError as err:
             log.warning("no pinned host memory for %d bytes (%s): using pageable memory, slower", total, err)
             try:
@@ -200,7 +214,9 @@ def register(client: Any, *objects: Any, group_id: str | None = None) -> TorchSt
     state.nbytes()  # raises TypeError now rather than at the first checkpoint
     loop: MemoryCommandLoop = client.serve_memory_commands(state, group_id)
     state.loop = loop  # type: ignore[attr-defined]
-    if not loop.connected.wait(CONNECT_TIMEOUT_SECONDS):  # until then the orchestrator cannot move this state
-        log.warning("memory commands not connected after %g s (%s); registered state stays on the GPU until then",
-                    CONNECT_TIMEOUT_SECONDS, loop.error or "still trying")
+    if not loop.ready.wait(CONNECT_TIMEOUT_SECONDS):  # until then the orchestrator cannot move this state
+        log.warning("memory commands not connected after %g s; registered state stays on the GPU until then",
+                    CONNECT_TIMEOUT_SECONDS)
+    elif loop.error:
+        log.warning("registered state stays on the GPU: %s", loop.error)
     return state

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import mmap
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -33,12 +34,14 @@ from tests.conftest import eventually
 class FakeStore:
     """A job's "GPU" state: `device` (None while checkpointed)."""
 
-    def __init__(self, seed: str, size: int = 64 * 1024, fail: bool = False) -> None:
+    def __init__(self, seed: str, size: int = 64 * 1024, fail: bool = False, delay: float = 0.0) -> None:
         self.original = (hashlib.sha256(seed.encode()).digest() * (size // 32 + 1))[:size]
         self.device: bytearray | None = bytearray(self.original)
         self.pool: mmap.mmap | None = None
         self.own: bytes | None = None
         self.fail = fail
+        self.delay = delay  # seconds each command takes
+        self.ranges: list[tuple[int, int]] = []
         self.commands: list[str] = []
 
     def nbytes(self) -> int:
@@ -49,12 +52,14 @@ class FakeStore:
 
     def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
         self.commands.append("checkpoint")
+        time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("injected copy failure")
         assert self.device is not None
         n = len(self.device)
         in_pool = self.pool is not None and n <= sum(k for _, k in ranges)
         if in_pool:
+            self.ranges = ranges
             for off, src, k in pieces(ranges, 0, n):
                 self.pool[off:off + k] = self.device[src:src + k]  # type: ignore[index]
         else:
@@ -64,8 +69,10 @@ class FakeStore:
 
     def restore(self, ranges: list[tuple[int, int]]) -> int:
         self.commands.append("restore")
+        time.sleep(self.delay)
         if self.device is not None:
             return 0
+        ranges = ranges or self.ranges
         if self.own is not None:
             self.device, self.own = bytearray(self.own), None
         else:
@@ -199,7 +206,8 @@ async def test_registering_on_a_group_that_is_not_cooperative_is_refused_clearly
     client = TimeSliceOrchestratorClient(target, "a", "g")
     try:
         loop = client.serve_memory_commands(FakeStore("a"))
-        await eventually(lambda: loop.error is not None)
+        assert await asyncio.to_thread(loop.ready.wait, 10)  # at once, not after register()'s 30 s
+        assert loop.error is not None
         assert loop.error.startswith("FAILED_PRECONDITION: group g uses backend freeze, not cooperative")
     finally:
         await asyncio.to_thread(client.close)
@@ -246,3 +254,92 @@ async def test_three_jobs_rotate_through_a_pool_sized_for_their_states(coop) -> 
     finally:
         for c in clients.values():
             await asyncio.to_thread(c.close)
+
+
+async def test_state_never_leaves_a_job_inside_its_hold_even_when_its_lease_is_revoked(coop) -> None:
+    """maxHoldSeconds revokes a cooperative holder (it cannot be switched out mid-phase); its
+    process must refuse to move state while its code is still inside the hold (before: its
+    storages were freed under a running phase)."""
+    orch, target = await coop()
+    spec = orch.group("g").spec
+    orch.add_group(type(spec)(**{**spec.model_dump(), "max_hold_seconds": 0.2, "residency": "exclusive"}))
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)  # a stays inside its phase
+        with pytest.raises(SwitchFailed, match="inside its GPU phase"):
+            await asyncio.to_thread(b.acquire)
+        assert sa.device == bytearray(sa.original)  # never taken
+    finally:
+        a._holds.pop("g").stop.set()  # its lease was revoked
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
+async def test_a_command_answered_late_settles_the_state_and_leaks_no_pool(coop, monkeypatch) -> None:
+    """A store slower than the step timeout: the switch fails, the process is not moved
+    again until it answers, its late answers are recorded, nothing leaks, and a later
+    eviction really moves it (before: the pool stayed reserved and an eviction moved 0 bytes)."""
+    orch, target = await coop()
+    spec = orch.group("g").spec
+    orch.add_group(type(spec)(**{**spec.model_dump(), "step_timeout_seconds": 0.3, "residency": "exclusive"}))
+    sa, sb = FakeStore("a", delay=0.6), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        with pytest.raises(SwitchFailed, match=r"no answer within 0\.3 s"):
+            await asyncio.to_thread(b.acquire)
+        # a's late checkpoint answer arrives, is rolled back at once: a is on its "GPU" again
+        await eventually(lambda: sa.commands[-2:] == ["checkpoint", "restore"] and sa.device is not None, timeout=10)
+        await eventually(lambda: orch.cooperative.pool.used_bytes == 0, timeout=10)  # type: ignore[union-attr]
+        sa.delay = 0.0
+        await asyncio.to_thread(b.acquire)  # now a really leaves
+        assert sa.device is None and sb.device == bytearray(sb.original)
+        await asyncio.to_thread(b.release)
+        await asyncio.to_thread(a.acquire)
+        assert sa.device == bytearray(sa.original)
+        await asyncio.to_thread(a.release)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
+async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_process(coop, monkeypatch) -> None:
+    """Before: every acquire of the job failed for good ("hold a checkpoint but are not
+    connected"), after evicting and restoring the other job each time, and its pool range leaked."""
+    from timeslice.controller.orchestrator import cooperative
+
+    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", 0.2)
+    orch, target = await coop(backend="cooperative")
+    spec = orch.group("g").spec
+    orch.add_group(type(spec)(**{**spec.model_dump(), "residency": "exclusive"}))
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        await asyncio.to_thread(b.acquire)  # a checkpointed into the pool
+        await asyncio.to_thread(b.release)
+        a._memory_loops[0].close()  # a's process "dies" while checkpointed
+        a._memory_loops.clear()
+        with pytest.raises(SwitchFailed, match="reconnecting"):  # within the grace: nothing moved
+            await asyncio.to_thread(a.acquire)
+        assert sb.device == bytearray(sb.original) and "checkpoint" not in sb.commands
+        s2 = FakeStore("a-new")
+        a2 = job(target, "a", s2)
+        await connected(a2)
+        await asyncio.sleep(0.3)  # past the grace: the old process's state is gone with it
+        await asyncio.to_thread(a2.acquire)
+        assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]  # b's, not a's
+        await asyncio.to_thread(a2.release)
+        await asyncio.to_thread(a2.close)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)

@@ -13,7 +13,11 @@ state does not fit in the free total keeps its own host copy instead (`pinned=Fa
 A process is one stream (`stream_id`); a reconnect with the same id (the orchestrator
 was briefly unreachable) takes over its entry, checkpoint included. The entry of a
 checkpointed process whose stream ends is kept (its bytes are still in the pool) until
-it reconnects or its job is forgotten (`forget`).
+it reconnects, its job is forgotten (`forget`), or a restore finds it gone for longer
+than `RECONNECT_GRACE_SECONDS` (its state went with it). A command that times out leaves
+the process's state unknown: it is not moved again until it answers, and its late answer
+is recorded (a late checkpoint is rolled back at once); its client also restores by
+itself when a grant finds its state out.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from timeslice.driver.errors import BackendError, NotFound, ProcessGone, StepTim
 from timeslice.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("timeslice.cooperative")
+# A checkpointed process whose stream closed this long ago is taken as gone (its client
+# reconnects within its backoff, at most 2 s), and its state as lost.
+RECONNECT_GRACE_SECONDS = 10.0
+# Bound on rolling back a checkpoint that answered after its switch gave up, seconds.
+LATE_ROLLBACK_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass
@@ -43,8 +52,18 @@ class _Process:
     registered: int
     commands: asyncio.Queue[pb.MemoryCommand] = field(default_factory=asyncio.Queue)
     connected: bool = True
+    disconnected_at: float = 0.0  # monotonic seconds
     checkpointed: bool = False
     pool_ranges: list[tuple[int, int]] = field(default_factory=list)  # where its checkpoint is in the pool
+    unanswered: set[str] = field(default_factory=set)  # commands it has not answered in time (state unknown)
+
+
+@dataclass
+class _Command:
+    process: _Process
+    kind: str
+    ranges: list[tuple[int, int]]
+    future: asyncio.Future[pb.MemoryCommandAck]
 
 
 class CooperativeJobs:
@@ -53,7 +72,9 @@ class CooperativeJobs:
     def __init__(self, pool: PinnedPool | None = None) -> None:
         self.pool = pool
         self._procs: dict[tuple[str, str], dict[str, _Process]] = {}
-        self._pending: dict[str, tuple[asyncio.Future[pb.MemoryCommandAck], _Process]] = {}
+        self._pending: dict[str, _Command] = {}
+        self._late: dict[str, _Command] = {}  # timed out, still expecting an answer
+        self._rollbacks: set[asyncio.Task[None]] = set()
 
     # -- the process side (RPCs) -------------------------------------------------
     async def stream(self, group: str, job: str, stream_id: str, pid: int,
@@ -75,25 +96,48 @@ class CooperativeJobs:
                 yield await mine.get()
         finally:
             if p.commands is mine:  # not taken over by a reconnect
-                p.connected = False
-                for op, (fut, owner) in list(self._pending.items()):
-                    if owner is p and not fut.done():
-                        fut.set_exception(ProcessGone(f"process {p.pid} of job {job} closed its command stream"))
-                        del self._pending[op]
-                if not p.checkpointed:
+                p.connected, p.disconnected_at = False, time.monotonic()
+                for c in list(self._pending.values()):
+                    if c.process is p and not c.future.done():
+                        c.future.set_exception(ProcessGone(f"process {p.pid} of job {job} closed its command stream"))
+                if not p.checkpointed and not p.unanswered:
                     procs.pop(stream_id, None)
-                log.info("cooperative process disconnected group=%s job=%s pid=%d", group, job, p.pid)
+                log.info("cooperative process disconnected group=%s job=%s pid=%d checkpointed=%s", group, job,
+                         p.pid, p.checkpointed)
 
     def ack(self, ack: pb.MemoryCommandAck) -> None:
-        """A process's answer to a command. Raises NotFound for an unknown or finished command."""
-        entry = self._pending.pop(ack.op_id, None)
-        if entry is None or entry[1].job != ack.job_id:
+        """A process's answer to a command, also one that came after the orchestrator gave up
+        waiting (its effect is recorded: the state follows what the process did). Raises
+        NotFound for an unknown command or another job's."""
+        c = self._pending.get(ack.op_id) or self._late.get(ack.op_id)
+        if c is None or c.process.job != ack.job_id:
             raise NotFound(f"no pending memory command {ack.op_id!r} for job {ack.job_id!r}")
-        fut, p = entry
+        p = c.process
         if ack.registered_bytes:
             p.registered = ack.registered_bytes
-        if not fut.done():
-            fut.set_result(ack)
+        if self._pending.pop(ack.op_id, None) is not None:
+            if not c.future.done():
+                c.future.set_result(ack)
+            return
+        del self._late[ack.op_id]
+        p.unanswered.discard(ack.op_id)
+        log.warning("late answer group=%s job=%s pid=%d command=%s ok=%s", p.group, p.job, p.pid, c.kind, ack.ok)
+        if c.kind == "restore":
+            if ack.ok:
+                self._restored(p)
+        elif ack.ok:  # a checkpoint its switch gave up on: the switch rolled back, so this one is too
+            self._checkpointed(p, c.ranges, ack)
+            task = asyncio.get_running_loop().create_task(self._roll_back_late(p))
+            self._rollbacks.add(task)
+            task.add_done_callback(self._rollbacks.discard)
+        elif c.ranges and self.pool is not None:
+            self.pool.keep(c.ranges, 0)
+
+    async def _roll_back_late(self, p: _Process) -> None:
+        try:
+            await self._restore_one(p, LATE_ROLLBACK_TIMEOUT_SECONDS)
+        except Exception as err:  # its client restores it by itself at its next grant
+            log.warning("rollback of a late checkpoint failed group=%s job=%s pid=%d: %s", p.group, p.job, p.pid, err)
 
     # -- the switch side -----------------------------------------------------------
     def registered_bytes(self, group: str, job: str) -> int:
@@ -105,22 +149,21 @@ class CooperativeJobs:
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory. All or
         nothing: on a failure the processes already done restore. Raises NotFound (no
-        process of the job is connected: nothing to move), BackendError, StepTimeout."""
+        process of the job is connected: nothing to move), BackendError (a process refused,
+        or has not answered an earlier command: its state is unknown), StepTimeout."""
         t0 = time.monotonic()
         done: list[_Process] = []
         moved = 0
         for p in self._live(group, job):
-            if p.checkpointed:
+            if p.checkpointed and not p.unanswered:
                 continue
-            offered = self.pool.take_all() if self.pool else []
+            offered: list[tuple[int, int]] = []
             try:
+                self._check_answered(p)
+                offered = self.pool.take_all() if self.pool else []
                 ack = await self._command(p, "checkpoint", offered, timeout)
             except BaseException as err:
-                if isinstance(err, StepTimeout):  # it may still finish: restore it too (a no-op if it did not)
-                    p.pool_ranges = offered
-                    p.checkpointed = True
-                    done.append(p)
-                elif offered:
+                if offered and not isinstance(err, StepTimeout):  # after a timeout they wait for its answer
                     self.pool.keep(offered, 0)  # type: ignore[union-attr]
                 undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
                 stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
@@ -128,26 +171,42 @@ class CooperativeJobs:
                 if isinstance(err, BackendError | StepTimeout | ProcessGone):
                     raise type(err)(f"{err}{note}") from err
                 raise
-            if offered:
-                p.pool_ranges = self.pool.keep(offered, ack.bytes if ack.pinned else 0)  # type: ignore[union-attr]
+            self._checkpointed(p, offered, ack)
             if not ack.pinned and self.pool is not None:
                 log.warning("cooperative checkpoint group=%s job=%s pid=%d went to the process's own host memory (the "
                             "pinned pool had %d bytes free for its %d bytes): slower",
                             group, job, p.pid, sum(n for _, n in offered), p.registered)
-            p.checkpointed = True
             done.append(p)
             moved += ack.bytes or p.registered
         return StepResult(moved, time.monotonic() - t0)
 
+    def check_restore(self, group: str, job: str) -> None:
+        """Raise before anything moves when the job's checkpoint cannot be restored now: a
+        checkpointed process is reconnecting (ProcessGone, retry later) or has not answered
+        an earlier command (BackendError). A checkpointed process gone for longer than
+        `RECONNECT_GRACE_SECONDS` took its state with it: it is forgotten (its pool ranges
+        freed, a warning logged) and the job's other processes restore alone."""
+        now = time.monotonic()
+        procs = self._procs.get((group, job), {})
+        for stream_id, p in list(procs.items()):
+            if p.checkpointed and not p.connected and now - p.disconnected_at > RECONNECT_GRACE_SECONDS:
+                log.warning("cooperative process gone while checkpointed group=%s job=%s pid=%d: its state is lost",
+                            group, job, p.pid)
+                self._forget(p)
+                del procs[stream_id]
+        waiting = [p.pid for p in procs.values() if p.checkpointed and not p.connected]
+        if waiting:
+            raise ProcessGone(f"job {job}: process(es) {waiting} hold a checkpoint and are reconnecting (their command "
+                              f"stream closed less than {RECONNECT_GRACE_SECONDS:g} s ago); try again")
+        for p in procs.values():
+            self._check_answered(p)
+
     async def restore(self, group: str, job: str, timeout: float) -> StepResult:
-        """Every checkpointed process of the job brings its state back. Raises NotFound,
-        BackendError, StepTimeout, ProcessGone (its state went with it)."""
+        """Every checkpointed process of the job brings its state back. Raises
+        ProcessGone, BackendError, StepTimeout (see `check_restore`)."""
         t0 = time.monotonic()
+        self.check_restore(group, job)
         procs = [p for p in self._procs.get((group, job), {}).values() if p.checkpointed]
-        gone = [p for p in procs if not p.connected]
-        if gone:
-            raise ProcessGone(f"job {job}: process(es) {[p.pid for p in gone]} hold a checkpoint but are not "
-                              "connected (their command stream closed)")
         results = await asyncio.gather(*(self._restore_one(p, timeout) for p in procs), return_exceptions=True)
         failures = [f"pid {p.pid}: {r}" for p, r in zip(procs, results) if isinstance(r, BaseException)]
         if failures:
@@ -157,10 +216,35 @@ class CooperativeJobs:
     def forget(self, group: str, job: str) -> None:
         """The job is gone: drop its processes and free their pool ranges."""
         for p in self._procs.pop((group, job), {}).values():
-            if self.pool is not None:
-                self.pool.release(p.pool_ranges)
+            self._forget(p)
 
     # -- internals -----------------------------------------------------------------
+    def _forget(self, p: _Process) -> None:
+        if self.pool is not None:
+            self.pool.release(p.pool_ranges)
+        for op in [op for op, c in self._late.items() if c.process is p]:
+            if self.pool is not None:
+                self.pool.release(self._late[op].ranges)
+            del self._late[op]
+        p.pool_ranges, p.unanswered = [], set()
+
+    @staticmethod
+    def _check_answered(p: _Process) -> None:
+        if p.unanswered:
+            raise BackendError(f"process {p.pid} of job {p.job} has not answered an earlier memory command (it timed "
+                               "out): where its state is is unknown, so it is not moved until it answers")
+
+    def _checkpointed(self, p: _Process, offered: list[tuple[int, int]], ack: pb.MemoryCommandAck) -> None:
+        if offered and self.pool is not None:
+            p.pool_ranges = self.pool.keep(offered, ack.bytes if ack.pinned else 0)
+        p.checkpointed = True
+
+    def _restored(self, p: _Process) -> None:
+        if self.pool is not None:
+            self.pool.release(p.pool_ranges)
+        p.pool_ranges = []
+        p.checkpointed = False
+
     def _live(self, group: str, job: str) -> list[_Process]:
         procs = [p for p in self._procs.get((group, job), {}).values() if p.connected]
         if not procs:
@@ -169,25 +253,25 @@ class CooperativeJobs:
         return procs
 
     async def _restore_one(self, p: _Process, timeout: float) -> int:
+        self._check_answered(p)
         ack = await self._command(p, "restore", p.pool_ranges, timeout)
-        if self.pool is not None:
-            self.pool.release(p.pool_ranges)
-        p.pool_ranges = []
-        p.checkpointed = False
+        self._restored(p)
         return int(ack.bytes)
 
     async def _command(self, p: _Process, kind: str, ranges: list[tuple[int, int]],
                        timeout: float) -> pb.MemoryCommandAck:
         op = uuid.uuid4().hex
-        fut: asyncio.Future[pb.MemoryCommandAck] = asyncio.get_running_loop().create_future()
-        self._pending[op] = (fut, p)
+        c = _Command(p, kind, ranges, asyncio.get_running_loop().create_future())
+        self._pending[op] = c
         p.commands.put_nowait(pb.MemoryCommand(op_id=op, kind=kind, timeout_seconds=timeout,
                                                ranges=[pb.PoolRange(offset=o, length=n) for o, n in ranges]))
         try:
-            ack = await asyncio.wait_for(fut, timeout)
+            ack = await asyncio.wait_for(asyncio.shield(c.future), timeout)
         except TimeoutError:
-            raise StepTimeout(f"cooperative {kind} of job {p.job} pid {p.pid}: no answer within {timeout:g} s") \
-                from None
+            self._late[op] = c  # its answer still counts when it comes
+            p.unanswered.add(op)
+            raise StepTimeout(f"cooperative {kind} of job {p.job} pid {p.pid}: no answer within {timeout:g} s "
+                              "(where its state is is settled by its answer)") from None
         finally:
             self._pending.pop(op, None)
         if not ack.ok:
@@ -195,10 +279,12 @@ class CooperativeJobs:
         return ack
 
     async def close(self) -> None:
-        for fut, _ in self._pending.values():
-            if not fut.done():
-                fut.cancel()
+        for c in self._pending.values():
+            if not c.future.done():
+                c.future.cancel()
         self._pending.clear()
+        for task in list(self._rollbacks):
+            task.cancel()
         with contextlib.suppress(Exception):
             if self.pool is not None:
                 self.pool.close()

@@ -47,6 +47,9 @@ class MemorySnapshot:
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
     checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # job -> device -> bytes a checkpoint frees, where less than what it holds (cooperative:
+    # only the registered state leaves; the CUDA context and the rest stay)
+    movable_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available: dict[str, int] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.monotonic)
 
@@ -117,7 +120,7 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     for job in residents_lru:
         if not lacking:
             break
-        held = snap.on_device(job)
+        held = snap.movable_bytes.get(job, snap.on_device(job))
         if not any(held.get(dev, 0) > 0 for dev in lacking):
             continue
         if host_checked:

@@ -24,7 +24,7 @@ from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
 from timeslice.driver import names
-from timeslice.driver.errors import NotFound
+from timeslice.driver.errors import NotFound, TimeSliceServerError
 
 log = logging.getLogger("timeslice.switch")
 
@@ -40,6 +40,12 @@ class SwitchCoordinator:
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord:
         rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+        if restore and spec.backend == names.BACKEND_COOPERATIVE:
+            try:  # before anyone is evicted for it
+                self.cooperative.check_restore(spec.id, incoming)
+            except TimeSliceServerError as err:
+                rec.ok, rec.error = False, f"restore of {incoming} cannot start: {err}; nothing moved"
+                raise SwitchError(rec.error, rec) from err
         t0 = time.monotonic()
         out: list[str] = []
         for job in evict:  # one job at a time: each takes the pinned pool's largest free range
@@ -92,8 +98,10 @@ class SwitchCoordinator:
                     continue
                 if self.cooperative.checkpointed(spec.id, job):
                     snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
-                elif not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
-                    snap.device_bytes[job] = {dev: n}
+                else:
+                    snap.movable_bytes[job] = {dev: n}  # only what it registered leaves the GPU
+                    if not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
+                        snap.device_bytes[job] = {dev: n}
         return snap
 
     async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
