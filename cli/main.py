@@ -92,6 +92,11 @@ def _controller(a: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    """Bytes as GB (1e9) or, under 1 GB, MB (1e6)."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
+
+
 def _status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -122,11 +127,11 @@ def _status(a: argparse.Namespace) -> int:
               f"lease_expiries={g.lease_expiries} preemptions={g.preemptions} "
               f"checkpointed={','.join(g.checkpointed_job_ids) or '-'}")
         for d in g.devices:
-            print(f"  device {d.device}: {d.free_bytes / 1e9:.1f} of {d.total_bytes / 1e9:.1f} GB free "
+            print(f"  device {d.device}: {_size(d.free_bytes)} of {_size(d.total_bytes)} free "
                   f"({d.age_seconds:.1f}s ago)")
         for j in g.jobs if g.devices else ():  # footprints need a memory report
-            print(f"  job {j.job_id}: {j.state}  on GPU {j.device_bytes / 1e9:.2f} GB  peak {j.peak_bytes / 1e9:.2f} GB"
-                  f"  checkpointed {j.checkpointed_bytes / 1e9:.2f} GB")
+            print(f"  job {j.job_id}: {j.state}  on GPU {_size(j.device_bytes)}  peak {_size(j.peak_bytes)}  "
+                  f"checkpointed {_size(j.checkpointed_bytes)}")
         for w in g.waiters:
             print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
         for r in g.recent_switches[-5:]:
@@ -162,8 +167,9 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
 
     o = sub.add_parser("orchestrator", help="serve the orchestrator with static groups")
-    o.add_argument("--config", help="YAML: {listen: host:port, metrics_listen: host:port, groups: [{id, backend, "
-                                    "agents, lease_seconds}]}")
+    o.add_argument("--config", help="YAML: {listen: host:port, metrics_listen: host:port, pinned_pool: {path, bytes}, "
+                                    "groups: [{id, backend, agents, lease_seconds, residency, memory_headroom, "
+                                    "max_hold_seconds}]}")
     o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
     o.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|k|[KMGT]i?|B)?\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|k|[MGT]|[KMGT]i|B)?\s*$")
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 
@@ -20,8 +20,8 @@ def parse_headroom(value: str | int | float) -> tuple[float, int]:
     if isinstance(value, bool):
         raise ValueError(f"memory headroom {value!r}: not a quantity")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"memory headroom {value!r} is negative")
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"memory headroom {value!r}: a number of bytes >= 0")
         return 0.0, int(value)
     m = _QUANTITY.match(value)
     if m is None:

@@ -37,13 +37,17 @@ class PinnedPool:
         if self.size <= 0:
             raise ValueError(f"pinned pool size must be > 0 bytes, got {self.size}")
         self.path = Path(self.path)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.ftruncate(fd, self.size)
-            if self.populate:
-                os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                if self.populate:
+                    os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
+            finally:
+                os.close(fd)
+        except OSError as err:
+            self.close()
+            raise OSError(err.errno, f"pinned pool {self.path} ({self.size / 1e9:.1f} GB): {err.strerror}") from err
         self._free = [(0, self.size)]
 
     def take_all(self) -> list[tuple[int, int]]:
