@@ -251,7 +251,7 @@ class LockGroup:
         member = self.spec.member(job_id)
         if member is not None:
             priority = member.priority
-        w = self.queue.by_request(request_id)
+        w = self.queue.by_request(job_id, request_id)
         if w is not None:
             w.callers += 1
         else:

@@ -36,7 +36,7 @@ class LockQueue:
     def __init__(self) -> None:
         self._waiters: list[Waiter] = []
         self._keys: list[tuple[int, int]] = []
-        self._by_request: dict[str, Waiter] = {}
+        self._by_request: dict[tuple[str, str], Waiter] = {}  # (job, request id): ids are the job's own
         self._seq = itertools.count()
 
     def push(self, request_id: str, job_id: str, priority: int, now: float,
@@ -45,7 +45,7 @@ class LockQueue:
         i = bisect.bisect(self._keys, w.key)
         self._keys.insert(i, w.key)
         self._waiters.insert(i, w)
-        self._by_request[request_id] = w
+        self._by_request[(job_id, request_id)] = w
         return w
 
     def remove(self, w: Waiter) -> bool:
@@ -53,7 +53,7 @@ class LockQueue:
         i = bisect.bisect_left(self._keys, w.key)
         if i < len(self._waiters) and self._waiters[i] is w:
             del self._keys[i], self._waiters[i]
-            del self._by_request[w.request_id]
+            del self._by_request[(w.job_id, w.request_id)]
             return True
         return False
 
@@ -67,8 +67,10 @@ class LockQueue:
             self.remove(w)
         return taken
 
-    def by_request(self, request_id: str) -> Waiter | None:
-        return self._by_request.get(request_id)
+    def by_request(self, job_id: str, request_id: str) -> Waiter | None:
+        """The waiter of `job_id`'s request `request_id` (a request id means nothing across jobs:
+        another job's equal id must not join, and so receive, this job's grant)."""
+        return self._by_request.get((job_id, request_id))
 
     def __len__(self) -> int:
         return len(self._waiters)
