@@ -34,7 +34,7 @@ from timeslice.controller.reconciler import Reconciler
 from timeslice.driver.backoff import Backoff
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
-from timeslice.driver.errors import NotFound, TimeSliceServerError, Unavailable
+from timeslice.driver.errors import InvalidArgument, TimeSliceServerError, Unavailable
 from timeslice.driver.names import (
     AGENT_AUDIENCE,
     AGENT_CERTIFICATE_ANNOTATION,
@@ -174,8 +174,8 @@ async def test_a_pinned_certificate_carries_the_calls_and_the_token(agent, token
     assert [c[1] for c in agent.calls] == ["checkpoint", "restore"]
     assert agent.apiserver.reviews == [{"token": "controller", "audiences": [AGENT_AUDIENCE]}]  # sent over TLS
     assert pool.get(agent.target) is client  # reused
-    with pytest.raises(NotFound) as err:  # the agent's own errors pass unchanged, with no TLS hint
-        await client.checkpoint("atlas-ssl-tls", "freeze", "g", 5)
+    with pytest.raises(InvalidArgument) as err:  # the agent's own errors pass unchanged, with no TLS hint
+        await client.checkpoint("atlas-ssl-tls", "cuda", "g", 5)
     assert "(TLS:" not in str(err.value)
     await pool.close()
 

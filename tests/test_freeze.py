@@ -7,7 +7,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import ProcessGone
+from timeslice.driver.errors import FailedPrecondition, ProcessGone
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -77,8 +77,14 @@ async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp
             assert list(again.records.jobs["job-a"].pids) == [proc.pid]
             await stub.Restore(apb.SwitchStepRequest(job_id="job-a", backend="freeze"))
             assert proc_state(proc.pid) in "RS"
+            # a job with no processes here (not started yet, or exited) has nothing to move: it says so
+            nothing = await stub.Checkpoint(apb.SwitchStepRequest(job_id="nobody", backend="freeze"))
+            assert list(nothing.processes) == [] and nothing.bytes == 0
+            nothing = await stub.Restore(apb.SwitchStepRequest(job_id="nobody", backend="freeze"))
+            assert list(nothing.processes) == [] and nothing.bytes == 0
             for req, code, text in [
-                (apb.SwitchStepRequest(job_id="nobody", backend="freeze"), grpc.StatusCode.NOT_FOUND, "nobody"),
+                (apb.SwitchStepRequest(job_id="x" * 254, backend="freeze"), grpc.StatusCode.INVALID_ARGUMENT,
+                 "at most 253"),
                 (apb.SwitchStepRequest(job_id="job-a", backend="cuda"), grpc.StatusCode.INVALID_ARGUMENT,
                  "not offered"),
                 (apb.SwitchStepRequest(job_id="job-a", backend=""), grpc.StatusCode.INVALID_ARGUMENT, "required"),
@@ -108,3 +114,49 @@ async def test_switch_with_freeze_skips_an_outgoing_job_whose_processes_are_gone
     assert status.holder.job_id == "b" and status.failed_switches == 0
     for cl in (a, b):
         await cl.close()
+
+
+async def test_a_job_with_no_process_is_a_valid_member_hand_off_after_hand_off(make_cluster, children) -> None:
+    """Issue 10, item 8: a job that takes the lock before starting its workers. The first
+    hand-off worked, the second failed with `restore ... NOT_FOUND`, and every later acquire
+    of the group failed."""
+    worker = spinner(children)
+    c = await make_cluster(backend="freeze", real_backend=True, jobs={"a": [], "b": [worker.pid]})
+    a, b = c.client("a"), c.client("b")
+    for _ in range(3):
+        await a.acquire()
+        await a.release()
+        await b.acquire()
+        assert proc_state(worker.pid) in "RS"
+        await b.release()
+    status = await c.status()
+    assert status.failed_switches == 0 and status.switches >= 5
+    await a.close()
+    await b.close()
+
+
+async def test_a_restore_with_another_backend_than_the_checkpoint_is_refused(tmp_path, children) -> None:
+    """Issue 10, item 9: freeze, then a restore naming `none`, was reported running, deleted the
+    record and left the process stopped."""
+    proc = spinner(children)
+    agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["freeze", "none"],
+                      records_path=tmp_path / "records.json")
+    await agent.checkpoint("a", "freeze", "g", 5)
+    assert proc_state(proc.pid) == "T"
+    with pytest.raises(FailedPrecondition, match="checkpointed by backend freeze: restore it with that backend"):
+        await agent.restore("a", "none", "g", 5)
+    assert proc_state(proc.pid) == "T" and "a" in agent.records.jobs  # untouched: the right restore still works
+    await agent.restore("a", "freeze", "g", 5)
+    assert proc_state(proc.pid) in "RS" and "a" not in agent.records.jobs
+
+
+async def test_job_ids_leave_no_state_behind(tmp_path) -> None:
+    """Issue 10, item 11: the agent kept a lock per distinct job id, also for calls that failed
+    (ids over 253 characters are refused: the RPC table in the test above)."""
+    import gc
+
+    agent = NodeAgent(StaticProcessResolver(), backends=["freeze"])
+    for i in range(200):
+        await agent.checkpoint(f"job-{i}-" + "x" * 200, "freeze", "g", 1)
+    gc.collect()
+    assert len(agent._job_locks) == 0

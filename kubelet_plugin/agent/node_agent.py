@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,7 +128,8 @@ class NodeAgent:
         self.records = JobRecords(records_path)
         self.default_timeout = default_timeout
         self.lock_timeout = lock_timeout
-        self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # one lock per job while a step runs (weak: an id seen once costs nothing afterwards)
+        self._job_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._memory_probe = memory_probe
         self._host_probe = host_probe
 
@@ -158,9 +159,12 @@ class NodeAgent:
                          claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
                          claim_name: str = "") -> StepOutcome:
         backend = self.backend(backend_name)
-        async with self._job_locks[job_id]:
+        async with self._lock(job_id):
             t0 = time.monotonic()
-            pids = live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
+            pids = await self._live(job_id, claims, pod_uids, claim_name)
+            if not pids:
+                log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
+                return StepOutcome(job_id, [], 0, time.monotonic() - t0)
             on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
             if backend_name in HOST_MEMORY_BACKENDS:
                 await self._check_host_room(job_id, sum(on_gpus.values()))
@@ -176,11 +180,23 @@ class NodeAgent:
                       claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
                       claim_name: str = "") -> StepOutcome:
         backend = self.backend(backend_name)
-        async with self._job_locks[job_id]:
+        async with self._lock(job_id):
             t0 = time.monotonic()
             record = self.records.jobs.get(job_id)
-            pids = live_pids(job_id, list(record.pids) if record else
-                             await self._pids(job_id, claims, pod_uids, claim_name))
+            if record is not None and record.backend != backend_name:
+                raise FailedPrecondition(f"job {job_id} was checkpointed by backend {record.backend}: restore it "
+                                         f"with that backend, not {backend_name} (its processes stay as they are)")
+            if record is not None:
+                pids = [p for p in record.pids if _alive(p)]
+                if not pids:
+                    log.warning("restore job=%s: its checkpointed processes %s are gone, their state with them",
+                                job_id, sorted(record.pids))
+                    self.records.pop(job_id)
+            else:
+                pids = await self._live(job_id, claims, pod_uids, claim_name)
+            if not pids:
+                log.info("nothing to restore job=%s group=%s on this node", job_id, group_id)
+                return StepOutcome(job_id, [], 0, time.monotonic() - t0)
             procs = await backend.restore(pids, timeout or self.default_timeout)
             self.records.pop(job_id)
             moved = record.bytes if record else 0
@@ -188,6 +204,22 @@ class NodeAgent:
             log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
                      group_id, backend_name, pids, moved, seconds)
             return StepOutcome(job_id, procs, moved, seconds)
+
+    def _lock(self, job_id: str) -> asyncio.Lock:
+        lock = self._job_locks.get(job_id)
+        if lock is None:
+            lock = self._job_locks[job_id] = asyncio.Lock()
+        return lock
+
+    async def _live(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
+                    claim_name: str) -> list[int]:
+        """The job's live processes on this node; [] when it has none (not started yet, or
+        exited): a job with nothing to move is a valid member, its steps succeed and say so."""
+        try:
+            return live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
+        except NotFound as err:
+            log.debug("no processes job=%s: %s", job_id, err)
+            return []
 
     async def _check_host_room(self, job_id: str, need: int) -> None:
         """Raise FailedPrecondition when the host cannot take `need` more bytes."""

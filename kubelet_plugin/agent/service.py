@@ -19,15 +19,23 @@ from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
 from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepOutcome, job_state
 
+MAX_ID_LENGTH = 253  # a job id is a DNS subdomain at most (names.py; the orchestrator's rule)
+
 
 def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
     return [apb.ProcessState(pid=p.pid, state=p.state, gpu_bytes=p.gpu_bytes) for p in procs]
 
 
+def _check_job_id(job_id: str) -> None:
+    if not job_id:
+        raise InvalidArgument("job_id is required")
+    if len(job_id) > MAX_ID_LENGTH:
+        raise InvalidArgument(f"job_id is {len(job_id)} characters; at most {MAX_ID_LENGTH}")
+
+
 def _step_args(request: apb.SwitchStepRequest, backend_required: bool = True,
                ) -> tuple[str, str, str, float, list[tuple[str, str]], list[str], str]:
-    if not request.job_id:
-        raise InvalidArgument("job_id is required")
+    _check_job_id(request.job_id)
     if backend_required and not request.backend:
         raise InvalidArgument("backend is required")
     t = request.timeout_seconds
@@ -78,8 +86,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     async def GetJobState(self, request: apb.GetJobStateRequest,
                           context: grpc.aio.ServicerContext) -> apb.JobState:
         await self._check(context)
-        if not request.job_id:
-            raise InvalidArgument("job_id is required")
+        _check_job_id(request.job_id)
         procs = await self._agent.state(request.job_id, request.backend)
         return apb.JobState(job_id=request.job_id, backend=request.backend, state=job_state(procs),
                             processes=_procs(procs))
