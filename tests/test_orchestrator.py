@@ -200,3 +200,18 @@ async def test_health_and_list_groups(make_cluster) -> None:
             assert r.status == health_pb2.HealthCheckResponse.SERVING
     groups = (await c.stub.ListGroups(pb.ListGroupsRequest())).groups
     assert [g.group_id for g in groups] == ["g", "h"]
+
+
+async def test_status_never_carries_the_holders_lease_id(make_cluster) -> None:
+    """Issue 10, item 14: status returned the holder's lease id, with which any caller of a
+    static group could release or keep alive another job's hold."""
+    c = await make_cluster()
+    grant = await c.stub.Acquire(pb.AcquireRequest(job_id="a", group_id="g", request_id="r1"))
+    status = await c.status()
+    listed = (await c.stub.ListGroups(pb.ListGroupsRequest())).groups[0]
+    assert status.holder.job_id == "a" and status.holder.lease_id == "" and listed.holder.lease_id == ""
+    assert grant.lease_id not in str(status) + str(listed)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # what status shows cannot release the hold
+        await c.stub.Release(pb.ReleaseRequest(job_id="a", group_id="g", lease_id=status.holder.lease_id,
+                                               epoch=status.holder.epoch))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

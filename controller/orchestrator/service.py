@@ -67,8 +67,8 @@ def group_status(v: GroupView) -> pb.GroupStatus:
             checkpoint_seconds=r.checkpoint_seconds, restore_seconds=r.restore_seconds,
             bytes_checkpointed=r.bytes_checkpointed, bytes_restored=r.bytes_restored,
             finished_at_unix=r.finished_at_unix) for r in v.recent_switches])
-    if v.holder is not None:
-        s.holder.CopyFrom(pb.Holder(job_id=v.holder.job_id, lease_id=v.holder.lease_id,
+    if v.holder is not None:  # never the lease id: it is the holder's secret (a release needs it)
+        s.holder.CopyFrom(pb.Holder(job_id=v.holder.job_id,
                                     epoch=v.holder.epoch, held_seconds=v.held_seconds,
                                     lease_remaining_seconds=v.lease_remaining_seconds))
     return s
