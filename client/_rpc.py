@@ -181,6 +181,21 @@ class Retry:
         return pause
 
 
+# Bound on the CancelAcquire a client sends when it gives up an Acquire, seconds.
+CANCEL_TIMEOUT = 5.0
+
+
+def may_be_granted(err: BaseException) -> bool:
+    """An Acquire that ended with `err` may still have been granted on the server: a timeout,
+    a lost reply, an interrupt; not a refusal (no access, no group, a bad request, a failed
+    switch), which the server answered without granting."""
+    return not isinstance(err, AccessDenied | GroupNotFound | InvalidRequest | SwitchFailed | LeaseLost)
+
+
+def cancel_request(s: Settings, group: str, request_id: str) -> pb.CancelAcquireRequest:
+    return pb.CancelAcquireRequest(job_id=s.job_id, group_id=group, request_id=request_id)
+
+
 def keepalive_interval(g: Grant) -> float:
     """Seconds between keep-alives: a third of the lease, so two may be lost."""
     return max(g.lease_seconds / 3.0, 0.05)

@@ -49,6 +49,7 @@ class AsyncTimeSliceOrchestratorClient:
                          else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
+        self._cancels: set[asyncio.Future[None]] = set()
 
     @property
     def job_id(self) -> str:
@@ -64,15 +65,30 @@ class AsyncTimeSliceOrchestratorClient:
             return hold.grant
         request_id = _rpc.new_request_id()
         deadline = None if timeout is None else time.monotonic() + timeout
-        resp = await self._retrying(
-            f"acquire {group}", deadline,
-            lambda remaining: self._stub.Acquire(
-                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
-                metadata=_rpc.call_metadata()))
+        try:
+            resp = await self._retrying(
+                f"acquire {group}", deadline,
+                lambda remaining: self._stub.Acquire(
+                    _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                    metadata=_rpc.call_metadata()))
+        except BaseException as err:  # gave up (timeout, lost reply, cancelled): leave no grant behind
+            if not _rpc.may_be_granted(err):
+                raise
+            task = asyncio.ensure_future(self._cancel(group, request_id))  # runs on even if we are cancelled
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            raise
         hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp))
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
         return hold.grant
+
+    async def _cancel(self, group: str, request_id: str) -> None:
+        try:
+            await self._stub.CancelAcquire(_rpc.cancel_request(self._s, group, request_id),
+                                           timeout=_rpc.CANCEL_TIMEOUT, metadata=_rpc.call_metadata())
+        except grpc.RpcError as err:  # unreachable: its lease lapses on its own
+            log.info("cancel of acquire %s failed: %s", group, err)
 
     async def release(self, group_id: str | None = None) -> int:
         """See `TimeSliceOrchestratorClient.release`."""
@@ -145,6 +161,8 @@ class AsyncTimeSliceOrchestratorClient:
                     await self.release(group)
             except Exception as err:
                 log.info("release on close failed group=%s: %s", group, err)
+        if self._cancels:  # let pending cancels reach the server before the channel goes
+            await asyncio.wait(self._cancels, timeout=_rpc.CANCEL_TIMEOUT)
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:

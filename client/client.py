@@ -82,11 +82,16 @@ class TimeSliceOrchestratorClient:
                 return hold.grant
         request_id = _rpc.new_request_id()
         deadline = None if timeout is None else time.monotonic() + timeout
-        resp = self._retrying(
-            f"acquire {group}", deadline,
-            lambda remaining: self._stub.Acquire(
-                _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
-                metadata=_rpc.call_metadata()))
+        try:
+            resp = self._retrying(
+                f"acquire {group}", deadline,
+                lambda remaining: self._stub.Acquire(
+                    _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                    metadata=_rpc.call_metadata()))
+        except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
+            if _rpc.may_be_granted(err):
+                self._cancel(group, request_id)
+            raise
         grant = _rpc.grant_of(group, self._s.job_id, resp)
         for loop in self._memory_loops:  # normally a no-op: the orchestrator restored before granting
             if loop.group == group and loop.ensure_restored():
@@ -97,6 +102,14 @@ class TimeSliceOrchestratorClient:
         threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
                          name=f"timeslice-keepalive-{group}").start()
         return grant
+
+    def _cancel(self, group: str, request_id: str) -> None:
+        """Best effort: the server may have granted the request just as this client gave up."""
+        try:
+            self._stub.CancelAcquire(_rpc.cancel_request(self._s, group, request_id), timeout=_rpc.CANCEL_TIMEOUT,
+                                     metadata=_rpc.call_metadata())
+        except grpc.RpcError as err:  # unreachable: its lease lapses on its own
+            log.info("cancel of acquire %s failed: %s", group, err)
 
     def release(self, group_id: str | None = None) -> int:
         """End the hold; returns the number of jobs that were waiting (0: nothing moved).

@@ -216,3 +216,33 @@ def test_client_imports_with_only_grpcio_and_protobuf() -> None:
         " for k in sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_a_client_that_gives_up_as_the_grant_comes_leaves_no_grant_behind() -> None:
+    """Issue 10, item 6: clients told AcquireTimeout while the server had granted them; each
+    ghost hold lasted a full lease. Here the grant's reply is held back past the client's
+    timeout, deterministically: the client's CancelAcquire gives the grant back."""
+    class SlowReply(OrchestratorServicer):
+        async def Acquire(self, request, context):
+            resp = await super().Acquire(request, context)
+            if request.job_id == "late":
+                await asyncio.sleep(1.0)  # granted, but the reply comes after the caller gave up
+            return resp
+
+    orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(SlowReply(orch), server)
+    port = grpc_server.bind(server, "127.0.0.1:0")
+    await server.start()
+    late = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "late", "g")
+    other = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "other", "g")
+    try:
+        with pytest.raises(AcquireTimeout):
+            await asyncio.to_thread(late.acquire, timeout=0.3)
+        await eventually(lambda: orch.group("g").holder is None)  # given back, not held for 60 s
+        assert (await asyncio.to_thread(other.acquire, timeout=5)).epoch == 2
+    finally:
+        await asyncio.to_thread(other.close)
+        await asyncio.to_thread(late.close)
+        await server.stop(0)
+        await orch.close()

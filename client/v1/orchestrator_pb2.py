@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"s\n\x15MemoryCommandsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x11\n\tstream_id\x18\x05 \x01(\t\"\xa1\x01\n\rMemoryCommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tpool_path\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\'\n\x06ranges\x18\x08 \x03(\x0b\x32\x17.timeslice.v1.PoolRangeJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"+\n\tPoolRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xa8\x01\n\x10MemoryCommandAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05op_id\x18\x03 \x01(\t\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x18\n\x10registered_bytes\x18\t \x01(\x04\"\x1a\n\x18MemoryCommandAckResponse\"q\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x8b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\"S\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x8a\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x12\x11\n\tresidency\x18\x10 \x01(\t\x12\x18\n\x10resident_job_ids\x18\x11 \x03(\t\x12(\n\x04jobs\x18\x12 \x03(\x0b\x32\x1a.timeslice.v1.JobResidency\x12+\n\x07\x64\x65vices\x18\x13 \x03(\x0b\x32\x1a.timeslice.v1.DeviceMemory\"s\n\x0cJobResidency\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12\x63heckpointed_bytes\x18\x05 \x01(\x04\"\\\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01\x32\xc1\x04\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponse\x12T\n\x0eMemoryCommands\x12#.timeslice.v1.MemoryCommandsRequest\x1a\x1b.timeslice.v1.MemoryCommand0\x01\x12Z\n\x10\x41\x63kMemoryCommand\x12\x1e.timeslice.v1.MemoryCommandAck\x1a&.timeslice.v1.MemoryCommandAckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"s\n\x15MemoryCommandsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x11\n\tstream_id\x18\x05 \x01(\t\"\xa1\x01\n\rMemoryCommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tpool_path\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\'\n\x06ranges\x18\x08 \x03(\x0b\x32\x17.timeslice.v1.PoolRangeJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"+\n\tPoolRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xa8\x01\n\x10MemoryCommandAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05op_id\x18\x03 \x01(\t\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x18\n\x10registered_bytes\x18\t \x01(\x04\"\x1a\n\x18MemoryCommandAckResponse\"q\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"\x8b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\"L\n\x14\x43\x61ncelAcquireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"$\n\x15\x43\x61ncelAcquireResponse\x12\x0b\n\x03was\x18\x01 \x01(\t\"S\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x8a\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x12\x11\n\tresidency\x18\x10 \x01(\t\x12\x18\n\x10resident_job_ids\x18\x11 \x03(\t\x12(\n\x04jobs\x18\x12 \x03(\x0b\x32\x1a.timeslice.v1.JobResidency\x12+\n\x07\x64\x65vices\x18\x13 \x03(\x0b\x32\x1a.timeslice.v1.DeviceMemory\"s\n\x0cJobResidency\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12\x63heckpointed_bytes\x18\x05 \x01(\x04\"\\\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01\x32\x9b\x05\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12X\n\rCancelAcquire\x12\".timeslice.v1.CancelAcquireRequest\x1a#.timeslice.v1.CancelAcquireResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponse\x12T\n\x0eMemoryCommands\x12#.timeslice.v1.MemoryCommandsRequest\x1a\x1b.timeslice.v1.MemoryCommand0\x01\x12Z\n\x10\x41\x63kMemoryCommand\x12\x1e.timeslice.v1.MemoryCommandAck\x1a&.timeslice.v1.MemoryCommandAckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,32 +45,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIREREQUEST']._serialized_end=687
   _globals['_ACQUIRERESPONSE']._serialized_start=690
   _globals['_ACQUIRERESPONSE']._serialized_end=829
-  _globals['_RELEASEREQUEST']._serialized_start=831
-  _globals['_RELEASEREQUEST']._serialized_end=914
-  _globals['_RELEASERESPONSE']._serialized_start=916
-  _globals['_RELEASERESPONSE']._serialized_end=974
-  _globals['_KEEPALIVEREQUEST']._serialized_start=976
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1061
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1063
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1115
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1117
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1158
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1160
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1179
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=1181
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=1244
-  _globals['_HOLDER']._serialized_start=1246
-  _globals['_HOLDER']._serialized_end=1358
-  _globals['_WAITER']._serialized_start=1360
-  _globals['_WAITER']._serialized_end=1445
-  _globals['_SWITCHRECORD']._serialized_start=1448
-  _globals['_SWITCHRECORD']._serialized_end=1660
-  _globals['_GROUPSTATUS']._serialized_start=1663
-  _globals['_GROUPSTATUS']._serialized_end=2185
-  _globals['_JOBRESIDENCY']._serialized_start=2187
-  _globals['_JOBRESIDENCY']._serialized_end=2302
-  _globals['_DEVICEMEMORY']._serialized_start=2304
-  _globals['_DEVICEMEMORY']._serialized_end=2396
-  _globals['_ORCHESTRATOR']._serialized_start=2399
-  _globals['_ORCHESTRATOR']._serialized_end=2976
+  _globals['_CANCELACQUIREREQUEST']._serialized_start=831
+  _globals['_CANCELACQUIREREQUEST']._serialized_end=907
+  _globals['_CANCELACQUIRERESPONSE']._serialized_start=909
+  _globals['_CANCELACQUIRERESPONSE']._serialized_end=945
+  _globals['_RELEASEREQUEST']._serialized_start=947
+  _globals['_RELEASEREQUEST']._serialized_end=1030
+  _globals['_RELEASERESPONSE']._serialized_start=1032
+  _globals['_RELEASERESPONSE']._serialized_end=1090
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1092
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1177
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1179
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1231
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1233
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1274
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1276
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1295
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1297
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=1360
+  _globals['_HOLDER']._serialized_start=1362
+  _globals['_HOLDER']._serialized_end=1474
+  _globals['_WAITER']._serialized_start=1476
+  _globals['_WAITER']._serialized_end=1561
+  _globals['_SWITCHRECORD']._serialized_start=1564
+  _globals['_SWITCHRECORD']._serialized_end=1776
+  _globals['_GROUPSTATUS']._serialized_start=1779
+  _globals['_GROUPSTATUS']._serialized_end=2301
+  _globals['_JOBRESIDENCY']._serialized_start=2303
+  _globals['_JOBRESIDENCY']._serialized_end=2418
+  _globals['_DEVICEMEMORY']._serialized_start=2420
+  _globals['_DEVICEMEMORY']._serialized_end=2512
+  _globals['_ORCHESTRATOR']._serialized_start=2515
+  _globals['_ORCHESTRATOR']._serialized_end=3182
 # @@protoc_insertion_point(module_scope)

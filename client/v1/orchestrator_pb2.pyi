@@ -100,6 +100,22 @@ class AcquireResponse(_message.Message):
     switch_seconds: float
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., restored: _Optional[bool] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
 
+class CancelAcquireRequest(_message.Message):
+    __slots__ = ("job_id", "group_id", "request_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    request_id: str
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CancelAcquireResponse(_message.Message):
+    __slots__ = ("was",)
+    WAS_FIELD_NUMBER: _ClassVar[int]
+    was: str
+    def __init__(self, was: _Optional[str] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "lease_id", "epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class OrchestratorStub:
                 request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.CancelAcquire = channel.unary_unary(
+                '/timeslice.v1.Orchestrator/CancelAcquire',
+                request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.SerializeToString,
+                response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/timeslice.v1.Orchestrator/KeepAlive',
                 request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.KeepAliveRequest.SerializeToString,
@@ -89,6 +94,16 @@ class OrchestratorServicer:
         """Ends the hold. Returns at once; a switch to the next waiter, if any, runs
         in the background. With nobody waiting the job stays resident.
         Errors: FAILED_PRECONDITION (not the holder, or a stale epoch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelAcquire(self, request, context):
+        """Gives up an Acquire by its request id: a queued request leaves the queue; a request
+        already granted (the caller gave up just as the grant came) ends that caller's part
+        of the hold, the hold with its last caller. Idempotent; sent by a client whose
+        Acquire failed (timeout, interrupt), so no grant is left behind.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,6 +160,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.ReleaseRequest.FromString,
                     response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'CancelAcquire': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelAcquire,
+                    request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.FromString,
+                    response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
@@ -226,6 +246,33 @@ class Orchestrator:
             '/timeslice.v1.Orchestrator/Release',
             timeslice_dot_v1_dot_orchestrator__pb2.ReleaseRequest.SerializeToString,
             timeslice_dot_v1_dot_orchestrator__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelAcquire(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice.v1.Orchestrator/CancelAcquire',
+            timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.SerializeToString,
+            timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -290,6 +290,25 @@ class LockGroup:
         self._refresh_memory()
         return waiters, self.switching is not None
 
+    def cancel(self, job_id: str, request_id: str) -> str:
+        """The caller of `job_id`'s request `request_id` gave up: "queued" (the entry left the
+        queue, unless other calls of the same request still wait on it), "granted" (its part
+        of the hold ended, the hold with its last caller) or "unknown"."""
+        w = self.queue.by_request(job_id, request_id)
+        if w is not None:
+            w.callers = 1  # every call of this request gave up
+            self._withdraw(w)
+            return "queued"
+        h = self.holder
+        if h is not None and h.job_id == job_id and request_id in h.request_ids:
+            h.request_ids.discard(request_id)
+            if not h.request_ids:
+                self._end_hold(h, "its caller gave up on the grant")
+                self._notify("released", job_id, h.epoch)
+                self._dispatch()
+            return "granted"
+        return "unknown"
+
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
         """Extend the lease; returns the seconds it now has (a preempted holder's lease
         waits with it and does not lapse). A keep-alive for a lease this group does not

@@ -122,6 +122,14 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return pb.ReleaseResponse(waiters=waiters, switch_started=started)
 
     @rpc_method
+    async def CancelAcquire(self, request: pb.CancelAcquireRequest,
+                            context: grpc.aio.ServicerContext) -> pb.CancelAcquireResponse:
+        group, job = await self._resolve(request, context)
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        return pb.CancelAcquireResponse(was=group.cancel(job, request.request_id))
+
+    @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         group, job = await self._resolve(request, context)
