@@ -37,6 +37,7 @@ EVENTS = {  # group event kind -> (reason, warning?)
     "switch-failed": ("SwitchFailed", True),
     "lease-expired": ("LeaseExpired", True),
     "preempted": ("Preempted", False),
+    "job-failed": ("JobFailed", True),
 }
 # After a failed write of a group: 0.5 s, 1 s, 2 s, ... at most 10 s (+-20%) until one succeeds.
 RETRY_BACKOFF = Backoff(initial=0.5, maximum=10.0)
@@ -193,6 +194,7 @@ class ClaimStatusWriter:
             "lease-expired": f"group {e.group_id}: lease of {e.job_id} (epoch {e.epoch}) expired",
             "preempted": f"group {e.group_id}: {e.job_id} (epoch {e.epoch}) held past its maxHoldSeconds while "
                          "others waited: preempted (checkpointed and queued again; with backend none, lease revoked)",
+            "job-failed": f"group {e.group_id}: {e.job_id} failed: {r.error if r else ''}",
         }[e.kind]
         for namespace, name in self._claims_of(e.job_id):
             await self._events.claim_event(namespace, name, "", reason, message, warning=warning)

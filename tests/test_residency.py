@@ -337,3 +337,27 @@ async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> Non
     await eventually(lambda: g._refresh_task is None and g.phase == "idle")
     assert gpu.calls.count(("restore", "a")) == 1 and gpu.reports <= reports + 3
     await g.close()
+
+
+async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_the_others() -> None:
+    """Issue 10, item 5: every acquire of the job repeated checkpoint(other) -> restore(it) ->
+    rollback, and the job was never marked failed."""
+    from timeslice.controller.orchestrator.group import MAX_RESTORE_FAILURES
+
+    events: list[str] = []
+    gpu = FakeGpu(a=60)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",)), gpu,  # type: ignore[arg-type]
+                  observer=lambda _, e: events.append(e.kind))
+    await hold(g, "a")
+    gpu.off["big"] = 200 * GB  # can never fit
+    g.residency.moved_out("big")
+    for _ in range(MAX_RESTORE_FAILURES):
+        with pytest.raises(SwitchFailed, match="no room for big"):
+            await g.acquire("big", 0, f"big-{len(events)}", timeout=None)
+    assert events.count("job-failed") == 1
+    with pytest.raises(SwitchFailed, match=r"job big failed: 3 restores in a row failed.*restart the job"):
+        await g.acquire("big", 0, "big-again", timeout=None)  # refused at once, nothing planned
+    await hold(g, "a")  # the group serves the others
+    g.drop_job("big", "restarted")
+    assert "big" not in g.failed_jobs
+    await g.close()

@@ -66,6 +66,10 @@ RECENT_SWITCHES = 16
 KNOWN_LEASES = 1024  # leases granted by this orchestrator, remembered per group (most recent)
 ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
 PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue entry
+# A job whose restore (or room for it) fails this many times in a row fails: its acquires are
+# refused with the last cause until it is dropped (its pods restarted), and the group serves
+# the others instead of repeating checkpoint(other) -> restore -> rollback at every acquire.
+MAX_RESTORE_FAILURES = 3
 
 
 @dataclass
@@ -112,7 +116,8 @@ class Switcher(Protocol):
 @dataclass(frozen=True)
 class GroupEvent:
     """What happened in a group, for observers (claim status, Events, metrics): `kind` is
-    "granted", "released", "switched", "switch-failed", "lease-expired" or "preempted".
+    "granted", "released", "switched", "switch-failed", "lease-expired", "preempted" or
+    "job-failed" (its restore failed `MAX_RESTORE_FAILURES` times in a row).
     `waited_seconds` (a grant): the longest wait among the granted job's waiters, seconds."""
 
     kind: str
@@ -211,6 +216,8 @@ class LockGroup:
         self._switch_task: asyncio.Task[None] | None = None
         self._refresh_task: asyncio.Task[None] | None = None
         self._background_failed: set[str] = set()  # background restores that failed, until granted again
+        self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
+        self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
         self._preempted: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
@@ -248,6 +255,9 @@ class LockGroup:
         if h is not None and h.job_id == job_id:
             h.request_ids.add(request_id)
             return self._grant_info(h, waited=0.0)
+        if job_id in self.failed_jobs:
+            raise SwitchFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
+                               "retried: restart the job, which drops it)")
         member = self.spec.member(job_id)
         if member is not None:
             priority = member.priority
@@ -342,6 +352,8 @@ class LockGroup:
             self._end_hold(self.holder, f"dropped: {reason}")
         self.residency.forget(job_id)
         self._background_failed.discard(job_id)
+        self._restore_failures.pop(job_id, None)
+        self.failed_jobs.pop(job_id, None)
         self._dispatch()
         self._refresh_memory()
 
@@ -578,9 +590,20 @@ class LockGroup:
             self._grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
         if not grant and (record is None or not record.ok):
             self._background_failed.add(incoming)  # not again in the background: only when it asks
+        elif record is not None and not record.ok and (restore or record.error.startswith("no room")):
+            self._count_restore_failure(incoming, record)
         self._dispatch()
         if self.holder is None and self.switching is None and not len(self.queue) and (record is None or record.ok):
             self._refresh_memory()
+
+    def _count_restore_failure(self, job: str, record: SwitchRecord) -> None:
+        n = self._restore_failures[job] = self._restore_failures.get(job, 0) + 1
+        if n < MAX_RESTORE_FAILURES:
+            return
+        self.failed_jobs[job] = f"{n} restores in a row failed, the last: {record.error}"
+        log.error("job failed group=%s job=%s: %s", self.id, job, self.failed_jobs[job])
+        self._fail_job(job, SwitchFailed(f"group {self.id}: job {job} failed: {self.failed_jobs[job]}"))
+        self._notify("job-failed", job, record=record)
 
     def _refresh_memory(self) -> None:
         """In the background: take a memory snapshot (residents' peaks), and when the group
@@ -614,6 +637,7 @@ class LockGroup:
     def _grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
         self.residency.held(job_id)
         self._background_failed.discard(job_id)
+        self._restore_failures.pop(job_id, None)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
