@@ -361,3 +361,21 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
     g.drop_job("big", "restarted")
     assert "big" not in g.failed_jobs
     await g.close()
+
+
+@pytest.mark.parametrize("residency", ["auto", "exclusive"])
+async def test_a_holder_dropped_while_it_computes_is_fenced_before_anyone_is_granted(residency: str) -> None:
+    """Issue 10, item 4: the waiter was granted 1 ms after the holder was dropped, with no agent
+    call, while the old holder's process still ran on the GPU."""
+    gpu = FakeGpu(a=10, b=10)  # both fit: without the fence nothing would move
+    g = group(gpu, residency=residency)
+    await hold(g, "b")
+    await g.acquire("a", 0, "a-1", timeout=None)  # a holds and computes
+    waiter = asyncio.ensure_future(g.acquire("b", 0, "b-2", timeout=None))
+    await asyncio.sleep(0)
+    before = len(gpu.calls)
+    g.drop_job("a", "pod force-deleted")
+    await asyncio.wait_for(waiter, 5)
+    assert gpu.calls[before] == ("checkpoint", "a")  # fenced first
+    assert "a" not in g.residency.residents and "a" not in g.residency.checkpointed  # then forgotten
+    await g.close()

@@ -217,6 +217,7 @@ class LockGroup:
         self._refresh_task: asyncio.Task[None] | None = None
         self._background_failed: set[str] = set()  # background restores that failed, until granted again
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
+        self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
@@ -345,12 +346,19 @@ class LockGroup:
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:
-        """Forget a job that is gone: its waiters fail, its hold ends, its records go."""
+        """Forget a job that is gone: its waiters fail, its hold ends, its records go. A holder
+        dropped while its processes may still compute (a force-deleted pod, a dropped claim
+        set) is fenced first: nobody is granted until a switch has checkpointed (or frozen, or
+        found gone) its processes; then it is forgotten."""
         self._fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
         self._disarm_max_hold_when_unwaited()
-        if self.holder is not None and self.holder.job_id == job_id:
-            self._end_hold(self.holder, f"dropped: {reason}")
-        self.residency.forget(job_id)
+        held = self.holder is not None and self.holder.job_id == job_id
+        if held:
+            self._end_hold(self.holder, f"dropped: {reason}")  # type: ignore[arg-type]
+        if held and self.spec.backend != "none" and job_id in self.residency.residents:
+            self._fenced.add(job_id)
+        else:
+            self.residency.forget(job_id)
         self._background_failed.discard(job_id)
         self._restore_failures.pop(job_id, None)
         self.failed_jobs.pop(job_id, None)
@@ -479,7 +487,7 @@ class LockGroup:
         r = self.residency
         restore = incoming in r.checkpointed
         if self.spec.backend == "none" or (self.memory_aware and incoming in r.residents
-                                           and not self._preempted_residents(incoming) and self._roomy(incoming)):
+                                           and not self._must_leave(incoming) and self._roomy(incoming)):
             self._grant(incoming, restored=False, switch_seconds=0.0)
             return
         if self.memory_aware and not restore and not r.lru(excluding=[incoming]):
@@ -515,16 +523,17 @@ class LockGroup:
         fraction, fixed = parse_headroom(self.spec.memory_headroom)
         return not lacking_room(incoming, snap, self.residency.peaks, (2 * fraction, 2 * fixed))
 
-    def _preempted_residents(self, incoming: str) -> list[str]:
-        """Holders preempted mid-phase that are still on the GPUs: they must leave whether or
-        not the incoming job fits beside them (their processes are still computing)."""
-        return [h.job_id for _, h in self._preempted.values()
-                if h.job_id != incoming and h.job_id in self.residency.residents]
+    def _must_leave(self, incoming: str) -> list[str]:
+        """Holders preempted mid-phase, and dropped holders, that are still on the GPUs: they
+        must leave whether or not the incoming job fits beside them (their processes may
+        still be computing)."""
+        jobs = [h.job_id for _, h in self._preempted.values()] + sorted(self._fenced)
+        return [j for j in dict.fromkeys(jobs) if j != incoming and j in self.residency.residents]
 
     async def _plan(self, incoming: str, allow_evictions: bool) -> list[str]:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
         holders first. Raises NoRoom."""
-        forced = self._preempted_residents(incoming) if allow_evictions else []
+        forced = self._must_leave(incoming) if allow_evictions else []
         snap = await self._snapshot()
         if snap is None:  # no memory information: one resident at a time
             return self.residency.lru(excluding=[incoming]) if allow_evictions else []
@@ -571,6 +580,9 @@ class LockGroup:
         else:
             for job in evict:
                 r.moved_out(job)
+                if job in self._fenced:  # fenced: now it can be forgotten
+                    self._fenced.discard(job)
+                    r.forget(job)
             if record is not None:
                 self.counters.switches += 1
                 log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", self.id,
@@ -638,6 +650,7 @@ class LockGroup:
         self.residency.held(job_id)
         self._background_failed.discard(job_id)
         self._restore_failures.pop(job_id, None)
+        self._fenced.discard(job_id)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
