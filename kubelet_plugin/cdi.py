@@ -15,12 +15,12 @@ identity is injected: one claim can be shared by pods of different jobs.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from timeslice.driver.atomic import write_atomic
 
 CDI_VERSION = "0.6.0"
 VENDOR = "timeslice.dev"
@@ -87,14 +87,9 @@ def render(spec: ClaimSpec) -> dict[str, object]:
 
 def write(spec_dir: Path, spec: ClaimSpec) -> Path:
     """Write (or replace) the claim's spec atomically; returns its path."""
-    spec_dir.mkdir(parents=True, exist_ok=True)
     path = spec_path(spec_dir, spec.claim_uid)
-    fd, tmp = tempfile.mkstemp(dir=spec_dir, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(render(spec), f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # the temporary name ends in .tmp: the runtime's CDI loader reads *.json and *.yaml only
+    write_atomic(path, json.dumps(render(spec), indent=1).encode())
     return path
 
 

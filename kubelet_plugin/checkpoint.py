@@ -21,9 +21,10 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from timeslice.driver.atomic import write_atomic
 
 log = logging.getLogger("timeslice.kubelet_plugin")
 API_VERSION = "timeslice.dev/kubelet-plugin-checkpoint/v1"
@@ -66,11 +67,5 @@ class Checkpoint:
         return record
 
     def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"apiVersion": API_VERSION, "checksum": _checksum(self.claims), "claims": self.claims}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".checkpoint-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data, sort_keys=True).encode())

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from timeslice.driver.atomic import write_atomic
 
 log = logging.getLogger("timeslice.agent")
 API_VERSION = "timeslice.dev/agent-records/v1"
@@ -75,10 +75,4 @@ class JobRecords:
         data = {"apiVersion": API_VERSION,
                 "jobs": {j: {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
                          for j, r in self.jobs.items()}}
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".records-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
+        write_atomic(self._path, json.dumps(data).encode())
