@@ -17,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -42,6 +43,8 @@ def _orchestrator(a: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"listen": a.listen})
     if a.metrics_listen:
         cfg = cfg.model_copy(update={"metrics_listen": a.metrics_listen})
+    if a.state_file:
+        cfg = cfg.model_copy(update={"state_file": Path(a.state_file)})
     asyncio.run(serve(cfg))
     return 0
 
@@ -174,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "
                         "config's metrics_listen; default off)")
+    o.add_argument("--state-file", metavar="PATH",
+                   help="persist fencing-epoch floors here, so epochs never repeat across restarts (overrides the "
+                        "config's state_file; default off)")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(fn=_orchestrator)
 

@@ -36,3 +36,55 @@ async def test_presumptive_holder_that_was_idle_lapses_after_one_lease(make_clus
     c.orchestrator.group("g").adopt("a", set(), epoch=3)
     grant = await asyncio.wait_for(c.stub.Acquire(pb.AcquireRequest(job_id="b", group_id="g", request_id="r")), 3)
     assert grant.epoch == 4 and (await c.status()).lease_expiries == 1
+
+
+async def test_a_restarted_standalone_orchestrator_never_repeats_an_epoch_and_restores_before_granting(
+        make_cluster, tmp_path) -> None:
+    """Issue 10, item 2: after `timeslice orchestrator` restarted, epochs began again at 1 (the
+    same fencing epoch handed out twice) and a job the agent had checkpointed was granted with
+    its process still stopped."""
+    from timeslice.controller.orchestrator.epochs import EpochFloors
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+
+    c = await make_cluster(backend="freeze")
+    spec = c.orchestrator.group("g").spec
+    first = Orchestrator([spec], epochs=EpochFloors(tmp_path / "state.json"))
+    a = first.group("g")
+    ga = await a.acquire("a", 0, "a1", None)
+    a.release("a", ga.lease_id, ga.epoch)
+    gb = await a.acquire("b", 0, "b1", None)  # a checkpointed by the agent for b
+    assert [step for _, step, _ in c.calls] == ["checkpoint"]
+    await first.close()  # "SIGKILL": b still holds, a is still checkpointed on the node
+
+    second = Orchestrator([spec], epochs=EpochFloors(tmp_path / "state.json"))
+    await second.adopt_agents()
+    b = second.group("g")
+    assert b.checkpointed == {"a"} and b.epoch >= gb.epoch
+    g2 = await b.acquire("a", 0, "a2", None)
+    assert g2.epoch > gb.epoch and g2.restored  # a fresh epoch, and a restored before its grant
+    assert [step for _, step, _ in c.calls] == ["checkpoint", "restore"]
+    await second.close()
+
+
+def test_an_unreadable_state_file_is_refused_with_a_way_out(tmp_path) -> None:
+    from timeslice.controller.orchestrator.epochs import EpochFloors
+
+    bad = tmp_path / "state.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"unreadable .* move it away to start afresh"):
+        EpochFloors(bad)
+
+
+async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> None:
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.epochs import EpochFloors
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.driver.errors import SwitchFailed
+
+    blocker = tmp_path / "a-file"  # the state file's folder cannot be made (root ignores permissions)
+    blocker.write_text("x")
+    floors = EpochFloors(blocker / "state.json")
+    g = LockGroup(GroupSpec(id="g"), None, reserve_epoch=floors.reserve)  # type: ignore[arg-type]
+    with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
+        await g.acquire("a", 0, "r", None)
+    assert g.epoch == 0 and g.holder is None

@@ -91,13 +91,16 @@ class PinnedPoolSpec(BaseModel):
 class OrchestratorConfig(BaseModel):
     """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster.
     `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off).
-    `pinned_pool`: the node's shared pinned pool for cooperative groups (one-box mode)."""
+    `pinned_pool`: the node's shared pinned pool for cooperative groups (one-box mode).
+    `state_file`: persisted epoch floors (`epochs.py`)."""
 
     model_config = ConfigDict(extra="forbid")
 
     listen: str = "127.0.0.1:50051"
     metrics_listen: str | None = None
     pinned_pool: PinnedPoolSpec | None = None
+    # Where fencing-epoch floors persist across restarts (None: epochs restart at 0).
+    state_file: Path | None = None
     groups: list[GroupSpec] = []
 
     @model_validator(mode="after")

@@ -201,7 +201,10 @@ class GroupView:
 
 class LockGroup:
     def __init__(self, spec: GroupSpec, switcher: Switcher,
-                 clock: Callable[[], float] = time.monotonic, observer: Observer | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
+                 reserve_epoch: Callable[[str, int], None] | None = None) -> None:
+        """`reserve_epoch(group id, epoch)`: called before an epoch is granted (`EpochFloors`)."""
+        self._reserve_epoch = reserve_epoch
         self.spec = spec
         self._observer = observer
         self._switcher = switcher
@@ -656,6 +659,15 @@ class LockGroup:
             self._dispatch()
             return
         now = self._clock()
+        if self._reserve_epoch is not None:
+            try:
+                self._reserve_epoch(self.id, self.epoch + 1)
+            except OSError as err:  # without a persisted epoch a restart could hand this one out again
+                log.error("epoch not persisted group=%s: %s", self.id, err)
+                for w in waiters:
+                    w.future.set_exception(SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}"))
+                self._dispatch()  # the next job's grant meets the same refusal: none is granted unpersisted
+                return
         self.epoch += 1
         self.counters.grants += 1
         parked = next((self._forget_preempted(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
+from timeslice.controller.orchestrator.epochs import EpochFloors
 from timeslice.controller.orchestrator.group import GroupEvent, LockGroup, Observer, Switcher
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
@@ -26,9 +27,11 @@ log = logging.getLogger("timeslice.orchestrator")
 class Orchestrator:
     def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
                  observer: Observer | None = None, agents: AgentPool | None = None,
-                 pinned_pool: PinnedPool | None = None) -> None:
+                 pinned_pool: PinnedPool | None = None, epochs: EpochFloors | None = None) -> None:
         """`pinned_pool`: this node's shared pinned host memory for cooperative checkpoints
-        (one-box mode; None: each cooperative process keeps its own host copy)."""
+        (one-box mode; None: each cooperative process keeps its own host copy). `epochs`:
+        persisted epoch floors (standalone mode: epochs never repeat across restarts)."""
+        self._epochs = epochs
         self._pool = agents or AgentPool()
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
@@ -45,7 +48,8 @@ class Orchestrator:
         """Add a group, or replace the spec of a known one (its state is kept)."""
         group = self._groups.get(spec.id)
         if group is None:
-            group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observe)
+            group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observe,
+                                                      reserve_epoch=self._epochs.reserve if self._epochs else None)
         else:
             group.spec = spec
         return group
@@ -106,6 +110,14 @@ class Orchestrator:
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]
+
+    async def adopt_agents(self) -> None:
+        """Standalone start: each group resumes from its persisted epoch floor and the jobs its
+        node agents report checkpointed (they are restored before they are granted again)."""
+        for group in self.groups():
+            checkpointed = await self.checkpointed_jobs(group) if group.spec.agents else set()
+            start = self._epochs.start(group.id) if self._epochs else 0
+            group.adopt(None, checkpointed, start)
 
     def drop_job(self, group_id: str, job: str, reason: str) -> None:
         """A job of the group is gone: its waiters fail, its hold ends, its cooperative

@@ -12,6 +12,7 @@ import logging
 
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator.epochs import EpochFloors
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
@@ -38,7 +39,8 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
     those with the same request id against the next orchestrator)."""
     pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
-    orchestrator = Orchestrator(config.groups, pinned_pool=pool)
+    orchestrator = Orchestrator(config.groups, pinned_pool=pool, epochs=EpochFloors(config.state_file))
+    await orchestrator.adopt_agents()
     metrics = None
     if config.metrics_listen:
         metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
