@@ -211,12 +211,16 @@ def code_of(err: grpc.RpcError) -> grpc.StatusCode | None:
 
 
 def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
-    """Map a gRPC error to the client's exception tree (see `timeslice.errors`)."""
+    """Map a gRPC error to the client's exception tree (see `timeslice.errors`); statuses the
+    orchestrator does not send on purpose (UNKNOWN, INTERNAL, UNIMPLEMENTED, DATA_LOSS, ...)
+    stay the base `TimeSliceError`, with the status named in the message."""
     code = code_of(err)
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    message = f"{what}: {details}"
+    message = f"{what}: {details}" if code is None or details == code.name else f"{what}: {code.name}: {details}"
     mapping: dict[grpc.StatusCode, type[TimeSliceError]] = {
         grpc.StatusCode.UNAVAILABLE: OrchestratorUnavailable,
+        grpc.StatusCode.CANCELLED: OrchestratorUnavailable,  # only the server side cancels these calls
+        grpc.StatusCode.RESOURCE_EXHAUSTED: OrchestratorUnavailable,
         grpc.StatusCode.DEADLINE_EXCEEDED: AcquireTimeout,
         grpc.StatusCode.ABORTED: SwitchFailed,
         grpc.StatusCode.FAILED_PRECONDITION: LeaseLost,

@@ -138,13 +138,15 @@ async def test_unavailable_is_retried_with_the_same_request_id() -> None:
 async def test_cancelled_by_the_server_is_retried_with_the_same_request_id() -> None:
     """A stopping leader's in-flight Acquire can come back CANCELLED (e2e: deleting the leader
     pod failed a job with `acquire gpu: CANCELLED`); only the server side sends it to these
-    blocking calls, so the client retries as for UNAVAILABLE."""
+    blocking calls, so the client retries as for UNAVAILABLE, and past `unavailable_timeout`
+    raises a typed error, not the base one (issue 10, item 15)."""
     seen: list[str] = []
+    always = False
 
     class Stopping(OrchestratorServicer):
         async def Acquire(self, request, context):
             seen.append(request.request_id)
-            if len(seen) == 1:
+            if always or len(seen) == 1:
                 await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
             return await super().Acquire(request, context)
 
@@ -158,6 +160,11 @@ async def test_cancelled_by_the_server_is_retried_with_the_same_request_id() -> 
         grant = await asyncio.to_thread(client.acquire)
         assert grant.epoch == 1 and len(seen) == 2 and len(set(seen)) == 1
         await asyncio.to_thread(client.close)
+        always = True
+        other = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g", unavailable_timeout=0.3)
+        with pytest.raises(OrchestratorUnavailable, match="acquire g: CANCELLED"):
+            await asyncio.to_thread(other.acquire)
+        await asyncio.to_thread(other.close)
     finally:
         await server.stop(0)
         await orch.close()
