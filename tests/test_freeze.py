@@ -7,7 +7,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import FailedPrecondition, ProcessGone
+from timeslice.driver.errors import FailedPrecondition
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -47,14 +47,18 @@ async def test_freeze_stops_and_thaw_resumes_real_processes(children) -> None:
     assert procs[0].stdout.readline().strip().isdigit()  # it computes again
 
 
-async def test_vanished_process_fails_the_step_and_rolls_back_the_others(children) -> None:
+async def test_a_process_gone_during_the_step_is_reported_gone_and_the_others_move(children) -> None:
+    """Issue 10, item 10: a target that ended during the step failed the whole step (and its
+    job stayed "resident"); it has nothing left to move: it is reported `gone`."""
     alive = spinner(children)
     dead = python_child("pass")
     dead.wait()
-    with pytest.raises(ProcessGone, match=rf"pid {dead.pid}.*rolled back 1 process"):
-        await FreezeBackend().checkpoint([alive.pid, dead.pid], timeout=5)
-    assert proc_state(alive.pid) in "RS"  # not left stopped
     dead.stdout.close()
+    backend = FreezeBackend()
+    states = {p.pid: p.state for p in await backend.checkpoint([alive.pid, dead.pid], timeout=5)}
+    assert states == {alive.pid: "stopped", dead.pid: "gone"} and proc_state(alive.pid) == "T"
+    states = {p.pid: p.state for p in await backend.restore([alive.pid, dead.pid], timeout=5)}
+    assert states[dead.pid] == "gone" and proc_state(alive.pid) in "RS"
 
 
 async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path, short_tmp) -> None:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from timeslice.driver.errors import BackendError, TimeSliceServerError
+from timeslice.driver.errors import BackendError, ProcessGone, TimeSliceServerError
 
 log = logging.getLogger("timeslice.agent")
 
@@ -25,6 +25,7 @@ CHECKPOINTED = "checkpointed"
 STOPPED = "stopped"
 FAILED = "failed"
 NO_CONTEXT = "no-context"  # no CUDA context: nothing on the GPU to move
+GONE = "gone"  # the process ended (crashed) during the step: nothing left to move
 UNKNOWN = "unknown"
 
 
@@ -64,14 +65,21 @@ class Backend(ABC):
 async def run_step(what: str, pids: Sequence[int], forward: Step, inverse: Step) -> list[ProcState]:
     """Run `forward` on every PID; on any failure run `inverse` on those that succeeded.
 
+    A process that ends during the step (ProcessGone: it crashed, or exited) is reported
+    as `gone`, not as a failure: nothing of it is left to move or to undo.
     Raises the first failure (a `TimeSliceServerError`), with the other failures and
     any rollback problem named in its message.
     """
     results = await asyncio.gather(*(forward(pid) for pid in pids), return_exceptions=True)
-    done = [r for r in results if isinstance(r, ProcState)]
+    for pid, r in zip(pids, results):
+        if isinstance(r, ProcessGone):
+            log.warning("%s: process %d ended during the step (%s): reported gone", what, pid, r)
+    results = [ProcState(pid, GONE) if isinstance(r, ProcessGone) else r for pid, r in zip(pids, results)]
+    done = [r for r in results if isinstance(r, ProcState) and r.state != GONE]
+    gone = [r for r in results if isinstance(r, ProcState) and r.state == GONE]
     failures = [(pid, r) for pid, r in zip(pids, results) if isinstance(r, BaseException)]
     if not failures:
-        return done
+        return done + gone
     undo = await asyncio.gather(*(inverse(st.pid) for st in done), return_exceptions=True)
     stuck = [f"pid {st.pid}: {err}" for st, err in zip(done, undo) if isinstance(err, BaseException)]
     causes = "; ".join(f"pid {pid}: {err}" for pid, err in failures)

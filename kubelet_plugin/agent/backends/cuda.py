@@ -63,8 +63,9 @@ class CudaBackend(CudaStyleBackend):
             cls = StepTimeout
         elif err == cu.CUresult.CUDA_ERROR_OPERATING_SYSTEM:
             cls = ProcessGone  # seen for a PID that does not exist
-        elif err in (cu.CUresult.CUDA_ERROR_NOT_INITIALIZED, cu.CUresult.CUDA_ERROR_ILLEGAL_STATE):
-            cls = FailedPrecondition  # no CUDA context in the process, or wrong state
+        elif err in (cu.CUresult.CUDA_ERROR_NOT_INITIALIZED, cu.CUresult.CUDA_ERROR_INITIALIZATION_ERROR,
+                     cu.CUresult.CUDA_ERROR_ILLEGAL_STATE):
+            cls = FailedPrecondition  # no (usable) CUDA context in the process, or wrong state
         raise cls(message)
 
     async def lock(self, pid: int, timeout: float) -> None:

@@ -79,7 +79,11 @@ class CudaStyleBackend(Backend):
         if state == CHECKPOINTED:
             return ProcState(pid, CHECKPOINTED, gpu_bytes)
         if state == RUNNING:
-            await self.lock(pid, min(self.lock_timeout, timeout))
+            try:
+                await self.lock(pid, min(self.lock_timeout, timeout))
+            except FailedPrecondition as err:  # a helper whose context cannot be locked: nothing to move
+                log.warning("lock refused, taken as no CUDA context pid=%d: %s", pid, err)
+                return ProcState(pid, NO_CONTEXT)
         elif state != LOCKED:
             raise BackendError(f"process {pid} is {state}, cannot checkpoint")
         try:
