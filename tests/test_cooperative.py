@@ -113,13 +113,19 @@ async def connected(client: TimeSliceOrchestratorClient) -> None:
     await asyncio.to_thread(client._memory_loops[0].connected.wait, 10)
 
 
+async def jobs(target: str, sa: FakeStore, sb: FakeStore) -> tuple[TimeSliceOrchestratorClient, ...]:
+    """Clients of jobs "a" and "b" serving `sa` and `sb`, their command streams open."""
+    clients = job(target, "a", sa), job(target, "b", sb)
+    for c in clients:
+        await connected(c)
+    return clients
+
+
 async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through_the_pool(coop) -> None:
     orch, target = await coop()
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         for _ in range(3):
             await asyncio.to_thread(a.acquire)
             assert sa.device == bytearray(sa.original)
@@ -162,10 +168,8 @@ async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(
 async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop) -> None:
     orch, target = await coop()
     sa, sb = FakeStore("a", fail=True), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
         with pytest.raises(SwitchFailed, match="injected copy failure"):
@@ -182,10 +186,8 @@ async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop)
 async def test_a_process_that_closes_its_stream_while_checkpointed_keeps_its_pool_range(coop) -> None:
     orch, target = await coop()
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
         await asyncio.to_thread(b.acquire)
@@ -264,10 +266,8 @@ async def test_state_never_leaves_a_job_inside_its_hold_even_when_its_lease_is_r
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "max_hold_seconds": 0.2, "residency": "exclusive"}))
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         await asyncio.to_thread(a.acquire)  # a stays inside its phase
         with pytest.raises(SwitchFailed, match="inside its GPU phase"):
             await asyncio.to_thread(b.acquire)
@@ -286,10 +286,8 @@ async def test_a_command_answered_late_settles_the_state_and_leaks_no_pool(coop,
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "step_timeout_seconds": 0.3, "residency": "exclusive"}))
     sa, sb = FakeStore("a", delay=0.6), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
         with pytest.raises(SwitchFailed, match=r"no answer within 0\.3 s"):
@@ -319,10 +317,8 @@ async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_proce
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "residency": "exclusive"}))
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = job(target, "a", sa), job(target, "b", sb)
+    a, b = await jobs(target, sa, sb)
     try:
-        await connected(a)
-        await connected(b)
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
         await asyncio.to_thread(b.acquire)  # a checkpointed into the pool

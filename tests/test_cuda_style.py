@@ -3,7 +3,8 @@ driver answers per PID is the test's input, so every branch runs on the CPU."""
 
 from __future__ import annotations
 
-from timeslice.driver.errors import FailedPrecondition
+import pytest
+from timeslice.driver.errors import BackendError, FailedPrecondition, StepTimeout
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, LOCKED, NO_CONTEXT, RUNNING
 from timeslice.kubelet_plugin.agent.backends.cuda_style import CudaStyleBackend
 
@@ -49,3 +50,42 @@ async def test_a_helper_whose_lock_is_refused_has_nothing_to_move_and_the_switch
     assert ("checkpoint", HELPER) not in b.calls and b.states[HELPER] == RUNNING
     states = {p.pid: p.state for p in await b.restore([TARGET, HELPER], timeout=5)}
     assert states == {TARGET: RUNNING, HELPER: RUNNING} and b.states[TARGET] == RUNNING
+
+
+class Stuck(Scripted):
+    """TARGET's peer never locks (it waits for a peer outside the job: the NCCL case)."""
+
+    async def lock(self, pid: int, timeout: float) -> None:
+        if pid == HELPER:
+            self.calls.append(("lock", pid))
+            raise StepTimeout(f"cuCheckpointProcessLock pid {pid}: CUDA_ERROR_NOT_READY")
+        await super().lock(pid, timeout)
+
+
+async def test_every_process_is_locked_before_any_is_checkpointed_and_a_failed_lock_undoes_all() -> None:
+    """Issue 10, item 3: with one process that never locks, the first process was already
+    checkpointed when the switch failed, and stayed so while the orchestrator called the job
+    resident."""
+    b = Stuck()
+    with pytest.raises(StepTimeout, match="rolled back 1 process"):
+        await b.checkpoint([TARGET, HELPER], timeout=5)
+    assert not any(step == "checkpoint" for step, _ in b.calls)
+    assert b.states == {TARGET: RUNNING, HELPER: RUNNING}
+
+
+class FailsToCheckpoint(Scripted):
+    async def do_checkpoint(self, pid: int) -> None:
+        if pid == HELPER:
+            raise BackendError(f"cuCheckpointProcessCheckpoint pid {pid}: CUDA_ERROR_UNKNOWN")
+        await super().do_checkpoint(pid)
+
+    async def lock(self, pid: int, timeout: float) -> None:  # both lock
+        self.calls.append(("lock", pid))
+        self.states[pid] = LOCKED
+
+
+async def test_a_failed_checkpoint_restores_the_others_and_unlocks_everyone() -> None:
+    b = FailsToCheckpoint()
+    with pytest.raises(BackendError, match="CUDA_ERROR_UNKNOWN"):
+        await b.checkpoint([TARGET, HELPER], timeout=5)
+    assert b.states == {TARGET: RUNNING, HELPER: RUNNING}

@@ -51,10 +51,21 @@ class CudaStyleBackend(Backend):
     async def get_state(self, pid: int) -> str: ...
 
     async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        """Two phases over the job's processes: lock them all (at once: a process whose GPU
+        memory or communicators are shared, NCCL's peers, blocks in its lock until its peers are
+        locked too), and only then checkpoint the locked ones. A lock that fails unlocks the
+        others before anything is checkpointed; a checkpoint that fails restores the ones done
+        and unlocks every process still locked."""
         sizes = await asyncio.to_thread(process_gpu_bytes)
-        return await run_step(f"{self.name} checkpoint", pids,
-                              lambda p: self._checkpoint_one(p, timeout, sizes.get(p, 0)),
-                              self._restore_one)
+        locked = await run_step(f"{self.name} lock", pids, lambda p: self._lock_one(p, timeout), self._unlock_one)
+        to_move = [s.pid for s in locked if s.state == LOCKED]
+        try:
+            moved = await run_step(f"{self.name} checkpoint", to_move,
+                                   lambda p: self._checkpoint_locked(p, sizes.get(p, 0)), self._restore_one)
+        except BaseException:
+            await asyncio.gather(*(self._unlock_one(p) for p in to_move), return_exceptions=True)
+            raise
+        return [s for s in locked if s.state != LOCKED] + moved
 
     async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
         return await run_step(f"{self.name} restore", pids, self._restore_one,
@@ -71,6 +82,33 @@ class CudaStyleBackend(Backend):
         except FailedPrecondition as err:
             log.warning("no CUDA context, nothing to move pid=%d: %s", pid, err)
             return None
+
+    async def _lock_one(self, pid: int, timeout: float) -> ProcState:
+        """LOCKED when this call locked it (or found it locked); else what it is (no context,
+        already checkpointed: nothing to lock)."""
+        state = await self._state_or_none(pid)
+        if state is None:
+            return ProcState(pid, NO_CONTEXT)
+        if state in (CHECKPOINTED, LOCKED):
+            return ProcState(pid, state)
+        if state != RUNNING:
+            raise BackendError(f"process {pid} is {state}, cannot checkpoint")
+        try:
+            await self.lock(pid, min(self.lock_timeout, timeout))
+        except FailedPrecondition as err:  # a helper whose context cannot be locked: nothing to move
+            log.warning("lock refused, taken as no CUDA context pid=%d: %s", pid, err)
+            return ProcState(pid, NO_CONTEXT)
+        return ProcState(pid, LOCKED)
+
+    async def _unlock_one(self, pid: int) -> ProcState:
+        """Undo a lock: unlock a process that is LOCKED (others are left as they are)."""
+        if await self._state_or_none(pid) == LOCKED:
+            await self._unlock_retry(pid)
+        return ProcState(pid, RUNNING)
+
+    async def _checkpoint_locked(self, pid: int, gpu_bytes: int) -> ProcState:
+        await self.do_checkpoint(pid)
+        return ProcState(pid, CHECKPOINTED, gpu_bytes)
 
     async def _checkpoint_one(self, pid: int, timeout: float, gpu_bytes: int) -> ProcState:
         state = await self._state_or_none(pid)
