@@ -32,7 +32,7 @@ from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_availa
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
-from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
+from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 
 log = logging.getLogger("timeslice.agent")
 # Host memory a checkpoint must leave to the node's other processes, bytes.
@@ -168,9 +168,20 @@ class NodeAgent:
             on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
             if backend_name in HOST_MEMORY_BACKENDS:
                 await self._check_host_room(job_id, sum(on_gpus.values()))
-            procs = await backend.checkpoint(pids, timeout or self.default_timeout)
+            self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus, CHECKPOINTING),
+                        "nothing was touched")  # write-ahead: a crash from here on is undone at start
+            try:
+                procs = await backend.checkpoint(pids, timeout or self.default_timeout)
+            except BaseException:
+                self.records.pop(job_id)  # the backend put every process back
+                raise
             record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs}, on_gpus)
-            self.records.put(job_id, record)
+            try:
+                self._write(job_id, record, "the checkpoint was undone")
+            except FailedPrecondition:
+                await backend.restore(pids, timeout or self.default_timeout)
+                self.records.pop(job_id)
+                raise
             seconds = time.monotonic() - t0
             log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
                      group_id, backend_name, pids, record.bytes, seconds)
@@ -204,6 +215,31 @@ class NodeAgent:
             log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
                      group_id, backend_name, pids, moved, seconds)
             return StepOutcome(job_id, procs, moved, seconds)
+
+    def _write(self, job_id: str, record: JobRecord, then: str) -> None:
+        """Persist a record; raises FailedPrecondition (naming the file's error and `then`)."""
+        try:
+            self.records.put(job_id, record)
+        except OSError as err:
+            raise FailedPrecondition(f"node agent cannot write its records ({err}): {then}; job {job_id} stays "
+                                     "as it was") from err
+
+    async def recover(self) -> None:
+        """At start: undo the checkpoints a previous run of this agent began and did not
+        finish (write-ahead records still `checkpointing`): their processes are restored and
+        their records dropped, so no process stays stopped without an owner."""
+        for job_id, record in list(self.records.jobs.items()):
+            if record.phase != CHECKPOINTING:
+                continue
+            pids = [p for p in record.pids if _alive(p)]
+            log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
+            try:
+                if pids:
+                    await self.backend(record.backend).restore(pids, self.default_timeout)
+            except TimeSliceServerError as err:
+                log.error("could not undo the interrupted checkpoint of job=%s: %s (record kept)", job_id, err)
+                continue
+            self.records.pop(job_id)
 
     def _lock(self, job_id: str) -> asyncio.Lock:
         lock = self._job_locks.get(job_id)

@@ -8,7 +8,10 @@ temp file, fsynced and renamed):
      "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
                         "devices": {"<GPU uuid>": <bytes>}}}}
 
-`devices` (optional): the checkpoint's bytes by GPU, for residency decisions.
+`devices` (optional): the checkpoint's bytes by GPU, for residency decisions. `phase`
+(optional, default "checkpointed"): "checkpointing" is the write-ahead intent, written
+before a checkpoint touches any process; a record still in that phase when the agent
+starts belongs to a step it did not finish, which it undoes (`NodeAgent.recover`).
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -24,6 +27,8 @@ from timeslice.driver.atomic import write_atomic
 
 log = logging.getLogger("timeslice.agent")
 API_VERSION = "timeslice.dev/agent-records/v1"
+CHECKPOINTING = "checkpointing"  # write-ahead: the step may have touched these processes
+CHECKPOINTED = "checkpointed"
 
 
 @dataclass
@@ -32,6 +37,7 @@ class JobRecord:
     group: str
     pids: dict[int, int] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
+    phase: str = CHECKPOINTED
 
     @property
     def bytes(self) -> int:
@@ -53,20 +59,36 @@ class JobRecords:
             if data.get("apiVersion") != API_VERSION:
                 raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
             self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()},
-                                        {str(d): int(b) for d, b in r.get("devices", {}).items()})
+                                        {str(d): int(b) for d, b in r.get("devices", {}).items()},
+                                        str(r.get("phase", CHECKPOINTED)))
                          for job, r in data["jobs"].items()}
         except (ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are.
             log.error("ignoring unreadable records file path=%s: %s", path, err)
 
     def put(self, job_id: str, record: JobRecord) -> None:
+        """Persist `record` (fsync'd before this returns). Raises OSError, and then keeps
+        what it held before."""
+        before = self.jobs.get(job_id)
         self.jobs[job_id] = record
-        self._save()
+        try:
+            self._save()
+        except OSError:
+            if before is None:
+                del self.jobs[job_id]
+            else:
+                self.jobs[job_id] = before
+            raise
 
     def pop(self, job_id: str) -> JobRecord | None:
+        """Forget a record (persisted; a failed write is logged: the record then comes back
+        at the next start, where recovery settles it again)."""
         record = self.jobs.pop(job_id, None)
         if record is not None:
-            self._save()
+            try:
+                self._save()
+            except OSError as err:
+                log.error("records file not updated after forgetting job=%s: %s", job_id, err)
         return record
 
     def _save(self) -> None:

@@ -25,7 +25,9 @@ async def create_server(agent: NodeAgent, listen: str, callers: CallerCheck | No
     """A started server for `agent` on `listen`; returns (server, port; 0 for unix sockets).
     `callers`: who may call the NodeAgent service (None: anyone); health stays open.
     `credentials`: serve TLS with them (None: plaintext). Raises OSError when `listen`
-    cannot be bound."""
+    cannot be bound. Checkpoints an earlier run left unfinished are undone first
+    (`NodeAgent.recover`)."""
+    await agent.recover()
     servicer = NodeAgentServicer(agent, callers)
     return await grpc_server.start(lambda s: apb_grpc.add_NodeAgentServicer_to_server(servicer, s),
                                    [SERVICE_NAME], listen, credentials)
