@@ -82,6 +82,11 @@ class Unavailable(TimeSliceServerError):
     retryable = True
 
 
+class OutcomeUnknown(Unavailable):
+    """A step's reply was lost (the agent died, the call timed out or was cut): it may have
+    touched processes. The caller must ask, or undo, never assume it did nothing."""
+
+
 class BackendError(TimeSliceServerError):
     retryable = True
 

@@ -93,3 +93,46 @@ async def test_a_checkpoint_whose_record_cannot_be_written_touches_nothing(child
         await agent.checkpoint("a", "freeze", "g", 5)
     assert proc_state(job.pid) in "RS" and agent.records.jobs == {}
     assert not list(tmp_path.glob("**/*.tmp"))  # no temporary left behind
+
+
+async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(children, short_tmp) -> None:
+    """Issue 10, item 1 (orchestrator side): the agent died during a checkpoint; the switch was
+    reported "rolled back" with the outgoing job kept resident, and that job's next acquire was
+    granted at once with its process possibly still stopped. A step with no reply is undone,
+    and when the undo cannot reach the agent the job counts as off the GPU: it is restored
+    (by an agent that answers) before it is granted again."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.driver.errors import SwitchFailed
+
+    a_proc, b_proc = spinner(children), spinner(children)
+    target = f"unix://{short_tmp / 'agent.sock'}"
+
+    def agent() -> NodeAgent:
+        return NodeAgent(StaticProcessResolver({"a": [a_proc.pid], "b": [b_proc.pid]}), backends=["freeze"])
+
+    server, _ = await create_server(agent(), target)
+    orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(target,), step_timeout_seconds=2)])
+    g = orch.group("g")
+    try:
+        ga = await g.acquire("a", 0, "a1", None)
+        g.release("a", ga.lease_id, ga.epoch)
+        await server.stop(0)  # the agent is gone
+        with pytest.raises(SwitchFailed, match="ROLLBACK INCOMPLETE"):
+            await g.acquire("b", 0, "b1", None)
+        assert "a" in g.checkpointed  # not assumed resident
+        server, _ = await create_server(agent(), target)  # the agent is back
+        grants = []
+
+        async def acquired() -> bool:  # a client retries SwitchFailed; the agent's channel reconnects
+            try:
+                grants.append(await g.acquire("a", 0, f"a-{len(grants)}", None))
+            except SwitchFailed:
+                return False
+            return True
+
+        await eventually(acquired, timeout=20)
+        assert grants[-1].restored and proc_state(a_proc.pid) in "RS" and "a" not in g.failed_jobs
+    finally:
+        await server.stop(0)
+        await orch.close()

@@ -31,13 +31,16 @@ from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.bearer import Metadata, TokenFile
 from timeslice.driver.certificates import fingerprint
-from timeslice.driver.errors import TimeSliceServerError, Unavailable, error_from_status
+from timeslice.driver.errors import OutcomeUnknown, TimeSliceServerError, Unavailable, error_from_status
 from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION, AGENT_TLS_SERVER_NAME
 
 log = logging.getLogger("timeslice.orchestrator.agents")
 
 # Target prefix of a node without a node agent: `no-agent:<node>` (see MissingAgent).
 MISSING_PREFIX = "no-agent:"
+# Statuses after which a step may or may not have run on the agent (no reply came back).
+_OUTCOME_UNKNOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNKNOWN)
 # Slack on top of the step's own bound, for the RPC itself (seconds).
 RPC_SLACK_SECONDS = 5.0
 # A channel is reused across agent restarts (same target under hostNetwork): cap gRPC's
@@ -130,7 +133,10 @@ class AgentClient:
         try:
             resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
-            raise self._error(err, f"{what} of job {job_id}") from err
+            known = self._error(err, f"{what} of job {job_id}")
+            if err.code() in _OUTCOME_UNKNOWN:
+                raise OutcomeUnknown(f"{known} (the step's outcome is unknown: it is undone)") from err
+            raise known from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
     async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:

@@ -87,6 +87,7 @@ class SwitchRecord:
     bytes_restored: int = 0
     finished_at_unix: float = 0.0
     evicted: tuple[str, ...] = ()
+    unreachable: bool = False  # failed only because agents did not answer: not the job's fault
 
     @property
     def seconds(self) -> float:
@@ -605,7 +606,8 @@ class LockGroup:
             self._grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
         if not grant and (record is None or not record.ok):
             self._background_failed.add(incoming)  # not again in the background: only when it asks
-        elif record is not None and not record.ok and (restore or record.error.startswith("no room")):
+        elif record is not None and not record.ok and not record.unreachable and \
+                (restore or record.error.startswith("no room")):
             self._count_restore_failure(incoming, record)
         self._dispatch()
         if self.holder is None and self.switching is None and not len(self.queue) and (record is None or record.ok):

@@ -24,7 +24,7 @@ from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
 from timeslice.driver import names
-from timeslice.driver.errors import NotFound, TimeSliceServerError
+from timeslice.driver.errors import NotFound, OutcomeUnknown, TimeSliceServerError, Unavailable
 
 log = logging.getLogger("timeslice.switch")
 
@@ -55,7 +55,7 @@ class SwitchCoordinator:
             rec.bytes_checkpointed += sum(r.bytes for r in done.values())
             if failures:
                 rec.checkpoint_seconds = time.monotonic() - t0
-                back = await self._undo(self._current(done), "restore", spec, job)
+                back = await self._undo(self._current([*done, *_unknown(failures)]), "restore", spec, job)
                 stuck = await self._restore_all(spec, out)
                 raise self._failed(rec, f"checkpoint of {job} failed", failures, back and not stuck,
                                    stuck + ([] if back else [job]))
@@ -67,7 +67,7 @@ class SwitchCoordinator:
             rec.restore_seconds = time.monotonic() - t0
             rec.bytes_restored = sum(r.bytes for r in done.values())
             if failures:
-                await self._undo(self._current(done), "checkpoint", spec, incoming)
+                await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
                 stuck = await self._restore_all(spec, out)
                 raise self._failed(rec, f"restore of {incoming} failed", failures, not stuck, stuck)
         return rec
@@ -154,8 +154,14 @@ class SwitchCoordinator:
                 off_gpu: Sequence[str]) -> SwitchError:
         causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
         rec.ok = False
+        rec.unreachable = all(isinstance(err, Unavailable) for err in failures.values())
         rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
         return SwitchError(rec.error, rec, off_gpu)
+
+
+def _unknown(failures: dict[Any, BaseException]) -> list[Any]:
+    """The agents whose step may have run although it failed (no reply): undone like the done ones."""
+    return [a for a, err in failures.items() if isinstance(err, OutcomeUnknown)]
 
 
 class _CooperativeStep:
