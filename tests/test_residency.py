@@ -379,3 +379,16 @@ async def test_a_holder_dropped_while_it_computes_is_fenced_before_anyone_is_gra
     assert gpu.calls[before] == ("checkpoint", "a")  # fenced first
     assert "a" not in g.residency.residents and "a" not in g.residency.checkpointed  # then forgotten
     await g.close()
+
+
+async def test_a_holder_whose_lease_lapses_is_checkpointed_even_when_the_waiter_fits() -> None:
+    """A holder cut off (its keep-alives lost) may still compute: memory-aware residency must
+    not grant the next job beside it because both fit."""
+    gpu = FakeGpu(a=10, b=10)
+    g = group(gpu, lease_seconds=0.1)
+    await hold(g, "b")
+    await g.acquire("a", 0, "a-1", timeout=None)  # a holds, then goes silent
+    before = len(gpu.calls)
+    await asyncio.wait_for(g.acquire("b", 0, "b-2", timeout=None), 5)
+    assert gpu.calls[before] == ("checkpoint", "a") and "a" in g.residency.checkpointed
+    await g.close()

@@ -222,6 +222,7 @@ class LockGroup:
         self._background_failed: set[str] = set()  # background restores that failed, until granted again
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
+        self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
@@ -359,10 +360,11 @@ class LockGroup:
         held = self.holder is not None and self.holder.job_id == job_id
         if held:
             self._end_hold(self.holder, f"dropped: {reason}")  # type: ignore[arg-type]
-        if held and self.spec.backend != "none" and job_id in self.residency.residents:
+        if (held or job_id in self._lapsed) and self.spec.backend != "none" and job_id in self.residency.residents:
             self._fenced.add(job_id)
         else:
             self.residency.forget(job_id)
+        self._lapsed.discard(job_id)
         self._background_failed.discard(job_id)
         self._restore_failures.pop(job_id, None)
         self.failed_jobs.pop(job_id, None)
@@ -528,10 +530,10 @@ class LockGroup:
         return not lacking_room(incoming, snap, self.residency.peaks, (2 * fraction, 2 * fixed))
 
     def _must_leave(self, incoming: str) -> list[str]:
-        """Holders preempted mid-phase, and dropped holders, that are still on the GPUs: they
-        must leave whether or not the incoming job fits beside them (their processes may
-        still be computing)."""
-        jobs = [h.job_id for _, h in self._preempted.values()] + sorted(self._fenced)
+        """Holders preempted mid-phase, dropped, or whose lease lapsed, that are still on the
+        GPUs: they must leave whether or not the incoming job fits beside them (their
+        processes may still be computing)."""
+        jobs = [h.job_id for _, h in self._preempted.values()] + sorted(self._fenced | self._lapsed)
         return [j for j in dict.fromkeys(jobs) if j != incoming and j in self.residency.residents]
 
     async def _plan(self, incoming: str, allow_evictions: bool) -> list[str]:
@@ -584,6 +586,7 @@ class LockGroup:
         else:
             for job in evict:
                 r.moved_out(job)
+                self._lapsed.discard(job)
                 if job in self._fenced:  # fenced: now it can be forgotten
                     self._fenced.discard(job)
                     r.forget(job)
@@ -656,6 +659,7 @@ class LockGroup:
         self._background_failed.discard(job_id)
         self._restore_failures.pop(job_id, None)
         self._fenced.discard(job_id)
+        self._lapsed.discard(job_id)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
@@ -707,6 +711,8 @@ class LockGroup:
         log.warning("lease expired group=%s job=%s epoch=%d", self.id, h.job_id, h.epoch)
         self._notify("lease-expired", h.job_id, h.epoch)
         self._end_hold(h, "lease expired")
+        if self.spec.backend != "none":  # cut off, not gone: it may still compute, so it leaves first
+            self._lapsed.add(h.job_id)
         self._dispatch()
 
     # -- maxHoldSeconds ----------------------------------------------------------
