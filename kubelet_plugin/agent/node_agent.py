@@ -27,7 +27,7 @@ from timeslice.driver.errors import (
     TimeSliceServerError,
 )
 from timeslice.kubelet_plugin.agent.backends import make_backend
-from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, RUNNING, STOPPED, Backend, ProcState
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
@@ -225,13 +225,24 @@ class NodeAgent:
                                      "as it was") from err
 
     async def recover(self) -> None:
-        """At start: undo the checkpoints a previous run of this agent began and did not
-        finish (write-ahead records still `checkpointing`): their processes are restored and
-        their records dropped, so no process stays stopped without an owner."""
+        """At start, make the records match the processes: undo the checkpoints a previous run
+        of this agent began and did not finish (write-ahead records still `checkpointing`:
+        their processes are restored, the records dropped), and drop the record of a restore
+        that finished but was not recorded (every process of it runs). No process stays
+        stopped without a record, and no record names running processes."""
         for job_id, record in list(self.records.jobs.items()):
-            if record.phase != CHECKPOINTING:
-                continue
             pids = [p for p in record.pids if _alive(p)]
+            if record.phase != CHECKPOINTING:
+                try:
+                    states = await self.backend(record.backend).state(pids) if pids else []
+                except TimeSliceServerError as err:
+                    log.warning("cannot check the processes of job=%s at start: %s (record kept)", job_id, err)
+                    continue
+                if all(st.state == RUNNING for st in states):
+                    log.warning("dropping the record of job=%s: its processes %s run (an unrecorded restore, or "
+                                "they are gone)", job_id, pids)
+                    self.records.pop(job_id)
+                continue
             log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
             try:
                 if pids:
