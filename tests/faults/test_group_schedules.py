@@ -1,0 +1,125 @@
+"""Property-based runs (hypothesis) over random schedules of acquires, releases, give-ups,
+drops and lease lapses on one group, with a switcher that models a GPU (bytes per job on
+the device or checkpointed) and can fail. After every step and at the end, the invariants
+of issue 10 hold: at most one holder; every grant's epoch is larger than every earlier one;
+the holder's state is on the GPU; a job's state is in one place (resident or checkpointed);
+every acquire ends (granted, refused or withdrawn) and a withdrawn one leaves no grant; and
+while a job holds, no other job may still be computing (one whose hold ended by a drop or a
+lapsed lease, not by its release, must have been checkpointed first)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import LockGroup, SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
+from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
+
+GB = 10**9
+JOBS = ("a", "b", "c", "d")
+DEV = "agent/GPU-0"
+
+
+class ModelGpu:
+    """100 GB; 40 GB per job; a step fails when the schedule says so."""
+
+    def __init__(self, fail_every: int) -> None:
+        self.on: dict[str, int] = {}
+        self.off: dict[str, int] = {}
+        self.steps = 0
+        self.fail_every = fail_every
+        self.maybe_running: set[str] = set()  # granted, and not since released or checkpointed
+
+    def _maybe_fail(self, what: str, rec: SwitchRecord) -> None:
+        self.steps += 1
+        if self.fail_every and self.steps % self.fail_every == 0:
+            rec.ok, rec.error = False, f"{what} failed (injected)"
+            raise SwitchError(rec.error, rec)
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+        self._maybe_fail("checkpoint", rec)  # fails before anything moved: a clean rollback
+        for job in evict:
+            self.off[job] = self.on.pop(job, 40 * GB)
+            self.maybe_running.discard(job)
+        if restore:
+            self.on[incoming] = self.off.pop(incoming, 40 * GB)
+        return rec
+
+    async def memory(self, spec, jobs) -> MemorySnapshot:
+        return MemorySnapshot(devices={DEV: DeviceMemory(100 * GB, 100 * GB - sum(self.on.values()))},
+                              device_bytes={j: {DEV: b} for j, b in self.on.items()},
+                              checkpointed_bytes={j: {DEV: b} for j, b in self.off.items()},
+                              host_available={"agent": 1000 * GB})
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop", "lapse"]),
+                         st.sampled_from(JOBS)), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, residency=st.sampled_from(["auto", "exclusive"]), fail_every=st.sampled_from([0, 3, 7]))
+def test_random_schedules_keep_the_invariants(ops, residency, fail_every) -> None:
+    asyncio.run(_run(ops, residency, fail_every))
+
+
+async def _run(ops, residency: str, fail_every: int) -> None:
+    gpu = ModelGpu(fail_every)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent",), residency=residency, lease_seconds=60),
+                  gpu)  # type: ignore[arg-type]
+    grants: dict[str, object] = {}  # job -> its current grant
+    pending: dict[str, asyncio.Task] = {}
+    epochs: list[int] = []
+
+    def check() -> None:
+        holders = [j for j in JOBS if g.holder is not None and g.holder.job_id == j]
+        assert len(holders) <= 1
+        if g.holder is not None and g.spec.backend != "none":
+            assert g.holder.job_id not in g.residency.checkpointed  # the holder's state is on the GPU
+        assert not (set(g.residency.residents) & g.residency.checkpointed)  # one place each
+        assert epochs == sorted(set(epochs))  # strictly increasing, never repeated
+        if g.holder is not None:
+            assert gpu.maybe_running <= {g.holder.job_id}, (gpu.maybe_running, g.holder.job_id)
+
+    for i, (op, job) in enumerate(ops):
+        if op == "acquire" and job not in pending and job not in grants:
+            pending[job] = asyncio.ensure_future(g.acquire(job, 0, f"{job}-{i}", timeout=None))
+        elif op == "give-up" and job in pending:
+            pending.pop(job).cancel()  # the caller went away: withdrawn, or a grant revoked at once
+        elif op == "release" and job in grants:
+            grant = grants.pop(job)
+            try:
+                g.release(job, grant.lease_id, grant.epoch)  # type: ignore[attr-defined]
+                gpu.maybe_running.discard(job)  # it stopped computing when it released
+            except StaleLease:
+                pass  # its hold had already ended (dropped, lapsed)
+        elif op == "drop":
+            g.drop_job(job, "schedule")
+            grants.pop(job, None)
+        elif op == "lapse" and g.holder is not None:
+            g.holder.lease_deadline = 0.0
+            g._on_lease_timer(g.holder)
+        for _ in range(5):  # let switches and grants run
+            await asyncio.sleep(0)
+        for j, task in list(pending.items()):
+            if task.done():
+                pending.pop(j)
+                if not task.cancelled() and task.exception() is None:
+                    grants[j] = task.result()
+                    epochs.append(task.result().epoch)
+                    gpu.maybe_running.add(j)
+                elif not task.cancelled():
+                    assert isinstance(task.exception(), SwitchFailed | StaleLease | AcquireTimeout)
+        grants = {j: gr for j, gr in grants.items() if g.holder is not None and g.holder.job_id == j}
+        check()
+    for task in pending.values():
+        task.cancel()
+    await asyncio.gather(*pending.values(), return_exceptions=True)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    check()
+    assert g.holder is None or g.holder.request_ids  # no grant left without a caller
+    await g.close()
