@@ -82,9 +82,16 @@ class Unavailable(TimeSliceServerError):
     retryable = True
 
 
-class OutcomeUnknown(Unavailable):
-    """A step's reply was lost (the agent died, the call timed out or was cut): it may have
-    touched processes. The caller must ask, or undo, never assume it did nothing."""
+class OutcomeUnknown(TimeSliceServerError):
+    """A step may have touched processes although it failed: its reply was lost (`no_reply`:
+    the agent died or was unreachable, the call timed out or was cut) or the agent failed
+    in an unexpected way. The caller must ask, or undo, never assume it did nothing."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, no_reply: bool) -> None:
+        super().__init__(message)
+        self.no_reply = no_reply
 
 
 class BackendError(TimeSliceServerError):

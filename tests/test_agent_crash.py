@@ -136,3 +136,80 @@ async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(c
     finally:
         await server.stop(0)
         await orch.close()
+
+
+SLOW_AGENT = """
+    import asyncio, sys
+    from pathlib import Path
+    from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
+    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+    from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+    from timeslice.kubelet_plugin.agent.server import create_server
+
+    target, records, marker, pid = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+
+    class Slow(FreezeBackend):  # a large checkpoint: the processes are stopped long before it ends
+        async def checkpoint(self, pids, timeout):
+            states = await super().checkpoint(pids, timeout)
+            marker.write_text("frozen")
+            await asyncio.sleep(1.0)
+            return states
+
+    async def main():
+        agent = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[Slow()], records_path=records)
+        server, _ = await create_server(agent, target)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
+async def test_a_checkpoint_whose_call_is_cut_is_finished_then_undone_by_the_agent(children, short_tmp,
+                                                                                 tmp_path) -> None:
+    """The orchestrator's call was cut (deadline, its switch cancelled) mid-checkpoint: the
+    process stayed stopped and its record was dropped, so nobody would ever restore it."""
+    job = spinner(children)
+    target, records, marker = f"unix://{short_tmp / 'agent.sock'}", tmp_path / "records.json", tmp_path / "frozen"
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", textwrap.dedent(SLOW_AGENT), target, str(records), str(marker), str(job.pid))
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = asyncio.ensure_future(apb_grpc.NodeAgentStub(channel).Checkpoint(
+                apb.SwitchStepRequest(job_id="a", backend="freeze", timeout_seconds=30), wait_for_ready=True))
+            await eventually(marker.exists, timeout=30)
+            call.cancel()  # the caller goes away while the processes are stopped
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        await eventually(lambda: proc_state(job.pid) in "RS" and json.loads(records.read_text())["jobs"] == {},
+                         timeout=30)
+    finally:
+        agent.kill()
+        await agent.wait()
+
+
+async def test_a_restore_the_agent_reports_timed_out_counts_toward_failing_the_job(make_cluster) -> None:
+    """The agent's own StepTimeout comes back as DEADLINE_EXCEEDED: a reply, not a lost call.
+    It was taken as "unreachable", so a job whose restore kept timing out never failed and
+    every acquire repeated checkpoint -> restore -> rollback."""
+    from timeslice.controller.orchestrator.group import MAX_RESTORE_FAILURES
+    from timeslice.driver.errors import StepTimeout, SwitchFailed
+
+    c = await make_cluster(backend="cuda")
+    fake = c.backends["node-0"]
+    g = c.orchestrator.group("g")
+    ga = await g.acquire("a", 0, "a1", None)
+    g.release("a", ga.lease_id, ga.epoch)
+    gb = await g.acquire("b", 0, "b1", None)  # a checkpointed
+    g.release("b", gb.lease_id, gb.epoch)
+    a_pid = c.resolvers["node-0"]._jobs["a"][0]
+
+    async def timing_out(pids, timeout):
+        if a_pid in pids:
+            raise StepTimeout(f"injected: restore of {pids} timed out")
+        return await type(fake).restore(fake, pids, timeout)
+
+    fake.restore = timing_out  # type: ignore[method-assign]
+    for i in range(MAX_RESTORE_FAILURES):
+        with pytest.raises(SwitchFailed, match="timed out"):
+            await g.acquire("a", 0, f"a-{i}", None)
+    assert "a" in g.failed_jobs and "outcome is unknown" not in g.failed_jobs["a"]

@@ -37,12 +37,13 @@ async def agent(short_tmp: Path, sleeper: int) -> AsyncIterator[tuple[apb_grpc.N
     """(stub, knobs {"host": bytes}, backend calls, records file) for an agent whose job "a"
     is a real sleeping process holding 5 GB on GPU-0 and 1 GB on GPU-1 (per the probe)."""
     pid = sleeper
-    knobs = {"host": 100 * GB}
+    knobs = {"host": 100 * GB, "visible": True}
     calls: list = []
 
     def probe() -> list[GpuInfo]:
-        return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {pid: 5 * GB, 4242: 5 * GB}),
-                GpuInfo("GPU-1", 1, 80 * GB, 79 * GB, {pid: 1 * GB})]
+        mine = knobs["visible"]  # NVML does not list a checkpointed process
+        return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {**({pid: 5 * GB} if mine else {}), 4242: 5 * GB}),
+                GpuInfo("GPU-1", 1, 80 * GB, 79 * GB, {pid: 1 * GB} if mine else {})]
 
     records = short_tmp / "records.json"
     node = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[FakeBackend("n", calls, name="cuda")],
@@ -95,3 +96,15 @@ async def test_a_memory_request_without_a_job_id_is_invalid(agent) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.GetMemory(apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="")]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "job_id is required" in err.value.details()
+
+
+async def test_a_repeated_checkpoint_keeps_the_first_ones_record(agent) -> None:
+    """A second Checkpoint of a checkpointed job (the undo of a restore whose reply was lost)
+    wrote a record without the GPU bytes (NVML no longer lists the process): the room for its
+    restore was then planned as 0 bytes."""
+    stub, knobs, _, records = agent
+    await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
+    knobs["visible"] = False
+    await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
+    saved = json.loads(records.read_text())["jobs"]["a"]
+    assert saved["devices"] == {"GPU-0": 5 * GB, "GPU-1": 1 * GB} and saved["phase"] == "checkpointed"

@@ -88,3 +88,30 @@ async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> N
     with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
         await g.acquire("a", 0, "r", None)
     assert g.epoch == 0 and g.holder is None
+
+
+async def test_a_restarted_orchestrator_adopts_only_its_groups_checkpoints_from_a_shared_agent(make_cluster) -> None:
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+
+    c = await make_cluster(backend="freeze", groups=("g1", "g2"))
+    await c.agents["node-0"].checkpoint("a", "freeze", "g2", 5)  # checkpointed for g2
+    spec = c.orchestrator.group("g1").spec
+    orch = Orchestrator([spec, GroupSpec(**{**spec.model_dump(), "id": "g2"})])
+    await orch.adopt_agents()
+    assert orch.group("g1").checkpointed == set() and orch.group("g2").checkpointed == {"a"}
+    await orch.close()
+
+
+async def test_a_rank_that_gives_up_does_not_end_an_adopted_hold_its_peers_use() -> None:
+    """An adopted hold (granted by an earlier leader) knows none of its callers: a second rank
+    that joined it and then gave up (CancelAcquire) ended the hold under the first rank."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+
+    g = LockGroup(GroupSpec(id="g"), None)  # type: ignore[arg-type]
+    g.adopt("a", set(), 5)
+    await g.acquire("a", 0, "rank-1", None)  # joins the hold at once
+    assert g.cancel("a", "rank-1") == "granted"
+    assert g.holder is not None and g.holder.job_id == "a"
+    await g.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,9 +39,6 @@ log = logging.getLogger("timeslice.orchestrator.agents")
 
 # Target prefix of a node without a node agent: `no-agent:<node>` (see MissingAgent).
 MISSING_PREFIX = "no-agent:"
-# Statuses after which a step may or may not have run on the agent (no reply came back).
-_OUTCOME_UNKNOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.UNKNOWN)
 # Slack on top of the step's own bound, for the RPC itself (seconds).
 RPC_SLACK_SECONDS = 5.0
 # A channel is reused across agent restarts (same target under hostNetwork): cap gRPC's
@@ -130,12 +128,19 @@ class AgentClient:
     async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
                     group_id: str, timeout: float, member: MemberSpec | None) -> StepResult:
         req = self._step_request(job_id, backend, group_id, timeout, member)
+        deadline = timeout + RPC_SLACK_SECONDS
+        t0 = time.monotonic()
         try:
-            resp = await rpc(req, timeout=timeout + RPC_SLACK_SECONDS, metadata=self._metadata())
+            resp = await rpc(req, timeout=deadline, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             known = self._error(err, f"{what} of job {job_id}")
-            if err.code() in _OUTCOME_UNKNOWN:
-                raise OutcomeUnknown(f"{known} (the step's outcome is unknown: it is undone)") from err
+            code = err.code()
+            # DEADLINE_EXCEEDED before our own deadline is the agent's reply (its step timed out
+            # and was rolled back); at our deadline, no reply came
+            no_reply = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+                code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 >= deadline - 0.1)
+            if no_reply or code == grpc.StatusCode.UNKNOWN:
+                raise OutcomeUnknown(f"{known} (the step's outcome is unknown: it is undone)", no_reply) from err
             raise known from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
@@ -160,8 +165,9 @@ class AgentClient:
                                      pod_uids=member.pod_uids if member else (),
                                      claim_name=member.claim_name if member else "")
 
-    async def checkpointed_jobs(self) -> set[str]:
-        """Jobs this agent holds checkpoint records for (it checkpointed them). Raises a
+    async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
+        """Jobs this agent holds checkpoint records for (it checkpointed them), of `group_id`
+        only when given (records made for another group sharing the agent are not ours). Raises a
         `TimeSliceServerError` subclass (`Unauthenticated` / `PermissionDenied`: the agent
         refused our token)."""
         try:
@@ -169,7 +175,7 @@ class AgentClient:
                                              metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise self._error(err, "list jobs") from err
-        return {j.job_id for j in resp.jobs}
+        return {j.job_id for j in resp.jobs if group_id is None or j.group_id in ("", group_id)}
 
     async def close(self, grace: float | None = None) -> None:
         """Close the channel; calls still running get `grace` seconds (None: cancelled now)."""
@@ -195,7 +201,7 @@ class UnusableAgent(AgentClient):
     async def restore(self, job_id: str, *args: object, **kw: object) -> StepResult:
         raise self._refused(f"restore of job {job_id}")
 
-    async def checkpointed_jobs(self) -> set[str]:
+    async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
         raise self._refused("list jobs")
 
     async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:

@@ -154,6 +154,9 @@ class Hold:
     switch_seconds: float
     priority: int = 0
     past_epochs: frozenset[int] = frozenset()  # earlier grants of this lease (preempted, restored)
+    # an adopted hold's callers are not known here (granted by an earlier leader): no caller
+    # leaving ends it, only its release or its lease
+    callers_unknown: bool = False
 
 
 @dataclass
@@ -318,7 +321,7 @@ class LockGroup:
         h = self.holder
         if h is not None and h.job_id == job_id and request_id in h.request_ids:
             h.request_ids.discard(request_id)
-            if not h.request_ids:
+            if not h.request_ids and not h.callers_unknown:
                 self._end_hold(h, "its caller gave up on the grant")
                 self._notify("released", job_id, h.epoch)
                 self._dispatch()
@@ -360,7 +363,8 @@ class LockGroup:
         held = self.holder is not None and self.holder.job_id == job_id
         if held:
             self._end_hold(self.holder, f"dropped: {reason}")  # type: ignore[arg-type]
-        if (held or job_id in self._lapsed) and self.spec.backend != "none" and job_id in self.residency.residents:
+        if (held or job_id in self._lapsed | self._fenced) and self.spec.backend != "none" \
+                and job_id in self.residency.residents:  # dropped again while fenced: it stays fenced
             self._fenced.add(job_id)
         else:
             self.residency.forget(job_id)
@@ -388,7 +392,7 @@ class LockGroup:
             now = self._clock()
             member = self.spec.member(resident)
             self.holder = Hold(resident, ADOPTED, epoch, now, now + self.spec.lease_seconds, set(), False, 0.0,
-                               member.priority if member is not None else 0)
+                               member.priority if member is not None else 0, callers_unknown=True)
             self._arm_lease_timer()
         log.info("adopted group=%s resident=%s checkpointed=%s epoch=%d", self.id, resident, sorted(checkpointed),
                  epoch)
@@ -478,7 +482,7 @@ class LockGroup:
         h = self.holder
         if h is not None and w.request_id in h.request_ids:
             h.request_ids.discard(w.request_id)
-            if not h.request_ids:
+            if not h.request_ids and not h.callers_unknown:
                 self._end_hold(h, "caller left before receiving the grant")
                 self._dispatch()
 
@@ -671,7 +675,9 @@ class LockGroup:
             except OSError as err:  # without a persisted epoch a restart could hand this one out again
                 log.error("epoch not persisted group=%s: %s", self.id, err)
                 for w in waiters:
+                    self._forget_preempted(w)  # a preempted holder's entry too: its keep-alives now fail
                     w.future.set_exception(SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}"))
+                    w.future.exception()  # retrieved here: a preempted holder's entry has no caller
                 self._dispatch()  # the next job's grant meets the same refusal: none is granted unpersisted
                 return
         self.epoch += 1

@@ -103,7 +103,9 @@ class Orchestrator:
         found: set[str] = set()
         for target in group.spec.agents:
             try:
-                found |= await self._pool.get(target).checkpointed_jobs()
+                # standalone groups share agents by name; cluster groups re-form under new ids,
+                # so there the members filter below decides
+                found |= await self._pool.get(target).checkpointed_jobs(None if group.spec.members else group.id)
             except TimeSliceServerError as err:
                 log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
         return found & {m.job for m in group.spec.members} if group.spec.members else found

@@ -154,7 +154,8 @@ class SwitchCoordinator:
                 off_gpu: Sequence[str]) -> SwitchError:
         causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
         rec.ok = False
-        rec.unreachable = all(isinstance(err, Unavailable) for err in failures.values())
+        rec.unreachable = all(isinstance(err, Unavailable) or (isinstance(err, OutcomeUnknown) and err.no_reply)
+                              for err in failures.values())
         rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
         return SwitchError(rec.error, rec, off_gpu)
 

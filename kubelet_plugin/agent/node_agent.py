@@ -10,12 +10,14 @@ touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from timeslice.driver import names
 from timeslice.driver.errors import (
@@ -131,6 +133,7 @@ class NodeAgent:
         # one lock per job while a step runs (weak: an id seen once costs nothing afterwards)
         self._job_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._memory_probe = memory_probe
+        self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
 
     def backend(self, name: str) -> Backend:
@@ -168,14 +171,23 @@ class NodeAgent:
             on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
             if backend_name in HOST_MEMORY_BACKENDS:
                 await self._check_host_room(job_id, sum(on_gpus.values()))
-            self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus, CHECKPOINTING),
-                        "nothing was touched")  # write-ahead: a crash from here on is undone at start
+            prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
+            if prior is None:  # write-ahead: a crash from here on is undone at start
+                self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
+                                              CHECKPOINTING), "nothing was touched")
+            step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
             try:
-                procs = await backend.checkpoint(pids, timeout or self.default_timeout)
-            except BaseException:
-                self.records.pop(job_id)  # the backend put every process back
+                procs = await asyncio.shield(step)
+            except asyncio.CancelledError:  # the caller is gone and will assume nothing: finish, then undo
+                self._in_background(self._undo_cancelled(job_id, backend, pids, step, prior))
                 raise
-            record = JobRecord(backend_name, group_id, {p.pid: p.gpu_bytes for p in procs}, on_gpus)
+            except BaseException:
+                if prior is None:
+                    self.records.pop(job_id)  # the backend put every process back
+                raise
+            record = JobRecord(backend_name, group_id,
+                               {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
+                               on_gpus or (prior.devices if prior else {}))
             try:
                 self._write(job_id, record, "the checkpoint was undone")
             except FailedPrecondition:
@@ -215,6 +227,30 @@ class NodeAgent:
             log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
                      group_id, backend_name, pids, moved, seconds)
             return StepOutcome(job_id, procs, moved, seconds)
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _undo_cancelled(self, job_id: str, backend: Backend, pids: list[int], step: asyncio.Future[Any],
+                              prior: JobRecord | None) -> None:
+        """A checkpoint whose caller went away (its switch gave up, or stopped): let the step
+        end, then put the processes back and drop its record (the caller undoes what it did
+        not hear about, and this does it first). A step that repeated an earlier checkpoint
+        leaves that one alone."""
+        async with self._lock(job_id):
+            with contextlib.suppress(Exception):
+                await step
+            if prior is not None:
+                return
+            try:
+                await backend.restore(pids, self.default_timeout)
+            except TimeSliceServerError as err:  # its record stays: a restore or the next start settles it
+                log.error("undo of a cancelled checkpoint failed job=%s: %s", job_id, err)
+                return
+            self.records.pop(job_id)
+            log.warning("undid a checkpoint whose caller went away job=%s pids=%s", job_id, pids)
 
     def _write(self, job_id: str, record: JobRecord, then: str) -> None:
         """Persist a record; raises FailedPrecondition (naming the file's error and `then`)."""

@@ -111,7 +111,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     async def ListJobs(self, request: apb.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
         await self._check(context)
-        jobs = [apb.JobState(job_id=job, backend=r.backend, state=r.phase,
+        jobs = [apb.JobState(job_id=job, backend=r.backend, state=r.phase, group_id=r.group,
                              processes=[apb.ProcessState(pid=p, state="checkpointed", gpu_bytes=b)
                                         for p, b in r.pids.items()])
                 for job, r in sorted(self._agent.records.jobs.items())]

@@ -115,16 +115,18 @@ class GetJobStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job_id", "backend", "state", "processes")
+    __slots__ = ("job_id", "backend", "state", "processes", "group_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend: str
     state: str
     processes: _containers.RepeatedCompositeFieldContainer[ProcessState]
-    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessState, _Mapping]]] = ...) -> None: ...
+    group_id: str
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[ProcessState, _Mapping]]] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ()
