@@ -311,7 +311,7 @@ class LockGroup:
 
     def cancel(self, job_id: str, request_id: str) -> str:
         """The caller of `job_id`'s request `request_id` gave up: "queued" (the entry left the
-        queue, unless other calls of the same request still wait on it), "granted" (its part
+        queue: the request is given up, whatever calls of it still wait), "granted" (its part
         of the hold ended, the hold with its last caller) or "unknown"."""
         w = self.queue.by_request(job_id, request_id)
         if w is not None:
