@@ -392,3 +392,46 @@ async def test_a_holder_whose_lease_lapses_is_checkpointed_even_when_the_waiter_
     await asyncio.wait_for(g.acquire("b", 0, "b-2", timeout=None), 5)
     assert gpu.calls[before] == ("checkpoint", "a") and "a" in g.residency.checkpointed
     await g.close()
+
+
+async def test_a_preempted_holder_whose_client_died_is_restored_when_idle_and_forgotten() -> None:
+    """Issue 10, item 13: a job whose lease lapses while it is out of the GPU (its client died
+    while preempted) stayed checkpointed for good in a standalone group."""
+    gpu = FakeGpu(a=10, b=10)
+    g = group(gpu, residency="exclusive", max_hold_seconds=0.05, lease_seconds=0.3)
+    await g.acquire("a", 0, "a-1", timeout=None)  # a holds; its client dies (no keep-alive, no release)
+    gb = await asyncio.wait_for(g.acquire("b", 0, "b-1", timeout=None), 5)  # a preempted for b
+    assert ("checkpoint", "a") in gpu.calls
+    g.spec = GroupSpec(**{**g.spec.model_dump(), "max_hold_seconds": None})  # b is not preempted in turn
+    if g._max_hold_timer is not None:
+        g._max_hold_timer.cancel()
+        g._max_hold_timer = None
+
+    async def b_keeps_alive_until_a_lapses() -> bool:
+        g.keep_alive("b", gb.lease_id, gb.epoch)
+        return not any(w.job_id == "a" for w in g.queue)
+
+    await eventually(b_keeps_alive_until_a_lapses, timeout=10, interval=0.05)
+    assert g.counters.lease_expiries == 1
+    g.release("b", gb.lease_id, gb.epoch)  # idle: a is restored for nobody, then forgotten
+    await eventually(lambda: ("restore", "a") in gpu.calls and "a" not in g.residency.checkpointed)
+    assert "a" not in g.residency.residents
+    await g.close()
+
+
+async def test_a_job_dropped_while_checkpointed_is_restored_when_idle(make_cluster, children) -> None:
+    from timeslice.kubelet_plugin.agent.procfs import proc_state
+
+    from tests.test_freeze import spinner
+
+    a_proc, b_proc = spinner(children), spinner(children)
+    c = await make_cluster(backend="freeze", real_backend=True, jobs={"a": [a_proc.pid], "b": [b_proc.pid]})
+    g = c.orchestrator.group("g")
+    ga = await g.acquire("a", 0, "a1", None)
+    g.release("a", ga.lease_id, ga.epoch)
+    gb = await g.acquire("b", 0, "b1", None)
+    assert proc_state(a_proc.pid) == "T"
+    g.drop_job("a", "its client is gone")
+    assert proc_state(a_proc.pid) == "T"  # b holds: nothing moves yet
+    g.release("b", gb.lease_id, gb.epoch)
+    await eventually(lambda: proc_state(a_proc.pid) in "RS" and "a" not in g.residency.checkpointed)

@@ -226,6 +226,7 @@ class LockGroup:
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
+        self._orphans: set[str] = set()  # checkpointed jobs nobody will ask for: restored when idle, forgotten
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self._lease_timer: asyncio.TimerHandle | None = None
         self._max_hold_timer: asyncio.TimerHandle | None = None
@@ -335,7 +336,10 @@ class LockGroup:
         from a holder switched out mid-phase under that leader (preempted, or lapsed while
         cut off): its process is stopped on the GPU, so it is queued again with that lease
         rather than left stopped for good. Raises StaleLease."""
-        if self._preempted_entry(job_id, lease_id, epoch) is not None:
+        parked = self._preempted_entry(job_id, lease_id, epoch)
+        if parked is not None:
+            self._preempted[parked.request_id[len(PREEMPTED):]][1].lease_deadline = \
+                self._clock() + self.spec.lease_seconds
             return self.spec.lease_seconds
         h = self.holder
         if (h is None or h.job_id != job_id) and job_id in self.checkpointed and lease_id and lease_id != ADOPTED \
@@ -357,7 +361,9 @@ class LockGroup:
         """Forget a job that is gone: its waiters fail, its hold ends, its records go. A holder
         dropped while its processes may still compute (a force-deleted pod, a dropped claim
         set) is fenced first: nobody is granted until a switch has checkpointed (or frozen, or
-        found gone) its processes; then it is forgotten."""
+        found gone) its processes; then it is forgotten. A job dropped while checkpointed is
+        restored when the group is idle (and fits), then forgotten: none of its processes
+        stays stopped without an owner."""
         self._fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
         self._disarm_max_hold_when_unwaited()
         held = self.holder is not None and self.holder.job_id == job_id
@@ -366,6 +372,8 @@ class LockGroup:
         if (held or job_id in self._lapsed | self._fenced) and self.spec.backend != "none" \
                 and job_id in self.residency.residents:  # dropped again while fenced: it stays fenced
             self._fenced.add(job_id)
+        elif job_id in self.residency.checkpointed and self.spec.backend != "none":
+            self._orphans.add(job_id)  # restored when the group is idle: no process stays stopped
         else:
             self.residency.forget(job_id)
         self._lapsed.discard(job_id)
@@ -600,6 +608,9 @@ class LockGroup:
                          evict, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
             if grant:
                 r.held(incoming)
+            elif incoming in self._orphans:  # restored for nobody: its processes run on, unowned
+                self._orphans.discard(incoming)
+                r.forget(incoming)
             elif restore:
                 r.moved_in(incoming)
         finally:
@@ -635,9 +646,22 @@ class LockGroup:
         its GPU after its last hold). Tried once per trigger (a release, an idle group, a
         switch that succeeded); a job whose background restore failed is not tried in the
         background again until it is granted (its own acquire restores it, or says why not)."""
-        if not self.memory_aware or self._refresh_task is not None:
+        if not self.memory_aware:
+            self._restore_orphans()
+            return
+        if self._refresh_task is not None:
             return
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{self.id}")
+
+    def _restore_orphans(self) -> None:
+        """An idle group without memory reports restores a dropped or lapsed checkpointed job
+        (one at a time; one that failed is not tried again in the background)."""
+        if self.holder is not None or self.switching is not None or len(self.queue):
+            return
+        for job in sorted(self._orphans - self._background_failed):
+            log.info("restoring a checkpointed job nobody owns any more group=%s job=%s", self.id, job)
+            self._start_switch([], job, restore=True, grant=False)
+            return
 
     async def _refresh(self) -> None:
         try:
@@ -664,6 +688,7 @@ class LockGroup:
         self._restore_failures.pop(job_id, None)
         self._fenced.discard(job_id)
         self._lapsed.discard(job_id)
+        self._orphans.discard(job_id)
         waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
         if not waiters:  # every caller of the job left during the switch
             self._dispatch()
@@ -767,11 +792,35 @@ class LockGroup:
             self._known_leases.popitem(last=False)
 
     def _park(self, h: Hold) -> None:
-        """Queue a switched-out holder again under its lease (no RPC waits on the entry)."""
+        """Queue a switched-out holder again under its lease (no RPC waits on the entry). Its
+        keep-alives keep the lease; without them it lapses like any lease (its client died
+        while it was out of the GPU): the entry goes, and the job is restored when the group
+        is idle, then forgotten."""
         w = self.queue.push(f"{PREEMPTED}{h.lease_id}", h.job_id, h.priority, self._clock(),
                             asyncio.get_running_loop().create_future())
         w.callers = 0  # nothing withdraws it
         self._preempted[h.lease_id] = (w, h)
+        h.lease_deadline = self._clock() + self.spec.lease_seconds
+        asyncio.get_running_loop().call_later(self.spec.lease_seconds, self._on_parked_lease, h)
+
+    def _on_parked_lease(self, h: Hold) -> None:
+        w = next((entry for entry, parked in self._preempted.values() if parked is h), None)
+        if w is None:
+            return  # granted, released or dropped since
+        if self._clock() < h.lease_deadline:
+            asyncio.get_running_loop().call_later(h.lease_deadline - self._clock(), self._on_parked_lease, h)
+            return
+        self._forget_preempted(w)
+        self.queue.remove(w)
+        self.counters.lease_expiries += 1
+        log.warning("lease expired while preempted group=%s job=%s epoch=%d: restored when idle", self.id, h.job_id,
+                    h.epoch)
+        self._notify("lease-expired", h.job_id, h.epoch)
+        if h.job_id in self.residency.checkpointed:
+            self._orphans.add(h.job_id)
+        self._disarm_max_hold_when_unwaited()
+        self._dispatch()
+        self._refresh_memory()
 
     def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> Waiter | None:
         w, h = self._preempted.get(lease_id, (None, None))
