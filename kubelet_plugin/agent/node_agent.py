@@ -168,8 +168,9 @@ class NodeAgent:
             if not pids:
                 log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
-            on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
-            if backend_name in HOST_MEMORY_BACKENDS:
+            on_gpus: dict[str, int] = {}
+            if backend_name in HOST_MEMORY_BACKENDS:  # (freeze and none move no GPU memory: no NVML call)
+                on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
                 await self._check_host_room(job_id, sum(on_gpus.values()))
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
