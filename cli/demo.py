@@ -133,13 +133,13 @@ class DemoRunner:
                 with contextlib.suppress(ProcessLookupError):
                     proc.terminate()
                 await proc.wait()
-            assert self.orchestrator is not None
-            self.orchestrator.group(group).drop_job(job, "demo job finished")
-            self.resolver.remove(job)
             with contextlib.suppress(ProcessLookupError):
                 worker.send_signal(signal.SIGCONT)  # a frozen worker cannot act on SIGTERM
                 worker.terminate()
             await worker.wait()
+            self.resolver.remove(job)
+            assert self.orchestrator is not None
+            self.orchestrator.drop_job(group, job, "demo job finished")  # its processes are gone first
         if proc.returncode != 0:
             raise RuntimeError(f"demo job {job} exited with {proc.returncode}")
         return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]

@@ -212,9 +212,9 @@ class NodeAgent:
                                          f"with that backend, not {backend_name} (its processes stay as they are)")
             if record is not None:
                 pids = [p for p in record.pids if _alive(p)]
-                if not pids:
-                    log.warning("restore job=%s: its checkpointed processes %s are gone, their state with them",
-                                job_id, sorted(record.pids))
+                if not pids:  # a job that ended while checkpointed (its pods deleted): nothing to restore
+                    log.info("restore job=%s: its checkpointed processes %s are gone, their state with them",
+                             job_id, sorted(record.pids))
                     self.records.pop(job_id)
             else:
                 pids = await self._live(job_id, claims, pod_uids, claim_name)
