@@ -295,8 +295,8 @@ class LockGroup:
         checkpointed). Returns (waiters, switch started). Raises StaleLease."""
         parked = self._preempted_entry(job_id, lease_id, epoch)
         if parked is not None:
-            self._forget_preempted(parked)
-            self.queue.remove(parked)
+            self._forget_preempted(parked[0])
+            self.queue.remove(parked[0])
             self._disarm_max_hold_when_unwaited()
             log.info("preempted holder released group=%s job=%s", self.id, job_id)
             self._notify("released", job_id, epoch)
@@ -321,9 +321,7 @@ class LockGroup:
             return "queued"
         h = self.holder
         if h is not None and h.job_id == job_id and request_id in h.request_ids:
-            h.request_ids.discard(request_id)
-            if not h.request_ids and not h.callers_unknown:
-                self._end_hold(h, "its caller gave up on the grant")
+            if self._caller_left_hold(h, request_id, "its caller gave up on the grant"):
                 self._notify("released", job_id, h.epoch)
                 self._dispatch()
             return "granted"
@@ -338,8 +336,7 @@ class LockGroup:
         rather than left stopped for good. Raises StaleLease."""
         parked = self._preempted_entry(job_id, lease_id, epoch)
         if parked is not None:
-            self._preempted[parked.request_id[len(PREEMPTED):]][1].lease_deadline = \
-                self._clock() + self.spec.lease_seconds
+            parked[1].lease_deadline = self._clock() + self.spec.lease_seconds
             return self.spec.lease_seconds
         h = self.holder
         if (h is None or h.job_id != job_id) and job_id in self.checkpointed and lease_id and lease_id != ADOPTED \
@@ -489,10 +486,17 @@ class LockGroup:
             return
         h = self.holder
         if h is not None and w.request_id in h.request_ids:
-            h.request_ids.discard(w.request_id)
-            if not h.request_ids and not h.callers_unknown:
-                self._end_hold(h, "caller left before receiving the grant")
+            if self._caller_left_hold(h, w.request_id, "caller left before receiving the grant"):
                 self._dispatch()
+
+    def _caller_left_hold(self, h: Hold, request_id: str, why: str) -> bool:
+        """The caller of `request_id` left the hold `h`; the hold ends with its last caller
+        (never one whose callers are unknown: adopted). True when it ended."""
+        h.request_ids.discard(request_id)
+        if h.request_ids or h.callers_unknown:
+            return False
+        self._end_hold(h, why)
+        return True
 
     def _dispatch(self) -> None:
         """Grant the head waiter if the lock is free, moving memory first when needed."""
@@ -649,8 +653,8 @@ class LockGroup:
         if not self.memory_aware:
             self._restore_orphans()
             return
-        if self._refresh_task is not None:
-            return
+        if self._refresh_task is not None or self.switching is not None:
+            return  # a switch plans from its own fresh report, and triggers this again once idle
         self._refresh_task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{self.id}")
 
     def _restore_orphans(self) -> None:
@@ -822,7 +826,8 @@ class LockGroup:
         self._dispatch()
         self._refresh_memory()
 
-    def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> Waiter | None:
+    def _preempted_entry(self, job_id: str, lease_id: str, epoch: int) -> tuple[Waiter, Hold] | None:
+        """The queue entry and suspended hold of a preempted holder that shows this lease."""
         w, h = self._preempted.get(lease_id, (None, None))
         if h is None:  # a presumptive holder preempted before it showed its lease shows it now
             w, h = self._preempted.get(ADOPTED, (None, None))
@@ -833,7 +838,7 @@ class LockGroup:
                 self.epoch = max(self.epoch, epoch)
         if h.job_id != job_id or h.lease_id != lease_id or (epoch != h.epoch and epoch not in h.past_epochs):
             return None
-        return w
+        return w, h  # type: ignore[return-value]
 
     def _forget_preempted(self, w: Waiter) -> Hold | None:
         """The suspended hold of `w` when `w` is a preempted holder's entry (now forgotten)."""

@@ -48,7 +48,7 @@ class SwitchCoordinator:
                 raise SwitchError(rec.error, rec) from err
         t0 = time.monotonic()
         out: list[str] = []
-        for job in evict:  # one job at a time: each takes the pinned pool's largest free range
+        for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
             # A node where the job has no live process has nothing to move.
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}

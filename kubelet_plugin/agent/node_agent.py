@@ -317,8 +317,9 @@ class NodeAgent:
     async def memory(self, jobs: Sequence[JobRef]) -> MemoryView:
         """The node's GPUs and host memory, and where each job's memory is. A job whose
         processes cannot be resolved (gone, not started) has no device bytes."""
-        gpu_list = await asyncio.to_thread(self._memory_probe)
-        view = MemoryView(gpu_list, host_available=await asyncio.to_thread(self._host_probe))
+        gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
+                                              asyncio.to_thread(self._host_probe))
+        view = MemoryView(gpu_list, host_available=host)
         for job in jobs:
             record = self.records.jobs.get(job.job_id)
             if record is not None:
