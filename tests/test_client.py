@@ -108,6 +108,15 @@ async def test_lost_lease_raises_on_scope_exit(make_cluster) -> None:
     client.close()
 
 
+async def serve(servicer: OrchestratorServicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """A started orchestrator server with `servicer` (a subclass that misbehaves on purpose)."""
+    server = grpc_server.new_server()
+    pb_grpc.add_OrchestratorServicer_to_server(servicer, server)
+    port = grpc_server.bind(server, address)
+    await server.start()
+    return server, port
+
+
 async def test_unavailable_is_retried_with_the_same_request_id() -> None:
     """The first two Acquire calls fail with UNAVAILABLE; the client retries with one request id."""
     seen: list[str] = []
@@ -120,10 +129,7 @@ async def test_unavailable_is_retried_with_the_same_request_id() -> None:
             return await super().Acquire(request, context)
 
     orch = Orchestrator([GroupSpec(id="g")])
-    server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(Flaky(orch), server)
-    port = grpc_server.bind(server, "127.0.0.1:0")
-    await server.start()
+    server, port = await serve(Flaky(orch))
     try:
         client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
         grant = await asyncio.to_thread(client.acquire)
@@ -151,10 +157,7 @@ async def test_cancelled_by_the_server_is_retried_with_the_same_request_id() -> 
             return await super().Acquire(request, context)
 
     orch = Orchestrator([GroupSpec(id="g")])
-    server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(Stopping(orch), server)
-    port = grpc_server.bind(server, "127.0.0.1:0")
-    await server.start()
+    server, port = await serve(Stopping(orch))
     try:
         client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
         grant = await asyncio.to_thread(client.acquire)
@@ -178,10 +181,7 @@ async def test_orchestrator_started_late_is_reached_by_retries() -> None:
     task = asyncio.create_task(asyncio.to_thread(client.acquire))
     await asyncio.sleep(0.5)
     orch = Orchestrator([GroupSpec(id="g")])
-    server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(orch), server)
-    grpc_server.bind(server, f"127.0.0.1:{port}")
-    await server.start()
+    server, _ = await serve(OrchestratorServicer(orch), f"127.0.0.1:{port}")
     try:
         assert (await asyncio.wait_for(task, 10)).epoch == 1
         await eventually(lambda: orch.group("g").holder is not None)
@@ -237,10 +237,7 @@ async def test_a_client_that_gives_up_as_the_grant_comes_leaves_no_grant_behind(
             return resp
 
     orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
-    server = grpc_server.new_server()
-    pb_grpc.add_OrchestratorServicer_to_server(SlowReply(orch), server)
-    port = grpc_server.bind(server, "127.0.0.1:0")
-    await server.start()
+    server, port = await serve(SlowReply(orch))
     late = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "late", "g")
     other = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "other", "g")
     try:
