@@ -106,7 +106,8 @@ async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, An
         if backend == "cooperative" and a.pool_gb > 0 else None
     pool_setup = time.monotonic() - t_pool
     spec = GroupSpec(id=GROUP, backend=backend, agents=(agent_target,), residency=a.residency,
-                     memory_headroom=a.headroom, lease_seconds=60.0, step_timeout_seconds=600.0)
+                     memory_headroom=a.headroom, resident_first_seconds=a.resident_first,
+                     lease_seconds=60.0, step_timeout_seconds=600.0)
     orch = Orchestrator([spec], observer=observe, pinned_pool=pool)
     server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
     try:
@@ -170,6 +171,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
     solo_hashes = {r["seed"]: r["param_hash"] for r in solo_runs}
     return {
         "benchmark": "rl_grpo", "backend": run["backend"], "residency": a.residency, "memory_headroom": a.headroom,
+        "resident_first_seconds": a.resident_first,
         "jobs": a.jobs, "size": a.size, "params": jobs[0]["params"], "steps": a.steps, "batch": a.batch,
         "new_tokens": a.new_tokens, "reward_seconds": a.reward_seconds, "extra_gb": a.extra_gb,
         "pool_gb": a.pool_gb if run["backend"] == "cooperative" else 0,
@@ -225,6 +227,8 @@ def main() -> None:
                    choices=["cuda", "cuda-checkpoint", "cooperative", "none"])
     p.add_argument("--residency", choices=["auto", "exclusive"], default="auto")
     p.add_argument("--headroom", default="10%", help="memoryHeadroom: percent of GPU memory or a quantity")
+    p.add_argument("--resident-first", type=float, default=30.0,
+                   help="residentFirstSeconds: how long resident waiters may pass one that needs a switch")
     p.add_argument("--size", default="1b", choices=["tiny", "small", "1b"])
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)

@@ -4,14 +4,16 @@
 # solo: 4 jobs alone, one after the other (saved; the shared runs compare with them)
 # a: 2 jobs x ~18 GB, residency auto, backends cuda and cooperative
 # c: 4 jobs x ~30 GB, residency auto (all fit with headroom), backend cuda
-# b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (95 GB pinned pool), cuda
+# b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (95 GB pinned pool), cuda;
+#    b-fifo: the same in strict queue order (residentFirstSeconds 0)
+# STEPS (default 8) must match the solo runs'; SOLO: the solo runs' JSON (bench/results/rl-grpo-solo-h200.json)
 # On the lent machine the project and its server dependencies come as wheels in .whl/.
 set -uo pipefail
 out="$1"
 shift
 export TIMESLICE_MACHINE="${TIMESLICE_MACHINE:-lent NVIDIA H200 host (device tool, nvidia-h200)}"
 export PYTHONUNBUFFERED=1
-run() { python3 bench/rl_grpo.py --steps "${STEPS:-3}" "$@" || echo "stage failed: $*" >&2; }
+run() { python3 bench/rl_grpo.py --steps "${STEPS:-8}" "$@" || echo "stage failed: $*" >&2; }
 for stage in "$@"; do
   case "$stage" in
     probe)
@@ -30,6 +32,8 @@ print('pid', os.getpid(), 'nvml processes', [(p.pid, p.usedGpuMemory) for p in p
     c) run --jobs 4 --extra-gb 19 --backends cuda --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-c-h200.json" ;;
     b) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-b-h200.json" ;;
+    b-fifo) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --resident-first 0 \
+         --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-b-fifo-h200.json" ;;
     b-cuda) run --jobs 3 --extra-gb 40 --init-hold --backends cuda --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-b-cuda-h200.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

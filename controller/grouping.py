@@ -91,16 +91,17 @@ class JobConfig:
     lease_seconds: float = names.DEFAULT_LEASE_SECONDS
     residency: str = names.RESIDENCY_AUTO
     memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
+    resident_first_seconds: float = names.DEFAULT_RESIDENT_FIRST_SECONDS
 
     @classmethod
     def of(cls, cfg: ts_config.TimeSliceConfig) -> JobConfig:
         return cls(cfg.priority, cfg.backend, cfg.maxHoldSeconds, cfg.leaseSeconds, cfg.residency,
-                   cfg.memoryHeadroom)
+                   cfg.memoryHeadroom, cfg.residentFirstSeconds)
 
     def describe(self) -> str:
         return (f"priority={self.priority} backend={self.backend} maxHoldSeconds={self.max_hold_seconds} "
                 f"leaseSeconds={self.lease_seconds:g} residency={self.residency} "
-                f"memoryHeadroom={self.memory_headroom}")
+                f"memoryHeadroom={self.memory_headroom} residentFirstSeconds={self.resident_first_seconds:g}")
 
 
 def claim_set_id(job: str, name: str) -> str:
@@ -139,6 +140,7 @@ class Group:
     lease_seconds: float
     residency: str = names.RESIDENCY_AUTO  # the oldest claim set's, like the backend
     memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
+    resident_first_seconds: float = names.DEFAULT_RESIDENT_FIRST_SECONDS
 
     @property
     def jobs(self) -> tuple[str, ...]:
@@ -383,7 +385,7 @@ def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group
     first = min(claim_sets, key=lambda cs: (cs.oldest, cs.id))
     gid = group_id(gpus)
     for cs in claim_sets:
-        for key in ("backend", "residency", "memory_headroom"):
+        for key in ("backend", "residency", "memory_headroom", "resident_first_seconds"):
             mine, theirs = getattr(cs.config, key), getattr(first.config, key)
             if mine != theirs:
                 warnings.append(GroupingWarning(
@@ -393,7 +395,8 @@ def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group
     return Group(id=gid, claim_sets=tuple(claim_sets), nodes=tuple(sorted({n for cs in claim_sets for n in cs.nodes})),
                  gpus=tuple(gpus), backend=first.config.backend,
                  lease_seconds=max(cs.config.lease_seconds for cs in claim_sets),
-                 residency=first.config.residency, memory_headroom=first.config.memory_headroom)
+                 residency=first.config.residency, memory_headroom=first.config.memory_headroom,
+                 resident_first_seconds=first.config.resident_first_seconds)
 
 
 def diff(old: Snapshot, new: Snapshot) -> SnapshotDiff:

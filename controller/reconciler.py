@@ -48,7 +48,8 @@ def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) 
     backend = default_backend if group.backend == "auto" else group.backend
     agents = () if backend == "none" else tuple(agent(n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,
-                     residency=group.residency, memory_headroom=group.memory_headroom, members=tuple(members))
+                     residency=group.residency, memory_headroom=group.memory_headroom,
+                     resident_first_seconds=group.resident_first_seconds, members=tuple(members))
 
 
 class Reconciler:

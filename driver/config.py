@@ -11,6 +11,7 @@ controller (job-level values). Wire form, in a DeviceClass's or a claim's
       backend: auto              # auto | cuda | cuda-checkpoint | cooperative | freeze | none
       residency: auto            # auto: move memory only when the next job does not fit | exclusive
       memoryHeadroom: "10%"      # kept free per GPU under residency auto: percent or quantity ("8Gi")
+      residentFirstSeconds: 30   # residency auto: resident waiters may pass one that needs a switch this long
       maxHoldSeconds: 600        # counted from a waiter's arrival; absent = no limit
       leaseSeconds: 10           # holder lease without keep-alive
       job: my-job                # job identity override (else pod label / owner)
@@ -41,6 +42,7 @@ class TimeSliceConfig(BaseModel):
     backend: Literal["auto", "cuda", "cuda-checkpoint", "cooperative", "freeze", "none"] = "auto"
     residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO
     memoryHeadroom: str = names.DEFAULT_MEMORY_HEADROOM
+    residentFirstSeconds: float = Field(default=names.DEFAULT_RESIDENT_FIRST_SECONDS, ge=0, le=3600)
     maxHoldSeconds: float | None = Field(default=None, gt=0)
     leaseSeconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0, le=300)
 

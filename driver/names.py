@@ -24,6 +24,10 @@ BACKEND_COOPERATIVE = "cooperative"
 RESIDENCY_AUTO = "auto"
 RESIDENCY_EXCLUSIVE = "exclusive"
 DEFAULT_MEMORY_HEADROOM = "10%"
+# Under residency "auto", a waiter whose grant would move memory may be passed by waiters of
+# its priority that are resident (no move) for at most this long, seconds: a switch then
+# serves a run of phases, not each one (0: strict queue order).
+DEFAULT_RESIDENT_FIRST_SECONDS = 30.0
 
 DEFAULT_LEASE_SECONDS = 10.0
 # Bound on one checkpoint or restore step on one node, seconds. The CUDA driver

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import mmap
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
 from timeslice.errors import SwitchFailed
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
@@ -84,12 +86,13 @@ class FakeStore:
 
 @pytest.fixture
 async def coop(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
-    """`await coop(pool_bytes=..., backend="cooperative")` -> (orchestrator, target)."""
+    """`await coop(pool_bytes=..., backend="cooperative", agent=None)` -> (orchestrator, target)."""
     closers: list[Callable[[], object]] = []
 
-    async def make(pool_bytes: int = 1 << 20, backend: str = "cooperative") -> tuple[Orchestrator, str]:
+    async def make(pool_bytes: int = 1 << 20, backend: str = "cooperative",
+                   agent: NodeAgent | None = None) -> tuple[Orchestrator, str]:
         agent_target = f"unix://{short_tmp / 'agent.sock'}"
-        agent_server, _ = await create_agent_server(NodeAgent(StaticProcessResolver()), agent_target)
+        agent_server, _ = await create_agent_server(agent or NodeAgent(StaticProcessResolver()), agent_target)
         pool = PinnedPool(short_tmp / "pinned-pool", pool_bytes) if pool_bytes else None
         orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(agent_target,))], pinned_pool=pool)
         server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
@@ -232,6 +235,17 @@ def test_pinned_pool_hands_out_every_free_range_and_merges_what_comes_back(short
         PinnedPool(short_tmp / "p2", 0)
 
 
+def test_a_populated_pool_is_written_through_once(short_tmp: Path) -> None:
+    """Every page written (tmpfs clears fallocated pages only at their first touch, which
+    would otherwise fall inside the first checkpoint), in slices that need not divide evenly."""
+    size = (64 << 20) * 3 + 12345
+    pool = PinnedPool(short_tmp / "pool", size, populate=True)
+    data = (short_tmp / "pool").read_bytes()
+    assert len(data) == size and data.count(0) == size
+    assert os.stat(short_tmp / "pool").st_blocks * 512 >= size  # allocated, not sparse
+    pool.close()
+
+
 def test_pieces_spans_ranges_in_order() -> None:
     ranges = [(100, 10), (0, 5), (50, 20)]
     assert pieces(ranges, 0, 10) == [(100, 0, 10)]
@@ -339,3 +353,110 @@ async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_proce
     finally:
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
+
+
+GB = 10**9
+
+
+class GpuModel:
+    """NVML as a 100 GB GPU would report the jobs' processes: `sizes` bytes for each job
+    whose store holds its state and whose process has not exited."""
+
+    def __init__(self, stores: dict[str, FakeStore], sizes: dict[str, int], pids: dict[str, int]) -> None:
+        self.stores, self.sizes, self.pids = stores, sizes, pids
+        self.exited: set[str] = set()
+
+    def on_gpu(self) -> dict[int, int]:
+        return {self.pids[j]: self.sizes[j] for j, s in self.stores.items()
+                if s.device is not None and j not in self.exited}
+
+    def free(self) -> int:
+        return 100 * GB - sum(self.on_gpu().values())
+
+    def probe(self) -> list[GpuInfo]:
+        return [GpuInfo("GPU-0", 0, 100 * GB, self.free(), self.on_gpu())]
+
+
+class SizedStore(FakeStore):
+    """Registers `size` bytes (what the orchestrator plans with); checks at each restore
+    that the GPU model had room for it."""
+
+    def __init__(self, seed: str, size: int, gpu: GpuModel) -> None:
+        super().__init__(seed)
+        self.size, self.gpu = size, gpu
+        self.free_at_restore: list[int] = []
+
+    def nbytes(self) -> int:
+        return self.size
+
+    def restore(self, ranges: list[tuple[int, int]]) -> int:
+        if self.device is None:
+            self.free_at_restore.append(self.gpu.free())
+        return super().restore(ranges)
+
+
+async def sized_jobs(coop, monkeypatch, grace: float) -> tuple[Orchestrator, GpuModel, dict, dict]:
+    """Jobs "c" and "a", 60 GB each on a 100 GB GPU (10% headroom): one fits at a time. c
+    has run once; a loads its state inside its first hold (c is checkpointed for it), then
+    registers it, and releases."""
+    from timeslice.controller.orchestrator import cooperative
+
+    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", grace)
+    stores: dict[str, FakeStore] = {}
+    gpu = GpuModel(stores, {"a": 60 * GB, "c": 60 * GB}, {"a": 101, "c": 103})
+    stores["c"] = SizedStore("c", 60 * GB, gpu)
+    agent = NodeAgent(StaticProcessResolver({"a": [101], "c": [103]}), memory_probe=gpu.probe)
+    orch, target = await coop(agent=agent)
+    c = job(target, "c", stores["c"])
+    await connected(c)
+    await asyncio.to_thread(c.acquire)
+    await asyncio.to_thread(c.release)
+    await eventually(lambda: orch.group("g").residency.peaks.get("c"))  # c's 60 GB seen: a is sized like it
+    a = TimeSliceOrchestratorClient(target, "a", "g")
+    await asyncio.to_thread(a.acquire)
+    assert stores["c"].device is None  # c was checkpointed for a
+    stores["a"] = SizedStore("a", 60 * GB, gpu)  # a loads its state, then registers it
+    a.serve_memory_commands(stores["a"])
+    await connected(a)
+    await asyncio.to_thread(a.release)
+    return orch, gpu, stores, {"a": a, "c": c}
+
+
+async def test_a_resident_whose_process_closed_its_stream_is_waited_for_never_restored_over(coop, monkeypatch) -> None:
+    """Seen on the H200 (3 x 46 GB): a finished job closed its client while its process still
+    held its memory; the plan evicted it, the checkpoint found no stream ("nothing to move")
+    and the waiter's restore ran out of GPU memory. Now a resident nothing can move is never
+    counted as room: the waiter waits for its process to exit (it frees the memory), bounded
+    by the reconnect grace."""
+    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    a, c = clients["a"], clients["c"]
+    try:
+        a._memory_loops[0].close()  # a finished: its stream closes, its process still holds 60 GB
+        await eventually(lambda: orch.cooperative.departing("g", "a"))
+        reports = orch.group("g").residency.snapshot
+        waiter = asyncio.create_task(asyncio.to_thread(c.acquire))
+        await eventually(lambda: orch.group("g").residency.snapshot is not reports and not waiter.done())
+        assert stores["c"].device is None  # nothing restored over a
+        gpu.exited.add("a")  # a's process exits: NVML shows its memory free
+        await asyncio.wait_for(waiter, 10)
+        assert stores["c"].device == bytearray(stores["c"].original)
+        assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
+        await asyncio.to_thread(c.release)
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)
+
+
+async def test_a_resident_that_stays_unmovable_past_the_grace_fails_the_waiter_with_no_room(coop, monkeypatch) -> None:
+    orch, _, stores, clients = await sized_jobs(coop, monkeypatch, grace=0.5)
+    a, c = clients["a"], clients["c"]
+    try:
+        a._memory_loops[0].close()  # its process keeps its 60 GB and never exits
+        await eventually(lambda: orch.cooperative.departing("g", "a"))
+        with pytest.raises(SwitchFailed, match="no room for c"):
+            await asyncio.to_thread(c.acquire)
+        assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
+        assert orch.group("g").holder is None  # the group serves on
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)

@@ -435,3 +435,59 @@ async def test_a_job_dropped_while_checkpointed_is_restored_when_idle(make_clust
     assert proc_state(a_proc.pid) == "T"  # b holds: nothing moves yet
     g.release("b", gb.lease_id, gb.epoch)
     await eventually(lambda: proc_state(a_proc.pid) in "RS" and "a" not in g.residency.checkpointed)
+
+
+async def test_resident_waiters_pass_one_that_needs_a_switch_for_a_bounded_time() -> None:
+    """3 jobs, 2 fit: strict FIFO switches at nearly every phase (32 switches in the H200 run
+    of 3 x 46 GB jobs). Resident waiters go first while the job that needs memory moved has
+    waited less than resident_first_seconds; past that it goes first whatever is resident."""
+    now = [0.0]
+    gpu = FakeGpu(total=130 * GB, a=45)  # two of 45 GB leave 40 GB free: more than twice the headroom
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), gpu,
+                  clock=lambda: now[0])
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB
+    await hold(g, "b")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # a checkpointed for c
+    assert gpu.calls == [("checkpoint", "a")]
+    await eventually(lambda: g.residency.peaks.get("c"))  # a memory report has seen c's 45 GB
+    grant_b = await g.acquire("b", 0, "b-1", timeout=None)  # b resident: at once
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))  # a needs a switch
+    await eventually(lambda: len(g.queue) == 1)
+    now[0] = 10.0
+    c_waits = asyncio.create_task(g.acquire("c", 0, "c-1", timeout=None))  # c is resident
+    await eventually(lambda: len(g.queue) == 2)
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_c = await c_waits  # c passed a: nothing moved
+    assert gpu.calls == [("checkpoint", "a")] and not a_waits.done()
+    now[0] = 31.0  # a has waited past the bound
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-2", timeout=None))  # b is resident
+    await eventually(lambda: len(g.queue) == 2)
+    g.release("c", grant_c.lease_id, grant_c.epoch)
+    grant_a = await a_waits  # a first now, although b is resident and waiting
+    assert grant_a.restored and gpu.calls[1:] == [("checkpoint", "b"), ("restore", "a")]
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    grant_b = await b_waits
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    await g.close()
+
+
+async def test_resident_first_zero_keeps_strict_queue_order() -> None:
+    gpu = FakeGpu(a=45)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=0), gpu)
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB
+    await hold(g, "b")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))
+    grant_b = await g.acquire("b", 0, "b-1", timeout=None)
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    c_waits = asyncio.create_task(g.acquire("c", 0, "c-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 2)
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_a = await a_waits
+    assert grant_a.restored and not c_waits.done()
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    grant_c = await c_waits
+    g.release("c", grant_c.lease_id, grant_c.epoch)
+    await g.close()

@@ -44,8 +44,9 @@ class GroupSpec(BaseModel):
     processes, its agents report memory); `max_hold_seconds` bounds a hold once another
     job waits (members' own values win). Times are seconds. `residency`: `auto` moves
     memory only when the incoming job does not fit, keeping `memory_headroom` free on
-    each GPU (a percent of its memory, "10%", or a quantity, "8Gi"); `exclusive`
-    checkpoints at every hand-off.
+    each GPU (a percent of its memory, "10%", or a quantity, "8Gi"), and lets waiters
+    that are resident pass, for at most `resident_first_seconds`, a waiter of their
+    priority whose grant would move memory; `exclusive` checkpoints at every hand-off.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -58,6 +59,7 @@ class GroupSpec(BaseModel):
     max_hold_seconds: float | None = Field(default=None, gt=0)
     residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO
     memory_headroom: str | int = names.DEFAULT_MEMORY_HEADROOM
+    resident_first_seconds: float = Field(default=names.DEFAULT_RESIDENT_FIRST_SECONDS, ge=0)
     # Cluster mode: the group's jobs and where they run. Empty (static mode): any job may
     # acquire, and every agent resolves the job by its own table.
     members: tuple[MemberSpec, ...] = ()

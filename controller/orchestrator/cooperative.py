@@ -75,12 +75,15 @@ class CooperativeJobs:
         self._pending: dict[str, _Command] = {}
         self._late: dict[str, _Command] = {}  # timed out, still expecting an answer
         self._rollbacks: set[asyncio.Task[None]] = set()
+        # (group, job) -> monotonic seconds its last connected process left with its state on the GPU
+        self._left: dict[tuple[str, str], float] = {}
 
     # -- the process side (RPCs) -------------------------------------------------
     async def stream(self, group: str, job: str, stream_id: str, pid: int,
                      registered: int) -> AsyncIterator[pb.MemoryCommand]:
         """Commands for one process, starting with "hello"; runs until the caller goes away."""
         procs = self._procs.setdefault((group, job), {})
+        self._left.pop((group, job), None)
         p = procs.get(stream_id)
         if p is None:
             p = procs[stream_id] = _Process(group, job, stream_id, pid, registered)
@@ -102,6 +105,8 @@ class CooperativeJobs:
                         c.future.set_exception(ProcessGone(f"process {p.pid} of job {job} closed its command stream"))
                 if not p.checkpointed and not p.unanswered:
                     procs.pop(stream_id, None)
+                if not p.checkpointed and not any(q.connected for q in procs.values()):
+                    self._left[(group, job)] = p.disconnected_at  # its state stays on the GPU, unmovable
                 log.info("cooperative process disconnected group=%s job=%s pid=%d checkpointed=%s", group, job,
                          p.pid, p.checkpointed)
 
@@ -146,11 +151,27 @@ class CooperativeJobs:
     def checkpointed(self, group: str, job: str) -> bool:
         return any(p.checkpointed for p in self._procs.get((group, job), {}).values())
 
+    def connected(self, group: str, job: str) -> bool:
+        """A process of the job has its command stream open: its registered state can move."""
+        return any(p.connected for p in self._procs.get((group, job), {}).values())
+
+    def departing(self, group: str, job: str) -> bool:
+        """The job's last process closed its command stream, with its state on the GPU, less
+        than `RECONNECT_GRACE_SECONDS` ago: it is exiting (its memory is about to be freed) or
+        reconnecting. Either way nothing can move it now."""
+        left = self._left.get((group, job))
+        return left is not None and time.monotonic() - left < RECONNECT_GRACE_SECONDS
+
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory. All or
         nothing: on a failure the processes already done restore. Raises NotFound (no
         process of the job is connected: nothing to move), BackendError (a process refused,
-        or has not answered an earlier command: its state is unknown), StepTimeout."""
+        or has not answered an earlier command: its state is unknown; or its processes closed
+        their streams just now with their state on the GPU: see `departing`), StepTimeout."""
+        if not self.connected(group, job) and self.departing(group, job):
+            raise BackendError(f"job {job}'s processes closed their memory command streams "
+                               f"{time.monotonic() - self._left[(group, job)]:.1f} s ago with their state on the GPU: "
+                               "it cannot be checkpointed (it is exiting or reconnecting)")
         t0 = time.monotonic()
         done: list[_Process] = []
         moved = 0
@@ -215,6 +236,7 @@ class CooperativeJobs:
 
     def forget(self, group: str, job: str) -> None:
         """The job is gone: drop its processes and free their pool ranges."""
+        self._left.pop((group, job), None)
         for p in self._procs.pop((group, job), {}).values():
             self._forget(p)
 

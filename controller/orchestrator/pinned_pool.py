@@ -16,7 +16,10 @@ free total. The bytes are written by the job processes.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +27,10 @@ from pathlib import Path
 @dataclass
 class PinnedPool:
     """`path`: the pool file (mode 0600); `size` in bytes; `populate`: allocate its memory now
-    (`posix_fallocate`; raises OSError when the filesystem lacks the room) rather than page by
-    page at the first checkpoints."""
+    (`posix_fallocate`; raises OSError when the filesystem lacks the room) and write it once
+    (tmpfs leaves fallocated pages to be cleared at their first fault: on the H200 host the
+    first process to register a 95 GB pool took 43 s doing that, the next ones 8-9 s), in
+    parallel threads, rather than page by page inside the first checkpoints."""
 
     path: Path
     size: int
@@ -43,6 +48,7 @@ class PinnedPool:
                 os.ftruncate(fd, self.size)
                 if self.populate:
                     os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
+                    _write_zeros(fd, self.size)
             finally:
                 os.close(fd)
         except OSError as err:
@@ -101,3 +107,20 @@ class PinnedPool:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _write_zeros(fd: int, size: int) -> None:
+    """Write zeros over [0, size) of `fd` through a shared mapping, one slice per thread:
+    `ctypes.memset` releases the GIL and page faults run in parallel (a `write` to tmpfs
+    takes the file's lock: one writer at a time, ~1.7 GB/s measured on the H200 host)."""
+    threads = max(1, min(8, os.cpu_count() or 1))
+    step = -(-size // threads)
+    with mmap.mmap(fd, size) as mm:
+        anchor = ctypes.c_char.from_buffer(mm)
+        try:
+            base = ctypes.addressof(anchor)
+            with ThreadPoolExecutor(threads, thread_name_prefix="pinned-pool") as pool:
+                list(pool.map(lambda start: ctypes.memset(base + start, 0, min(step, size - start)),
+                              range(0, size, step)))
+        finally:
+            del anchor  # the mapping closes only once no ctypes object exports it

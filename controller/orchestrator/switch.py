@@ -94,15 +94,24 @@ class SwitchCoordinator:
             (dev,) = snap.devices
             for job in jobs:  # what the job's processes registered is what they hold when restored
                 n = self.cooperative.registered_bytes(spec.id, job)
-                if not n:
-                    continue
                 if self.cooperative.checkpointed(spec.id, job):
-                    snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
+                    if n:
+                        snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
+                elif not self.cooperative.connected(spec.id, job):
+                    snap.movable_bytes[job] = {dev: 0}  # no stream to command: what it holds cannot leave
                 else:
                     snap.movable_bytes[job] = {dev: n}  # only what it registered leaves the GPU
-                    if not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
+                    if n and not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
                         snap.device_bytes[job] = {dev: n}
         return snap
+
+    def departing(self, spec: GroupSpec, jobs: Iterable[str]) -> list[str]:
+        """Those of `jobs` whose processes just closed their cooperative command streams with
+        their state on the GPU (exiting or reconnecting: their memory cannot move now, and may
+        be freed in a moment)."""
+        if spec.backend != names.BACKEND_COOPERATIVE:
+            return []
+        return [j for j in jobs if self.cooperative.departing(spec.id, j)]
 
     async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
         """Roll back evictions: restore each of `jobs`; returns those that stay off the GPUs."""
