@@ -103,6 +103,7 @@ def _size(n: int) -> str:
 def _status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
+    from timeslice import _rpc
     from timeslice.v1 import orchestrator_pb2 as pb
     from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -113,8 +114,9 @@ def _status(a: argparse.Namespace) -> int:
     with grpc.insecure_channel(a.target) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         try:
-            groups = ([stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=a.group), timeout=10)] if a.group
-                      else list(stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups))
+            md = _rpc.call_metadata()
+            groups = ([stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id=a.group), timeout=10, metadata=md)]
+                      if a.group else list(stub.ListGroups(pb.ListGroupsRequest(), timeout=10, metadata=md).groups))
         except grpc.RpcError as err:
             print(f"timeslice status: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
@@ -249,7 +251,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--log-level", default="INFO")
     c.set_defaults(fn=_controller)
 
-    s = sub.add_parser("status", help="print groups, holders, queues and recent switches")
+    s = sub.add_parser("status", help="print groups, holders, queues and recent switches",
+                       description="An orchestrator with --auth tokenreview wants a token (audience timeslice.dev) "
+                                   "in $TIMESLICE_TOKEN_FILE, e.g. from `kubectl create token <serviceaccount> "
+                                   "--audience timeslice.dev`.")
     s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
     s.add_argument("--group", help="one group only")

@@ -42,6 +42,12 @@ class TokenReviewAuthenticator:
     def __init__(self, auth_api: Any, cache_seconds: float = DEFAULT_CACHE_SECONDS) -> None:
         self._reviewer = TokenReviewer(auth_api, AUDIENCE, cache_seconds)
 
+    async def authenticate(self, metadata: Any) -> str:
+        """The user name of the call's token, bound to a pod or not (status calls: an admin's
+        `kubectl create token <sa> --audience timeslice.dev` will do). Raises Unauthenticated
+        (no token, token rejected) or KubernetesApiError (the review failed)."""
+        return str((await self._reviewer.review(bearer(metadata))).username)
+
     async def identify(self, metadata: Any) -> PodIdentity:
         """The pod the call's token is bound to. Raises Unauthenticated (no token, token
         rejected, not bound to a pod) or KubernetesApiError (the review failed)."""

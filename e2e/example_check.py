@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,9 +22,25 @@ NS = "timeslice-examples"
 TARGET = "127.0.0.1:50051"
 
 
-def status() -> list[dict]:
+_token: dict[str, str] = {}
+
+
+def status(kube) -> list[dict]:
+    """`timeslice status --json` as an admin would run it against an orchestrator with
+    `--auth tokenreview`: a token from `kubectl create token` (audience timeslice.dev) in
+    $TIMESLICE_TOKEN_FILE. [] while the orchestrator is not up; an auth error fails."""
+    if "file" not in _token:
+        token = kube.run("create", "token", "default", "-n", "default", "--audience", "timeslice.dev",
+                         "--duration", "2h").stdout.strip()
+        path = Path(tempfile.mkdtemp(prefix="timeslice-e2e-")) / "token"
+        path.write_text(token)
+        path.chmod(0o600)
+        _token["file"] = str(path)
     r = subprocess.run([sys.executable, "-m", "timeslice.cli.main", "status", "--target", TARGET, "--json"],
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "TIMESLICE_TOKEN_FILE": _token["file"]})
+    if "UNAUTHENTICATED" in r.stderr or "PERMISSION_DENIED" in r.stderr:
+        raise AssertionError(f"timeslice status refused: {r.stderr.strip()}")
     return json.loads(r.stdout) if r.returncode == 0 else []
 
 
@@ -34,7 +52,7 @@ def run_example_and_check(kube, during=lambda: None) -> dict:
     conditions: list[dict] = []
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        for g in status():
+        for g in status(kube):
             if len(g.get("agent_targets", [])) and g.get("grants"):
                 seen[g["group_id"]] = g
         claims = kube.json("get", "resourceclaims", "-n", NS)["items"]

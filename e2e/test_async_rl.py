@@ -42,7 +42,7 @@ def test_samplers_run_together_and_only_trainers_alternate(kube, cluster_stack) 
     groups: dict[str, set[str]] = {}
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        for g in status():
+        for g in status(kube):
             members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
                        if w}
             groups.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})

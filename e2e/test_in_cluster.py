@@ -99,7 +99,7 @@ def test_installed_driver_alternates_jobs_and_survives_deleting_the_leader_pod(k
     deleted: list[float] = []
 
     def delete_leader_after_two_switches() -> None:
-        if not deleted and any(int(g.get("switches", 0)) >= 2 for g in status()):
+        if not deleted and any(int(g.get("switches", 0)) >= 2 for g in status(kube)):
             time.sleep(0.4)  # let the claim status record the current holder
             kube.run("delete", "pod", "-n", SYSTEM, first, "--wait=false")
             deleted.append(time.monotonic())

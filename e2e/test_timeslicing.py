@@ -87,7 +87,7 @@ def test_killing_the_leader_controller_keeps_the_group_working(kube, stack) -> N
     assert first is not None
 
     def kill_after_two_switches() -> None:
-        if first.proc.poll() is None and any(int(g.get("switches", 0)) >= 2 for g in status()):
+        if first.proc.poll() is None and any(int(g.get("switches", 0)) >= 2 for g in status(kube)):
             time.sleep(0.4)  # let the claim status record the current holder
             first.proc.send_signal(signal.SIGKILL)
 
@@ -104,7 +104,7 @@ def test_killing_the_holder_pod_frees_the_lock(kube, stack) -> None:
     wait for the lease), and the other job gets the lock and finishes."""
     kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
     kube.run("apply", "-k", str(EXAMPLE))
-    holder = wait(lambda: next((g["holder"]["job_id"] for g in status() if g.get("holder", {}).get("job_id")
+    holder = wait(lambda: next((g["holder"]["job_id"] for g in status(kube) if g.get("holder", {}).get("job_id")
                                 and int(g.get("switches", 0)) >= 1), None), 120, "a holder after a switch")
     victim = holder.split("/", 1)[1].split(":", 1)[0]  # <ns>/<job>:<claim> -> job name
     survivor = "rl-job-b" if victim == "rl-job-a" else "rl-job-a"
@@ -112,7 +112,7 @@ def test_killing_the_holder_pod_frees_the_lock(kube, stack) -> None:
                    "jsonpath={.items[0].metadata.name}").stdout
     t0 = time.monotonic()
     kube.run("delete", "pod", "-n", NS, pod, "--grace-period=0", "--force", check=False)
-    wait(lambda: all(g.get("holder", {}).get("job_id") != holder for g in status()), 30, "the lock freed")
+    wait(lambda: all(g.get("holder", {}).get("job_id") != holder for g in status(kube)), 30, "the lock freed")
     freed = time.monotonic() - t0
     assert freed < 10.0, f"lock freed after {freed:.1f} s, more than one lease (10 s)"
     wait(lambda: kube.json("get", "job", "-n", NS, survivor).get("status", {}).get("succeeded"), 120,
@@ -151,7 +151,7 @@ def test_max_hold_seconds_preempts_a_long_phase(kube, stack) -> None:
     kube.run("apply", "-f", "-", input=yaml.safe_dump_all(docs))
     preemptions = 0
     for _ in range(240):
-        preemptions = max([preemptions, *(int(g.get("preemptions", 0)) for g in status())])
+        preemptions = max([preemptions, *(int(g.get("preemptions", 0)) for g in status(kube))])
         jobs = kube.json("get", "jobs", "-n", NS)["items"]
         assert not [j for j in jobs if j.get("status", {}).get("failed")], jobs
         if sum(1 for j in jobs if j.get("status", {}).get("succeeded")) == 2:

@@ -63,3 +63,36 @@ async def test_only_the_claim_sets_pods_may_act(server, tmp_path, monkeypatch) -
     await asyncio.to_thread(client.release)
     assert reviews.calls == 3  # token-x, forged, token-a: the release reused the cached review
     client.close()
+
+
+async def test_status_wants_an_accepted_token_when_auth_is_on_and_carries_no_lease(server, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """Before: GetGroupStatus and ListGroups called no authenticator (and returned the
+    holder's lease id, with which anyone could release it)."""
+    import grpc
+    from timeslice.cli.main import main as cli
+    from timeslice.v1 import orchestrator_pb2 as pb
+    from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+    target, _ = server
+    token = tmp_path / "token"
+    monkeypatch.setenv("TIMESLICE_TOKEN_FILE", str(token))
+    token.write_text("token-a")
+    client = TimeSliceOrchestratorClient(target, "ns/a", "gpu")
+    grant = await asyncio.to_thread(client.acquire)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.OrchestratorStub(channel)
+        for call in (stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g")),
+                     stub.ListGroups(pb.ListGroupsRequest())):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListGroups(pb.ListGroupsRequest(), metadata=(("authorization", "Bearer forged"),))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status = await stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"),
+                                           metadata=(("authorization", "Bearer token-x"),))  # any pod, or an admin
+    assert status.holder.job_id == "ns/a:gpu" and grant.lease_id not in str(status)
+    assert await asyncio.to_thread(cli, ["status", "--target", target, "--json"]) == 0  # sends $TIMESLICE_TOKEN_FILE
+    await asyncio.to_thread(client.release)
+    client.close()

@@ -79,10 +79,15 @@ class Authenticator(Protocol):
         """The caller's pod (with `.pod_uid`); raises Unauthenticated."""
         ...
 
+    async def authenticate(self, metadata: Any) -> str:
+        """The caller's user name, whether or not its token is bound to a pod; raises Unauthenticated."""
+        ...
+
 
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     """`authenticator`: None serves anyone (static groups, the demo); else every lock call
-    must come from a pod of the member (claim set) it acts for."""
+    must come from a pod of the member (claim set) it acts for, and a status call from any
+    caller whose token the authenticator accepts (status carries no lease ids)."""
 
     def __init__(self, orchestrator: Orchestrator, authenticator: Authenticator | None = None) -> None:
         self._orch = orchestrator
@@ -99,6 +104,10 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 raise PermissionDenied(f"pod {pod.pod_name or pod.pod_uid} holds no claim of {job!r} "
                                        f"in group {group.id}")
         return group, job
+
+    async def _authenticated(self, context: grpc.aio.ServicerContext) -> None:
+        if self._auth is not None:
+            await self._auth.authenticate(context.invocation_metadata())
 
     @rpc_method
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
@@ -163,9 +172,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     @rpc_method
     async def GetGroupStatus(self, request: pb.GetGroupStatusRequest,
                              context: grpc.aio.ServicerContext) -> pb.GroupStatus:
+        await self._authenticated(context)
         return group_status(self._orch.group(_check_id("group_id", request.group_id)).view())
 
     @rpc_method
     async def ListGroups(self, request: pb.ListGroupsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
+        await self._authenticated(context)
         return pb.ListGroupsResponse(groups=[group_status(g.view()) for g in self._orch.groups()])
