@@ -196,12 +196,14 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--cdi-dir", help="CDI spec directory (default /var/run/cdi)")
     k.add_argument("--plugin-data-dir", help="DRA socket directory (default /var/lib/kubelet/plugins/<driver>)")
     k.add_argument("--registry-dir", help="kubelet plugin registry (default /var/lib/kubelet/plugins_registry)")
-    k.add_argument("--agent-listen", help="node agent gRPC address (default 127.0.0.1:50052)")
+    k.add_argument("--agent-listen", help="node agent gRPC address: unix:///path or, with --agent-auth "
+                                          "tokenreview, HOST:PORT (default unix:///var/lib/kubelet/plugins/"
+                                          "gpu.timeslice.dev/agent.sock)")
     k.add_argument("--agent-auth", choices=["none", "tokenreview"],
                    help="who may call the node agent: tokenreview = callers send a projected ServiceAccount "
                         "token (audience timeslice.dev/node-agent), checked with TokenReview, of a user in "
-                        "--agent-allowed-users; none = anyone who reaches --agent-listen (default none: unix "
-                        "sockets, loopback, demos)")
+                        "--agent-allowed-users; none = the owner of its unix socket (mode 0600; refused with a "
+                        "HOST:PORT --agent-listen) (default none)")
     k.add_argument("--agent-allowed-users",
                    help="with --agent-auth tokenreview: TokenReview user names allowed to call the agent, "
                         "comma-separated (default system:serviceaccount:timeslice-system:timeslice-controller)")

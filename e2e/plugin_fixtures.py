@@ -39,11 +39,18 @@ def token_kubeconfig(kube: Any, sa: str, path: Path) -> Path:
     return path
 
 
+def agent_socket(workdir: Path) -> str:
+    """The node agent's unix socket for a plugin run in `workdir` (unauthenticated agents
+    serve only a unix socket); the host-run controllers reach it there."""
+    return f"unix://{workdir}/agent.sock"
+
+
 class PluginProcess:
     """`timeslice kubelet-plugin` as a host process; restartable."""
 
     def __init__(self, workdir: Path, kubeconfig: Path, node: str, fake_gpus: str = "2xH200",
-                 agent_listen: str = "127.0.0.1:0", backends: str = "freeze,none") -> None:
+                 agent_listen: str | None = None, backends: str = "freeze,none") -> None:
+        agent_listen = agent_listen or agent_socket(workdir)
         self.workdir = workdir
         self.log = workdir / "plugin.log"
         self.argv = [sys.executable, "-m", "timeslice.cli.main", "kubelet-plugin", "--node-name", node,
@@ -73,12 +80,12 @@ def apply_base(kube: Any, *files: str) -> None:
 
 
 def node_agent_plugin(kube: Any, workdir: Path, node: str, fake_gpus: str) -> PluginProcess:
-    """The plugin as the controllers' node agent (127.0.0.1:50052, freeze), with the
+    """The plugin as the controllers' node agent (`agent_socket(workdir)`, freeze), with the
     namespace, DeviceClass, policy and both components' RBAC applied; started."""
     apply_base(kube, "namespace.yaml", "deviceclass.yaml", "admission-policy.yaml", "rbac-kubelet-plugin.yaml",
                "rbac-controller.yaml")
     plugin = PluginProcess(workdir, token_kubeconfig(kube, "timeslice-kubelet-plugin", workdir / "plugin.kubeconfig"),
-                           node, fake_gpus=fake_gpus, agent_listen="127.0.0.1:50052")
+                           node, fake_gpus=fake_gpus)
     plugin.start()
     return plugin
 

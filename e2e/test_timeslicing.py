@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from e2e.example_check import EXAMPLE, NS, TARGET, run_example_and_check, status
-from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
+from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfig, wait
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ class Controller:
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "timeslice.cli.main", "controller", "--listen", TARGET, "--agent-template",
-             "{node}:50052", "--default-backend", "freeze", "--auth", "tokenreview", "--leader-election",
+             agent_socket(work), "--default-backend", "freeze", "--auth", "tokenreview", "--leader-election",
              "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1"],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "KUBECONFIG": kubeconfig, "POD_NAME": name, "POD_NAMESPACE": "timeslice-system"})

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
 from kubernetes.aio.client.exceptions import ApiException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
@@ -50,7 +50,9 @@ log = logging.getLogger("timeslice.kubelet_plugin")
 class KubeletPluginConfig(BaseModel):
     """Everything `timeslice kubelet-plugin` needs; paths are host paths. `agent_auth`:
     `tokenreview` lets only `agent_allowed_users` (TokenReview user names) call the node
-    agent, `none` anyone who reaches `agent_listen`. `agent_tls`: serve the agent port with
+    agent; `none` (the default) serves only a unix socket, made mode 0600 (root's callers
+    only): anyone reaching an unauthenticated port could freeze any claim's processes and
+    overwrite another job's checkpoint record (issue 10, item 12). `agent_tls`: serve the agent port with
     TLS and publish its certificate on pod `pod_namespace`/`pod_name` (default: env
     `POD_NAMESPACE` / `POD_NAME`, from the downward API)."""
 
@@ -64,7 +66,7 @@ class KubeletPluginConfig(BaseModel):
     cdi_dir: Path = Path("/var/run/cdi")
     plugin_data_dir: Path | None = None
     registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
-    agent_listen: str = "127.0.0.1:50052"
+    agent_listen: str = f"unix:///var/lib/kubelet/plugins/{names.DRIVER_NAME}/agent.sock"
     agent_auth: Literal["none", "tokenreview"] = "none"
     agent_allowed_users: tuple[str, ...] = Field(default=names.DEFAULT_AGENT_CALLERS, min_length=1)
     agent_tls: bool = False
@@ -72,6 +74,14 @@ class KubeletPluginConfig(BaseModel):
     pod_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", ""))
     backends: tuple[str, ...] = ("freeze", "none")
     orchestrator: str = ""
+
+    @model_validator(mode="after")
+    def _unauthenticated_only_on_a_unix_socket(self) -> KubeletPluginConfig:
+        if self.agent_auth == "none" and not self.agent_listen.startswith("unix:"):
+            raise ValueError(f"--agent-listen {self.agent_listen} with --agent-auth none: an unauthenticated node "
+                             "agent serves only a unix socket (unix:///path, made mode 0600); to listen on a port "
+                             "use --agent-auth tokenreview")
+        return self
 
 
 def device_table(gpus: list[GpuInfo], cfg: KubeletPluginConfig) -> tuple[list[dict[str, Any]], dict[str, GpuInfo]]:
@@ -85,6 +95,22 @@ def device_table(gpus: list[GpuInfo], cfg: KubeletPluginConfig) -> tuple[list[di
 def _local(listen: str) -> bool:
     """Whether `listen` (`host:port` or `unix:...`) is reachable from this host only."""
     return listen.startswith("unix:") or listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
+
+
+async def serve_agent(agent: NodeAgent, listen: str, callers: AllowedCallers | None,
+                      credentials: Any = None) -> tuple[Any, int]:
+    """The node agent's started gRPC server on `listen`; a unix socket's directory is made
+    and the socket left readable and writable by its owner only (mode 0600). Returns
+    (server, port) as `create_agent_server` does."""
+    path = Path(listen.removeprefix("unix://").removeprefix("unix:")) if listen.startswith("unix:") else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket left by an earlier run
+    server, port = await create_agent_server(agent, listen, callers, credentials)
+    if path is not None:
+        os.chmod(path, 0o600)
+    return server, port
 
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
@@ -117,15 +143,12 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     if cfg.agent_auth == "tokenreview":
         callers = AllowedCallers(TokenReviewer(k8s.AuthenticationV1Api(api), names.AGENT_AUDIENCE),
                                  cfg.agent_allowed_users)
-    elif not _local(cfg.agent_listen):
-        log.warning("node agent on %s accepts calls from anyone (--agent-auth none): use --agent-auth "
-                    "tokenreview, or restrict the port", cfg.agent_listen)
     identity = self_signed(cfg.node_name) if cfg.agent_tls else None
     if identity is None and not _local(cfg.agent_listen):
         log.warning("node agent on %s is plaintext (no --agent-tls): its calls and tokens are not encrypted in "
                     "transit", cfg.agent_listen)
-    agent_server, agent_port = await create_agent_server(
-        agent, cfg.agent_listen, callers, identity.server_credentials() if identity else None)
+    agent_server, agent_port = await serve_agent(agent, cfg.agent_listen, callers,
+                                                 identity.server_credentials() if identity else None)
     cert_publisher = None
     if identity is not None:
         log.info("node agent TLS certificate=%s not_after=%s", identity.fingerprint, identity.not_after.isoformat())

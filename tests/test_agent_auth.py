@@ -217,3 +217,25 @@ def test_the_manifests_wire_the_agent_token() -> None:
     role = next(d for d in yaml.safe_load_all((base / "rbac-kubelet-plugin.yaml").read_text())
                 if d["kind"] == "ClusterRole")
     assert {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]} in role["rules"]
+
+
+async def test_an_unauthenticated_agent_socket_is_its_owners_only(short_tmp) -> None:
+    """Issue 10, item 12: `--agent-auth none` listened on 127.0.0.1:50052, where any local
+    user could freeze any claim's processes. Now it serves a unix socket of mode 0600 (a
+    socket left by an earlier run is replaced)."""
+    import stat
+
+    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+    from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+    from timeslice.kubelet_plugin.app import serve_agent
+
+    path = short_tmp / "agent" / "agent.sock"
+    for _ in range(2):
+        server, _ = await serve_agent(NodeAgent(StaticProcessResolver()), f"unix://{path}", None)
+        try:
+            assert stat.S_ISSOCK(path.stat().st_mode)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        finally:
+            await server.stop(0)
+        if not path.exists():
+            path.touch()  # what a killed plugin may leave behind

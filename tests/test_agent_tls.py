@@ -461,7 +461,8 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
         port = s.getsockname()[1]
     cfg = KubeletPluginConfig(node_name="node-a", fake_gpus="1xH200", state_dir=short_tmp / "state",
                               cdi_dir=short_tmp / "cdi", plugin_data_dir=short_tmp / "plugin",
-                              registry_dir=short_tmp / "registry", agent_listen=f"127.0.0.1:{port}", agent_tls=True)
+                              registry_dir=short_tmp / "registry", agent_listen=f"127.0.0.1:{port}", agent_tls=True,
+                              agent_auth="tokenreview")  # a port needs authenticated callers
     assert (cfg.pod_name, cfg.pod_namespace) == ("plugin-a", "timeslice-system")  # from the downward API's env
     stop = asyncio.Event()
     task = asyncio.create_task(run(cfg, stop))

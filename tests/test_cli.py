@@ -112,6 +112,15 @@ def test_kubelet_plugin_agent_auth_flags(monkeypatch, capsys) -> None:
     main(["kubelet-plugin", "--node-name", "n", "--agent-tls"])
     assert not seen[0].agent_tls
     assert (seen[-1].agent_tls, seen[-1].pod_name, seen[-1].pod_namespace) == (True, "plugin-x", "timeslice-system")
+    # Issue 10, item 12: the default agent is unauthenticated on a unix socket; a port needs tokenreview
+    assert seen[0].agent_listen == "unix:///var/lib/kubelet/plugins/gpu.timeslice.dev/agent.sock"
+    capsys.readouterr()
+    for listen in ("127.0.0.1:50052", "0.0.0.0:50052"):
+        assert main(["kubelet-plugin", "--node-name", "n", "--agent-listen", listen]) == 2
+        assert "an unauthenticated node agent serves only a unix socket" in capsys.readouterr().err
+    n = len(seen)
+    main(["kubelet-plugin", "--node-name", "n", "--agent-listen", "0.0.0.0:50052", "--agent-auth", "tokenreview"])
+    assert len(seen) == n + 1
 
 
 def test_controller_agent_token_file_flag(monkeypatch, capsys) -> None:
