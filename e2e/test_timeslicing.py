@@ -87,8 +87,14 @@ def test_killing_the_leader_controller_keeps_the_group_working(kube, stack) -> N
     assert first is not None
 
     def kill_after_two_switches() -> None:
-        if first.proc.poll() is None and any(int(g.get("switches", 0)) >= 2 for g in status(kube)):
-            time.sleep(0.4)  # let the claim status record the current holder
+        """Called every 0.5 s: kill the leader once two switches were made and a claim's
+        status records the group's current holder (what the next leader adopts)."""
+        if first.proc.poll() is not None:
+            return
+        holders = {g.get("holder", {}).get("job_id") for g in status(kube) if int(g.get("switches", 0)) >= 2}
+        recorded = {d.get("data", {}).get("holder") for c in kube.json("get", "resourceclaims", "-n", NS)["items"]
+                    for d in c.get("status", {}).get("devices", [])}
+        if (holders - {None, ""}) & recorded:
             first.proc.send_signal(signal.SIGKILL)
 
     run_example_and_check(kube, during=kill_after_two_switches)
@@ -149,17 +155,16 @@ def test_max_hold_seconds_preempts_a_long_phase(kube, stack) -> None:
             for e in d["spec"]["template"]["spec"]["containers"][0]["env"]:
                 e["value"] = env[d["metadata"]["name"]].get(e["name"], e.get("value"))
     kube.run("apply", "-f", "-", input=yaml.safe_dump_all(docs))
-    preemptions = 0
-    for _ in range(240):
-        preemptions = max([preemptions, *(int(g.get("preemptions", 0)) for g in status(kube))])
+    preemptions = [0]
+
+    def both_succeeded() -> bool:
+        preemptions[0] = max([preemptions[0], *(int(g.get("preemptions", 0)) for g in status(kube))])
         jobs = kube.json("get", "jobs", "-n", NS)["items"]
         assert not [j for j in jobs if j.get("status", {}).get("failed")], jobs
-        if sum(1 for j in jobs if j.get("status", {}).get("succeeded")) == 2:
-            break
-        time.sleep(1)
-    else:
-        raise AssertionError("jobs did not finish")
-    assert preemptions >= 1
+        return sum(1 for j in jobs if j.get("status", {}).get("succeeded")) == 2
+
+    wait(both_succeeded, 240, "both jobs succeeded")
+    assert preemptions[0] >= 1
     phases = {job: [json.loads(x) for x in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines()
                     if x.startswith("{")] for job in ("rl-job-a", "rl-job-b")}
     assert all(p["check_ok"] for lines in phases.values() for p in lines), phases

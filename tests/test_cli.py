@@ -173,23 +173,47 @@ def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path) -> None:
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
-    demo = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "demo", "--rounds", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    demo = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "demo", "--rounds", "100", "--gen-seconds",
+                             "0.02", "--reward-seconds", "0.02", "--verbose"],  # solo ~4 s, then shared
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    frozen = threading.Event()
+
+    def read_stderr() -> None:
+        assert demo.stderr is not None
+        for line in demo.stderr:
+            lines.append(line)
+            if "checkpointed job=shared-job-" in line:  # the shared phase: a worker is frozen
+                frozen.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
-        time.sleep(4)  # into the shared phase: workers take turns, one of them frozen
+        assert frozen.wait(120), "".join(lines[-20:])
         demo.send_signal(signal.SIGTERM)
-        _, err = demo.communicate(timeout=30)
-        assert demo.returncode == 130 and err.strip().endswith("timeslice demo: interrupted"), err
-        time.sleep(0.5)
-        try:
-            os.killpg(demo.pid, 0)
-            leftovers = subprocess.run(["pgrep", "-g", str(demo.pid), "-a"], capture_output=True, text=True).stdout
-            raise AssertionError(f"processes left in the demo's group: {leftovers}")
-        except ProcessLookupError:
-            pass
+        demo.wait(timeout=30)
+        reader.join(10)
+        err = "".join(lines)
+        assert demo.returncode == 130 and err.strip().endswith("timeslice demo: interrupted"), err[-3000:]
+        deadline = time.monotonic() + 10
+        while True:  # the group empties as the last processes exit
+            try:
+                os.killpg(demo.pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                leftovers = subprocess.run(["pgrep", "-g", str(demo.pid), "-a"], capture_output=True,
+                                           text=True).stdout
+                raise AssertionError(f"processes left in the demo's group: {leftovers}")
+            time.sleep(0.05)
     finally:  # whatever is left (a failed run): thaw, then kill the whole group
         for sig in (signal.SIGCONT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(demo.pid, sig)
+        demo.wait()
+        reader.join(10)
+        if demo.stderr is not None:
+            demo.stderr.close()
