@@ -97,22 +97,6 @@ def _local(listen: str) -> bool:
     return listen.startswith("unix:") or listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
 
 
-async def serve_agent(agent: NodeAgent, listen: str, callers: AllowedCallers | None,
-                      credentials: Any = None) -> tuple[Any, int]:
-    """The node agent's started gRPC server on `listen`; a unix socket's directory is made
-    and the socket left readable and writable by its owner only (mode 0600). Returns
-    (server, port) as `create_agent_server` does."""
-    path = Path(listen.removeprefix("unix://").removeprefix("unix:")) if listen.startswith("unix:") else None
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a socket left by an earlier run
-    server, port = await create_agent_server(agent, listen, callers, credentials)
-    if path is not None:
-        os.chmod(path, 0o600)
-    return server, port
-
-
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
     api = await kubeapi.api_client()
@@ -147,8 +131,8 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     if identity is None and not _local(cfg.agent_listen):
         log.warning("node agent on %s is plaintext (no --agent-tls): its calls and tokens are not encrypted in "
                     "transit", cfg.agent_listen)
-    agent_server, agent_port = await serve_agent(agent, cfg.agent_listen, callers,
-                                                 identity.server_credentials() if identity else None)
+    agent_server, agent_port = await create_agent_server(
+        agent, cfg.agent_listen, callers, identity.server_credentials() if identity else None)
     cert_publisher = None
     if identity is not None:
         log.info("node agent TLS certificate=%s not_after=%s", identity.fingerprint, identity.not_after.isoformat())

@@ -227,11 +227,11 @@ async def test_an_unauthenticated_agent_socket_is_its_owners_only(short_tmp) -> 
 
     from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
     from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
-    from timeslice.kubelet_plugin.app import serve_agent
+    from timeslice.kubelet_plugin.agent.server import create_server
 
     path = short_tmp / "agent" / "agent.sock"
     for _ in range(2):
-        server, _ = await serve_agent(NodeAgent(StaticProcessResolver()), f"unix://{path}", None)
+        server, _ = await create_server(NodeAgent(StaticProcessResolver()), f"unix://{path}")
         try:
             assert stat.S_ISSOCK(path.stat().st_mode)
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
