@@ -24,8 +24,9 @@ test: lint unit e2e ## the whole suite: lint, unit + integration, e2e on a local
 unit: $(STAMP) ## unit and integration tests (real gRPC servers and processes; GPU tests skip without a GPU)
 	$(BIN)/pytest -q tests
 
-lint: $(STAMP) ## ruff, shellcheck, every YAML file parses, and the generated stubs match proto/
+lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/
 	$(BIN)/ruff check .
+	$(BIN)/python hack/typecheck.py
 	$(BIN)/python hack/gen_protos.py --check
 	@command -v shellcheck >/dev/null || apt-get install -y -q shellcheck >/dev/null
 	shellcheck hack/*.sh .ci/run

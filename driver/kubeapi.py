@@ -39,7 +39,7 @@ def api_error(err: Exception, what: str) -> KubernetesApiError:
         status = int(err.status or 0)
         message = err.reason or ""
         with contextlib.suppress(ValueError, TypeError, AttributeError):
-            message = json.loads(err.body).get("message") or message
+            message = json.loads(err.body or "").get("message") or message
         cls = KubernetesApiError if status in RETRYABLE_STATUS or status >= 500 else KubernetesApiRejected
         return cls(f"{what}: HTTP {status}: {message}", status)
     return KubernetesApiError(f"{what}: {type(err).__name__}: {err}", 0)

@@ -3,6 +3,8 @@
 Owned by the driver package; imported by every server component.
 """
 
+from typing import Final
+
 DRIVER_NAME = "gpu.timeslice.dev"
 DEVICE_CLASS = "gpu.timeslice.dev"
 LABEL_PREFIX = "timeslice.dev/"
@@ -21,8 +23,8 @@ BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_NONE)
 BACKEND_COOPERATIVE = "cooperative"
 # Residency (DESIGN.md): "auto" moves memory only when the incoming job does not fit, with
 # this much of each GPU's memory kept free; "exclusive" checkpoints at every hand-off.
-RESIDENCY_AUTO = "auto"
-RESIDENCY_EXCLUSIVE = "exclusive"
+RESIDENCY_AUTO: Final = "auto"
+RESIDENCY_EXCLUSIVE: Final = "exclusive"
 DEFAULT_MEMORY_HEADROOM = "10%"
 # Under residency "auto", a waiter whose grant would move memory may be passed by waiters of
 # its priority that are resident (no move) for at most this long, seconds: a switch then

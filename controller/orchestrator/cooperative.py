@@ -232,7 +232,7 @@ class CooperativeJobs:
         failures = [f"pid {p.pid}: {r}" for p, r in zip(procs, results) if isinstance(r, BaseException)]
         if failures:
             raise BackendError(f"cooperative restore of job {job} failed ({'; '.join(failures)})")
-        return StepResult(sum(int(r) for r in results), time.monotonic() - t0)  # type: ignore[call-overload]
+        return StepResult(sum(r for r in results if isinstance(r, int)), time.monotonic() - t0)
 
     def forget(self, group: str, job: str) -> None:
         """The job is gone: drop its processes and free their pool ranges."""

@@ -36,11 +36,11 @@ def _driver() -> Any:
         raise BackendError("backend cuda needs the cuda-bindings package (extra `gpu`)") from err
     with _init_lock:
         try:
-            (err,) = driver.cuInit(0)
+            (result,) = driver.cuInit(0)
         except Exception as exc:  # cuda-bindings raises when libcuda.so is missing
             raise BackendError(f"no NVIDIA driver: {exc}") from exc
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise BackendError(f"cuInit failed: {err.name}")
+        if result != driver.CUresult.CUDA_SUCCESS:
+            raise BackendError(f"cuInit failed: {result.name}")
     return driver
 
 
