@@ -50,12 +50,23 @@ def rpc_method(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks). No
-# SO_REUSEPORT (gRPC's default on Linux): a second server on a busy port must fail, not
-# share it (two orchestrators answering at random would be two lock tables).
+# Accept the clients' keep-alive pings (every 20 s, also while an Acquire blocks), and ping
+# them: a client that does not answer within `grpc.http2.ping_timeout_ms` (a stopped or hung
+# process, a host gone without closing its connection) loses its connection, so its blocked
+# Acquire is cancelled and its waiter leaves the queue instead of being granted a lease
+# nobody uses (issue 10, item 6); a waiter whose job this orchestrator froze or
+# checkpointed keeps its place (`LockGroup._keep_when_frozen`). `keepalive_timeout_ms` alone did not
+# close the connection (gRPC 1.85): the ping timeout does. No SO_REUSEPORT (gRPC's default
+# on Linux): a second server on a busy port must fail, not share it (two orchestrators
+# answering at random would be two lock tables).
 SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 10000),
+    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.http2.ping_timeout_ms", 5000),
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging a client that only waits
+    ("grpc.http2.min_time_between_pings_ms", 10000),
     ("grpc.so_reuseport", 0),
 ]
 

@@ -491,3 +491,45 @@ async def test_resident_first_zero_keeps_strict_queue_order() -> None:
     grant_c = await c_waits
     g.release("c", grant_c.lease_id, grant_c.epoch)
     await g.close()
+
+
+async def test_a_checkpointed_waiter_whose_call_is_cancelled_keeps_its_place_others_leave() -> None:
+    """Issue 10, item 6: the server closes the connection of a client that stops answering its
+    keep-alive pings, which cancels its Acquire. A job this group checkpointed (frozen
+    processes cannot answer) keeps its place and is restored and granted in its turn; its
+    client's retry with the same request id receives that grant. A resident job's waiter
+    leaves the queue (a stopped process that is not ours must not be granted)."""
+    gpu = FakeGpu(a=60)
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.off["b"] = 60 * GB
+    g.residency.moved_out("b")
+    grant_a = await g.acquire("a", 0, "a-1", timeout=None)
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    b_waits.cancel()  # as a lost connection cancels the RPC
+    with pytest.raises(asyncio.CancelledError):
+        await b_waits
+    assert [w.job_id for w in g.queue] == ["b"]  # kept
+    assert (await g.acquire("a", 0, "a-2", timeout=None)).epoch == grant_a.epoch  # a's own call joins its hold
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await eventually(lambda: g.holder is not None and g.holder.job_id == "b")
+    assert ("restore", "b") in gpu.calls
+    retry = await g.acquire("b", 0, "b-1", timeout=None)  # the client, running again, asks again
+    assert retry.epoch == g.holder.epoch and retry.restored
+    g.release("b", retry.lease_id, retry.epoch)
+    # the waiter of a job that is not checkpointed here leaves the queue when its call is cancelled
+    grant_b = await g.acquire("b", 0, "b-2", timeout=None)
+    c_waits = asyncio.create_task(g.acquire("c", 0, "c-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    c_waits.cancel()
+    await eventually(lambda: len(g.queue) == 0)
+    # a kept waiter given up with CancelAcquire leaves too (a is checkpointed: it left for b)
+    assert "a" in g.residency.checkpointed
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-4", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    a_waits.cancel()
+    await eventually(lambda: a_waits.done())
+    assert len(g.queue) == 1 and g.cancel("a", "a-4") == "queued" and len(g.queue) == 0
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    await g.close()

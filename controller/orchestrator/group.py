@@ -293,9 +293,29 @@ class LockGroup:
         except TimeoutError:
             self._withdraw(w)
             raise AcquireTimeout(f"group {self.id}: no grant within {timeout} s") from None
+        except asyncio.CancelledError:
+            if not self._keep_when_frozen(w):
+                self._withdraw(w)
+            raise
         except BaseException:
             self._withdraw(w)
             raise
+
+    def _keep_when_frozen(self, w: Waiter) -> bool:
+        """The last call waiting on `w` was cancelled (its connection was lost: the server's
+        keep-alive pings went unanswered, `grpc_server.SERVER_OPTIONS`). When `w`'s job is
+        checkpointed here, its processes are frozen or checkpointed by this group and cannot
+        answer: `w` keeps its place with no caller, is granted in its turn (restoring the
+        job), and its client, running again, asks with the same request id and receives that
+        grant (or gives it up with CancelAcquire; a grant nobody takes lapses with its lease).
+        Any other waiter whose connection is lost leaves the queue. True when kept."""
+        if w.callers > 1 or w.job_id not in self.residency.checkpointed \
+                or self.queue.by_request(w.job_id, w.request_id) is not w:
+            return False
+        w.callers = 0
+        log.info("waiter kept group=%s job=%s request=%s: its connection was lost while its job is checkpointed "
+                 "(frozen processes cannot answer); it keeps its place", self.id, w.job_id, w.request_id)
+        return True
 
     def release(self, job_id: str, lease_id: str, epoch: int) -> tuple[int, bool]:
         """End the hold (or, for a preempted holder, its place in the queue: it stays
