@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from timeslice.cli.demo import percentile  # noqa: E402
 from timeslice.controller.orchestrator.config import GroupSpec  # noqa: E402
-from timeslice.controller.orchestrator.group import GroupEvent, LockGroup  # noqa: E402
+from timeslice.controller.orchestrator.group import LockGroup  # noqa: E402
+from timeslice.controller.orchestrator.group_model import GroupEvent  # noqa: E402
 from timeslice.controller.orchestrator.orchestrator import Orchestrator  # noqa: E402
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool  # noqa: E402
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server  # noqa: E402

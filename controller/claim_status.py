@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from timeslice.controller.grouping import Snapshot
-from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupEvent
 from timeslice.controller.reflector import describe_error
 from timeslice.driver import names
 from timeslice.driver.backoff import Backoff

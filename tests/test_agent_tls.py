@@ -520,7 +520,7 @@ async def test_a_rollback_goes_through_the_agents_current_channel() -> None:
     """A switch's rollback asks the pool again: when an agent's certificate changed mid-switch
     (its old client's channel is being closed), the compensating restore uses the new one."""
     from timeslice.controller.orchestrator.agents import StepResult
-    from timeslice.controller.orchestrator.group import SwitchError
+    from timeslice.controller.orchestrator.group_model import SwitchError
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
     class Client:

@@ -38,7 +38,8 @@ async def test_two_jobs_with_one_request_id_get_their_own_grants() -> None:
     """Issue 10, item 7: job b sent job a's request id while both waited, joined a's queue
     entry, and so received a's grant while a held."""
     from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.group import LockGroup, SwitchRecord
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.group_model import SwitchRecord
 
     async def switcher(spec, evict, incoming, restore):
         return SwitchRecord(None, incoming)

@@ -11,7 +11,8 @@ import asyncio
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.group import GrantInfo, LockGroup, SwitchRecord
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, plan_room
 from timeslice.driver.errors import SwitchFailed
 from timeslice.driver.headroom import parse_headroom
@@ -203,7 +204,7 @@ async def test_a_background_restore_that_does_not_fit_is_not_attempted() -> None
     await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 60 * GB))
     reports = gpu.reports
     await eventually(lambda: gpu.reports > reports)  # the idle group looked
-    await eventually(lambda: g._refresh_task is None)
+    await eventually(lambda: not g.idle.refreshing)
     assert gpu.calls == [("checkpoint", "a")] and g.residency.checkpointed == {"a"}
     await g.close()
 
@@ -250,12 +251,12 @@ async def test_a_resident_is_granted_at_once_only_while_the_last_report_shows_ro
     g = group(gpu)
     await hold(g, "a")
     await hold(g, "b")
-    await eventually(lambda: g._refresh_task is None and g.residency.snapshot is not None)
+    await eventually(lambda: not g.idle.refreshing and g.residency.snapshot is not None)
     reports = gpu.reports
     await hold(g, "a")
     assert gpu.reports == reports  # 40 GB free: no report needed
     gpu.on["b"] = 65 * GB  # b grew in its phase: the last report is stale and the GPU is nearly full
-    await eventually(lambda: g._refresh_task is None)
+    await eventually(lambda: not g.idle.refreshing)
     g.residency.observe(await gpu.memory(g.spec, ["a", "b"]))
     await hold(g, "a")  # 5 GB free, below twice the headroom: a fresh report and a plan first
     assert gpu.reports > reports + 1 and gpu.calls == [("checkpoint", "b")]
@@ -314,7 +315,7 @@ async def test_real_agents_report_memory_and_status_shows_residents(make_cluster
 async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> None:
     """A checkpointed job whose process died: its background restore fails (the agent says the
     process is gone). Before: the idle group retried it ~12,000 times in 2 s."""
-    from timeslice.controller.orchestrator.group import SwitchError
+    from timeslice.controller.orchestrator.group_model import SwitchError
 
     class DeadRestore(FakeGpu):
         async def __call__(self, spec, evict, incoming, restore):
@@ -331,10 +332,10 @@ async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> Non
     gpu.on.pop("c")
     g.drop_job("c", "finished")  # a fits again: one background try
     await eventually(lambda: ("restore", "a") in gpu.calls)
-    await eventually(lambda: g._refresh_task is None and g.phase == "idle")
+    await eventually(lambda: not g.idle.refreshing and g.phase == "idle")
     reports = gpu.reports
     await hold(g, "b")  # a new trigger: still not retried in the background
-    await eventually(lambda: g._refresh_task is None and g.phase == "idle")
+    await eventually(lambda: not g.idle.refreshing and g.phase == "idle")
     assert gpu.calls.count(("restore", "a")) == 1 and gpu.reports <= reports + 3
     await g.close()
 
@@ -342,7 +343,7 @@ async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> Non
 async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_the_others() -> None:
     """Issue 10, item 5: every acquire of the job repeated checkpoint(other) -> restore(it) ->
     rollback, and the job was never marked failed."""
-    from timeslice.controller.orchestrator.group import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.moves import MAX_RESTORE_FAILURES
 
     events: list[str] = []
     gpu = FakeGpu(a=60)
@@ -403,9 +404,7 @@ async def test_a_preempted_holder_whose_client_died_is_restored_when_idle_and_fo
     gb = await asyncio.wait_for(g.acquire("b", 0, "b-1", timeout=None), 5)  # a preempted for b
     assert ("checkpoint", "a") in gpu.calls
     g.spec = GroupSpec(**{**g.spec.model_dump(), "max_hold_seconds": None})  # b is not preempted in turn
-    if g._max_hold_timer is not None:
-        g._max_hold_timer.cancel()
-        g._max_hold_timer = None
+    g.preemption.stop_clock()
 
     async def b_keeps_alive_until_a_lapses() -> bool:
         g.keep_alive("b", gb.lease_id, gb.epoch)

@@ -17,7 +17,7 @@ from timeslice.controller.app import Controller
 from timeslice.controller.node_agents import missing_target
 from timeslice.controller.orchestrator.agents import AgentClient
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
-from timeslice.controller.orchestrator.group import SwitchRecord
+from timeslice.controller.orchestrator.group_model import SwitchRecord
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.driver.errors import TimeSliceServerError
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent

@@ -36,7 +36,8 @@ from prometheus_client.registry import Collector
 from timeslice.driver.grpc_server import host_port
 
 if TYPE_CHECKING:
-    from timeslice.controller.orchestrator.group import GroupEvent, LockGroup
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.group_model import GroupEvent
 
 log = logging.getLogger("timeslice.orchestrator")
 

@@ -15,7 +15,8 @@ from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.epochs import EpochFloors
-from timeslice.controller.orchestrator.group import GroupEvent, LockGroup, Observer, Switcher
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupEvent, Observer, Switcher
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.switch import SwitchCoordinator

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc.aio
-from timeslice.controller.orchestrator.group import GroupView, LockGroup
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupView
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.driver import names
 from timeslice.driver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, TimeSliceServerError

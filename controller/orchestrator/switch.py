@@ -21,7 +21,7 @@ from typing import Any
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
-from timeslice.controller.orchestrator.group import SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
 from timeslice.driver import names
 from timeslice.driver.errors import NotFound, OutcomeUnknown, TimeSliceServerError, Unavailable

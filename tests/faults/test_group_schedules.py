@@ -14,7 +14,8 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.group import LockGroup, SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
@@ -101,7 +102,7 @@ async def _run(ops, residency: str, fail_every: int) -> None:
             grants.pop(job, None)
         elif op == "lapse" and g.holder is not None:
             g.holder.lease_deadline = 0.0
-            g._on_lease_timer(g.holder)
+            g.leases.on_timer(g.holder)
         for _ in range(5):  # let switches and grants run
             await asyncio.sleep(0)
         for j, task in list(pending.items()):

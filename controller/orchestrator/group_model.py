@@ -1,0 +1,169 @@
+"""The typed state and views of a lock group (`LockGroup` owns them; `SwitchCoordinator`
+makes `SwitchRecord`s; status, claim status, Events and metrics read the views)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.residency import MemorySnapshot
+from timeslice.driver.errors import SwitchFailed
+
+if TYPE_CHECKING:
+    from timeslice.controller.orchestrator.group import LockGroup
+
+ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
+
+
+@dataclass
+class SwitchRecord:
+    """One switch, as shown in status. Seconds and bytes summed over the group's nodes.
+    `evicted`: every job checkpointed to make room (`from_job` is the first of them)."""
+
+    from_job: str | None
+    to_job: str
+    ok: bool = True
+    error: str = ""
+    checkpoint_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    bytes_checkpointed: int = 0
+    bytes_restored: int = 0
+    finished_at_unix: float = 0.0
+    evicted: tuple[str, ...] = ()
+    unreachable: bool = False  # failed only because agents did not answer: not the job's fault
+
+    @property
+    def seconds(self) -> float:
+        return self.checkpoint_seconds + self.restore_seconds
+
+
+class SwitchError(SwitchFailed):
+    """Raised by a `Switcher`: the switch failed; `off_gpu` names the evicted jobs whose
+    state the rollback could not put back on the GPUs (normally none)."""
+
+    def __init__(self, message: str, record: SwitchRecord, off_gpu: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.record = record
+        self.off_gpu = frozenset(off_gpu)
+
+
+class Switcher(Protocol):
+    """Moves GPU state for a group (`SwitchCoordinator`). `__call__(spec, evict, incoming,
+    restore)`: checkpoint every job of `evict`, then restore `incoming` when `restore`;
+    raises SwitchError. A switcher that can also report memory has `memory(spec, jobs) ->
+    MemorySnapshot | None`; without it the group keeps one resident job. One that can tell
+    residents whose memory is about to be freed has `departing(spec, jobs) -> list[str]`: a
+    plan without room waits for them (bounded by their grace) instead of failing."""
+
+    async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
+                       restore: bool) -> SwitchRecord: ...
+
+
+@dataclass(frozen=True)
+class GroupEvent:
+    """What happened in a group, for observers (claim status, Events, metrics): `kind` is
+    "granted", "released", "switched", "switch-failed", "lease-expired", "preempted" or
+    "job-failed" (its restore failed `MAX_RESTORE_FAILURES` times in a row).
+    `waited_seconds` (a grant): the longest wait among the granted job's waiters, seconds."""
+
+    kind: str
+    group_id: str
+    job_id: str
+    epoch: int = 0
+    record: SwitchRecord | None = None
+    waited_seconds: float = 0.0
+
+
+Observer = Callable[["LockGroup", GroupEvent], None]
+
+
+@dataclass(frozen=True)
+class GrantInfo:
+    lease_id: str
+    epoch: int
+    lease_seconds: float
+    waited_seconds: float
+    restored: bool
+    switch_seconds: float
+
+
+@dataclass
+class Hold:
+    job_id: str
+    lease_id: str
+    epoch: int
+    granted_at: float
+    lease_deadline: float
+    request_ids: set[str]
+    restored: bool
+    switch_seconds: float
+    priority: int = 0
+    past_epochs: frozenset[int] = frozenset()  # earlier grants of this lease (preempted, restored)
+    # an adopted hold's callers are not known here (granted by an earlier leader): no caller
+    # leaving ends it, only its release or its lease
+    callers_unknown: bool = False
+
+
+@dataclass
+class Counters:
+    """Totals since the group was created. `held_seconds`: seconds of ended holds (the
+    current hold is `GroupView.held_seconds`)."""
+
+    grants: int = 0
+    switches: int = 0
+    failed_switches: int = 0
+    lease_expiries: int = 0
+    preemptions: int = 0
+    held_seconds: float = 0.0
+
+
+@dataclass
+class WaiterView:
+    job_id: str
+    priority: int
+    waiting_seconds: float
+    position: int
+
+
+@dataclass
+class GroupView:
+    """A snapshot of a group for status output; times in seconds."""
+
+    group_id: str
+    backend: str
+    phase: str
+    epoch: int
+    holder: Hold | None
+    held_seconds: float
+    lease_remaining_seconds: float
+    waiters: list[WaiterView]
+    resident_job: str | None
+    checkpointed_jobs: list[str]
+    counters: Counters
+    recent_switches: list[SwitchRecord]
+    agents: list[str]
+    residency: str = "exclusive"
+    resident_jobs: list[str] = field(default_factory=list)  # least recently held first
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
+    memory: MemorySnapshot | None = None
+
+
+
+
+def group_view(g: LockGroup) -> GroupView:
+    """`g` now, for status output."""
+    now = g.clock()
+    h = g.holder
+    return GroupView(
+        group_id=g.id, backend=g.spec.backend, phase=g.phase, epoch=g.epoch,
+        holder=h, held_seconds=now - h.granted_at if h else 0.0,
+        lease_remaining_seconds=max(0.0, h.lease_deadline - now) if h else 0.0,
+        waiters=[WaiterView(w.job_id, w.priority, now - w.enqueued_at, i) for i, w in enumerate(g.queue)],
+        resident_job=g.resident, checkpointed_jobs=sorted(g.checkpointed),
+        counters=Counters(**vars(g.counters)), recent_switches=list(g.recent),
+        agents=list(g.spec.agents),
+        residency=g.spec.residency if g.memory_aware else "exclusive",
+        resident_jobs=list(g.residency.residents),
+        peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot)

@@ -1,0 +1,111 @@
+"""IdleRestores: what a lock group restores while nobody holds or waits.
+
+Owned by `LockGroup` (one per group); starts its restores through the group's
+`MemoryMoves`. Two kinds: *orphans*, checkpointed jobs nobody will ask for (dropped, or
+whose lease lapsed while preempted), restored so that none of their processes stays
+stopped, then forgotten; and, in memory-aware groups, checkpointed jobs that fit beside
+the residents without moving anyone (a job may touch its GPU after its last hold).
+A job whose background restore failed is not tried in the background again until it is
+granted: its own acquire restores it, or says why not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from timeslice.controller.orchestrator.residency import NoRoom
+
+if TYPE_CHECKING:
+    from timeslice.controller.orchestrator.group import LockGroup
+
+log = logging.getLogger("timeslice.orchestrator")
+
+
+class IdleRestores:
+    def __init__(self, group: LockGroup) -> None:
+        self._g = group
+        self._task: asyncio.Task[None] | None = None
+        self._failed: set[str] = set()  # background restores that failed, until granted again
+        self._orphans: set[str] = set()  # checkpointed jobs nobody will ask for: restored when idle, forgotten
+
+    @property
+    def refreshing(self) -> bool:
+        return self._task is not None
+
+    def now(self) -> bool:
+        """Nobody holds, waits or switches."""
+        g = self._g
+        return g.holder is None and g.switching is None and not len(g.queue)
+
+    def unowned(self, job: str) -> None:
+        """Nobody will ask for `job` any more: if checkpointed, restored when the group is idle."""
+        if job in self._g.residency.checkpointed:
+            self._orphans.add(job)
+
+    def granted(self, job: str) -> None:
+        self._failed.discard(job)
+        self._orphans.discard(job)
+
+    def forget(self, job: str) -> None:
+        self._failed.discard(job)
+
+    def failed(self, job: str) -> None:
+        """A background restore of `job` failed (or found no room): not again in the background."""
+        self._failed.add(job)
+
+    def restored_for_nobody(self, job: str) -> bool:
+        """`job` was restored as an orphan (now forgotten here); its processes run on, unowned."""
+        if job not in self._orphans:
+            return False
+        self._orphans.discard(job)
+        return True
+
+    def refresh_memory(self) -> None:
+        """In the background: take a memory snapshot (residents' peaks), and when the group
+        is idle restore a checkpointed job that fits without moving anyone. Tried once per
+        trigger (a release, an idle group, a switch that succeeded). Groups without memory
+        reports restore only orphans."""
+        g = self._g
+        if not g.moves.memory_aware:
+            self._restore_orphans()
+            return
+        if self._task is not None or g.switching is not None:
+            return  # a switch plans from its own fresh report, and triggers this again once idle
+        self._task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{g.id}")
+
+    def _restore_orphans(self) -> None:
+        """One at a time; one that failed is not tried again in the background."""
+        if not self.now():
+            return
+        for job in sorted(self._orphans - self._failed):
+            log.info("restoring a checkpointed job nobody owns any more group=%s job=%s", self._g.id, job)
+            self._g.moves.start_switch([], job, restore=True, grant=False)
+            return
+
+    async def _refresh(self) -> None:
+        g = self._g
+        try:
+            snap = await g.moves.snapshot()
+            if snap is None or not self.now():
+                return
+            for job in sorted(g.residency.checkpointed - self._failed):
+                try:
+                    if await g.moves.plan(job, allow_evictions=False) == [] and self.now():
+                        log.info("background restore group=%s job=%s: the group is idle and it fits", g.id, job)
+                        g.moves.start_switch([], job, restore=True, grant=False)
+                        return
+                except NoRoom as err:
+                    log.info("no background restore group=%s job=%s: %s", g.id, job, err)
+        except Exception as err:  # a report that fails changes nothing; the next switch asks again
+            log.warning("memory report failed group=%s: %s", g.id, err)
+        finally:
+            self._task = None
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,62 @@
+"""Takeover: a lock group's state after a leader change or an orchestrator restart.
+
+Called by `LockGroup` (`adopt`, and keep-alives from leases it does not know). The node
+agents' records are the truth about GPU state (DESIGN.md, "Leader election and
+takeover"); the group's last epoch comes from claim status or the standalone epoch file,
+so epochs never repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+
+if TYPE_CHECKING:
+    from timeslice.controller.orchestrator.group import LockGroup
+
+log = logging.getLogger("timeslice.orchestrator")
+
+
+def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int) -> None:
+    """Take over an empty group. `resident` and `checkpointed` come from the node agents'
+    records; `epoch` is the last one recorded. The resident job becomes a *presumptive*
+    holder: its next keep-alive or release with its old lease is accepted (and adopts
+    that lease); if it was not holding, the hold lapses after one lease period. A group
+    that already holds, queues or granted is left as it is."""
+    if g.holder is not None or g.epoch or len(g.queue):
+        return
+    for job in checkpointed:
+        g.residency.moved_out(job)
+    if resident is not None:
+        g.residency.held(resident)
+    g.epoch = epoch
+    if resident is not None:
+        now = g.clock()
+        member = g.spec.member(resident)
+        g.holder = Hold(resident, ADOPTED, epoch, now, now + g.spec.lease_seconds, set(), False, 0.0,
+                        member.priority if member is not None else 0, callers_unknown=True)
+        g.leases.arm()
+    log.info("adopted group=%s resident=%s checkpointed=%s epoch=%d", g.id, resident, sorted(checkpointed), epoch)
+
+
+def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> bool:
+    """A keep-alive for a lease this group does not know (granted by an earlier leader),
+    from a job that is checkpointed here, comes from a holder switched out mid-phase under
+    that leader (preempted, or lapsed while cut off): its process is stopped on the GPU,
+    so it is queued again with that lease rather than left stopped for good. True when
+    queued."""
+    h = g.holder
+    if (h is not None and h.job_id == job_id) or job_id not in g.checkpointed or not lease_id \
+            or lease_id == ADOPTED or not 0 < epoch <= g.epoch or g.leases.known(lease_id):
+        return False
+    now = g.clock()
+    member = g.spec.member(job_id)
+    g.leases.remember(lease_id)
+    g.preemption.park(Hold(job_id, lease_id, epoch, now, now, set(), False, 0.0, member.priority if member else 0))
+    log.warning("checkpointed holder queued again group=%s job=%s epoch=%d: it still keeps its lease alive",
+                g.id, job_id, epoch)
+    g.dispatch()
+    g.preemption.arm()
+    return True
