@@ -167,7 +167,7 @@ class Controller:
         not report checkpointed."""
         recorded, epoch = await self.writer.recorded(group)
         checkpointed = await self.orchestrator.checkpointed_jobs(group) if group.spec.agents else set()
-        running = [m.job for m in group.spec.members if m.job not in checkpointed]
+        running = [m.claim_set for m in group.spec.members if m.claim_set not in checkpointed]
         resident = recorded if recorded in running else (running[0] if len(running) == 1 else None)
         group.adopt(resident, checkpointed, epoch)
 

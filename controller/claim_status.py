@@ -141,23 +141,24 @@ class ClaimStatusWriter:
         positions = {w.job_id: w.position for w in v.waiters}
         last = v.recent_switches[-1] if v.recent_switches else None
         for member in group.spec.members:
-            held = v.holder is not None and v.holder.job_id == member.job
-            resident = member.job in v.resident_jobs
+            held = v.holder is not None and v.holder.job_id == member.claim_set
+            resident = member.claim_set in v.resident_jobs
             data = {"groupId": v.group_id, "holder": v.holder.job_id if v.holder else "",
                     "epoch": v.epoch, "residency": v.residency, "residents": v.resident_jobs,
-                    "peakBytes": sum(v.peaks.get(member.job, {}).values()),
-                    "deviceBytes": sum(v.memory.on_device(member.job).values()) if v.memory else 0,
+                    "peakBytes": sum(v.peaks.get(member.claim_set, {}).values()),
+                    "deviceBytes": sum(v.memory.on_device(member.claim_set).values()) if v.memory else 0,
                     "freeBytes": min((m.free for m in v.memory.devices.values()), default=0) if v.memory else 0,
-                    "queuePosition": positions.get(member.job, -1),
+                    "queuePosition": positions.get(member.claim_set, -1),
                     "lastSwitchSeconds": round(last.seconds, 3) if last else 0.0,
                     "bytesMoved": (last.bytes_checkpointed + last.bytes_restored) if last else 0}
             conditions = [
-                condition("LockHeld", held, "Holder" if held else ("Waiting" if member.job in positions else "Idle"),
+                condition("LockHeld", held,
+                          "Holder" if held else ("Waiting" if member.claim_set in positions else "Idle"),
                           f"group {v.group_id}: holder {data['holder'] or 'none'}", now),
                 condition("Resident", resident, "Resident" if resident else "Checkpointed"
-                          if member.job in v.checkpointed_jobs else "NotLoaded",
+                          if member.claim_set in v.checkpointed_jobs else "NotLoaded",
                           f"group {v.group_id}: resident {', '.join(v.resident_jobs) or 'none'}", now)]
-            for namespace, name in self._claims_of(member.job):
+            for namespace, name in self._claims_of(member.claim_set):
                 claim = self._api.api_client.sanitize_for_serialization(
                     await self._api.read_namespaced_resource_claim(name, namespace))
                 results = claim.get("status", {}).get("allocation", {}).get("devices", {}).get("results", [])
@@ -171,7 +172,7 @@ class ClaimStatusWriter:
         """(resident job, last epoch) as the claims' status.devices record them."""
         resident, epoch = None, 0
         for member in group.spec.members:
-            for namespace, name in self._claims_of(member.job):
+            for namespace, name in self._claims_of(member.claim_set):
                 claim = self._api.api_client.sanitize_for_serialization(
                     await self._api.read_namespaced_resource_claim(name, namespace))
                 for d in claim.get("status", {}).get("devices", []) or []:
@@ -180,7 +181,7 @@ class ClaimStatusWriter:
                         continue
                     epoch = max(epoch, int(data.get("epoch", 0)))
                     if any(c["type"] == "Resident" and c["status"] == "True" for c in d.get("conditions", [])):
-                        resident = member.job
+                        resident = member.claim_set
         return resident, epoch
 
     async def _event(self, e: GroupEvent) -> None:

@@ -42,7 +42,7 @@ def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) 
     members = []
     for cs in group.claim_sets:
         claims = tuple((c.namespace, c.name) for c in cs.claims)
-        members.append(MemberSpec(job=cs.id, claims_by_agent={agent(n): claims for n in cs.nodes},
+        members.append(MemberSpec(claim_set=cs.id, claims_by_agent={agent(n): claims for n in cs.nodes},
                                   pod_uids=cs.pods, claim_name=cs.name, priority=cs.config.priority,
                                   max_hold_seconds=cs.config.max_hold_seconds))
     backend = default_backend if group.backend == "auto" else group.backend
@@ -83,7 +83,7 @@ class Reconciler:
                 if self._on_group_set is not None:
                     self._on_group_set(lock)  # e.g. show the group in its claims' status
                 log.info("group set group=%s members=%s nodes=%s backend=%s", group.id,
-                         [m.job for m in spec.members], list(group.nodes), spec.backend)
+                         [m.claim_set for m in spec.members], list(group.nodes), spec.backend)
         self.orchestrator.set_aliases(aliases(snapshot.claim_sets.values(), snapshot.group_of))
 
     def _drop(self, group_id: str | None, cs_id: str, why: str) -> None:

@@ -213,3 +213,51 @@ async def test_a_restore_the_agent_reports_timed_out_counts_toward_failing_the_j
         with pytest.raises(SwitchFailed, match="timed out"):
             await g.acquire("a", 0, f"a-{i}", None)
     assert "a" in g.failed_jobs and "outcome is unknown" not in g.failed_jobs["a"]
+
+
+async def test_a_job_believed_resident_is_granted_only_once_its_agent_confirms_it(children, short_tmp) -> None:
+    """Issue 10, "a grant is made only when every agent of the group has confirmed that the
+    incoming job runs with its state on the GPU": the group believes `a` resident (it released
+    with nobody waiting), but its node agent holds a checkpoint record of it (a step the group
+    never heard of). Before, `a` was granted at once with its process stopped. Now the agent's
+    record wins: `a` is restored, then granted. An agent that does not answer gets no grant on
+    a guess."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.driver.errors import SwitchFailed
+
+    a_proc = spinner(children)
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    agent = NodeAgent(StaticProcessResolver({"a": [a_proc.pid]}), backends=["freeze"])
+    server, _ = await create_server(agent, target)
+    orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(target,), step_timeout_seconds=2)])
+    g = orch.group("g")
+    try:
+        ga = await g.acquire("a", 0, "a1", None)
+        g.release("a", ga.lease_id, ga.epoch)
+        assert g.resident == "a" and not ga.restored
+        await agent.checkpoint("a", "freeze", "g", 5)  # behind the group's back
+        assert proc_state(a_proc.pid) == "T"
+        again = await asyncio.wait_for(g.acquire("a", 0, "a2", None), 10)
+        assert again.restored and proc_state(a_proc.pid) in "RS" and "a" not in agent.records.jobs
+        g.release("a", again.lease_id, again.epoch)
+
+        await server.stop(0)  # the agent is gone: the resident job is not granted on a guess
+        with pytest.raises(SwitchFailed, match="cannot confirm that job a has its state on the GPUs"):
+            await asyncio.wait_for(g.acquire("a", 0, "a3", None), 20)
+        assert g.holder is None
+        server, _ = await create_server(agent, target)  # back: confirmed, granted without a move
+        grants = []
+
+        async def acquired() -> bool:
+            try:
+                grants.append(await g.acquire("a", 0, f"a-{len(grants) + 4}", None))
+            except SwitchFailed:
+                return False
+            return True
+
+        await eventually(acquired, timeout=20)
+        assert not grants[-1].restored and g.counters.switches == 1
+    finally:
+        await server.stop(0)
+        await orch.close()

@@ -34,7 +34,7 @@ class FakeReviews:
 
 @pytest.fixture
 async def server(tmp_path):
-    orch = Orchestrator([GroupSpec(id="g", members=(MemberSpec(job="ns/a:gpu", claims_by_agent={},
+    orch = Orchestrator([GroupSpec(id="g", members=(MemberSpec(claim_set="ns/a:gpu", claims_by_agent={},
                                                                 pod_uids=("pod-a",)),))])
     orch.set_aliases({("ns/a", "gpu"): ("g", "ns/a:gpu")})
     reviews = FakeReviews({"token-a": "pod-a", "token-x": "pod-x"})

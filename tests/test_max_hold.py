@@ -102,7 +102,7 @@ async def test_members_queue_at_their_configured_priority_and_limit(make_cluster
     priority does not jump the queue, and a member's maxHoldSeconds applies to it."""
     c = await make_cluster(backend="cuda")
     target = c.orchestrator.group("g").spec.agents[0]
-    members = tuple(MemberSpec(job=j, claims_by_agent={target: ()}, priority=p, max_hold_seconds=m)
+    members = tuple(MemberSpec(claim_set=j, claims_by_agent={target: ()}, priority=p, max_hold_seconds=m)
                     for j, p, m in (("a", 0, 0.2), ("b", 0, None), ("c", 5, None)))
     set_group(c, members=members)
     ga = await c.stub.Acquire(acquire("a", "a1"))

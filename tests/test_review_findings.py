@@ -31,7 +31,8 @@ from tests.test_orchestrator import acquire, release
 
 def _members(c, *jobs: tuple[str, int, float | None]) -> tuple[MemberSpec, ...]:
     target = c.orchestrator.group("g").spec.agents[0]
-    return tuple(MemberSpec(job=j, claims_by_agent={target: ()}, priority=p, max_hold_seconds=m) for j, p, m in jobs)
+    return tuple(MemberSpec(claim_set=j, claims_by_agent={target: ()}, priority=p, max_hold_seconds=m)
+                 for j, p, m in jobs)
 
 
 # -- maxHoldSeconds ----------------------------------------------------------------
@@ -111,7 +112,7 @@ async def test_take_over_with_a_node_without_agent_keeps_the_recorded_epoch_and_
     the group empty: epoch back to 0 (the fencing token going backwards) and no resident,
     so the next waiter was granted without checkpointing the job still on the GPU."""
     node = "node-a"
-    members = tuple(MemberSpec(job=j, claims_by_agent={missing_target(node): ()}) for j in ("a", "b"))
+    members = tuple(MemberSpec(claim_set=j, claims_by_agent={missing_target(node): ()}) for j in ("a", "b"))
 
     async def switcher(spec, outgoing, incoming, restore):
         return SwitchRecord(outgoing, incoming)

@@ -150,9 +150,9 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
     targets = list(c.orchestrator.group("g").spec.agents)
     for i, node in enumerate(("node-0", "node-1")):
         c.agents[node].claim_resolver = Resolver(node, pids(c, i, "a")[0])
-    members = (MemberSpec(job="a", claims_by_agent={targets[0]: (("ns", "a-0"),), targets[1]: (("ns", "a-1"),)},
+    members = (MemberSpec(claim_set="a", claims_by_agent={targets[0]: (("ns", "a-0"),), targets[1]: (("ns", "a-1"),)},
                           pod_uids=("pod-a",)),
-               MemberSpec(job="b", claims_by_agent={targets[1]: (("ns", "b-1"),)}, pod_uids=("pod-b",)))
+               MemberSpec(claim_set="b", claims_by_agent={targets[1]: (("ns", "b-1"),)}, pod_uids=("pod-b",)))
     spec = c.orchestrator.group("g").spec
     # exclusive: only the switch steps ask the resolver (auto would add memory reports)
     c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "members": members, "residency": "exclusive"}))
@@ -172,8 +172,8 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
 
 async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make_cluster) -> None:
     """The holder runs on a node with no node-plugin pod (target `no-agent:<node>`): the
-    switch away from it fails with that cause, nothing is left checkpointed, and the group
-    keeps serving."""
+    switch away from it fails with that cause, nothing is left checkpointed, and the job's
+    next acquire says the same instead of trusting a state nobody can confirm."""
     from timeslice.controller.node_agents import missing_target
     from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
 
@@ -181,8 +181,8 @@ async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make
 
     spec = c.orchestrator.group("g").spec
     node0, nowhere = spec.agents[0], missing_target("node-9")
-    members = (MemberSpec(job="a", claims_by_agent={nowhere: (("ns", "a-0"),)}),
-               MemberSpec(job="b", claims_by_agent={node0: (("ns", "b-0"),)}))
+    members = (MemberSpec(claim_set="a", claims_by_agent={nowhere: (("ns", "a-0"),)}),
+               MemberSpec(claim_set="b", claims_by_agent={node0: (("ns", "b-0"),)}))
     c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "agents": (node0, nowhere), "members": members}))
     a, b, task = await hold_then_handoff(c, "a", "b")
     with pytest.raises(SwitchFailed, match="checkpoint of job a on node node-9: no node agent there"):
@@ -191,6 +191,8 @@ async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make
     assert status.failed_switches == 1 and status.resident_job_id == "a" and "rolled back" in \
         status.recent_switches[-1].error
     assert not c.calls  # no agent was asked to move anything
-    assert not (await a.acquire()).restored
+    with pytest.raises(SwitchFailed, match=r"cannot confirm that job a has its state on the GPUs: .*no node agent "
+                                           r"there"):  # a resident is granted only once its agents confirm it
+        await a.acquire()
     for cl in (a, b):
         await cl.close()

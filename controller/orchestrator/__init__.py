@@ -1,10 +1,28 @@
-"""The orchestrator: one lock per group, handed between jobs with checkpoint/restore.
+"""The orchestrator: one lock per group, handed between holders with checkpoint/restore.
 
-    config.py      GroupSpec / OrchestratorConfig (static groups, YAML)
-    lock_queue.py  LockQueue: waiters in grant order
-    group.py       LockGroup: holder, lease, epoch, resident job; decides grants
-    switch.py      SwitchCoordinator: checkpoint out / restore in over node agents, rollback
-    agents.py      AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
-    service.py     gRPC servicer for `timeslice.v1.Orchestrator`
-    server.py      create_server / serve
+Terms. A *holder id* (`job_id` on the wire and in these modules) names what holds a
+group's lock: in a cluster a *claim set*, `<namespace>/<job>:<pod-level claim name>`
+(`MemberSpec.claim_set`; one job may hold several claim sets, in several groups); in
+static mode a job name from the node agents' job tables.
+
+    config.py         GroupSpec / MemberSpec (a claim set) / OrchestratorConfig (static groups, YAML)
+    lock_queue.py     LockQueue: waiters in grant order
+    group.py          LockGroup: holder, fencing epoch, grants; owns the collaborators below
+    leases.py         Leases: lease timer and lease checks
+    callers.py        Callers: withdrawn waiters, a frozen job's waiter kept
+    preemption.py     Preemption: maxHoldSeconds, parked (preempted) holders
+    moves.py          MemoryMoves: when and what to checkpoint and restore; confirmation before grants
+    idle_restores.py  IdleRestores: restores while the group is idle
+    takeover.py       adopting the agents' records after a restart or a leader change
+    group_model.py    the group's types (Hold, SwitchRecord, GroupView, ...) and its status view
+    residency.py      Residency / plan_room: which residents must leave for a job to fit
+    switch.py         SwitchCoordinator: checkpoint out / restore in over node agents, rollback
+    cooperative.py    CooperativeJobs: the `cooperative` backend's command streams
+    pinned_pool.py    PinnedPool: a node's shared pinned host memory
+    epochs.py         EpochFloors: persisted epochs (standalone restarts never repeat one)
+    agents.py         AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
+    metrics.py        Prometheus metrics
+    orchestrator.py   Orchestrator: the groups, their switcher and observers
+    service.py        gRPC servicer for `timeslice.v1.Orchestrator`
+    server.py         create_server / serve
 """

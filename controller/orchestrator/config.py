@@ -20,14 +20,17 @@ MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, 
 
 
 class MemberSpec(BaseModel):
-    """Where one job (a claim set, in a cluster) of a group runs: for each node agent the
-    job's claims on that node (namespace, name), and the job's pods. The agent finds the
-    processes from these (claim -> pods -> PIDs). `priority` and `max_hold_seconds` come
-    from the claim set's TimeSliceConfig and override what its client asks for."""
+    """One claim set of a group, in a cluster: `claim_set` is its id `<namespace>/<job>:<pod-level
+    claim name>` (`grouping.claim_set_id`), the holder id its clients lock with (`job_id` on
+    the wire); for each node agent the claim set's claims on that node (namespace, name),
+    and the job's pods. The agent finds the processes from these (claim -> pods -> PIDs).
+    `priority` and `max_hold_seconds` come from the claim set's TimeSliceConfig and
+    override what its client asks for. (In static mode a group has no members and a holder
+    id is a job name from the agents' job tables.)"""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    job: str
+    claim_set: str
     claims_by_agent: dict[str, tuple[tuple[str, str], ...]]
     pod_uids: tuple[str, ...] = ()
     claim_name: str = ""  # the pod-level claim name of the claim set
@@ -64,8 +67,9 @@ class GroupSpec(BaseModel):
     # acquire, and every agent resolves the job by its own table.
     members: tuple[MemberSpec, ...] = ()
 
-    def member(self, job: str) -> MemberSpec | None:
-        return next((m for m in self.members if m.job == job), None)
+    def member(self, holder: str) -> MemberSpec | None:
+        """The member whose claim-set id is `holder` (None: not a member, or static mode)."""
+        return next((m for m in self.members if m.claim_set == holder), None)
 
     @field_validator("memory_headroom")
     @classmethod

@@ -55,7 +55,9 @@ class Switcher(Protocol):
     raises SwitchError. A switcher that can also report memory has `memory(spec, jobs) ->
     MemorySnapshot | None`; without it the group keeps one resident job. One that can tell
     residents whose memory is about to be freed has `departing(spec, jobs) -> list[str]`: a
-    plan without room waits for them (bounded by their grace) instead of failing."""
+    plan without room waits for them (bounded by their grace) instead of failing. One that
+    can ask the node agents has `confirm(spec, job) -> bool`: whether the job's state is on
+    the GPUs by their records, asked before a job believed resident is granted."""
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord: ...

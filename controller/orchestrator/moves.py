@@ -105,52 +105,56 @@ class MemoryMoves:
         """The lock is free and `head` waits first: grant its job (or the resident one that
         goes before it) at once when nothing must move, else start the switch that grants."""
         g = self._g
-        incoming = self._next_job(head)
+        incoming = next_job(g, head)
         r = g.residency
         restore = incoming in r.checkpointed
         if g.spec.backend == "none" or (self.memory_aware and incoming in r.residents
-                                        and not self.must_leave(incoming) and self._roomy(incoming)):
-            g.grant(incoming, restored=False, switch_seconds=0.0)
+                                        and not self.must_leave(incoming) and roomy(g, incoming)):
+            self._grant_on_gpu(incoming)
             return
         if self.memory_aware and not restore and not r.lru(excluding=[incoming]):
-            g.grant(incoming, restored=False, switch_seconds=0.0)  # nobody to make room from
+            self._grant_on_gpu(incoming)  # nobody to make room from
             return
         evict = None if self.memory_aware else r.lru(excluding=[incoming])
         if evict is not None and not evict and not restore:
-            g.grant(incoming, restored=False, switch_seconds=0.0)
+            self._grant_on_gpu(incoming)
             return
         self.start_switch(evict, incoming, restore, grant=True)
 
-    def _next_job(self, head: Waiter) -> str:
-        """The job to grant next: the head waiter's, unless its grant would move memory and a
-        waiter of its priority is resident and fits (residency `auto`): that one goes first,
-        while the head has waited less than `resident_first_seconds`. Jobs that alternate on
-        a GPU that holds only some of them then make one switch per run of phases instead of
-        one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
-        this; bench/results/rl-grpo-b-h200.json)."""
+    def _grant_on_gpu(self, incoming: str) -> None:
+        """Grant `incoming`, which the group believes has its state on the GPUs, once its node
+        agents confirm it (`Switcher.confirm`: none holds a checkpoint record of it). A job an
+        agent reports checkpointed after all is restored first; an agent that does not answer
+        fails the waiters (nothing is granted on a guess). Immediate: without agents (`none`),
+        for a switcher that cannot confirm, and for a job this group never placed (no step of
+        it ran here; after a restart or a leader change the agents' records were adopted)."""
         g = self._g
-        r = g.residency
-        bound = g.spec.resident_first_seconds
-        if not self.memory_aware or bound <= 0 or g.clock() - head.enqueued_at >= bound \
-                or self.must_leave(""):  # a preempted or dropped holder leaves first anyway
-            return head.job_id
-        if head.job_id in r.residents and self._roomy(head.job_id):
-            return head.job_id
-        for w in g.queue:
-            if w.priority == head.priority and w.job_id in r.residents and self._roomy(w.job_id):
-                log.debug("resident first group=%s job=%s before=%s", g.id, w.job_id, head.job_id)
-                return w.job_id
-        return head.job_id
+        if g.spec.backend == "none" or not hasattr(g.switcher, "confirm") or incoming not in g.residency.residents:
+            g.grant(incoming, restored=False, switch_seconds=0.0)
+            return
+        self.switching = (None, incoming)
+        self._switch_task = asyncio.get_running_loop().create_task(self._confirm_then_grant(incoming),
+                                                                   name=f"confirm-{g.id}")
 
-    def _roomy(self, incoming: str) -> bool:
-        """The last memory report leaves a resident `incoming` its growth plus twice the
-        headroom (the holder that just released may have grown since that report): grant at
-        once. Otherwise the grant waits for a fresh report and a plan."""
-        r = self._g.residency
-        if r.snapshot is None:
-            return True
-        fraction, fixed = parse_headroom(self._g.spec.memory_headroom)
-        return not lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed))
+    async def _confirm_then_grant(self, incoming: str) -> None:
+        g = self._g
+        try:
+            on_gpu = await g.switcher.confirm(g.spec, incoming)  # type: ignore[attr-defined]
+        except Exception as err:  # an agent that does not answer (or a switcher bug): no grant on a guess
+            log.warning("cannot confirm group=%s job=%s is on the GPUs: %s", g.id, incoming, err)
+            g.fail_job(incoming, SwitchFailed(f"group {g.id}: cannot confirm that job {incoming} has its state "
+                                              f"on the GPUs: {err}; nothing was granted"))
+            on_gpu = None
+        finally:
+            self.switching = None
+            self._switch_task = None
+        if on_gpu is False:
+            log.warning("job %s is checkpointed on its node agents, not resident as this group believed "
+                        "group=%s: restoring it before the grant", incoming, g.id)
+            g.residency.moved_out(incoming)
+        elif on_gpu:
+            g.grant(incoming, restored=False, switch_seconds=0.0)
+        g.dispatch()
 
     def must_leave(self, incoming: str) -> list[str]:
         """Holders preempted mid-phase, dropped, or whose lease lapsed, that are still on the
@@ -289,3 +293,35 @@ class MemoryMoves:
             self._switch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._switch_task
+
+
+def next_job(g: LockGroup, head: Waiter) -> str:
+    """The job to grant next: the head waiter's, unless its grant would move memory and a
+    waiter of its priority is resident and fits (residency `auto`): that one goes first,
+    while the head has waited less than `resident_first_seconds`. Jobs that alternate on
+    a GPU that holds only some of them then make one switch per run of phases instead of
+    one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
+    this; bench/results/rl-grpo-b-h200.json)."""
+    r = g.residency
+    bound = g.spec.resident_first_seconds
+    if not g.moves.memory_aware or bound <= 0 or g.clock() - head.enqueued_at >= bound \
+            or g.moves.must_leave(""):  # a preempted or dropped holder leaves first anyway
+        return head.job_id
+    if head.job_id in r.residents and roomy(g, head.job_id):
+        return head.job_id
+    for w in g.queue:
+        if w.priority == head.priority and w.job_id in r.residents and roomy(g, w.job_id):
+            log.debug("resident first group=%s job=%s before=%s", g.id, w.job_id, head.job_id)
+            return w.job_id
+    return head.job_id
+
+
+def roomy(g: LockGroup, incoming: str) -> bool:
+    """The last memory report leaves a resident `incoming` its growth plus twice the
+    headroom (the holder that just released may have grown since that report): grant at
+    once. Otherwise the grant waits for a fresh report and a plan."""
+    r = g.residency
+    if r.snapshot is None:
+        return True
+    fraction, fixed = parse_headroom(g.spec.memory_headroom)
+    return not lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed))

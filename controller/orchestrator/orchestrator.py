@@ -109,7 +109,7 @@ class Orchestrator:
                 found |= await self._pool.get(target).checkpointed_jobs(None if group.spec.members else group.id)
             except TimeSliceServerError as err:
                 log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
-        return found & {m.job for m in group.spec.members} if group.spec.members else found
+        return found & {m.claim_set for m in group.spec.members} if group.spec.members else found
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]

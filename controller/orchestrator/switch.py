@@ -72,6 +72,19 @@ class SwitchCoordinator:
                 raise self._failed(rec, f"restore of {incoming} failed", failures, not stuck, stuck)
         return rec
 
+    async def confirm(self, spec: GroupSpec, job: str) -> bool:
+        """Whether `job`'s state is on the GPUs by its node agents' records (written ahead of
+        every step: the one source of truth): True when none of its agents holds a checkpoint
+        record of it, False when one does. Groups without agents, or on `cooperative` (whose
+        checkpoints the orchestrator itself tracks), are confirmed at once. Raises the first
+        agent's error (`TimeSliceServerError` subclass) when one does not answer."""
+        if spec.backend in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE) or not spec.agents:
+            return True
+        agents = [a for a in self._targets(spec, job) if isinstance(a, AgentClient)]
+        group = None if spec.members else spec.id  # in a cluster a claim-set id is unique on its node
+        found = await asyncio.gather(*(a.checkpointed_jobs(group) for a in agents))
+        return not any(job in jobs for jobs in found)
+
     async def memory(self, spec: GroupSpec, jobs: Sequence[str]) -> MemorySnapshot:
         """One snapshot of the group's memory from all its node agents (in parallel). An
         agent that does not answer is left out (logged); its devices are then unknown."""
