@@ -180,8 +180,9 @@ def parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "
                         "config's metrics_listen; default off)")
     o.add_argument("--state-file", metavar="PATH",
-                   help="persist fencing-epoch floors here, so epochs never repeat across restarts (overrides the "
-                        "config's state_file; default off)")
+                   help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
+                        "a restart never repeats an epoch nor grants beside a job that may still compute "
+                        "(overrides the config's state_file; default off)")
     o.add_argument("--log-level", default="INFO")
     o.set_defaults(fn=_orchestrator)
 

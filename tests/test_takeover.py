@@ -42,13 +42,15 @@ async def test_a_restarted_standalone_orchestrator_never_repeats_an_epoch_and_re
         make_cluster, tmp_path) -> None:
     """Issue 10, item 2: after `timeslice orchestrator` restarted, epochs began again at 1 (the
     same fencing epoch handed out twice) and a job the agent had checkpointed was granted with
-    its process still stopped."""
-    from timeslice.controller.orchestrator.epochs import EpochFloors
+    its process still stopped. And the holder at the restart was forgotten: the next job was
+    granted while it still computed. Now it is the presumptive holder: its lease is
+    accepted, and it is checkpointed before the next job is granted."""
     from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.controller.orchestrator.state_file import StateFile
 
     c = await make_cluster(backend="freeze")
     spec = c.orchestrator.group("g").spec
-    first = Orchestrator([spec], epochs=EpochFloors(tmp_path / "state.json"))
+    first = Orchestrator([spec], state=StateFile(tmp_path / "state.json"))
     a = first.group("g")
     ga = await a.acquire("a", 0, "a1", None)
     a.release("a", ga.lease_id, ga.epoch)
@@ -56,35 +58,63 @@ async def test_a_restarted_standalone_orchestrator_never_repeats_an_epoch_and_re
     assert [step for _, step, _ in c.calls] == ["checkpoint"]
     await first.close()  # "SIGKILL": b still holds, a is still checkpointed on the node
 
-    second = Orchestrator([spec], epochs=EpochFloors(tmp_path / "state.json"))
+    second = Orchestrator([spec], state=StateFile(tmp_path / "state.json"))
     await second.adopt_agents()
     b = second.group("g")
     assert b.checkpointed == {"a"} and b.epoch >= gb.epoch
-    g2 = await b.acquire("a", 0, "a2", None)
+    assert b.holder is not None and b.holder.job_id == "b"  # b may still compute: it holds, presumptively
+    waiter = asyncio.ensure_future(b.acquire("a", 0, "a2", None))
+    await eventually(lambda: len(b.queue) == 1)
+    assert not waiter.done()
+    b.release("b", gb.lease_id, gb.epoch)  # b's lease from before the restart is accepted
+    g2 = await asyncio.wait_for(waiter, 10)
     assert g2.epoch > gb.epoch and g2.restored  # a fresh epoch, and a restored before its grant
-    assert [step for _, step, _ in c.calls] == ["checkpoint", "restore"]
+    assert [step for _, step, _ in c.calls] == ["checkpoint", "checkpoint", "restore"]  # b out, then a in
+    await second.close()
+
+
+async def test_a_holder_whose_lease_lapsed_before_a_restart_still_leaves_before_the_next_grant(
+        make_cluster, tmp_path) -> None:
+    """Found by the schedule property run (tests/faults/test_group_schedules.py): a holder
+    cut off (its lease lapsed) may still compute, so it must leave the GPU before anyone is
+    granted; a standalone orchestrator that restarted in between forgot that and granted the
+    next job beside it."""
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.controller.orchestrator.state_file import StateFile
+
+    c = await make_cluster(backend="freeze", lease_seconds=0.2)
+    spec = c.orchestrator.group("g").spec
+    first = Orchestrator([spec], state=StateFile(tmp_path / "state.json"))
+    await first.group("g").acquire("a", 0, "a1", None)  # a's client stops keeping its lease alive
+    await eventually(lambda: first.group("g").counters.lease_expiries == 1)
+    await first.close()  # restarted before anyone else asked: a was never checkpointed
+
+    second = Orchestrator([spec], state=StateFile(tmp_path / "state.json"))
+    await second.adopt_agents()
+    gb = await asyncio.wait_for(second.group("g").acquire("b", 0, "b1", None), 10)
+    assert [step for _, step, _ in c.calls] == ["checkpoint"] and "a" in second.group("g").checkpointed  # a left first
+    assert not gb.restored
     await second.close()
 
 
 def test_an_unreadable_state_file_is_refused_with_a_way_out(tmp_path) -> None:
-    from timeslice.controller.orchestrator.epochs import EpochFloors
+    from timeslice.controller.orchestrator.state_file import StateFile
 
     bad = tmp_path / "state.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match=r"unreadable .* move it away to start afresh"):
-        EpochFloors(bad)
+        StateFile(bad)
 
 
 async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> None:
     from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.epochs import EpochFloors
     from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.state_file import StateFile
     from timeslice.driver.errors import SwitchFailed
 
     blocker = tmp_path / "a-file"  # the state file's folder cannot be made (root ignores permissions)
     blocker.write_text("x")
-    floors = EpochFloors(blocker / "state.json")
-    g = LockGroup(GroupSpec(id="g"), None, reserve_epoch=floors.reserve)  # type: ignore[arg-type]
+    g = LockGroup(GroupSpec(id="g"), None, state=StateFile(blocker / "state.json"))  # type: ignore[arg-type]
     with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
         await g.acquire("a", 0, "r", None)
     assert g.epoch == 0 and g.holder is None

@@ -19,7 +19,7 @@ static mode a job name from the node agents' job tables.
     switch.py         SwitchCoordinator: checkpoint out / restore in over node agents, rollback
     cooperative.py    CooperativeJobs: the `cooperative` backend's command streams
     pinned_pool.py    PinnedPool: a node's shared pinned host memory
-    epochs.py         EpochFloors: persisted epochs (standalone restarts never repeat one)
+    state_file.py     StateFile: epochs and placements a standalone restart must not forget
     agents.py         AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
     metrics.py        Prometheus metrics
     orchestrator.py   Orchestrator: the groups, their switcher and observers

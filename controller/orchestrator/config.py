@@ -98,7 +98,7 @@ class OrchestratorConfig(BaseModel):
     """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster.
     `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off).
     `pinned_pool`: the node's shared pinned pool for cooperative groups (one-box mode).
-    `state_file`: persisted epoch floors (`epochs.py`)."""
+    `state_file`: persisted epoch floors and placements (`state_file.py`)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -55,6 +55,7 @@ from timeslice.controller.orchestrator.lock_queue import LockQueue
 from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import PREEMPTED, Preemption
 from timeslice.controller.orchestrator.residency import Residency
+from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -65,9 +66,9 @@ RECENT_SWITCHES = 16
 class LockGroup:
     def __init__(self, spec: GroupSpec, switcher: Switcher,
                  clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
-                 reserve_epoch: Callable[[str, int], None] | None = None) -> None:
-        """`reserve_epoch(group id, epoch)`: called before an epoch is granted (`EpochFloors`)."""
-        self._reserve_epoch = reserve_epoch
+                 state: StateFile | None = None) -> None:
+        """`state`: where the epoch and placement are persisted before a grant (standalone)."""
+        self._state = state
         self.spec = spec
         self._observer = observer
         self.switcher = switcher
@@ -203,14 +204,27 @@ class LockGroup:
         if held:
             self.end_hold(self.holder, f"dropped: {reason}")  # type: ignore[arg-type]
         self.moves.dropped(job_id, held)
+        self.record_placement()
         self.idle.forget(job_id)
         self.failed_jobs.pop(job_id, None)
         self.dispatch()
         self.idle.refresh_memory()
 
-    def adopt(self, resident: str | None, checkpointed: set[str], epoch: int) -> None:
+    def adopt(self, resident: str | None, checkpointed: set[str], epoch: int,
+              must_leave: set[str] | frozenset[str] = frozenset()) -> None:
         """Take over after a leader change or a restart: `takeover.adopt`."""
-        takeover.adopt(self, resident, checkpointed, epoch)
+        takeover.adopt(self, resident, checkpointed, epoch, must_leave)
+
+    def record_placement(self) -> None:
+        """Persist who may be computing (standalone `StateFile`): a job that must leave the
+        GPUs is written before the next grant. A failed write is logged; the next grant
+        writes again or is refused."""
+        if self._state is None:
+            return
+        try:
+            self._state.record(self.id, self.holder.job_id if self.holder else None, self.moves.must_leave(""))
+        except OSError as err:
+            log.error("placement not persisted group=%s: %s", self.id, err)
 
     def view(self) -> GroupView:
         return group_view(self)
@@ -267,14 +281,16 @@ class LockGroup:
             self.dispatch()
             return
         now = self.clock()
-        if self._reserve_epoch is not None:
+        if self._state is not None:
             try:
-                self._reserve_epoch(self.id, self.epoch + 1)
-            except OSError as err:  # without a persisted epoch a restart could hand this one out again
-                log.error("epoch not persisted group=%s: %s", self.id, err)
+                self._state.reserve(self.id, self.epoch + 1)
+                self._state.record(self.id, job_id, self.moves.must_leave(job_id))
+            except OSError as err:  # unpersisted, a restart could repeat the epoch or forget the holder
+                log.error("epoch and holder not persisted group=%s: %s", self.id, err)
                 for w in waiters:
                     self.preemption.forget(w)  # a preempted holder's entry too: its keep-alives now fail
-                    w.future.set_exception(SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}"))
+                    w.future.set_exception(SwitchFailed(f"group {self.id}: cannot persist the fencing epoch and "
+                                                        f"holder: {err}"))
                     w.future.exception()  # retrieved here: a preempted holder's entry has no caller
                 self.dispatch()  # the next job's grant meets the same refusal: none is granted unpersisted
                 return

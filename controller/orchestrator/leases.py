@@ -83,4 +83,5 @@ class Leases:
         g.notify("lease-expired", h.job_id, h.epoch)
         g.end_hold(h, "lease expired")
         g.moves.lapsed(h.job_id)
+        g.record_placement()
         g.dispatch()

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
+from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
-from timeslice.controller.orchestrator.epochs import EpochFloors
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupEvent, Observer, Switcher
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
+from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
 from timeslice.driver.errors import NotFound, TimeSliceServerError
 
@@ -28,11 +29,12 @@ log = logging.getLogger("timeslice.orchestrator")
 class Orchestrator:
     def __init__(self, groups: Iterable[GroupSpec] = (), switcher: Switcher | None = None,
                  observer: Observer | None = None, agents: AgentPool | None = None,
-                 pinned_pool: PinnedPool | None = None, epochs: EpochFloors | None = None) -> None:
+                 pinned_pool: PinnedPool | None = None, state: StateFile | None = None) -> None:
         """`pinned_pool`: this node's shared pinned host memory for cooperative checkpoints
-        (one-box mode; None: each cooperative process keeps its own host copy). `epochs`:
-        persisted epoch floors (standalone mode: epochs never repeat across restarts)."""
-        self._epochs = epochs
+        (one-box mode; None: each cooperative process keeps its own host copy). `state`:
+        the standalone state file (epochs never repeat across restarts; the last holder and
+        the jobs that must leave are adopted at start)."""
+        self._state = state
         self._pool = agents or AgentPool()
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
@@ -50,7 +52,7 @@ class Orchestrator:
         group = self._groups.get(spec.id)
         if group is None:
             group = self._groups[spec.id] = LockGroup(spec, self._switcher, observer=self._observe,
-                                                      reserve_epoch=self._epochs.reserve if self._epochs else None)
+                                                      state=self._state)
         else:
             group.spec = spec
         return group
@@ -115,12 +117,12 @@ class Orchestrator:
         return [self._groups[k] for k in sorted(self._groups)]
 
     async def adopt_agents(self) -> None:
-        """Standalone start: each group resumes from its persisted epoch floor and the jobs its
-        node agents report checkpointed (they are restored before they are granted again)."""
+        """Standalone start: each group resumes from its persisted epoch floor and placement
+        (`StateFile`) and the jobs its node agents report checkpointed (they are restored
+        before they are granted again): `takeover.adopt_standalone`."""
         for group in self.groups():
             checkpointed = await self.checkpointed_jobs(group) if group.spec.agents else set()
-            start = self._epochs.start(group.id) if self._epochs else 0
-            group.adopt(None, checkpointed, start)
+            takeover.adopt_standalone(group, self._state, checkpointed)
 
     def drop_job(self, group_id: str, job: str, reason: str) -> None:
         """A job of the group is gone: its waiters fail, its hold ends, its cooperative

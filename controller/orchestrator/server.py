@@ -12,11 +12,11 @@ import logging
 
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
-from timeslice.controller.orchestrator.epochs import EpochFloors
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.service import Authenticator, OrchestratorServicer
+from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver import grpc_server, signals
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -39,7 +39,7 @@ async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
     those with the same request id against the next orchestrator)."""
     pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
-    orchestrator = Orchestrator(config.groups, pinned_pool=pool, epochs=EpochFloors(config.state_file))
+    orchestrator = Orchestrator(config.groups, pinned_pool=pool, state=StateFile(config.state_file))
     await orchestrator.adopt_agents()
     metrics = None
     if config.metrics_listen:

@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+from timeslice.controller.orchestrator.state_file import Placement, StateFile
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -19,16 +20,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 
-def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int) -> None:
+def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int,
+          must_leave: set[str] | frozenset[str] = frozenset()) -> None:
     """Take over an empty group. `resident` and `checkpointed` come from the node agents'
-    records; `epoch` is the last one recorded. The resident job becomes a *presumptive*
-    holder: its next keep-alive or release with its old lease is accepted (and adopts
-    that lease); if it was not holding, the hold lapses after one lease period. A group
-    that already holds, queues or granted is left as it is."""
+    records (and claim status, or the standalone state file); `epoch` is the last one
+    recorded. The resident job becomes a *presumptive* holder: its next keep-alive or
+    release with its old lease is accepted (and adopts that lease); if it was not holding,
+    the hold lapses after one lease period. `must_leave`: jobs that may still compute
+    without the lock (a lapsed or dropped holder, persisted): resident, and checkpointed
+    before anyone is granted. A group that already holds, queues or granted is left as it
+    is."""
     if g.holder is not None or g.epoch or len(g.queue):
         return
     for job in checkpointed:
         g.residency.moved_out(job)
+    for job in sorted(must_leave - checkpointed - {resident}):
+        g.residency.moved_in(job)
+        g.moves.lapsed(job)
     if resident is not None:
         g.residency.held(resident)
     g.epoch = epoch
@@ -38,7 +46,17 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
         g.holder = Hold(resident, ADOPTED, epoch, now, now + g.spec.lease_seconds, set(), False, 0.0,
                         member.priority if member is not None else 0, callers_unknown=True)
         g.leases.arm()
-    log.info("adopted group=%s resident=%s checkpointed=%s epoch=%d", g.id, resident, sorted(checkpointed), epoch)
+    log.info("adopted group=%s resident=%s checkpointed=%s must_leave=%s epoch=%d", g.id, resident,
+             sorted(checkpointed), sorted(must_leave), epoch)
+
+
+def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[str]) -> None:
+    """A standalone orchestrator's start: adopt `state`'s epoch floor and placement and the
+    jobs the node agents report `checkpointed`. The job granted last, unless checkpointed,
+    is the presumptive holder; the jobs that had to leave the GPUs still must."""
+    start, placed = (state.start(g.id), state.placement(g.id)) if state else (0, Placement())
+    holder = placed.holder if placed.holder not in checkpointed else None
+    adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder})
 
 
 def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> bool:

@@ -1,0 +1,95 @@
+"""StateFile: what a standalone orchestrator must not forget across a restart.
+
+Owned by the orchestrator (`timeslice orchestrator --state-file`). Per group:
+- Fencing epochs, used in blocks of `BLOCK`: before the first epoch of a new block is
+  granted, the block's end is written, so a restarted orchestrator starts every group at
+  the persisted end, past every epoch the previous run granted.
+- Its *placement*: the job granted last (it may still compute: after a restart it is the
+  group's presumptive holder, whose lease is accepted) and the jobs that must leave the
+  GPUs before anyone is granted (a holder whose lease lapsed, or dropped, while it may
+  still compute). Written before each grant and whenever a job must leave; the agents'
+  records say which jobs are checkpointed.
+Every write is `write_atomic` (fsync'd). File format (JSON):
+
+    {"apiVersion": "timeslice.dev/orchestrator-state/v1",
+     "epochs": {"<group>": <end of block>},
+     "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...]}}}
+
+("groups" is optional: files written before it existed still load.) In a cluster the
+controller adopts epochs and the holder from claim status instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeslice.driver.atomic import write_atomic
+
+log = logging.getLogger("timeslice.orchestrator")
+API_VERSION = "timeslice.dev/orchestrator-state/v1"
+BLOCK = 1000
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`holder`: the job granted last (None: none yet); `must_leave`: jobs to checkpoint
+    before anyone is granted."""
+
+    holder: str | None = None
+    must_leave: tuple[str, ...] = ()
+
+
+class StateFile:
+    """`path`: the state file (None: in memory only, nothing survives a restart). Raises
+    ValueError when the file exists and cannot be read."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+        self._ends: dict[str, int] = {}
+        self._placements: dict[str, Placement] = {}
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+                if data.get("apiVersion") != API_VERSION:
+                    raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
+                self._ends = {str(g): int(e) for g, e in data["epochs"].items()}
+                self._placements = {str(g): Placement(p.get("holder") or None, tuple(map(str, p.get("mustLeave", ()))))
+                                    for g, p in data.get("groups", {}).items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"orchestrator state file {path} is unreadable ({err}): move it away to start "
+                                 "afresh (fencing epochs may then repeat those of the last run)") from None
+
+    def start(self, group_id: str) -> int:
+        """The epoch a group starts from: the end of its last persisted block (0: none)."""
+        return self._ends.get(group_id, 0)
+
+    def placement(self, group_id: str) -> Placement:
+        """The group's placement as last written (empty: none)."""
+        return self._placements.get(group_id, Placement())
+
+    def reserve(self, group_id: str, epoch: int) -> None:
+        """Before `epoch` is granted: persist a new block when it passes the current one.
+        Raises OSError (the grant must not happen: its epoch could repeat after a restart)."""
+        if self._path is None or epoch <= self._ends.get(group_id, 0):
+            return
+        self._ends[group_id] = epoch + BLOCK
+        self._write()
+        log.debug("epoch block reserved group=%s up_to=%d", group_id, self._ends[group_id])
+
+    def record(self, group_id: str, holder: str | None, must_leave: Iterable[str]) -> None:
+        """Persist the group's placement when it changed. Raises OSError."""
+        p = Placement(holder, tuple(sorted(must_leave)))
+        if self._path is None or self._placements.get(group_id) == p:
+            return
+        self._placements[group_id] = p
+        self._write()
+
+    def _write(self) -> None:
+        assert self._path is not None
+        groups = {g: {"holder": p.holder, "mustLeave": list(p.must_leave)} for g, p in self._placements.items()}
+        write_atomic(self._path, json.dumps({"apiVersion": API_VERSION, "epochs": self._ends,
+                                             "groups": groups}).encode())
