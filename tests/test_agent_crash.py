@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
@@ -90,7 +90,7 @@ async def test_a_checkpoint_whose_record_cannot_be_written_touches_nothing(child
     from timeslice.driver.errors import FailedPrecondition
 
     with pytest.raises(FailedPrecondition, match=r"cannot write its records .*nothing was touched"):
-        await agent.checkpoint("a", "freeze", "g", 5)
+        await agent.checkpoint(StepRequest(JobRef("a"), "freeze", "g", 5))
     assert proc_state(job.pid) in "RS" and agent.records.jobs == {}
     assert not list(tmp_path.glob("**/*.tmp"))  # no temporary left behind
 

@@ -35,22 +35,15 @@ from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
+from timeslice.kubelet_plugin.agent.steps import JobRef, StepOutcome, StepRequest
+
+__all__ = ["JobRef", "MemoryView", "NodeAgent", "StepOutcome", "StepRequest", "job_state", "live_pids"]
 
 log = logging.getLogger("timeslice.agent")
 # Host memory a checkpoint must leave to the node's other processes, bytes.
 HOST_RESERVE_BYTES = 2 << 30
 # Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
-
-
-@dataclass(frozen=True)
-class JobRef:
-    """A job as a switch step names it (see `NodeAgent.checkpoint`)."""
-
-    job_id: str
-    claims: Sequence[tuple[str, str]] = ()
-    pod_uids: Sequence[str] = ()
-    claim_name: str = ""
 
 
 @dataclass
@@ -72,14 +65,6 @@ def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, i
         if n:
             out[g.uuid] = n
     return out
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    job_id: str
-    processes: list[ProcState]
-    bytes: int
-    seconds: float
 
 
 def job_state(processes: list[ProcState]) -> str:
@@ -150,21 +135,21 @@ class NodeAgent:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
 
-    async def _pids(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
-                    claim_name: str) -> list[int]:
-        if not claims:
-            return await self.resolver.pids(job_id)
+    async def _pids(self, job: JobRef) -> list[int]:
+        if not job.claims:
+            return await self.resolver.pids(job.job_id)
         if self.claim_resolver is None:
             raise InvalidArgument("this node agent has no cluster access: name the job only, not claims")
-        return await self.claim_resolver.pids(claims, pod_uids, claim_name)
+        return await self.claim_resolver.pids(job.claims, job.pod_uids, job.claim_name)
 
-    async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                         claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
-                         claim_name: str = "") -> StepOutcome:
+    async def checkpoint(self, req: StepRequest) -> StepOutcome:
+        """Move `req.job`'s processes off the GPU with `req.backend` and record them. On
+        failure every process touched is put back and the record dropped."""
+        job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
-            pids = await self._live(job_id, claims, pod_uids, claim_name)
+            pids = await self._live(req.job)
             if not pids:
                 log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
@@ -200,9 +185,10 @@ class NodeAgent:
                      group_id, backend_name, pids, record.bytes, seconds)
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
-    async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                      claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
-                      claim_name: str = "") -> StepOutcome:
+    async def restore(self, req: StepRequest) -> StepOutcome:
+        """Bring `req.job`'s processes back (those its record names, else those it has now)
+        and drop its record."""
+        job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
@@ -217,7 +203,7 @@ class NodeAgent:
                              job_id, sorted(record.pids))
                     self.records.pop(job_id)
             else:
-                pids = await self._live(job_id, claims, pod_uids, claim_name)
+                pids = await self._live(req.job)
             if not pids:
                 log.info("nothing to restore job=%s group=%s on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
@@ -295,14 +281,13 @@ class NodeAgent:
             lock = self._job_locks[job_id] = asyncio.Lock()
         return lock
 
-    async def _live(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
-                    claim_name: str) -> list[int]:
+    async def _live(self, job: JobRef) -> list[int]:
         """The job's live processes on this node; [] when it has none (not started yet, or
         exited): a job with nothing to move is a valid member, its steps succeed and say so."""
         try:
-            return live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
+            return live_pids(job.job_id, await self._pids(job))
         except NotFound as err:
-            log.debug("no processes job=%s: %s", job_id, err)
+            log.debug("no processes job=%s: %s", job.job_id, err)
             return []
 
     async def _check_host_room(self, job_id: str, need: int) -> None:
@@ -326,7 +311,7 @@ class NodeAgent:
                 view.checkpointed_bytes[job.job_id] = dict(record.devices) or (
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
-                pids = await self._pids(job.job_id, job.claims, job.pod_uids, job.claim_name)
+                pids = await self._pids(job)
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
                 continue

@@ -17,7 +17,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
@@ -29,7 +29,7 @@ AGENT = """
     import asyncio, sys
     from pathlib import Path
     from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
-    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+    from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
     from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
     from timeslice.kubelet_plugin.agent.server import create_server
 
@@ -103,7 +103,7 @@ async def test_an_agent_killed_at_each_point_leaves_records_that_match_the_proce
         recorded = "a" in json.loads(records.read_text())["jobs"] if records.exists() else False
         assert stopped == recorded, f"killed at {point}: process stopped={stopped}, recorded={recorded}"
         if recorded:  # an owner that can restore it: the record does
-            await again.restore("a", "freeze", "g", 5)
+            await again.restore(StepRequest(JobRef("a"), "freeze", "g", 5))
         assert proc_state(job.pid) in "RS" and "a" not in again.records.jobs
     finally:
         await server.stop(0)
