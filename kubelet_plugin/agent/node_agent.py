@@ -3,6 +3,9 @@
 Owned by the agent server; called by its gRPC servicer. Resolves a job to PIDs,
 serializes steps per job, runs the named backend, and records what it checkpointed
 (`JobRecords`) so that restore finds the same PIDs even when NVML cannot see them.
+A step that names an operation id runs once (`steps.Operations`): a resend joins it or
+gets its outcome again, and after a restart a checkpoint recorded under that id is
+answered from its record, a restore whose processes run and have no record is done.
 A checkpoint into host memory (`cuda`, `cuda-checkpoint`) is refused before anything is
 touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTES`).
 """
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
-from timeslice.kubelet_plugin.agent.steps import JobRef, StepOutcome, StepRequest
+from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
 __all__ = ["JobRef", "MemoryView", "NodeAgent", "StepOutcome", "StepRequest", "job_state", "live_pids"]
 
@@ -120,6 +123,7 @@ class NodeAgent:
         self._memory_probe = memory_probe
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
+        self.operations = Operations()
 
     def backend(self, name: str) -> Backend:
         """The backend of that name; InvalidArgument when not offered, FailedPrecondition
@@ -144,11 +148,46 @@ class NodeAgent:
 
     async def checkpoint(self, req: StepRequest) -> StepOutcome:
         """Move `req.job`'s processes off the GPU with `req.backend` and record them. On
-        failure every process touched is put back and the record dropped."""
+        failure every process touched is put back and the record dropped. With an operation
+        id: once per id (`_once`); a caller that goes away leaves the step to finish and
+        keeps its record (its resend gets the outcome, its undo is a restore)."""
+        return await self._once("checkpoint", req, self._checkpoint)
+
+    async def restore(self, req: StepRequest) -> StepOutcome:
+        """Bring `req.job`'s processes back (those its record names, else those it has now)
+        and drop its record. With an operation id: once per id (`_once`), and a job without
+        a record whose processes all run is done without calling the backend."""
+        return await self._once("restore", req, self._restore)
+
+    async def _once(self, kind: str, req: StepRequest,
+                    step: Callable[[StepRequest], Coroutine[Any, Any, StepOutcome]]) -> StepOutcome:
+        """`step(req)`, run once per operation id: a resend while it runs awaits the same
+        task, one after it ended gets its outcome (or error) again. No id: run it here, as
+        part of the call (a caller that goes away cancels it)."""
+        if not req.operation_id:
+            return await step(req)
+        task = self.operations.find(kind, req)
+        if task is None:
+            task = self.operations.start(kind, req, step(req))
+        else:
+            log.info("%s resent job=%s operation=%s: %s", kind, req.job_id, req.operation_id,
+                     "its outcome again" if task.done() else "joined the running step")
+        return await asyncio.shield(task)
+
+    async def _checkpoint(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
+            done = self.records.jobs.get(job_id)
+            if req.operation_id and done is not None and done.operation == req.operation_id and \
+                    done.phase != CHECKPOINTING:  # a resend to a restarted agent: its record answers
+                live = [p for p in done.pids if _alive(p)]
+                procs = [ProcState(st.pid, st.state, done.pids.get(st.pid, 0))
+                         for st in (await backend.state(live) if live else [])]
+                log.info("checkpoint resent job=%s operation=%s: done before (its record), not run again", job_id,
+                         req.operation_id)
+                return StepOutcome(job_id, procs, done.bytes, time.monotonic() - t0)
             pids = await self._live(req.job)
             if not pids:
                 log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
@@ -160,7 +199,7 @@ class NodeAgent:
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
-                                              CHECKPOINTING), "nothing was touched")
+                                              CHECKPOINTING, req.operation_id), "nothing was touched")
             step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
             try:
                 procs = await asyncio.shield(step)
@@ -173,7 +212,7 @@ class NodeAgent:
                 raise
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
-                               on_gpus or (prior.devices if prior else {}))
+                               on_gpus or (prior.devices if prior else {}), operation=req.operation_id)
             try:
                 self._write(job_id, record, "the checkpoint was undone")
             except FailedPrecondition:
@@ -181,13 +220,11 @@ class NodeAgent:
                 self.records.pop(job_id)
                 raise
             seconds = time.monotonic() - t0
-            log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
-                     group_id, backend_name, pids, record.bytes, seconds)
+            log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
+                     group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
-    async def restore(self, req: StepRequest) -> StepOutcome:
-        """Bring `req.job`'s processes back (those its record names, else those it has now)
-        and drop its record."""
+    async def _restore(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
@@ -204,6 +241,11 @@ class NodeAgent:
                     self.records.pop(job_id)
             else:
                 pids = await self._live(req.job)
+                running = await self._running(backend, pids) if pids and req.operation_id else None
+                if running is not None:  # e.g. a resend of a restore that ended before a restart
+                    log.info("nothing to restore job=%s group=%s operation=%s: no record, its processes %s run",
+                             job_id, group_id, req.operation_id, pids)
+                    return StepOutcome(job_id, running, 0, time.monotonic() - t0)
             if not pids:
                 log.info("nothing to restore job=%s group=%s on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
@@ -211,9 +253,20 @@ class NodeAgent:
             self.records.pop(job_id)
             moved = record.bytes if record else 0
             seconds = time.monotonic() - t0
-            log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
-                     group_id, backend_name, pids, moved, seconds)
+            log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
+                     group_id, backend_name, pids, moved, seconds, req.operation_id)
             return StepOutcome(job_id, procs, moved, seconds)
+
+    @staticmethod
+    async def _running(backend: Backend, pids: list[int]) -> list[ProcState] | None:
+        """The processes' states when every one runs; None otherwise or when the backend
+        cannot tell (then the restore runs: no process is left stopped)."""
+        try:
+            states = await backend.state(pids)
+        except TimeSliceServerError as err:
+            log.debug("state of %s unknown: %s", pids, err)
+            return None
+        return states if states and all(st.state == RUNNING for st in states) else None
 
     def _in_background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -6,12 +6,16 @@ temp file, fsynced and renamed):
 
     {"apiVersion": "timeslice.dev/agent-records/v1",
      "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
-                        "devices": {"<GPU uuid>": <bytes>}}}}
+                        "devices": {"<GPU uuid>": <bytes>}, "phase": "checkpointed",
+                        "operation": "<operation id>"}}}
 
 `devices` (optional): the checkpoint's bytes by GPU, for residency decisions. `phase`
 (optional, default "checkpointed"): "checkpointing" is the write-ahead intent, written
 before a checkpoint touches any process; a record still in that phase when the agent
 starts belongs to a step it did not finish, which it undoes (`NodeAgent.recover`).
+`operation` (optional, default ""): the orchestrator's operation id of the checkpoint
+that wrote the record, so that a resend of that step after a restart is answered from
+the record instead of being run again.
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -38,6 +42,7 @@ class JobRecord:
     pids: dict[int, int] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     phase: str = CHECKPOINTED
+    operation: str = ""
 
     @property
     def bytes(self) -> int:
@@ -60,7 +65,7 @@ class JobRecords:
                 raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
             self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()},
                                         {str(d): int(b) for d, b in r.get("devices", {}).items()},
-                                        str(r.get("phase", CHECKPOINTED)))
+                                        str(r.get("phase", CHECKPOINTED)), str(r.get("operation", "")))
                          for job, r in data["jobs"].items()}
         except (ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are.

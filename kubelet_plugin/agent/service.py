@@ -21,6 +21,7 @@ from timeslice.kubelet_plugin.agent.node_agent import NodeAgent, job_state
 from timeslice.kubelet_plugin.agent.steps import JobRef, StepOutcome, StepRequest
 
 MAX_ID_LENGTH = 253  # a job id is a DNS subdomain at most (names.py; the orchestrator's rule)
+MAX_OPERATION_ID_LENGTH = 128  # the orchestrator sends 32 (uuid4 hex)
 
 
 def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
@@ -45,8 +46,13 @@ def _step_request(request: apb.SwitchStepRequest, backend_required: bool = True)
     claims = [(c.namespace, c.name) for c in request.claims]
     if any(not ns or not name for ns, name in claims):
         raise InvalidArgument("every claim needs a namespace and a name")
+    op = request.operation_id
+    if len(op) > MAX_OPERATION_ID_LENGTH:
+        raise InvalidArgument(f"operation_id is {len(op)} characters; at most {MAX_OPERATION_ID_LENGTH}")
+    if not (op.isascii() and op.isprintable()):
+        raise InvalidArgument(f"operation_id must be printable ASCII, got {op!r}")
     return StepRequest(JobRef(request.job_id, claims, list(request.pod_uids), request.claim_name), request.backend,
-                       request.group_id, t)
+                       request.group_id, t, op)
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:
