@@ -1,5 +1,6 @@
 """Operation ids (issue 10): a node agent runs a step once per id, and the orchestrator resends
-a step whose reply was lost with the same id, so the step is completed instead of undone.
+a step whose reply was lost with the same id, so the step is completed instead of undone
+(tests/test_agent_crash.py: an agent that stays away is undone, never assumed).
 
 Real agents (gRPC servers over unix sockets, an agent process killed with SIGKILL), real
 frozen processes; the freeze backend is subclassed at the backend seam only to count its
@@ -11,6 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import signal
+import sys
+import textwrap
 from collections.abc import Sequence
 
 import grpc
@@ -219,3 +224,142 @@ async def test_the_agent_remembers_a_bounded_number_of_operations() -> None:
     assert len(agent.operations) <= MAX_OPERATIONS
     assert agent.operations.find("checkpoint", StepRequest(JobRef("job-4999"), "freeze", "g", 1, "op-4999"))
     assert agent.operations.find("checkpoint", StepRequest(JobRef("job-0"), "freeze", "g", 1, "op-0")) is None
+
+
+def resent_operation(log_text: str, step: str = "checkpoint", job: str = "a") -> str:
+    """The operation id of the first resend the switch logged for `step` of `job`."""
+    found = re.search(rf"{step} resent group=g job={job} agent=\S+ operation=(\w+) try=1", log_text)
+    assert found, f"no resend of the {step} of {job} logged"
+    return found.group(1)
+
+
+async def test_a_step_whose_reply_was_lost_to_the_deadline_is_resent_and_completed(children, tmp_path, short_tmp,
+                                                                                  caplog, monkeypatch) -> None:
+    """The checkpoint outlives the orchestrator's call (a large job, a slow node): the call's
+    deadline passes, the switch resends the step with its operation id, the resend joins the
+    running step and gets its outcome. The switch goes on: nothing is undone or run twice."""
+    from timeslice.controller.orchestrator import agents
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+
+    monkeypatch.setattr(agents, "RPC_SLACK_SECONDS", 0.0)  # the call's deadline is the step's own bound
+    caplog.set_level(logging.INFO)
+    a_proc, b_proc = spinner(children), spinner(children)
+    backend, records = Counted(held=True), tmp_path / "records.json"
+    agent = NodeAgent(StaticProcessResolver({"a": [a_proc.pid], "b": [b_proc.pid]}), backends=[backend],
+                      records_path=records)
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    server, _ = await create_server(agent, target)
+    orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(target,), step_timeout_seconds=3)])
+    g = orch.group("g")
+    try:
+        ga = await g.acquire("a", 0, "a1", None)
+        g.release("a", ga.lease_id, ga.epoch)
+        grant = asyncio.ensure_future(g.acquire("b", 0, "b1", None))
+        await eventually(lambda: "checkpoint resent group=g job=a" in caplog.text or grant.done(), timeout=20)
+        backend.release.set()  # the slow step ends now, after its call's deadline
+        await asyncio.wait_for(grant, 20)  # a switch that was undone raises SwitchFailed here
+        assert "checkpoint completed by resend group=g job=a" in caplog.text
+        assert backend.checkpoints == 1 and backend.restores == 0 and proc_state(a_proc.pid) == "T"
+        assert "a" in g.checkpointed and g.recent[-1].ok and g.counters.failed_switches == 0
+        record = json.loads(records.read_text())["jobs"]["a"]
+        assert record["phase"] == "checkpointed" and record["operation"] == resent_operation(caplog.text)
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
+# A node agent process: its first run (argv "stall") stops the job's processes at a
+# checkpoint, says so in a file and never answers; a run with "serve" works normally, one
+# with "fail" fails every checkpoint (a definite error) before touching anything.
+AGENT = """
+    import asyncio, sys
+    from pathlib import Path
+    from timeslice.driver.errors import BackendError
+    from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
+    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+    from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+    from timeslice.kubelet_plugin.agent.server import create_server
+
+    target, records, marker, mode = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    jobs = {"a": [int(sys.argv[5])], "b": [int(sys.argv[6])]}
+
+    class Stalling(FreezeBackend):
+        async def checkpoint(self, pids, timeout):
+            if mode == "fail":
+                raise BackendError("injected: this node cannot checkpoint now")
+            states = await super().checkpoint(pids, timeout)
+            if mode == "stall":
+                marker.write_text("frozen")
+                await asyncio.Event().wait()
+            return states
+
+    async def main():
+        agent = NodeAgent(StaticProcessResolver(jobs), backends=[Stalling()], records_path=records)
+        server, _ = await create_server(agent, target)  # kept: a collected server stops serving
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("back", ["serve", "fail"])
+async def test_an_agent_killed_mid_checkpoint_and_back_within_the_step_timeout_completes_or_undoes_the_switch(
+        back, children, tmp_path, short_tmp, caplog) -> None:
+    """The agent is SIGKILLed with the outgoing job stopped and its write-ahead record written,
+    and a new agent starts on the same records while the switch resends: it undoes the
+    interrupted checkpoint at start and runs the resent one. `serve`: the switch completes with
+    the job checkpointed and recorded under the resent operation id; its next grant restores
+    it. `fail` (the resend gets a definite error): the switch is undone, the job resident and
+    running, no record; never assumed either way."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.driver.errors import SwitchFailed
+
+    caplog.set_level(logging.INFO, logger="timeslice.switch")
+    a_proc, b_proc = spinner(children), spinner(children)
+    sock, records, marker = short_tmp / "agent.sock", tmp_path / "records.json", tmp_path / "frozen"
+
+    async def start(mode: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-c", textwrap.dedent(AGENT), f"unix://{sock}", str(records), str(marker), mode,
+            str(a_proc.pid), str(b_proc.pid))
+
+    agent = await start("stall")
+    orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(f"unix://{sock}",), step_timeout_seconds=20)])
+    g = orch.group("g")
+    try:
+        await eventually(sock.exists, timeout=30)
+        ga = await g.acquire("a", 0, "a1", None)
+        g.release("a", ga.lease_id, ga.epoch)
+        grant = asyncio.ensure_future(g.acquire("b", 0, "b1", None))
+        await eventually(marker.exists, timeout=30)
+        agent.send_signal(signal.SIGKILL)
+        await agent.wait()
+        assert proc_state(a_proc.pid) == "T"
+        assert json.loads(records.read_text())["jobs"]["a"]["phase"] == "checkpointing"
+        await eventually(lambda: "checkpoint resent group=g job=a" in caplog.text or grant.done(), timeout=20)
+        agent = await start(back)  # back while the switch resends
+        if back == "fail":
+            with pytest.raises(SwitchFailed, match=r"injected: this node cannot checkpoint now.*; rolled back"):
+                await asyncio.wait_for(grant, 30)
+            assert proc_state(a_proc.pid) in "RS" and json.loads(records.read_text())["jobs"] == {}
+            assert "a" not in g.checkpointed and g.counters.failed_switches == 1
+            ga = await g.acquire("a", 0, "a2", None)
+            assert not ga.restored and proc_state(a_proc.pid) in "RS"
+            return
+        gb = await asyncio.wait_for(grant, 30)  # a switch that was undone raises SwitchFailed here
+        record = json.loads(records.read_text())["jobs"]["a"]
+        assert proc_state(a_proc.pid) == "T" and record["phase"] == "checkpointed"
+        assert record["operation"] == resent_operation(caplog.text)
+        assert "a" in g.checkpointed and g.recent[-1].ok and g.counters.failed_switches == 0
+        g.release("b", gb.lease_id, gb.epoch)
+        ga = await g.acquire("a", 0, "a2", None)  # the record owns the stopped process: restored
+        jobs = json.loads(records.read_text())["jobs"]
+        assert ga.restored and proc_state(a_proc.pid) in "RS" and "a" not in jobs
+        assert proc_state(b_proc.pid) == "T" and jobs["b"]["phase"] == "checkpointed"  # b made room for it
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        await orch.close()
