@@ -156,8 +156,8 @@ async def test_a_bad_operation_id_is_invalid_argument_and_touches_nothing(op, te
 
 async def test_a_resend_to_a_restarted_agent_is_answered_from_its_records(children, tmp_path) -> None:
     """After a restart the agent remembers no operation; its records do: a checkpoint recorded
-    under the resent id is done (bytes from the record) and not run again, and a restore whose
-    record is gone and whose processes run is done without calling the backend."""
+    under the resent id is done (bytes from the record) and not run again, and so is a restore
+    that consumed a record under the resent id (0 bytes)."""
     proc = spinner(children)
     records = tmp_path / "records.json"
 
@@ -174,7 +174,9 @@ async def test_a_resend_to_a_restarted_agent_is_answered_from_its_records(childr
     assert outcome.job_id == "a" and [p.state for p in outcome.processes] == ["stopped"]
     assert backend.checkpoints == 0 and proc_state(proc.pid) == "T" and records.read_bytes() == written
     assert (await again.restore(request("op-2"))).processes and backend.restores == 1
-    assert proc_state(proc.pid) in "RS" and json.loads(records.read_text())["jobs"] == {}
+    assert proc_state(proc.pid) in "RS"
+    assert json.loads(records.read_text()) == {"apiVersion": "timeslice.dev/agent-records/v1", "jobs": {},
+                                               "restored": {"op-2": "a"}}
     backend = Counted()
     third = agent(backend)
     await third.recover()
@@ -216,14 +218,26 @@ async def test_a_step_whose_caller_went_away_finishes_and_keeps_its_record(child
         await server.stop(0)
 
 
-async def test_the_agent_remembers_a_bounded_number_of_operations() -> None:
-    """Issue 10, item 11: agent state stays bounded whatever the callers send."""
-    agent = NodeAgent(StaticProcessResolver(), backends=["freeze"])
+async def test_the_agent_remembers_a_bounded_number_of_operations(tmp_path) -> None:
+    """Issue 10, item 11: agent state stays bounded whatever the callers send: operations in
+    memory, and the restores its records file remembers."""
+    import os
+
+    from timeslice.kubelet_plugin.agent.records import MAX_RESTORED
+
+    agent = NodeAgent(StaticProcessResolver({"me": [os.getpid()]}), backends=["none"],
+                      records_path=tmp_path / "records.json")  # `none` moves nothing: this process is safe
     for i in range(5000):
-        await agent.checkpoint(StepRequest(JobRef(f"job-{i}"), "freeze", "g", 1, f"op-{i}"))
+        await agent.checkpoint(StepRequest(JobRef(f"job-{i}"), "none", "g", 1, f"op-{i}"))
     assert len(agent.operations) <= MAX_OPERATIONS
-    assert agent.operations.find("checkpoint", StepRequest(JobRef("job-4999"), "freeze", "g", 1, "op-4999"))
-    assert agent.operations.find("checkpoint", StepRequest(JobRef("job-0"), "freeze", "g", 1, "op-0")) is None
+    assert agent.operations.find("checkpoint", StepRequest(JobRef("job-4999"), "none", "g", 1, "op-4999"))
+    assert agent.operations.find("checkpoint", StepRequest(JobRef("job-0"), "none", "g", 1, "op-0")) is None
+    for i in range(MAX_RESTORED + 50):
+        await agent.checkpoint(StepRequest(JobRef("me"), "none", "g", 1, f"cp-{i}"))
+        await agent.restore(StepRequest(JobRef("me"), "none", "g", 1, f"rs-{i}"))
+    restored = json.loads((tmp_path / "records.json").read_text())["restored"]
+    assert len(restored) == MAX_RESTORED and f"rs-{MAX_RESTORED + 49}" in restored and "rs-0" not in restored
+    assert len(agent.operations) <= MAX_OPERATIONS
 
 
 def resent_operation(log_text: str, step: str = "checkpoint", job: str = "a") -> str:

@@ -4,8 +4,8 @@ Owned by the agent server; called by its gRPC servicer. Resolves a job to PIDs,
 serializes steps per job, runs the named backend, and records what it checkpointed
 (`JobRecords`) so that restore finds the same PIDs even when NVML cannot see them.
 A step that names an operation id runs once (`steps.Operations`): a resend joins it or
-gets its outcome again, and after a restart a checkpoint recorded under that id is
-answered from its record, a restore whose processes run and have no record is done.
+gets its outcome again, and after a restart the records answer it (a checkpoint recorded
+under that id, a restore that consumed a record under it) instead of running it again.
 A checkpoint into host memory (`cuda`, `cuda-checkpoint`) is refused before anything is
 touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTES`).
 """
@@ -89,6 +89,16 @@ def live_pids(job_id: str, pids: list[int]) -> list[int]:
     return live
 
 
+async def _states(backend: Backend, pids: list[int]) -> list[ProcState]:
+    """The processes' states for a step's report; [] when the backend cannot tell (a report
+    only: a resend that found its step done must not fail on it)."""
+    try:
+        return await backend.state(pids) if pids else []
+    except TimeSliceServerError as err:
+        log.warning("state of pids=%s unknown: %s", pids, err)
+        return []
+
+
 def _alive(pid: int) -> bool:
     try:
         return proc_state(pid) != "Z"
@@ -155,8 +165,8 @@ class NodeAgent:
 
     async def restore(self, req: StepRequest) -> StepOutcome:
         """Bring `req.job`'s processes back (those its record names, else those it has now)
-        and drop its record. With an operation id: once per id (`_once`), and a job without
-        a record whose processes all run is done without calling the backend."""
+        and drop its record. With an operation id: once per id (`_once`; the records keep the
+        ids of recent restores that consumed a record, for resends after a restart)."""
         return await self._once("restore", req, self._restore)
 
     async def _once(self, kind: str, req: StepRequest,
@@ -182,9 +192,8 @@ class NodeAgent:
             done = self.records.jobs.get(job_id)
             if req.operation_id and done is not None and done.operation == req.operation_id and \
                     done.phase != CHECKPOINTING:  # a resend to a restarted agent: its record answers
-                live = [p for p in done.pids if _alive(p)]
                 procs = [ProcState(st.pid, st.state, done.pids.get(st.pid, 0))
-                         for st in (await backend.state(live) if live else [])]
+                         for st in await _states(backend, [p for p in done.pids if _alive(p)])]
                 log.info("checkpoint resent job=%s operation=%s: done before (its record), not run again", job_id,
                          req.operation_id)
                 return StepOutcome(job_id, procs, done.bytes, time.monotonic() - t0)
@@ -203,7 +212,8 @@ class NodeAgent:
             step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
             try:
                 procs = await asyncio.shield(step)
-            except asyncio.CancelledError:  # the caller is gone and will assume nothing: finish, then undo
+            except asyncio.CancelledError:  # a caller without operation id is gone (it will assume nothing),
+                # or the agent stops: finish, then undo
                 self._in_background(self._undo_cancelled(job_id, backend, pids, step, prior))
                 raise
             except BaseException:
@@ -229,6 +239,11 @@ class NodeAgent:
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
+            if req.operation_id and self.records.restored.get(req.operation_id) == job_id:
+                log.info("restore resent job=%s operation=%s: done before (it consumed the record), not run again",
+                         job_id, req.operation_id)  # a resend to a restarted agent
+                return StepOutcome(job_id, await _states(backend, await self._live(req.job)), 0,
+                                   time.monotonic() - t0)
             record = self.records.jobs.get(job_id)
             if record is not None and record.backend != backend_name:
                 raise FailedPrecondition(f"job {job_id} was checkpointed by backend {record.backend}: restore it "
@@ -241,32 +256,16 @@ class NodeAgent:
                     self.records.pop(job_id)
             else:
                 pids = await self._live(req.job)
-                running = await self._running(backend, pids) if pids and req.operation_id else None
-                if running is not None:  # e.g. a resend of a restore that ended before a restart
-                    log.info("nothing to restore job=%s group=%s operation=%s: no record, its processes %s run",
-                             job_id, group_id, req.operation_id, pids)
-                    return StepOutcome(job_id, running, 0, time.monotonic() - t0)
             if not pids:
                 log.info("nothing to restore job=%s group=%s on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
             procs = await backend.restore(pids, timeout or self.default_timeout)
-            self.records.pop(job_id)
+            self.records.pop(job_id, restored_by=req.operation_id)
             moved = record.bytes if record else 0
             seconds = time.monotonic() - t0
             log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
                      group_id, backend_name, pids, moved, seconds, req.operation_id)
             return StepOutcome(job_id, procs, moved, seconds)
-
-    @staticmethod
-    async def _running(backend: Backend, pids: list[int]) -> list[ProcState] | None:
-        """The processes' states when every one runs; None otherwise or when the backend
-        cannot tell (then the restore runs: no process is left stopped)."""
-        try:
-            states = await backend.state(pids)
-        except TimeSliceServerError as err:
-            log.debug("state of %s unknown: %s", pids, err)
-            return None
-        return states if states and all(st.state == RUNNING for st in states) else None
 
     def _in_background(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
