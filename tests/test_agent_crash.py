@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
@@ -90,17 +90,20 @@ async def test_a_checkpoint_whose_record_cannot_be_written_touches_nothing(child
     from timeslice.driver.errors import FailedPrecondition
 
     with pytest.raises(FailedPrecondition, match=r"cannot write its records .*nothing was touched"):
-        await agent.checkpoint("a", "freeze", "g", 5)
+        await agent.checkpoint(StepRequest(JobRef("a"), "freeze", "g", 5))
     assert proc_state(job.pid) in "RS" and agent.records.jobs == {}
     assert not list(tmp_path.glob("**/*.tmp"))  # no temporary left behind
 
 
-async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(children, short_tmp) -> None:
+async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(children, short_tmp,
+                                                                               caplog) -> None:
     """Issue 10, item 1 (orchestrator side): the agent died during a checkpoint; the switch was
     reported "rolled back" with the outgoing job kept resident, and that job's next acquire was
-    granted at once with its process possibly still stopped. A step with no reply is undone,
-    and when the undo cannot reach the agent the job counts as off the GPU: it is restored
-    (by an agent that answers) before it is granted again."""
+    granted at once with its process possibly still stopped. A step with no reply is resent
+    with its operation id (tests/test_operations.py: an agent back in time completes it);
+    when the agent stays away for the whole resend window the step is undone, and when the
+    undo cannot reach the agent either the job counts as off the GPU: it is restored (by an
+    agent that answers) before it is granted again."""
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.orchestrator import Orchestrator
     from timeslice.driver.errors import SwitchFailed
@@ -120,6 +123,7 @@ async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(c
         await server.stop(0)  # the agent is gone
         with pytest.raises(SwitchFailed, match="ROLLBACK INCOMPLETE"):
             await g.acquire("b", 0, "b1", None)
+        assert "checkpoint resent group=g job=a" in caplog.text  # asked again before giving up
         assert "a" in g.checkpointed  # not assumed resident
         server, _ = await create_server(agent(), target)  # the agent is back
         grants = []

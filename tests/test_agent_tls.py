@@ -527,7 +527,7 @@ async def test_a_rollback_goes_through_the_agents_current_channel() -> None:
         def __init__(self, target: str, name: str, fail: bool = False) -> None:
             self.target, self.name, self.fail = target, name, fail
 
-        async def checkpoint(self, job, *args):
+        async def checkpoint(self, job, *args, **kw):  # kw: the operation id
             calls.append((self.name, "checkpoint", job))
             if self.fail:
                 raise Unavailable("down")
@@ -535,7 +535,7 @@ async def test_a_rollback_goes_through_the_agents_current_channel() -> None:
                 pool.clients["x"] = Client("x", "x-new")  # the certificate of x changed meanwhile
             return StepResult(1, 0.0)
 
-        async def restore(self, job, *args):
+        async def restore(self, job, *args, **kw):
             calls.append((self.name, "restore", job))
             return StepResult(1, 0.0)
 

@@ -9,7 +9,7 @@ from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import FailedPrecondition
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
@@ -145,12 +145,12 @@ async def test_a_restore_with_another_backend_than_the_checkpoint_is_refused(tmp
     proc = spinner(children)
     agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["freeze", "none"],
                       records_path=tmp_path / "records.json")
-    await agent.checkpoint("a", "freeze", "g", 5)
+    await agent.checkpoint(StepRequest(JobRef("a"), "freeze", "g", 5))
     assert proc_state(proc.pid) == "T"
     with pytest.raises(FailedPrecondition, match="checkpointed by backend freeze: restore it with that backend"):
-        await agent.restore("a", "none", "g", 5)
+        await agent.restore(StepRequest(JobRef("a"), "none", "g", 5))
     assert proc_state(proc.pid) == "T" and "a" in agent.records.jobs  # untouched: the right restore still works
-    await agent.restore("a", "freeze", "g", 5)
+    await agent.restore(StepRequest(JobRef("a"), "freeze", "g", 5))
     assert proc_state(proc.pid) in "RS" and "a" not in agent.records.jobs
 
 
@@ -161,6 +161,6 @@ async def test_job_ids_leave_no_state_behind(tmp_path) -> None:
 
     agent = NodeAgent(StaticProcessResolver(), backends=["freeze"])
     for i in range(200):
-        await agent.checkpoint(f"job-{i}-" + "x" * 200, "freeze", "g", 1)
+        await agent.checkpoint(StepRequest(JobRef(f"job-{i}-" + "x" * 200), "freeze", "g", 1))
     gc.collect()
     assert len(agent._job_locks) == 0

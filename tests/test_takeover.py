@@ -125,7 +125,9 @@ async def test_a_restarted_orchestrator_adopts_only_its_groups_checkpoints_from_
     from timeslice.controller.orchestrator.orchestrator import Orchestrator
 
     c = await make_cluster(backend="freeze", groups=("g1", "g2"))
-    await c.agents["node-0"].checkpoint("a", "freeze", "g2", 5)  # checkpointed for g2
+    from timeslice.kubelet_plugin.agent.node_agent import JobRef, StepRequest
+
+    await c.agents["node-0"].checkpoint(StepRequest(JobRef("a"), "freeze", "g2", 5))  # checkpointed for g2
     spec = c.orchestrator.group("g1").spec
     orch = Orchestrator([spec, GroupSpec(**{**spec.model_dump(), "id": "g2"})])
     await orch.adopt_agents()

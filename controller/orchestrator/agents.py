@@ -3,7 +3,9 @@
 Owned by the orchestrator; used by `SwitchCoordinator`. One `grpc.aio` channel per
 agent target, reused; errors are translated to `timeslice.driver.errors` here. With a
 `TokenFile` (the controller's `--agent-token-file`) every call carries `authorization:
-Bearer <token>` for agents that run with `--agent-auth tokenreview`.
+Bearer <token>` for agents that run with `--agent-auth tokenreview`. Every step carries an
+operation id (`new_operation_id`, or the caller's: the same id on a resend of a step whose
+reply was lost, so that the agent runs it once and answers with its outcome).
 
 TLS: the controller's reconciler hands the pool each agent's certificate as its plugin
 pod publishes it (`set_certificates`, target -> PEM; kubelet plugin `--agent-tls`). For a
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -54,6 +57,11 @@ RETIRE_GRACE_SECONDS = 5.0
 # certificate check, e.g. "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: ...
 # CERTIFICATE_VERIFY_FAILED" or "Hostname Verification Check failed".
 _TLS_FAILURE_WORDS = ("handshake", "certificate_verify_failed", "ssl_error", "hostname verification")
+
+
+def new_operation_id() -> str:
+    """A fresh operation id: one per step attempt (`SwitchStepRequest.operation_id`)."""
+    return uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -115,19 +123,23 @@ class AgentClient:
         return error_from_status(err.code(), message)
 
     async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
-                         member: MemberSpec | None = None) -> StepResult:
-        """Checkpoint `job_id` on this node (its claims there, when `member` says). Raises a
-        `TimeSliceServerError` subclass."""
-        return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout, member)
+                         member: MemberSpec | None = None, operation_id: str = "") -> StepResult:
+        """Checkpoint `job_id` on this node (its claims there, when `member` says) as the
+        operation `operation_id` ("": a new one). Raises a `TimeSliceServerError` subclass;
+        `OutcomeUnknown` with `no_reply` when no reply came (resend it with the same id)."""
+        return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout, member,
+                                operation_id)
 
     async def restore(self, job_id: str, backend: str, group_id: str, timeout: float,
-                      member: MemberSpec | None = None) -> StepResult:
-        """Restore `job_id` on this node. Raises a `TimeSliceServerError` subclass."""
-        return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout, member)
+                      member: MemberSpec | None = None, operation_id: str = "") -> StepResult:
+        """Restore `job_id` on this node, as `checkpoint`. Raises a `TimeSliceServerError` subclass."""
+        return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout, member,
+                                operation_id)
 
     async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
-                    group_id: str, timeout: float, member: MemberSpec | None) -> StepResult:
-        req = self._step_request(job_id, backend, group_id, timeout, member)
+                    group_id: str, timeout: float, member: MemberSpec | None, operation_id: str) -> StepResult:
+        operation_id = operation_id or new_operation_id()
+        req = self._step_request(job_id, backend, group_id, timeout, member, operation_id)
         deadline = timeout + RPC_SLACK_SECONDS
         t0 = time.monotonic()
         try:
@@ -140,7 +152,9 @@ class AgentClient:
             no_reply = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
                 code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 >= deadline - 0.1)
             if no_reply or code == grpc.StatusCode.UNKNOWN:
-                raise OutcomeUnknown(f"{known} (the step's outcome is unknown: it is undone)", no_reply) from err
+                why = "no reply" if no_reply else "an unexpected error"
+                raise OutcomeUnknown(f"{known} (operation {operation_id}: the step's outcome is unknown: {why})",
+                                     no_reply) from err
             raise known from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
@@ -158,12 +172,12 @@ class AgentClient:
                            int(resp.host_available_bytes))
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
-                      member: MemberSpec | None) -> apb.SwitchStepRequest:
+                      member: MemberSpec | None, operation_id: str = "") -> apb.SwitchStepRequest:
         claims = member.claims_by_agent.get(self.target, ()) if member else ()
         return apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
                                      claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
                                      pod_uids=member.pod_uids if member else (),
-                                     claim_name=member.claim_name if member else "")
+                                     claim_name=member.claim_name if member else "", operation_id=operation_id)
 
     async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
         """Jobs this agent holds checkpoint records for (it checkpointed them), of `group_id`

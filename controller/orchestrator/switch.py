@@ -8,6 +8,13 @@ was checkpointed and the jobs evicted before it; a failed restore checkpoints th
 incoming job where it was restored and restores the evicted jobs. The outcome is raised
 as `SwitchError` with the record. Groups on the `cooperative` backend are moved by the
 jobs' own processes (`CooperativeJobs`); their agents only report memory (`memory`).
+
+Every agent step has an operation id. A step whose reply was lost (deadline, connection
+cut, agent restarting) is resent with the same id, so the agent runs it once: a resend
+that succeeds completes the step (the switch goes on). Resends go on, with a short
+backoff, for the step's timeout after the first lost reply and at most
+`RESEND_WINDOW_SECONDS`; a step they do not complete is undone like one that may have
+run, never assumed done or not done.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult
+from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult, new_operation_id
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
@@ -27,6 +34,14 @@ from timeslice.driver import names
 from timeslice.driver.errors import NotFound, OutcomeUnknown, TimeSliceServerError, Unavailable
 
 log = logging.getLogger("timeslice.switch")
+
+# Resends of a step whose reply was lost stop after the step's timeout or this long, which
+# comes first (seconds): room for a node agent to restart, without holding a group whose
+# node is down for the default 300 s step timeout.
+RESEND_WINDOW_SECONDS = 30.0
+# Backoff between resends: the first wait, doubled after each resend, and its cap (seconds).
+RESEND_BACKOFF_SECONDS = 0.1
+RESEND_BACKOFF_MAX_SECONDS = 1.0
 
 
 class SwitchCoordinator:
@@ -150,15 +165,56 @@ class SwitchCoordinator:
 
     async def _on_all(self, agents: Sequence[AgentClient | _CooperativeStep], step: str, spec: GroupSpec,
                       job: str) -> tuple[dict[Any, StepResult], dict[Any, BaseException]]:
-        member = spec.member(job)
-        results = await asyncio.gather(
-            *(getattr(a, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member) for a in agents),
-            return_exceptions=True)
+        results = await asyncio.gather(*(self._step(a, step, spec, job) for a in agents), return_exceptions=True)
         done = {a: r for a, r in zip(agents, results) if isinstance(r, StepResult)}
         failures = {a: r for a, r in zip(agents, results) if not isinstance(r, StepResult)}
         for a, err in failures.items():
             log.warning("%s failed group=%s job=%s agent=%s: %s", step, spec.id, job, a.target, err)
         return done, failures
+
+    async def _step(self, agent: AgentClient | _CooperativeStep, step: str, spec: GroupSpec, job: str) -> StepResult:
+        """One step on one agent, resent with its operation id while its reply is lost (see
+        the module docstring). Raises the step's error; `OutcomeUnknown` when the step may
+        have run: no reply to any resend (`no_reply`), or a resend answered with an error
+        (the agent may not know operation ids: the caller undoes it all the same)."""
+        member = spec.member(job)
+        if isinstance(agent, _CooperativeStep):
+            return await getattr(agent, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member)
+        op = new_operation_id()
+        try:
+            return await getattr(agent, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member,
+                                              operation_id=op)
+        except OutcomeUnknown as err:
+            if not err.no_reply:
+                raise
+            lost = err
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(spec.step_timeout_seconds, RESEND_WINDOW_SECONDS)
+        backoff, tries = RESEND_BACKOFF_SECONDS, 0
+        while True:
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, RESEND_BACKOFF_MAX_SECONDS)
+            tries += 1
+            log.warning("%s resent group=%s job=%s agent=%s operation=%s try=%d: no reply (%s)", step, spec.id,
+                        job, agent.target, op, tries, lost)
+            try:  # the pool's client now (replaced when the agent's certificate changed)
+                result: StepResult = await getattr(self._pool.get(agent.target), step)(
+                    job, spec.backend, spec.id, spec.step_timeout_seconds, member, operation_id=op)
+            except OutcomeUnknown as err:
+                if not err.no_reply:
+                    raise
+                lost = err
+            except Unavailable as err:  # the pool will not call it now (e.g. TLS required, no certificate)
+                raise OutcomeUnknown(f"{lost}; resend of operation {op}: {err}", no_reply=True) from err
+            except TimeSliceServerError as err:
+                raise OutcomeUnknown(f"{err} (a resend of operation {op}, whose first reply was lost)",
+                                     no_reply=False) from err
+            else:
+                log.info("%s completed by resend group=%s job=%s agent=%s operation=%s try=%d", step, spec.id, job,
+                         agent.target, op, tries)
+                return result
+            if loop.time() >= until:
+                raise OutcomeUnknown(f"{lost}; no reply to {tries} resend(s) of operation {op}", no_reply=True)
 
     async def _undo(self, agents: Sequence[AgentClient | _CooperativeStep], step: str, spec: GroupSpec,
                     job: str) -> bool:

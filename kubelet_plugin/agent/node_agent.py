@@ -3,6 +3,9 @@
 Owned by the agent server; called by its gRPC servicer. Resolves a job to PIDs,
 serializes steps per job, runs the named backend, and records what it checkpointed
 (`JobRecords`) so that restore finds the same PIDs even when NVML cannot see them.
+A step that names an operation id runs once (`steps.Operations`): a resend joins it or
+gets its outcome again, and after a restart the records answer it (a checkpoint recorded
+under that id, a restore that consumed a record under it) instead of running it again.
 A checkpoint into host memory (`cuda`, `cuda-checkpoint`) is refused before anything is
 touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTES`).
 """
@@ -14,7 +17,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,22 +38,15 @@ from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
+from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
+
+__all__ = ["JobRef", "MemoryView", "NodeAgent", "StepOutcome", "StepRequest", "job_state", "live_pids"]
 
 log = logging.getLogger("timeslice.agent")
 # Host memory a checkpoint must leave to the node's other processes, bytes.
 HOST_RESERVE_BYTES = 2 << 30
 # Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
-
-
-@dataclass(frozen=True)
-class JobRef:
-    """A job as a switch step names it (see `NodeAgent.checkpoint`)."""
-
-    job_id: str
-    claims: Sequence[tuple[str, str]] = ()
-    pod_uids: Sequence[str] = ()
-    claim_name: str = ""
 
 
 @dataclass
@@ -74,14 +70,6 @@ def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, i
     return out
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    job_id: str
-    processes: list[ProcState]
-    bytes: int
-    seconds: float
-
-
 def job_state(processes: list[ProcState]) -> str:
     """"checkpointed" when every process is checkpointed/stopped, "running" when none is."""
     if not processes:
@@ -99,6 +87,16 @@ def live_pids(job_id: str, pids: list[int]) -> list[int]:
     if not live:
         raise NotFound(f"no live processes for job {job_id!r} on this node (pids {pids} are gone)")
     return live
+
+
+async def _states(backend: Backend, pids: list[int]) -> list[ProcState]:
+    """The processes' states for a step's report; [] when the backend cannot tell (a report
+    only: a resend that found its step done must not fail on it)."""
+    try:
+        return await backend.state(pids) if pids else []
+    except TimeSliceServerError as err:
+        log.warning("state of pids=%s unknown: %s", pids, err)
+        return []
 
 
 def _alive(pid: int) -> bool:
@@ -135,6 +133,7 @@ class NodeAgent:
         self._memory_probe = memory_probe
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
+        self.operations = Operations()
 
     def backend(self, name: str) -> Backend:
         """The backend of that name; InvalidArgument when not offered, FailedPrecondition
@@ -150,21 +149,55 @@ class NodeAgent:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
 
-    async def _pids(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
-                    claim_name: str) -> list[int]:
-        if not claims:
-            return await self.resolver.pids(job_id)
+    async def _pids(self, job: JobRef) -> list[int]:
+        if not job.claims:
+            return await self.resolver.pids(job.job_id)
         if self.claim_resolver is None:
             raise InvalidArgument("this node agent has no cluster access: name the job only, not claims")
-        return await self.claim_resolver.pids(claims, pod_uids, claim_name)
+        return await self.claim_resolver.pids(job.claims, job.pod_uids, job.claim_name)
 
-    async def checkpoint(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                         claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
-                         claim_name: str = "") -> StepOutcome:
+    async def checkpoint(self, req: StepRequest) -> StepOutcome:
+        """Move `req.job`'s processes off the GPU with `req.backend` and record them. On
+        failure every process touched is put back and the record dropped. With an operation
+        id: once per id (`_once`); a caller that goes away leaves the step to finish and
+        keeps its record (its resend gets the outcome, its undo is a restore)."""
+        return await self._once("checkpoint", req, self._checkpoint)
+
+    async def restore(self, req: StepRequest) -> StepOutcome:
+        """Bring `req.job`'s processes back (those its record names, else those it has now)
+        and drop its record. With an operation id: once per id (`_once`; the records keep the
+        ids of recent restores that consumed a record, for resends after a restart)."""
+        return await self._once("restore", req, self._restore)
+
+    async def _once(self, kind: str, req: StepRequest,
+                    step: Callable[[StepRequest], Coroutine[Any, Any, StepOutcome]]) -> StepOutcome:
+        """`step(req)`, run once per operation id: a resend while it runs awaits the same
+        task, one after it ended gets its outcome (or error) again. No id: run it here, as
+        part of the call (a caller that goes away cancels it)."""
+        if not req.operation_id:
+            return await step(req)
+        task = self.operations.find(kind, req)
+        if task is None:
+            task = self.operations.start(kind, req, step(req))
+        else:
+            log.info("%s resent job=%s operation=%s: %s", kind, req.job_id, req.operation_id,
+                     "its outcome again" if task.done() else "joined the running step")
+        return await asyncio.shield(task)
+
+    async def _checkpoint(self, req: StepRequest) -> StepOutcome:
+        job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
-            pids = await self._live(job_id, claims, pod_uids, claim_name)
+            done = self.records.jobs.get(job_id)
+            if req.operation_id and done is not None and done.operation == req.operation_id and \
+                    done.phase != CHECKPOINTING:  # a resend to a restarted agent: its record answers
+                procs = [ProcState(st.pid, st.state, done.pids.get(st.pid, 0))
+                         for st in await _states(backend, [p for p in done.pids if _alive(p)])]
+                log.info("checkpoint resent job=%s operation=%s: done before (its record), not run again", job_id,
+                         req.operation_id)
+                return StepOutcome(job_id, procs, done.bytes, time.monotonic() - t0)
+            pids = await self._live(req.job)
             if not pids:
                 log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
@@ -175,11 +208,12 @@ class NodeAgent:
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
-                                              CHECKPOINTING), "nothing was touched")
+                                              CHECKPOINTING, req.operation_id), "nothing was touched")
             step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
             try:
                 procs = await asyncio.shield(step)
-            except asyncio.CancelledError:  # the caller is gone and will assume nothing: finish, then undo
+            except asyncio.CancelledError:  # a caller without operation id is gone (it will assume nothing),
+                # or the agent stops: finish, then undo
                 self._in_background(self._undo_cancelled(job_id, backend, pids, step, prior))
                 raise
             except BaseException:
@@ -188,7 +222,7 @@ class NodeAgent:
                 raise
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
-                               on_gpus or (prior.devices if prior else {}))
+                               on_gpus or (prior.devices if prior else {}), operation=req.operation_id)
             try:
                 self._write(job_id, record, "the checkpoint was undone")
             except FailedPrecondition:
@@ -196,16 +230,20 @@ class NodeAgent:
                 self.records.pop(job_id)
                 raise
             seconds = time.monotonic() - t0
-            log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
-                     group_id, backend_name, pids, record.bytes, seconds)
+            log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
+                     group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
-    async def restore(self, job_id: str, backend_name: str, group_id: str, timeout: float,
-                      claims: Sequence[tuple[str, str]] = (), pod_uids: Sequence[str] = (),
-                      claim_name: str = "") -> StepOutcome:
+    async def _restore(self, req: StepRequest) -> StepOutcome:
+        job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         backend = self.backend(backend_name)
         async with self._lock(job_id):
             t0 = time.monotonic()
+            if req.operation_id and self.records.restored.get(req.operation_id) == job_id:
+                log.info("restore resent job=%s operation=%s: done before (it consumed the record), not run again",
+                         job_id, req.operation_id)  # a resend to a restarted agent
+                return StepOutcome(job_id, await _states(backend, await self._live(req.job)), 0,
+                                   time.monotonic() - t0)
             record = self.records.jobs.get(job_id)
             if record is not None and record.backend != backend_name:
                 raise FailedPrecondition(f"job {job_id} was checkpointed by backend {record.backend}: restore it "
@@ -217,16 +255,16 @@ class NodeAgent:
                              job_id, sorted(record.pids))
                     self.records.pop(job_id)
             else:
-                pids = await self._live(job_id, claims, pod_uids, claim_name)
+                pids = await self._live(req.job)
             if not pids:
                 log.info("nothing to restore job=%s group=%s on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
             procs = await backend.restore(pids, timeout or self.default_timeout)
-            self.records.pop(job_id)
+            self.records.pop(job_id, restored_by=req.operation_id)
             moved = record.bytes if record else 0
             seconds = time.monotonic() - t0
-            log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f", job_id,
-                     group_id, backend_name, pids, moved, seconds)
+            log.info("restored job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
+                     group_id, backend_name, pids, moved, seconds, req.operation_id)
             return StepOutcome(job_id, procs, moved, seconds)
 
     def _in_background(self, coro: Any) -> None:
@@ -295,14 +333,13 @@ class NodeAgent:
             lock = self._job_locks[job_id] = asyncio.Lock()
         return lock
 
-    async def _live(self, job_id: str, claims: Sequence[tuple[str, str]], pod_uids: Sequence[str],
-                    claim_name: str) -> list[int]:
+    async def _live(self, job: JobRef) -> list[int]:
         """The job's live processes on this node; [] when it has none (not started yet, or
         exited): a job with nothing to move is a valid member, its steps succeed and say so."""
         try:
-            return live_pids(job_id, await self._pids(job_id, claims, pod_uids, claim_name))
+            return live_pids(job.job_id, await self._pids(job))
         except NotFound as err:
-            log.debug("no processes job=%s: %s", job_id, err)
+            log.debug("no processes job=%s: %s", job.job_id, err)
             return []
 
     async def _check_host_room(self, job_id: str, need: int) -> None:
@@ -326,7 +363,7 @@ class NodeAgent:
                 view.checkpointed_bytes[job.job_id] = dict(record.devices) or (
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
-                pids = await self._pids(job.job_id, job.claims, job.pod_uids, job.claim_name)
+                pids = await self._pids(job)
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
                 continue

@@ -6,12 +6,19 @@ temp file, fsynced and renamed):
 
     {"apiVersion": "timeslice.dev/agent-records/v1",
      "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
-                        "devices": {"<GPU uuid>": <bytes>}}}}
+                        "devices": {"<GPU uuid>": <bytes>}, "phase": "checkpointed",
+                        "operation": "<operation id>"}},
+     "restored": {"<operation id>": "<job>"}}
 
 `devices` (optional): the checkpoint's bytes by GPU, for residency decisions. `phase`
 (optional, default "checkpointed"): "checkpointing" is the write-ahead intent, written
 before a checkpoint touches any process; a record still in that phase when the agent
 starts belongs to a step it did not finish, which it undoes (`NodeAgent.recover`).
+`operation` (optional, default ""): the orchestrator's operation id of the checkpoint
+that wrote the record, so that a resend of that step after a restart is answered from
+the record instead of being run again. `restored` (optional): the operation ids of the
+last `MAX_RESTORED` restores that consumed a record, oldest first, written with the
+record's removal, so that a resend of such a restore after a restart is not run again.
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,6 +37,7 @@ log = logging.getLogger("timeslice.agent")
 API_VERSION = "timeslice.dev/agent-records/v1"
 CHECKPOINTING = "checkpointing"  # write-ahead: the step may have touched these processes
 CHECKPOINTED = "checkpointed"
+MAX_RESTORED = 128  # restores remembered by operation id (a resend comes within seconds)
 
 
 @dataclass
@@ -38,6 +47,7 @@ class JobRecord:
     pids: dict[int, int] = field(default_factory=dict)
     devices: dict[str, int] = field(default_factory=dict)
     phase: str = CHECKPOINTED
+    operation: str = ""
 
     @property
     def bytes(self) -> int:
@@ -50,6 +60,7 @@ class JobRecords:
     def __init__(self, path: Path | None = None) -> None:
         self._path = path
         self.jobs: dict[str, JobRecord] = {}
+        self.restored: OrderedDict[str, str] = OrderedDict()  # operation id -> job
         if path is not None and path.exists():
             self._load(path)
 
@@ -60,8 +71,9 @@ class JobRecords:
                 raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
             self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()},
                                         {str(d): int(b) for d, b in r.get("devices", {}).items()},
-                                        str(r.get("phase", CHECKPOINTED)))
+                                        str(r.get("phase", CHECKPOINTED)), str(r.get("operation", "")))
                          for job, r in data["jobs"].items()}
+            self.restored = OrderedDict((str(op), str(job)) for op, job in data.get("restored", {}).items())
         except (ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are.
             log.error("ignoring unreadable records file path=%s: %s", path, err)
@@ -80,11 +92,16 @@ class JobRecords:
                 self.jobs[job_id] = before
             raise
 
-    def pop(self, job_id: str) -> JobRecord | None:
+    def pop(self, job_id: str, restored_by: str = "") -> JobRecord | None:
         """Forget a record (persisted; a failed write is logged: the record then comes back
-        at the next start, where recovery settles it again)."""
+        at the next start, where recovery settles it again). `restored_by`: the operation
+        id of the restore that consumed it, remembered in the same write."""
         record = self.jobs.pop(job_id, None)
         if record is not None:
+            if restored_by:
+                self.restored[restored_by] = job_id
+                while len(self.restored) > MAX_RESTORED:
+                    self.restored.popitem(last=False)
             try:
                 self._save()
             except OSError as err:
@@ -94,7 +111,9 @@ class JobRecords:
     def _save(self) -> None:
         if self._path is None:
             return
-        data = {"apiVersion": API_VERSION,
-                "jobs": {j: {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
-                         for j, r in self.jobs.items()}}
+        data: dict[str, object] = {"apiVersion": API_VERSION,
+                                   "jobs": {j: {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
+                                            for j, r in self.jobs.items()}}
+        if self.restored:
+            data["restored"] = dict(self.restored)
         write_atomic(self._path, json.dumps(data).encode())

@@ -9,8 +9,6 @@ than a server interceptor, as `rpc_method` (the aio interceptor path costs hand-
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc.aio
@@ -19,9 +17,11 @@ from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
-from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepOutcome, job_state
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent, job_state
+from timeslice.kubelet_plugin.agent.steps import JobRef, StepOutcome, StepRequest
 
 MAX_ID_LENGTH = 253  # a job id is a DNS subdomain at most (names.py; the orchestrator's rule)
+MAX_OPERATION_ID_LENGTH = 128  # the orchestrator sends 32 (uuid4 hex)
 
 
 def _procs(procs: list[ProcState]) -> list[apb.ProcessState]:
@@ -35,24 +35,8 @@ def _check_job_id(job_id: str) -> None:
         raise InvalidArgument(f"job_id is {len(job_id)} characters; at most {MAX_ID_LENGTH}")
 
 
-@dataclass(frozen=True)
-class StepArgs:
-    """A validated `SwitchStepRequest`: the job (and, in a cluster, its claims, pods and
-    pod-level claim name), the backend, the group, the step's bound in seconds (0: default)."""
-
-    job: JobRef
-    backend: str
-    group_id: str
-    timeout: float
-
-    async def run(self, step: Callable[..., Awaitable[StepOutcome]]) -> StepOutcome:
-        """`NodeAgent.checkpoint` or `.restore` with these arguments."""
-        j = self.job
-        return await step(j.job_id, self.backend, self.group_id, self.timeout, j.claims, j.pod_uids, j.claim_name)
-
-
-def _step_args(request: apb.SwitchStepRequest, backend_required: bool = True) -> StepArgs:
-    """Raises InvalidArgument naming the bad field."""
+def _step_request(request: apb.SwitchStepRequest, backend_required: bool = True) -> StepRequest:
+    """The validated step; raises InvalidArgument naming the bad field."""
     _check_job_id(request.job_id)
     if backend_required and not request.backend:
         raise InvalidArgument("backend is required")
@@ -62,8 +46,13 @@ def _step_args(request: apb.SwitchStepRequest, backend_required: bool = True) ->
     claims = [(c.namespace, c.name) for c in request.claims]
     if any(not ns or not name for ns, name in claims):
         raise InvalidArgument("every claim needs a namespace and a name")
-    return StepArgs(JobRef(request.job_id, claims, list(request.pod_uids), request.claim_name), request.backend,
-                    request.group_id, t)
+    op = request.operation_id
+    if len(op) > MAX_OPERATION_ID_LENGTH:
+        raise InvalidArgument(f"operation_id is {len(op)} characters; at most {MAX_OPERATION_ID_LENGTH}")
+    if not (op.isascii() and op.isprintable()):
+        raise InvalidArgument(f"operation_id must be printable ASCII, got {op!r}")
+    return StepRequest(JobRef(request.job_id, claims, list(request.pod_uids), request.claim_name), request.backend,
+                       request.group_id, t, op)
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:
@@ -93,13 +82,13 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     async def Checkpoint(self, request: apb.SwitchStepRequest,
                          context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
         await self._check(context)
-        return _outcome(await _step_args(request).run(self._agent.checkpoint))
+        return _outcome(await self._agent.checkpoint(_step_request(request)))
 
     @rpc_method
     async def Restore(self, request: apb.SwitchStepRequest,
                       context: grpc.aio.ServicerContext) -> apb.SwitchStepResponse:
         await self._check(context)
-        return _outcome(await _step_args(request).run(self._agent.restore))
+        return _outcome(await self._agent.restore(_step_request(request)))
 
     @rpc_method
     async def GetJobState(self, request: apb.GetJobStateRequest,
@@ -114,7 +103,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     async def GetMemory(self, request: apb.GetMemoryRequest,
                         context: grpc.aio.ServicerContext) -> apb.MemoryReport:
         await self._check(context)
-        view = await self._agent.memory([_step_args(j, backend_required=False).job for j in request.jobs])
+        view = await self._agent.memory([_step_request(j, backend_required=False).job for j in request.jobs])
         names = sorted(set(view.device_bytes) | set(view.checkpointed_bytes))
         return apb.MemoryReport(
             gpus=[apb.GpuMemory(uuid=g.uuid, index=g.index, total_bytes=g.total, free_bytes=g.free) for g in view.gpus],

@@ -1,8 +1,12 @@
 """Fault injection (issue 10): a real node agent process is SIGKILLed at each point of a
 checkpoint and a restore, a new agent starts on the same records, and the invariants are
 checked: no process is left stopped without a record that owns it, and no record names
-processes that run. The stall points live in a backend subclass inside the agent process
-(no hook in the product): it says where it is in a file, then waits to be killed."""
+processes that run. Then the step whose reply was lost is resent with its operation id, as
+the orchestrator does: it completes (a checkpoint leaves the job checkpointed and recorded
+under that id, a restore leaves it running without a record), running the backend again
+only where the killed step's end was not recorded. The stall points live in a backend subclass
+and a records subclass inside the agent process (no hook in the product): they say where
+they are in a file, then wait to be killed."""
 
 from __future__ import annotations
 
@@ -17,20 +21,22 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
 
 from tests.conftest import eventually
 from tests.test_freeze import spinner
+from tests.test_operations import Counted
 
 AGENT = """
-    import asyncio, sys
+    import asyncio, sys, time
     from pathlib import Path
     from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
     from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
     from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+    from timeslice.kubelet_plugin.agent.records import JobRecords
     from timeslice.kubelet_plugin.agent.server import create_server
 
     target, records, marker, point = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[5]
@@ -54,26 +60,47 @@ AGENT = """
             await stall("restore:after")
             return states
 
+    def stall_here(here):  # in the records' synchronous writes: the whole agent stops there
+        if here == point:
+            marker.write_text(here)
+            time.sleep(3600)
+
+    class FaultyRecords(JobRecords):
+        def put(self, job_id, record):
+            super().put(job_id, record)
+            if record.phase == "checkpointed":
+                stall_here("checkpoint:recorded")
+
+        def pop(self, job_id, restored_by=""):
+            record = super().pop(job_id, restored_by)
+            stall_here("restore:recorded")
+            return record
+
     async def main():
         agent = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[Faulty()], records_path=records)
+        agent.records = FaultyRecords(records)
         server, _ = await create_server(agent, target)
         await asyncio.Event().wait()
 
     asyncio.run(main())
 """
 
-POINTS = ["checkpoint:before", "checkpoint:after", "restore:before", "restore:after"]
+# where the agent is killed: in the backend before / after it acted, or once the step's
+# record was written (checkpoint) or dropped (restore), before the reply
+POINTS = ["checkpoint:before", "checkpoint:after", "checkpoint:recorded", "restore:before", "restore:after",
+          "restore:recorded"]
 
 
-async def _step(target: str, rpc: str) -> None:
+async def _step(target: str, rpc: str, operation_id: str) -> apb.SwitchStepResponse:
     async with grpc.aio.insecure_channel(target) as channel:
-        await getattr(apb_grpc.NodeAgentStub(channel), rpc)(
-            apb.SwitchStepRequest(job_id="a", backend="freeze", timeout_seconds=30), wait_for_ready=True, timeout=30)
+        return await getattr(apb_grpc.NodeAgentStub(channel), rpc)(
+            apb.SwitchStepRequest(job_id="a", backend="freeze", timeout_seconds=30, operation_id=operation_id),
+            wait_for_ready=True, timeout=30)
 
 
 @pytest.mark.parametrize("point", POINTS)
-async def test_an_agent_killed_at_each_point_leaves_records_that_match_the_processes(point, children, short_tmp,
-                                                                                     tmp_path) -> None:
+async def test_an_agent_killed_at_each_point_leaves_records_that_match_and_a_resend_completes(
+        point, children, short_tmp, tmp_path) -> None:
     job = spinner(children)
     target, records, marker = f"unix://{short_tmp / 'agent.sock'}", tmp_path / "records.json", tmp_path / "at"
 
@@ -84,9 +111,10 @@ async def test_an_agent_killed_at_each_point_leaves_records_that_match_the_proce
     agent = await start_faulty()
     try:
         if point.startswith("restore"):  # first a checkpoint that completes
-            await _step(target, "Checkpoint")
+            await _step(target, "Checkpoint", "op-0")
             assert proc_state(job.pid) == "T"
-        call = asyncio.ensure_future(_step(target, "Restore" if point.startswith("restore") else "Checkpoint"))
+        rpc = "Restore" if point.startswith("restore") else "Checkpoint"
+        call = asyncio.ensure_future(_step(target, rpc, "op-1"))
         await eventually(marker.exists, timeout=30)
         agent.send_signal(signal.SIGKILL)
         await agent.wait()
@@ -96,14 +124,31 @@ async def test_an_agent_killed_at_each_point_leaves_records_that_match_the_proce
         if agent.returncode is None:
             agent.kill()
             await agent.wait()
-    again = NodeAgent(StaticProcessResolver({"a": [job.pid]}), backends=["freeze"], records_path=records)
+    backend = Counted()
+    again = NodeAgent(StaticProcessResolver({"a": [job.pid]}), backends=[backend], records_path=records)
     server, _ = await create_server(again, target)  # a new agent on the same records
     try:
         stopped = proc_state(job.pid) == "T"
         recorded = "a" in json.loads(records.read_text())["jobs"] if records.exists() else False
         assert stopped == recorded, f"killed at {point}: process stopped={stopped}, recorded={recorded}"
-        if recorded:  # an owner that can restore it: the record does
-            await again.restore("a", "freeze", "g", 5)
+        before = records.read_bytes() if records.exists() else b""
+        await _step(target, rpc, "op-1")  # the resend: completed, not assumed
+        jobs = json.loads(records.read_text())["jobs"]
+        if rpc == "Checkpoint":
+            assert proc_state(job.pid) == "T" and jobs["a"]["phase"] == "checkpointed"
+            assert jobs["a"]["operation"] == "op-1"
+            ran = backend.checkpoints
+        else:
+            assert proc_state(job.pid) in "RS" and "a" not in jobs
+            ran = backend.restores
+        # A step whose end was recorded is answered from the records. One killed before that runs
+        # again: undone at start (checkpoint), or not done (restore:before), or done on processes
+        # that run already (restore:after: a backend's restore of a running process changes nothing).
+        recorded_end = point.endswith("recorded")
+        assert ran == (0 if recorded_end else 1), f"killed at {point}: the resend ran the backend {ran} time(s)"
+        if point == "checkpoint:recorded":
+            assert records.read_bytes() == before  # answered from the record, not rewritten
+        await again.restore(StepRequest(JobRef("a"), "freeze", "g", 5, "op-2"))  # the owner puts it back
         assert proc_state(job.pid) in "RS" and "a" not in again.records.jobs
     finally:
         await server.stop(0)

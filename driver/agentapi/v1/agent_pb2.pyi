@@ -59,7 +59,7 @@ class MemoryReport(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., host_available_bytes: _Optional[int] = ...) -> None: ...
 
 class SwitchStepRequest(_message.Message):
-    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name")
+    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name", "operation_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class SwitchStepRequest(_message.Message):
     CLAIMS_FIELD_NUMBER: _ClassVar[int]
     POD_UIDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend: str
     timeout_seconds: float
@@ -74,7 +75,8 @@ class SwitchStepRequest(_message.Message):
     claims: _containers.RepeatedCompositeFieldContainer[ClaimRef]
     pod_uids: _containers.RepeatedScalarFieldContainer[str]
     claim_name: str
-    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ..., claim_name: _Optional[str] = ...) -> None: ...
+    operation_id: str
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ..., claim_name: _Optional[str] = ..., operation_id: _Optional[str] = ...) -> None: ...
 
 class ClaimRef(_message.Message):
     __slots__ = ("namespace", "name")

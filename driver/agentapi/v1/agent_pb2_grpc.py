@@ -69,7 +69,10 @@ class NodeAgentServicer:
         `freeze` backend). On failure every process touched is put back as it was
         and the call fails: INVALID_ARGUMENT (bad backend/job), NOT_FOUND (no
         processes for the job), FAILED_PRECONDITION (wrong process state),
-        DEADLINE_EXCEEDED (lock timeout), INTERNAL (backend error).
+        DEADLINE_EXCEEDED (lock timeout), INTERNAL (backend error). A call cut before
+        its reply (deadline, cancel): without operation_id the agent finishes the step
+        and undoes it; with one it finishes the step and keeps it (and its record) for
+        the resend, or for the caller's compensating Restore.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
