@@ -240,7 +240,7 @@ async def test_a_job_believed_resident_is_granted_only_once_its_agent_confirms_i
         ga = await g.acquire("a", 0, "a1", None)
         g.release("a", ga.lease_id, ga.epoch)
         assert g.resident == "a" and not ga.restored
-        await agent.checkpoint("a", "freeze", "g", 5)  # behind the group's back
+        await agent.checkpoint(StepRequest(JobRef("a"), "freeze", "g", 5))  # behind the group's back
         assert proc_state(a_proc.pid) == "T"
         again = await asyncio.wait_for(g.acquire("a", 0, "a2", None), 10)
         assert again.restored and proc_state(a_proc.pid) in "RS" and "a" not in agent.records.jobs

@@ -367,8 +367,10 @@ async def test_an_agent_killed_mid_checkpoint_and_back_within_the_step_timeout_c
         assert proc_state(a_proc.pid) == "T" and record["phase"] == "checkpointed"
         assert record["operation"] == resent_operation(caplog.text)
         assert "a" in g.checkpointed and g.recent[-1].ok and g.counters.failed_switches == 0
+        waiter = asyncio.ensure_future(g.acquire("a", 0, "a2", None))  # the record owns the stopped process:
+        await eventually(lambda: len(g.queue) == 1)
         g.release("b", gb.lease_id, gb.epoch)
-        ga = await g.acquire("a", 0, "a2", None)  # the record owns the stopped process: restored
+        ga = await waiter  # restored for its grant
         jobs = json.loads(records.read_text())["jobs"]
         assert ga.restored and proc_state(a_proc.pid) in "RS" and "a" not in jobs
         assert proc_state(b_proc.pid) == "T" and jobs["b"]["phase"] == "checkpointed"  # b made room for it

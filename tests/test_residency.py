@@ -376,9 +376,12 @@ async def test_a_holder_dropped_while_it_computes_is_fenced_before_anyone_is_gra
     await asyncio.sleep(0)
     before = len(gpu.calls)
     g.drop_job("a", "pod force-deleted")
-    await asyncio.wait_for(waiter, 5)
+    gb = await asyncio.wait_for(waiter, 5)
     assert gpu.calls[before] == ("checkpoint", "a")  # fenced first
-    assert "a" not in g.residency.residents and "a" not in g.residency.checkpointed  # then forgotten
+    assert "a" in g.residency.checkpointed  # not forgotten while checkpointed: if it comes back it is restored
+    g.release("b", gb.lease_id, gb.epoch)  # idle: its processes are restored (no owner keeps them stopped) ...
+    await eventually(lambda: ("restore", "a") in gpu.calls[before:])
+    await eventually(lambda: "a" not in g.residency.residents and "a" not in g.residency.checkpointed)  # ... forgotten
     await g.close()
 
 

@@ -195,7 +195,7 @@ class LockGroup:
         """Forget a job that is gone: its waiters fail, its hold ends, its records go. A holder
         dropped while its processes may still compute (a force-deleted pod, a dropped claim
         set) is fenced first: nobody is granted until a switch has checkpointed (or frozen, or
-        found gone) its processes; then it is forgotten. A job dropped while checkpointed is
+        found gone) its processes; then, like a job dropped while checkpointed, it is
         restored when the group is idle (and fits), then forgotten: none of its processes
         stays stopped without an owner."""
         self.fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
@@ -211,20 +211,25 @@ class LockGroup:
         self.idle.refresh_memory()
 
     def adopt(self, resident: str | None, checkpointed: set[str], epoch: int,
-              must_leave: set[str] | frozenset[str] = frozenset()) -> None:
+              must_leave: set[str] | frozenset[str] = frozenset(),
+              residents: set[str] | frozenset[str] = frozenset()) -> None:
         """Take over after a leader change or a restart: `takeover.adopt`."""
-        takeover.adopt(self, resident, checkpointed, epoch, must_leave)
+        takeover.adopt(self, resident, checkpointed, epoch, must_leave, residents)
 
-    def record_placement(self) -> None:
-        """Persist who may be computing (standalone `StateFile`): a job that must leave the
-        GPUs is written before the next grant. A failed write is logged; the next grant
+    def record_placement(self, incoming: str | None = None) -> None:
+        """Persist who may be computing or on the GPUs (standalone `StateFile`), with the
+        `incoming` job of a switch about to start. A failed write is logged; the next grant
         writes again or is refused."""
-        if self._state is None:
-            return
         try:
-            self._state.record(self.id, self.holder.job_id if self.holder else None, self.moves.must_leave(""))
+            self._persist(self.holder.job_id if self.holder else None, incoming)
         except OSError as err:
             log.error("placement not persisted group=%s: %s", self.id, err)
+
+    def _persist(self, holder: str | None, incoming: str | None = None) -> None:
+        """Raises OSError."""
+        if self._state is not None:
+            self._state.record(self.id, holder, self.moves.must_leave(holder or ""),
+                               [*self.residency.residents, *(j for j in (holder, incoming) if j)])
 
     def view(self) -> GroupView:
         return group_view(self)
@@ -284,7 +289,7 @@ class LockGroup:
         if self._state is not None:
             try:
                 self._state.reserve(self.id, self.epoch + 1)
-                self._state.record(self.id, job_id, self.moves.must_leave(job_id))
+                self._persist(job_id)
             except OSError as err:  # unpersisted, a restart could repeat the epoch or forget the holder
                 log.error("epoch and holder not persisted group=%s: %s", self.id, err)
                 for w in waiters:

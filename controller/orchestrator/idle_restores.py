@@ -1,10 +1,13 @@
 """IdleRestores: what a lock group restores while nobody holds or waits.
 
 Owned by `LockGroup` (one per group); starts its restores through the group's
-`MemoryMoves`. Two kinds: *orphans*, checkpointed jobs nobody will ask for (dropped, or
+`MemoryMoves`. Three kinds: *orphans*, checkpointed jobs nobody will ask for (dropped, or
 whose lease lapsed while preempted), restored so that none of their processes stays
-stopped, then forgotten; and, in memory-aware groups, checkpointed jobs that fit beside
-the residents without moving anyone (a job may touch its GPU after its last hold).
+stopped, then forgotten; in memory-aware groups, checkpointed jobs that fit beside the
+residents without moving anyone (a job may touch its GPU after its last hold); and on
+`freeze`, every frozen job (freezing moves no memory: it only keeps a job from computing
+while another holds, and nobody does; a job that finished while frozen would otherwise
+stay stopped for good, and so would a process that waits for it).
 A job whose background restore failed is not tried in the background again until it is
 granted: its own acquire restores it, or says why not.
 """
@@ -17,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.residency import NoRoom
+from timeslice.driver import names
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -67,22 +71,26 @@ class IdleRestores:
         """In the background: take a memory snapshot (residents' peaks), and when the group
         is idle restore a checkpointed job that fits without moving anyone. Tried once per
         trigger (a release, an idle group, a switch that succeeded). Groups without memory
-        reports restore only orphans."""
+        reports restore orphans, and on `freeze` every frozen job."""
         g = self._g
         if not g.moves.memory_aware:
-            self._restore_orphans()
+            self._restore_unneeded_stops()
             return
         if self._task is not None or g.switching is not None:
             return  # a switch plans from its own fresh report, and triggers this again once idle
         self._task = asyncio.get_running_loop().create_task(self._refresh(), name=f"memory-{g.id}")
 
-    def _restore_orphans(self) -> None:
-        """One at a time; one that failed is not tried again in the background."""
+    def _restore_unneeded_stops(self) -> None:
+        """Orphans, and on `freeze` every frozen job: one at a time (each restore that
+        succeeds triggers the next); one that failed is not tried again in the background."""
+        g = self._g
         if not self.now():
             return
-        for job in sorted(self._orphans - self._failed):
-            log.info("restoring a checkpointed job nobody owns any more group=%s job=%s", self._g.id, job)
-            self._g.moves.start_switch([], job, restore=True, grant=False)
+        frozen = g.residency.checkpointed if g.spec.backend == names.BACKEND_FREEZE else set()
+        for job in sorted(self._orphans - self._failed) + sorted(frozen - self._orphans - self._failed):
+            why = "nobody owns it any more" if job in self._orphans else "nobody holds the group"
+            log.info("restoring a checkpointed job group=%s job=%s: %s", g.id, job, why)
+            g.moves.start_switch([], job, restore=True, grant=False)
             return
 
     async def _refresh(self) -> None:

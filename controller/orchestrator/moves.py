@@ -87,8 +87,8 @@ class MemoryMoves:
     def dropped(self, job: str, held: bool) -> None:
         """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job)
         still resident is fenced: nobody is granted until a switch has checkpointed (or
-        frozen, or found gone) its processes; then it is forgotten. One dropped while
-        checkpointed is restored when the group is idle, then forgotten."""
+        frozen, or found gone) its processes; then, like one dropped while checkpointed, it
+        is restored when the group is idle, then forgotten."""
         g = self._g
         if (held or job in self._lapsed | self._fenced) and g.spec.backend != "none" \
                 and job in g.residency.residents:  # dropped again while fenced: it stays fenced
@@ -226,6 +226,7 @@ class MemoryMoves:
                 record = None
             else:
                 log.info("switch start group=%s evict=%s to=%s restore=%s", g.id, evict, incoming, restore)
+                g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
                 record = await g.switcher(g.spec, tuple(evict), incoming, restore)
         except NoRoom as err:
             record = SwitchRecord(None, incoming, ok=False, error=str(err))
@@ -247,9 +248,9 @@ class MemoryMoves:
             for job in evict:
                 r.moved_out(job)
                 self._lapsed.discard(job)
-                if job in self._fenced:  # fenced: now it can be forgotten
+                if job in self._fenced:  # fenced, and checkpointed: restored when idle, then forgotten
                     self._fenced.discard(job)
-                    r.forget(job)
+                    g.idle.unowned(job)
             if record is not None:
                 g.counters.switches += 1
                 log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", g.id,

@@ -5,15 +5,18 @@ Owned by the orchestrator (`timeslice orchestrator --state-file`). Per group:
   granted, the block's end is written, so a restarted orchestrator starts every group at
   the persisted end, past every epoch the previous run granted.
 - Its *placement*: the job granted last (it may still compute: after a restart it is the
-  group's presumptive holder, whose lease is accepted) and the jobs that must leave the
-  GPUs before anyone is granted (a holder whose lease lapsed, or dropped, while it may
-  still compute). Written before each grant and whenever a job must leave; the agents'
-  records say which jobs are checkpointed.
+  group's presumptive holder, whose lease is accepted), the jobs that must leave the GPUs
+  before anyone is granted (a holder whose lease lapsed, or dropped, while it may still
+  compute), and the jobs that may be on the GPUs (the residents, and the incoming job of a
+  switch: an agent finishes a restore whose caller died). Written before each grant and
+  each switch, and whenever a job must leave; the agents' records say which jobs are
+  checkpointed, so these are adopted only for jobs they do not hold.
 Every write is `write_atomic` (fsync'd). File format (JSON):
 
     {"apiVersion": "timeslice.dev/orchestrator-state/v1",
      "epochs": {"<group>": <end of block>},
-     "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...]}}}
+     "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...],
+                            "residents": ["<job>", ...]}}}
 
 ("groups" is optional: files written before it existed still load.) In a cluster the
 controller adopts epochs and the holder from claim status instead.
@@ -37,10 +40,11 @@ BLOCK = 1000
 @dataclass(frozen=True)
 class Placement:
     """`holder`: the job granted last (None: none yet); `must_leave`: jobs to checkpoint
-    before anyone is granted."""
+    before anyone is granted; `residents`: jobs that may be on the GPUs."""
 
     holder: str | None = None
     must_leave: tuple[str, ...] = ()
+    residents: tuple[str, ...] = ()
 
 
 class StateFile:
@@ -57,7 +61,8 @@ class StateFile:
                 if data.get("apiVersion") != API_VERSION:
                     raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
                 self._ends = {str(g): int(e) for g, e in data["epochs"].items()}
-                self._placements = {str(g): Placement(p.get("holder") or None, tuple(map(str, p.get("mustLeave", ()))))
+                self._placements = {str(g): Placement(p.get("holder") or None, tuple(map(str, p.get("mustLeave", ()))),
+                                                      tuple(map(str, p.get("residents", ()))))
                                     for g, p in data.get("groups", {}).items()}
             except (ValueError, KeyError, TypeError, AttributeError) as err:
                 raise ValueError(f"orchestrator state file {path} is unreadable ({err}): move it away to start "
@@ -80,9 +85,9 @@ class StateFile:
         self._write()
         log.debug("epoch block reserved group=%s up_to=%d", group_id, self._ends[group_id])
 
-    def record(self, group_id: str, holder: str | None, must_leave: Iterable[str]) -> None:
+    def record(self, group_id: str, holder: str | None, must_leave: Iterable[str], residents: Iterable[str]) -> None:
         """Persist the group's placement when it changed. Raises OSError."""
-        p = Placement(holder, tuple(sorted(must_leave)))
+        p = Placement(holder, tuple(sorted(must_leave)), tuple(sorted(set(residents))))
         if self._path is None or self._placements.get(group_id) == p:
             return
         self._placements[group_id] = p
@@ -90,6 +95,7 @@ class StateFile:
 
     def _write(self) -> None:
         assert self._path is not None
-        groups = {g: {"holder": p.holder, "mustLeave": list(p.must_leave)} for g, p in self._placements.items()}
+        groups = {g: {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents)}
+                  for g, p in self._placements.items()}
         write_atomic(self._path, json.dumps({"apiVersion": API_VERSION, "epochs": self._ends,
                                              "groups": groups}).encode())

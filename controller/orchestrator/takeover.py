@@ -21,19 +21,23 @@ log = logging.getLogger("timeslice.orchestrator")
 
 
 def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int,
-          must_leave: set[str] | frozenset[str] = frozenset()) -> None:
+          must_leave: set[str] | frozenset[str] = frozenset(),
+          residents: set[str] | frozenset[str] = frozenset()) -> None:
     """Take over an empty group. `resident` and `checkpointed` come from the node agents'
     records (and claim status, or the standalone state file); `epoch` is the last one
     recorded. The resident job becomes a *presumptive* holder: its next keep-alive or
     release with its old lease is accepted (and adopts that lease); if it was not holding,
     the hold lapses after one lease period. `must_leave`: jobs that may still compute
     without the lock (a lapsed or dropped holder, persisted): resident, and checkpointed
-    before anyone is granted. A group that already holds, queues or granted is left as it
-    is."""
+    before anyone is granted. `residents`: jobs that may be on the GPUs (persisted),
+    resident unless checkpointed. A group that already holds, queues or granted is left as
+    it is."""
     if g.holder is not None or g.epoch or len(g.queue):
         return
     for job in checkpointed:
         g.residency.moved_out(job)
+    for job in sorted(residents - checkpointed - must_leave - {resident}):
+        g.residency.moved_in(job)
     for job in sorted(must_leave - checkpointed - {resident}):
         g.residency.moved_in(job)
         g.moves.lapsed(job)
@@ -46,17 +50,19 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
         g.holder = Hold(resident, ADOPTED, epoch, now, now + g.spec.lease_seconds, set(), False, 0.0,
                         member.priority if member is not None else 0, callers_unknown=True)
         g.leases.arm()
-    log.info("adopted group=%s resident=%s checkpointed=%s must_leave=%s epoch=%d", g.id, resident,
-             sorted(checkpointed), sorted(must_leave), epoch)
+    log.info("adopted group=%s resident=%s checkpointed=%s must_leave=%s residents=%s epoch=%d", g.id, resident,
+             sorted(checkpointed), sorted(must_leave), list(g.residency.residents), epoch)
 
 
 def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[str]) -> None:
     """A standalone orchestrator's start: adopt `state`'s epoch floor and placement and the
     jobs the node agents report `checkpointed`. The job granted last, unless checkpointed,
-    is the presumptive holder; the jobs that had to leave the GPUs still must."""
+    is the presumptive holder; the jobs that had to leave the GPUs still must; the others
+    that may be on the GPUs are residents."""
     start, placed = (state.start(g.id), state.placement(g.id)) if state else (0, Placement())
     holder = placed.holder if placed.holder not in checkpointed else None
-    adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder})
+    adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder},
+          set(placed.residents) - checkpointed)
 
 
 def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> bool:
