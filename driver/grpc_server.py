@@ -55,7 +55,7 @@ def rpc_method(fn: F) -> F:
 # process, a host gone without closing its connection) loses its connection, so its blocked
 # Acquire is cancelled and its waiter leaves the queue instead of being granted a lease
 # nobody uses (issue 10, item 6); a waiter whose job this orchestrator froze or
-# checkpointed keeps its place (`LockGroup._keep_when_frozen`). `keepalive_timeout_ms` alone did not
+# checkpointed keeps its place (`Callers.lost`). `keepalive_timeout_ms` alone did not
 # close the connection (gRPC 1.85): the ping timeout does. No SO_REUSEPORT (gRPC's default
 # on Linux): a second server on a busy port must fail, not share it (two orchestrators
 # answering at random would be two lock tables).
