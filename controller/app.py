@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from timeslice.controller.auth import TokenReviewAuthenticator
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
+from timeslice.controller.config_warnings import ConfigWarnings
+from timeslice.controller.grouping import Snapshot
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.metrics import start_metrics_server
@@ -123,12 +125,21 @@ class Controller:
                                          agents=AgentPool(token, require_tls=cfg.require_agent_tls))
         self.orchestrator.metrics.active = False  # groups are reported while leading (they are served then)
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
-        self.state = ClusterState(api, self.reconciler.apply,
+        self.warnings = ConfigWarnings(events)
+        self._leading = False
+        self.state = ClusterState(api, self._apply,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
+
+    async def _apply(self, snapshot: Snapshot) -> None:
+        await self.reconciler.apply(snapshot)
+        if self._leading:  # only the leader records Events
+            self.warnings.publish(snapshot.warnings)
 
     async def lead(self) -> None:
         """Take over recorded state, then serve the orchestrator until cancelled."""
         await self.reconciler.apply(await self.state.wait_synced())
+        self._leading = True
+        self.warnings.publish(self.reconciler.snapshot.warnings)
         for group in self.orchestrator.groups():
             try:
                 await self.take_over(group)
@@ -214,6 +225,7 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
             await task
         await ctl.state.stop()
         await ctl.writer.stop()
+        await ctl.warnings.stop()
         if metrics is not None:
             await metrics.cleanup()
         with contextlib.suppress(Exception):

@@ -1,5 +1,6 @@
 """The ValidatingAdmissionPolicy of manifests/base rejects multi-seat requests without a
-distinct-GPU constraint at apply time, with a message that says how to fix them."""
+distinct-GPU constraint (matchAttribute on the seat, distinctAttribute on the physical GPU,
+or a selector pinning seat 0) at apply time, with a message that says how to fix them."""
 
 from __future__ import annotations
 
@@ -13,9 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "manifests" / "base" / "admission-policy.yaml"
 
 
-def claim(name: str, count: int, constraints: list[dict] | None = None) -> dict:
-    devices: dict = {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.timeslice.dev",
-                                                              "count": count}}]}
+SEAT_ZERO = 'device.attributes["gpu.timeslice.dev"].seat == 0'
+
+
+def claim(name: str, count: int, constraints: list[dict] | None = None, selector: str | None = None) -> dict:
+    exactly: dict = {"deviceClassName": "gpu.timeslice.dev", "count": count}
+    if selector is not None:
+        exactly["selectors"] = [{"cel": {"expression": selector}}]
+    devices: dict = {"requests": [{"name": "gpus", "exactly": exactly}]}
     if constraints is not None:
         devices["constraints"] = constraints
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
@@ -43,14 +49,25 @@ def test_count_two_without_seat_constraint_is_rejected(kube, namespace, policy) 
     assert "matchAttribute: gpu.timeslice.dev/seat" in r.stderr
 
 
-@pytest.mark.parametrize("constraint", [
-    {"matchAttribute": "gpu.timeslice.dev/seat"},
-    {"matchAttribute": "gpu.timeslice.dev/seat", "requests": ["gpus"]},
+@pytest.mark.parametrize("constraint, selector", [
+    ({"matchAttribute": "gpu.timeslice.dev/seat"}, None),
+    ({"matchAttribute": "gpu.timeslice.dev/seat", "requests": ["gpus"]}, None),
+    ({"distinctAttribute": "gpu.timeslice.dev/physicalGpu"}, None),
+    (None, SEAT_ZERO),  # one seat per GPU: two devices are two GPUs (issue 11, item 7)
+    (None, "device.attributes['gpu.timeslice.dev'].seat==0"),
 ])
-def test_count_two_with_seat_constraint_and_count_one_are_accepted(kube, namespace, policy, constraint) -> None:
-    kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(claim("two-ok", 2, [constraint])))
+def test_constraints_that_guarantee_distinct_gpus_and_count_one_are_accepted(kube, namespace, policy, constraint,
+                                                                             selector) -> None:
+    two = claim("two-ok", 2, [constraint] if constraint else None, selector)
+    kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(two))
     kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(claim("one", 1)))
     kube.run("delete", "-n", namespace, "resourceclaim", "two-ok", "one")
+
+
+def test_a_selector_that_does_not_pin_seat_zero_is_rejected(kube, namespace, policy) -> None:
+    r = kube.run("create", "-n", namespace, "-f", "-", check=False,
+                 input=yaml.safe_dump(claim("loose", 2, selector=SEAT_ZERO + " || true")))
+    assert r.returncode != 0 and "request(s) gpus" in r.stderr
 
 
 def test_template_is_checked_too(kube, namespace, policy) -> None:

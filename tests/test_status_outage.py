@@ -227,3 +227,31 @@ async def test_a_group_removed_while_its_write_fails_is_not_written_later(apiser
         for m in (A, B):
             (device,) = apiserver.claim("ns", CLAIM[m])["status"]["devices"]
             assert device["data"]["groupId"] == new and shown(apiserver, m) == ("False", "Idle", "", 0, -1)
+
+
+async def test_configuration_warnings_become_warning_events_on_their_claims_once(short_tmp) -> None:
+    """Issue 11, item 5: the grouping computed configuration warnings (here two claims of one
+    group asking for different backends) and nobody published them. The leader records each
+    as a Warning Event on its claim, once while it lasts."""
+    from tests.cluster_objects import ts_config
+
+    w = World()
+    w.node("node-a", gpus=2)
+    w.claim(w.pod("a-0", job="a"), "gpu", [("node-a", "gpu-0-seat-0")], config=[ts_config(backend="none")])
+    w.claim(w.pod("b-0", job="b"), "gpu", [("node-a", "gpu-0-seat-1")], config=[ts_config(backend="freeze")])
+    server = FakeApiServer()
+    for obj in (*w.slices, *w.claims, *w.pods):
+        server.put(obj)
+    await server.start()
+    try:
+        async with serving(server, f"unix://{short_tmp / 'o.sock'}") as ctl:
+            def warnings() -> list[dict]:
+                return [e for e in server.events if e["type"] == "Warning"]
+
+            await eventually(lambda: warnings(), timeout=HANDOFF)
+            (event,) = warnings()
+            assert event["involvedObject"]["name"] == "b-0-gpu" and event["reason"] == "ConflictingGroupConfig"
+            assert "backend" in event["message"]
+            assert ctl.warnings.publish(ctl.reconciler.snapshot.warnings) == 0  # the same again: no second Event
+    finally:
+        await server.stop()
