@@ -35,15 +35,11 @@ class Preemption:
         self._timer: asyncio.TimerHandle | None = None
         self._parked: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
 
-    @property
-    def clock_running(self) -> bool:
-        return self._timer is not None
-
     def parked_jobs(self) -> list[str]:
         return [h.job_id for _, h in self._parked.values()]
 
     # -- the clock ---------------------------------------------------------------
-    def limit(self, job_id: str) -> float | None:
+    def _limit(self, job_id: str) -> float | None:
         """The job's maxHoldSeconds (its member's, else the group's; None: no limit)."""
         member = self._g.spec.member(job_id)
         return member.max_hold_seconds if member is not None else self._g.spec.max_hold_seconds
@@ -53,7 +49,7 @@ class Preemption:
         h = self._g.holder
         if h is None or self._timer is not None or not self._contenders(h):
             return
-        limit = self.limit(h.job_id)
+        limit = self._limit(h.job_id)
         if limit is not None:
             self._timer = asyncio.get_running_loop().call_later(limit, self._on_limit, h, limit)
 
