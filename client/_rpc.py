@@ -59,7 +59,9 @@ class Grant:
     `lease_id` and `epoch` (the fencing token, growing by one per grant of the group)
     identify the hold; `lease_seconds` is how long it survives without keep-alive;
     `waited_seconds` the time spent queued (switch included); `restored` whether the
-    job's GPU state had to be restored, taking `switch_seconds`.
+    job's GPU state had to be restored, taking `switch_seconds`. `request_id`: this
+    caller's Acquire (its release ends only its part of a hold shared by several callers
+    of the job, e.g. the pods of one unit).
     """
 
     group_id: str
@@ -70,6 +72,7 @@ class Grant:
     waited_seconds: float
     restored: bool
     switch_seconds: float
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,19 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def grant_of(group: str, job: str, r: pb.AcquireResponse) -> Grant:
+def grant_of(group: str, job: str, r: pb.AcquireResponse, request_id: str) -> Grant:
     return Grant(group_id=group, job_id=job, lease_id=r.lease_id, epoch=r.epoch,
                  lease_seconds=r.lease_seconds, waited_seconds=r.waited_seconds,
-                 restored=r.restored, switch_seconds=r.switch_seconds)
+                 restored=r.restored, switch_seconds=r.switch_seconds, request_id=request_id)
 
 
-def hold_request(cls: type, s: Settings, g: Grant):  # -> pb.ReleaseRequest | pb.KeepAliveRequest
-    return cls(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
+def release_request(s: Settings, g: Grant) -> pb.ReleaseRequest:
+    return pb.ReleaseRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch,
+                             request_id=g.request_id)
+
+
+def keep_alive_request(s: Settings, g: Grant) -> pb.KeepAliveRequest:
+    return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
 
 
 class Retry:

@@ -19,7 +19,6 @@ import grpc.aio
 from timeslice import _rpc
 from timeslice.errors import NotHolding
 from timeslice.scope import AcceleratorScope
-from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("timeslice.client")
@@ -78,7 +77,7 @@ class AsyncTimeSliceOrchestratorClient:
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
-        hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp))
+        hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp, request_id))
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
         return hold.grant
@@ -102,7 +101,7 @@ class AsyncTimeSliceOrchestratorClient:
         del self._holds[group]
         if hold.keepalive is not None:
             hold.keepalive.cancel()
-        request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
+        request = _rpc.release_request(self._s, hold.grant)
         resp = await self._retrying(f"release {group}", None,
                                     lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
                               retried_ok=True)
@@ -140,7 +139,7 @@ class AsyncTimeSliceOrchestratorClient:
 
     async def _keep_alive(self, hold: _Hold) -> None:
         interval = _rpc.keepalive_interval(hold.grant)
-        request = _rpc.hold_request(pb.KeepAliveRequest, self._s, hold.grant)
+        request = _rpc.keep_alive_request(self._s, hold.grant)
         while True:
             await asyncio.sleep(interval)
             try:

@@ -19,7 +19,6 @@ from timeslice import _rpc
 from timeslice.errors import NotHolding
 from timeslice.memory_commands import MemoryCommandLoop, StateStore
 from timeslice.scope import AcceleratorScope
-from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("timeslice.client")
@@ -92,7 +91,7 @@ class TimeSliceOrchestratorClient:
             if _rpc.may_be_granted(err):
                 self._cancel(group, request_id)
             raise
-        grant = _rpc.grant_of(group, self._s.job_id, resp)
+        grant = _rpc.grant_of(group, self._s.job_id, resp, request_id)
         for loop in self._memory_loops:  # normally a no-op: the orchestrator restored before granting
             if loop.group == group and loop.ensure_restored():
                 log.warning("state of group %s restored by the client at its grant (a command had timed out)", group)
@@ -127,7 +126,7 @@ class TimeSliceOrchestratorClient:
                 return 0
             del self._holds[group]
         hold.stop.set()
-        request = _rpc.hold_request(pb.ReleaseRequest, self._s, hold.grant)
+        request = _rpc.release_request(self._s, hold.grant)
         resp = self._retrying(f"release {group}", None,
                               lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
                               retried_ok=True)
@@ -175,7 +174,7 @@ class TimeSliceOrchestratorClient:
 
     def _keep_alive(self, hold: _Hold) -> None:
         interval = _rpc.keepalive_interval(hold.grant)
-        request = _rpc.hold_request(pb.KeepAliveRequest, self._s, hold.grant)
+        request = _rpc.keep_alive_request(self._s, hold.grant)
         while not hold.stop.wait(interval):
             try:
                 self._stub.KeepAlive(request, timeout=interval, metadata=_rpc.call_metadata())

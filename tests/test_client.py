@@ -250,3 +250,25 @@ async def test_a_client_that_gives_up_as_the_grant_comes_leaves_no_grant_behind(
         await asyncio.to_thread(late.close)
         await server.stop(0)
         await orch.close()
+
+
+async def test_the_pods_of_one_unit_share_a_hold_until_the_last_releases(make_cluster) -> None:
+    """Issue 11, item 2: when both pods of one unit held, the first pod's release ended the
+    hold while the other pod still computed, and the other pod's release was then refused.
+    Each pod (its own client, the same job) acquires; the second joins the hold without a
+    switch; the hold ends with the last release, and only then is another job granted."""
+    c = await make_cluster()
+    pod0, pod1, other = c.client("unit"), c.client("unit"), c.client("other")
+    g0 = await pod0.acquire("g")
+    g1 = await pod1.acquire("g")  # joins: same lease, same epoch
+    assert (g1.lease_id, g1.epoch) == (g0.lease_id, g0.epoch) and g1.request_id != g0.request_id
+    waiter = asyncio.ensure_future(other.acquire("g"))
+    await eventually(lambda: c.orchestrator.group("g").queue.head() is not None)
+    await pod0.release("g")  # pod 1 still computes: the unit keeps the hold
+    assert not waiter.done() and c.orchestrator.group("g").holder.job_id == "unit"
+    await pod1.release("g")  # accepted, and it ends the hold
+    granted = await asyncio.wait_for(waiter, 10)
+    assert granted.epoch == g0.epoch + 1
+    await other.release("g")
+    for cl in (pod0, pod1, other):
+        await cl.close()

@@ -10,7 +10,8 @@ checkpoint and restore, the switch in progress), `IdleRestores` (idle_restores.p
 Rules (DESIGN.md, "Lock groups and the orchestrator"):
 - One holding job at a time; every grant increments the fencing `epoch`.
 - Waiters are granted by priority, then FIFO; all waiters of the granted job are
-  granted together (a job's processes share its hold). Under residency `auto` a waiter
+  granted together (a job's processes share its hold: one that asks while it is held
+  joins at once, and the hold ends with the last caller's release). Under residency `auto` a waiter
   whose grant would move memory may be passed by resident waiters of its priority for
   at most `resident_first_seconds` (one switch per run of phases, not per phase).
 - The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
@@ -68,7 +69,7 @@ class LockGroup:
                  clock: Callable[[], float] = time.monotonic, observer: Observer | None = None,
                  state: StateFile | None = None) -> None:
         """`state`: where the epoch and placement are persisted before a grant (standalone)."""
-        self._state = state
+        self.state = state
         self.spec = spec
         self._observer = observer
         self.switcher = switcher
@@ -149,10 +150,15 @@ class LockGroup:
             self.callers.left(w)
             raise
 
-    def release(self, job_id: str, lease_id: str, epoch: int) -> tuple[int, bool]:
+    def release(self, job_id: str, lease_id: str, epoch: int, request_id: str = "") -> tuple[int, bool]:
         """End the hold (or, for a preempted holder, its place in the queue: it stays
-        checkpointed). Returns (waiters, switch started). Raises StaleLease."""
+        checkpointed). With `request_id` (the caller's Acquire), while other callers of the
+        job share the hold (the pods of one unit), only that caller's part ends: the hold
+        ends with the last one's release, or its lease. Returns (waiters, switch started).
+        Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
+        if parked is not None and self.callers.released_part(parked[1], request_id):
+            return len(self.queue), self.switching is not None
         if parked is not None:
             self.preemption.forget(parked[0])
             self.queue.remove(parked[0])
@@ -162,6 +168,8 @@ class LockGroup:
             self.dispatch()
             return len(self.queue), self.switching is not None
         h = self.leases.check(job_id, lease_id, epoch, "release")
+        if self.callers.released_part(h, request_id):
+            return len(self.queue), False
         self.end_hold(h, "released")
         waiters = len(self.queue)
         self.notify("released", job_id, epoch)
@@ -217,19 +225,8 @@ class LockGroup:
         takeover.adopt(self, resident, checkpointed, epoch, must_leave, residents)
 
     def record_placement(self, incoming: str | None = None) -> None:
-        """Persist who may be computing or on the GPUs (standalone `StateFile`), with the
-        `incoming` job of a switch about to start. A failed write is logged; the next grant
-        writes again or is refused."""
-        try:
-            self._persist(self.holder.job_id if self.holder else None, incoming)
-        except OSError as err:
-            log.error("placement not persisted group=%s: %s", self.id, err)
-
-    def _persist(self, holder: str | None, incoming: str | None = None) -> None:
-        """Raises OSError."""
-        if self._state is not None:
-            self._state.record(self.id, holder, self.moves.must_leave(holder or ""),
-                               [*self.residency.residents, *(j for j in (holder, incoming) if j)])
+        """Persist who may be computing or on the GPUs: `takeover.record_placement`."""
+        takeover.record_placement(self, incoming)
 
     def view(self) -> GroupView:
         return group_view(self)
@@ -286,10 +283,10 @@ class LockGroup:
             self.dispatch()
             return
         now = self.clock()
-        if self._state is not None:
+        if self.state is not None:
             try:
-                self._state.reserve(self.id, self.epoch + 1)
-                self._persist(job_id)
+                self.state.reserve(self.id, self.epoch + 1)
+                takeover.persist_placement(self, job_id)
             except OSError as err:  # unpersisted, a restart could repeat the epoch or forget the holder
                 log.error("epoch and holder not persisted group=%s: %s", self.id, err)
                 for w in waiters:

@@ -128,7 +128,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     @rpc_method
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         group, job = await self._resolve(request, context)
-        waiters, started = group.release(job, request.lease_id, request.epoch)
+        waiters, started = group.release(job, request.lease_id, request.epoch, request.request_id)
         return pb.ReleaseResponse(waiters=waiters, switch_started=started)
 
     @rpc_method
