@@ -97,13 +97,34 @@ async def test_a_holder_whose_lease_lapsed_before_a_restart_still_leaves_before_
     await second.close()
 
 
-def test_an_unreadable_state_file_is_refused_with_a_way_out(tmp_path) -> None:
+@pytest.mark.parametrize("content, cause", [
+    ("{not json", "the file: Invalid JSON"),
+    ('{"apiVersion": "timeslice.dev/orchestrator-state/v2", "epochs": {}}', "apiVersion"),
+    ('[]', "the file"),
+    ('{"apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": -3}}', "epochs.g"),  # broke every grant
+    ('{"apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 5}, "groups": {"g": {"holder": 7}}}',
+     "groups.g.holder"),  # wedged the group when its lease lapsed
+])
+def test_an_unreadable_state_file_is_refused_with_a_way_out(tmp_path, content, cause) -> None:
     from timeslice.controller.orchestrator.state_file import StateFile
 
     bad = tmp_path / "state.json"
-    bad.write_text("{not json")
-    with pytest.raises(ValueError, match=r"unreadable .* move it away to start afresh"):
+    bad.write_text(content)
+    with pytest.raises(ValueError, match=rf"unreadable \({cause}.*move it away to start afresh"):
         StateFile(bad)
+
+
+def test_a_state_file_of_the_first_format_loads_and_one_that_cannot_be_written_is_refused_at_start(
+        tmp_path) -> None:
+    from timeslice.controller.orchestrator.state_file import StateFile
+
+    old = tmp_path / "state.json"
+    old.write_text('{"apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 5}}')
+    assert StateFile(old).start("g") == 5
+    blocker = tmp_path / "a-file"  # the state file's folder cannot be made (root ignores permissions)
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"cannot be written .* give the orchestrator a writable path"):
+        StateFile(blocker / "state.json")
 
 
 async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> None:
@@ -112,9 +133,13 @@ async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> N
     from timeslice.controller.orchestrator.state_file import StateFile
     from timeslice.driver.errors import SwitchFailed
 
-    blocker = tmp_path / "a-file"  # the state file's folder cannot be made (root ignores permissions)
-    blocker.write_text("x")
-    g = LockGroup(GroupSpec(id="g"), None, state=StateFile(blocker / "state.json"))  # type: ignore[arg-type]
+    folder = tmp_path / "state"
+    folder.mkdir()
+    state = StateFile(folder / "state.json")
+    folder.joinpath("state.json").unlink()
+    folder.rmdir()
+    folder.write_text("x")  # the disk "fails" after the start: the folder is now a file
+    g = LockGroup(GroupSpec(id="g"), None, state=state)  # type: ignore[arg-type]
     with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
         await g.acquire("a", 0, "r", None)
     assert g.epoch == 0 and g.holder is None

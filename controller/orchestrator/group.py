@@ -154,11 +154,12 @@ class LockGroup:
         """End the hold (or, for a preempted holder, its place in the queue: it stays
         checkpointed). With `request_id` (the caller's Acquire), while other callers of the
         job share the hold (the pods of one unit), only that caller's part ends: the hold
-        ends with the last one's release, or its lease. Returns (waiters, switch started).
+        ends with the last one's release, or its lease. Returns (waiters, switch started);
+        (0, False) when other callers still hold.
         Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
         if parked is not None and self.callers.released_part(parked[1], request_id):
-            return len(self.queue), self.switching is not None
+            return 0, False  # nothing is handed over: the job's other callers hold on
         if parked is not None:
             self.preemption.forget(parked[0])
             self.queue.remove(parked[0])
@@ -169,7 +170,7 @@ class LockGroup:
             return len(self.queue), self.switching is not None
         h = self.leases.check(job_id, lease_id, epoch, "release")
         if self.callers.released_part(h, request_id):
-            return len(self.queue), False
+            return 0, False
         self.end_hold(h, "released")
         waiters = len(self.queue)
         self.notify("released", job_id, epoch)

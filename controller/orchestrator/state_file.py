@@ -29,7 +29,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 from timeslice.driver.atomic import write_atomic
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -47,26 +49,55 @@ class Placement:
     residents: tuple[str, ...] = ()
 
 
+class _GroupPlacement(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    holder: str | None = None
+    mustLeave: list[str] = []
+    residents: list[str] = []
+
+
+class _File(BaseModel):
+    """The file's schema (`strict`: an epoch is an integer >= 0, a job id a string)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    apiVersion: Literal["timeslice.dev/orchestrator-state/v1"]
+    epochs: dict[str, NonNegativeInt]
+    groups: dict[str, _GroupPlacement] = {}
+
+
 class StateFile:
     """`path`: the state file (None: in memory only, nothing survives a restart). Raises
-    ValueError when the file exists and cannot be read."""
+    ValueError, naming the file and the cause, when it cannot be read, is not a valid
+    state file, or cannot be written (checked at once: an orchestrator that cannot persist
+    refuses every grant, so it must not start)."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
         self._ends: dict[str, int] = {}
         self._placements: dict[str, Placement] = {}
-        if path is not None and path.exists():
+        if path is None:
+            return
+        if path.exists():
             try:
-                data = json.loads(path.read_text())
-                if data.get("apiVersion") != API_VERSION:
-                    raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
-                self._ends = {str(g): int(e) for g, e in data["epochs"].items()}
-                self._placements = {str(g): Placement(p.get("holder") or None, tuple(map(str, p.get("mustLeave", ()))),
-                                                      tuple(map(str, p.get("residents", ()))))
-                                    for g, p in data.get("groups", {}).items()}
-            except (ValueError, KeyError, TypeError, AttributeError) as err:
-                raise ValueError(f"orchestrator state file {path} is unreadable ({err}): move it away to start "
-                                 "afresh (fencing epochs may then repeat those of the last run)") from None
+                data = _File.model_validate_json(path.read_bytes())
+            except OSError as err:
+                raise ValueError(f"orchestrator state file {path} cannot be read ({err.strerror})") from None
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(map(str, first["loc"])) or "the file"
+                raise ValueError(f"orchestrator state file {path} is unreadable ({where}: {first['msg']}): move "
+                                 "it away to start afresh (fencing epochs may then repeat those of the last run)") \
+                    from None
+            self._ends = dict(data.epochs)
+            self._placements = {g: Placement(p.holder, tuple(p.mustLeave), tuple(p.residents))
+                                for g, p in data.groups.items()}
+        try:
+            self._write()
+        except OSError as err:
+            raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
+                             "refused; give the orchestrator a writable path") from None
 
     def start(self, group_id: str) -> int:
         """The epoch a group starts from: the end of its last persisted block (0: none)."""
