@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def _demo(a: argparse.Namespace) -> int:
     from timeslice.cli.demo import DemoConfig, run
@@ -174,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
     o = sub.add_parser("orchestrator", help="serve the orchestrator with static groups")
     o.add_argument("--config", help="YAML: {listen: host:port, metrics_listen: host:port, pinned_pool: {path, bytes}, "
                                     "groups: [{id, backend, agents, lease_seconds, residency, memory_headroom, "
-                                    "max_hold_seconds}]}")
+                                    "max_hold_seconds}], state_file: path}")
     o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
     o.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "
@@ -183,7 +185,7 @@ def parser() -> argparse.ArgumentParser:
                    help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
                         "a restart never repeats an epoch nor grants beside a job that may still compute "
                         "(overrides the config's state_file; default off)")
-    o.add_argument("--log-level", default="INFO")
+    o.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     o.set_defaults(fn=_orchestrator)
 
     k = sub.add_parser("kubelet-plugin", help="serve the DRA kubelet plugin and the node agent on this node",
@@ -216,7 +218,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
-    k.add_argument("--log-level", default="INFO")
+    k.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     k.set_defaults(fn=_kubelet_plugin)
 
     c = sub.add_parser("controller", help="watch claims, build lock groups, serve the orchestrator",
@@ -251,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")
     c.add_argument("--renew-deadline", type=float, help="seconds (default 10)")
     c.add_argument("--retry-period", type=float, help="seconds (default 2)")
-    c.add_argument("--log-level", default="INFO")
+    c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     c.set_defaults(fn=_controller)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches",
