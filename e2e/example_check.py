@@ -44,6 +44,12 @@ def status(kube) -> list[dict]:
     return json.loads(r.stdout) if r.returncode == 0 else []
 
 
+def recorded_holders(kube) -> set[str]:
+    """The holders the example's claims record in their status (what a new leader adopts)."""
+    return {d.get("data", {}).get("holder") for c in kube.json("get", "resourceclaims", "-n", NS)["items"]
+            for d in c.get("status", {}).get("devices", [])} - {None, ""}
+
+
 def run_example_and_check(kube, during=lambda: None) -> dict:
     """Apply the example, call `during()` every 0.5 s until both Jobs succeeded, check
     the interleaving; returns the group's last `timeslice status` (a dict)."""

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from timeslice.driver.certificates import fingerprint
 from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION, AGENT_TLS_SERVER_NAME
 
-from e2e.example_check import EXAMPLE, run_example_and_check, status
+from e2e.example_check import EXAMPLE, recorded_holders, run_example_and_check, status
 from e2e.plugin_fixtures import DRIVER, our_slices, wait
 
 DRIVER_OVERLAY = Path(__file__).resolve().parent.parent / "hack" / "local-driver"
@@ -99,8 +99,9 @@ def test_installed_driver_alternates_jobs_and_survives_deleting_the_leader_pod(k
     deleted: list[float] = []
 
     def delete_leader_after_two_switches() -> None:
-        if not deleted and any(int(g.get("switches", 0)) >= 2 for g in status(kube)):
-            time.sleep(0.4)  # let the claim status record the current holder
+        """Called between polls: once two switches were made and a claim's status records a
+        holder (what the next leader adopts)."""
+        if not deleted and any(int(g.get("switches", 0)) >= 2 for g in status(kube)) and recorded_holders(kube):
             kube.run("delete", "pod", "-n", SYSTEM, first, "--wait=false")
             deleted.append(time.monotonic())
 

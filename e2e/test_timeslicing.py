@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.example_check import EXAMPLE, NS, TARGET, run_example_and_check, status
+from e2e.example_check import EXAMPLE, NS, TARGET, recorded_holders, run_example_and_check, status
 from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfig, wait
 
 
@@ -93,9 +93,7 @@ def test_killing_the_leader_controller_keeps_the_group_working(kube, stack) -> N
         2-core machine every CLI or kubectl call takes a second or more."""
         if first.proc.poll() is not None or first.text().count("switch done") < 2:
             return
-        recorded = {d.get("data", {}).get("holder") for c in kube.json("get", "resourceclaims", "-n", NS)["items"]
-                    for d in c.get("status", {}).get("devices", [])}
-        if recorded - {None, ""}:
+        if recorded_holders(kube):
             first.proc.send_signal(signal.SIGKILL)
 
     run_example_and_check(kube, during=kill_after_two_switches)

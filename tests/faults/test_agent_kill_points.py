@@ -4,9 +4,8 @@ checked: no process is left stopped without a record that owns it, and no record
 processes that run. Then the step whose reply was lost is resent with its operation id, as
 the orchestrator does: it completes (a checkpoint leaves the job checkpointed and recorded
 under that id, a restore leaves it running without a record), running the backend again
-only where the killed step's end was not recorded. The stall points live in a backend subclass
-and a records subclass inside the agent process (no hook in the product): they say where
-they are in a file, then wait to be killed."""
+only where the killed step's end was not recorded. The agent is tests/faults/stalling_agent.py:
+it says where it stopped in a file, then waits to be killed."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import asyncio
 import json
 import signal
 import sys
-import textwrap
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -30,60 +29,7 @@ from tests.conftest import eventually
 from tests.test_freeze import spinner
 from tests.test_operations import Counted
 
-AGENT = """
-    import asyncio, sys, time
-    from pathlib import Path
-    from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
-    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
-    from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
-    from timeslice.kubelet_plugin.agent.records import JobRecords
-    from timeslice.kubelet_plugin.agent.server import create_server
-
-    target, records, marker, point = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[5]
-    pid = int(sys.argv[4])
-
-    async def stall(here):
-        if here == point:
-            marker.write_text(here)
-            await asyncio.Event().wait()
-
-    class Faulty(FreezeBackend):
-        async def checkpoint(self, pids, timeout):
-            await stall("checkpoint:before")
-            states = await super().checkpoint(pids, timeout)
-            await stall("checkpoint:after")
-            return states
-
-        async def restore(self, pids, timeout):
-            await stall("restore:before")
-            states = await super().restore(pids, timeout)
-            await stall("restore:after")
-            return states
-
-    def stall_here(here):  # in the records' synchronous writes: the whole agent stops there
-        if here == point:
-            marker.write_text(here)
-            time.sleep(3600)
-
-    class FaultyRecords(JobRecords):
-        def put(self, job_id, record):
-            super().put(job_id, record)
-            if record.phase == "checkpointed":
-                stall_here("checkpoint:recorded")
-
-        def pop(self, job_id, restored_by=""):
-            record = super().pop(job_id, restored_by)
-            stall_here("restore:recorded")
-            return record
-
-    async def main():
-        agent = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[Faulty()], records_path=records)
-        agent.records = FaultyRecords(records)
-        server, _ = await create_server(agent, target)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-"""
+STALLING_AGENT = Path(__file__).with_name("stalling_agent.py")
 
 # where the agent is killed: in the backend before / after it acted, or once the step's
 # record was written (checkpoint) or dropped (restore), before the reply
@@ -103,12 +49,9 @@ async def test_an_agent_killed_at_each_point_leaves_records_that_match_and_a_res
         point, children, short_tmp, tmp_path) -> None:
     job = spinner(children)
     target, records, marker = f"unix://{short_tmp / 'agent.sock'}", tmp_path / "records.json", tmp_path / "at"
-
-    def start_faulty() -> asyncio.Future:
-        return asyncio.ensure_future(asyncio.create_subprocess_exec(
-            sys.executable, "-c", textwrap.dedent(AGENT), target, str(records), str(marker), str(job.pid), point))
-
-    agent = await start_faulty()
+    agent = await asyncio.create_subprocess_exec(  # stalls at `point` until killed (no "go" file ever comes)
+        sys.executable, str(STALLING_AGENT), target, str(records), str(marker), str(tmp_path / "go"), point,
+        f"a={job.pid}", stdout=asyncio.subprocess.DEVNULL)
     try:
         if point.startswith("restore"):  # first a checkpoint that completes
             await _step(target, "Checkpoint", "op-0")

@@ -8,9 +8,8 @@ or a whole job at that moment, and lets the agent go on.
 
 Invariants, from what the clients saw at each grant and what is left at the end: every
 surviving job finishes; while a job holds, its worker runs and the other job's worker, once
-that job held, is stopped or gone (at most one job computes); grants' epochs only grow, across the restart
-too; and no live worker is left stopped. The stall lives in a backend subclass inside the
-agent process (no hook in the product)."""
+that job held, is stopped or gone (at most one job computes); grants' epochs only grow,
+across the restart too; and no live worker is left stopped. The agent is tests/faults/stalling_agent.py."""
 
 from __future__ import annotations
 
@@ -30,45 +29,8 @@ from timeslice.kubelet_plugin.agent.procfs import proc_state
 
 from tests.conftest import python_child
 
-AGENT = """
-    import asyncio, sys
-    from pathlib import Path
-    from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
-    from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
-    from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
-    from timeslice.kubelet_plugin.agent.server import create_server
+STALLING_AGENT = Path(__file__).with_name("stalling_agent.py")
 
-    target, records, marker, go, point = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), \
-        sys.argv[5]
-    pids = {"a": [int(sys.argv[6])], "b": [int(sys.argv[7])]}
-
-    async def stall(here):
-        if here == point and not marker.exists():  # the first time only
-            marker.write_text(here)
-            while not go.exists():
-                await asyncio.sleep(0.01)
-
-    class Faulty(FreezeBackend):
-        async def checkpoint(self, pids, timeout):
-            await stall("checkpoint:before")
-            states = await super().checkpoint(pids, timeout)
-            await stall("checkpoint:after")
-            return states
-
-        async def restore(self, pids, timeout):
-            await stall("restore:before")
-            states = await super().restore(pids, timeout)
-            await stall("restore:after")
-            return states
-
-    async def main():
-        agent = NodeAgent(StaticProcessResolver(pids), backends=[Faulty()], records_path=records)
-        server, _ = await create_server(agent, target)
-        print("serving", flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-"""
 
 # A job's client: PHASES holds; at each grant it records its epoch and both workers' states.
 # The compute is a short sleep: it is the workload, not a wait for something to happen.
@@ -144,8 +106,8 @@ class Rig:
             w.stdout.close()
         agent_target = f"unix://{sock}"
         self.agent = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(AGENT), agent_target, str(work / "records.json"), str(self.marker),
-             str(self.go), point, str(self.workers["a"].pid), str(self.workers["b"].pid)],
+            [sys.executable, str(STALLING_AGENT), agent_target, str(work / "records.json"), str(self.marker),
+             str(self.go), point, *(f"{j}={w.pid}" for j, w in self.workers.items())],
             stdout=subprocess.PIPE, text=True)
         assert self.agent.stdout.readline() == "serving\n"
         self.agent.stdout.close()
