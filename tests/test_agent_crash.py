@@ -50,6 +50,24 @@ STALLING_AGENT = """
 """
 
 
+async def acquire_as_a_client_does(g, job: str):  # -> GrantInfo
+    """`g.acquire(job)`, asked again after each SwitchFailed (a client retries it; the
+    agent's channel reconnects meanwhile), for at most 20 s."""
+    from timeslice.driver.errors import SwitchFailed
+
+    grants = []
+
+    async def acquired() -> bool:
+        try:
+            grants.append(await g.acquire(job, 0, f"{job}-retry-{len(grants)}", None))
+        except SwitchFailed:
+            return False
+        return True
+
+    await eventually(acquired, timeout=20)
+    return grants[-1]
+
+
 async def test_an_agent_killed_mid_checkpoint_leaves_no_process_stopped_after_it_restarts(children, short_tmp,
                                                                                          tmp_path) -> None:
     job = spinner(children)
@@ -126,17 +144,8 @@ async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(c
         assert "checkpoint resent group=g job=a" in caplog.text  # asked again before giving up
         assert "a" in g.checkpointed  # not assumed resident
         server, _ = await create_server(agent(), target)  # the agent is back
-        grants = []
-
-        async def acquired() -> bool:  # a client retries SwitchFailed; the agent's channel reconnects
-            try:
-                grants.append(await g.acquire("a", 0, f"a-{len(grants)}", None))
-            except SwitchFailed:
-                return False
-            return True
-
-        await eventually(acquired, timeout=20)
-        assert grants[-1].restored and proc_state(a_proc.pid) in "RS" and "a" not in g.failed_jobs
+        ga = await acquire_as_a_client_does(g, "a")
+        assert ga.restored and proc_state(a_proc.pid) in "RS" and "a" not in g.failed_jobs
     finally:
         await server.stop(0)
         await orch.close()
@@ -251,17 +260,7 @@ async def test_a_job_believed_resident_is_granted_only_once_its_agent_confirms_i
             await asyncio.wait_for(g.acquire("a", 0, "a3", None), 20)
         assert g.holder is None
         server, _ = await create_server(agent, target)  # back: confirmed, granted without a move
-        grants = []
-
-        async def acquired() -> bool:
-            try:
-                grants.append(await g.acquire("a", 0, f"a-{len(grants) + 4}", None))
-            except SwitchFailed:
-                return False
-            return True
-
-        await eventually(acquired, timeout=20)
-        assert not grants[-1].restored and g.counters.switches == 1
+        assert not (await acquire_as_a_client_does(g, "a")).restored and g.counters.switches == 1
     finally:
         await server.stop(0)
         await orch.close()

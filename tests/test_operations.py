@@ -10,13 +10,15 @@ calls and to hold a step open until the test lets it end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import signal
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -62,6 +64,18 @@ class Counted(FreezeBackend):
         return await super().restore(pids, timeout)
 
 
+@contextlib.asynccontextmanager
+async def agent_stub(agent: NodeAgent, sock_dir: Path) -> AsyncIterator[apb_grpc.NodeAgentStub]:
+    """`agent` served on a unix socket in `sock_dir`, and a stub that calls it."""
+    target = f"unix://{sock_dir / 'agent.sock'}"
+    server, _ = await create_server(agent, target)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            yield apb_grpc.NodeAgentStub(channel)
+    finally:
+        await server.stop(0)
+
+
 def step(op: str, job: str = "a", backend: str = "freeze") -> apb.SwitchStepRequest:
     return apb.SwitchStepRequest(job_id=job, backend=backend, group_id="g", timeout_seconds=10, operation_id=op)
 
@@ -76,23 +90,17 @@ async def test_two_checkpoints_with_one_operation_id_run_the_backend_once(childr
     proc = spinner(children)
     backend, records = Counted(held=True), tmp_path / "records.json"
     agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=[backend], records_path=records)
-    target = f"unix://{short_tmp / 'agent.sock'}"
-    server, _ = await create_server(agent, target)
-    try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = apb_grpc.NodeAgentStub(channel)
-            first = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
-            await asyncio.wait_for(backend.entered.wait(), 10)
-            second = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
-            await eventually(lambda: "operation=op-1: joined the running step" in caplog.text, timeout=10)
-            backend.release.set()
-            one, two = await first, await second
-        assert one == two and [p.state for p in one.processes] == ["stopped"]
-        assert backend.checkpoints == 1 and proc_state(proc.pid) == "T"
-        record = json.loads(records.read_text())["jobs"]["a"]
-        assert record["phase"] == "checkpointed" and record["operation"] == "op-1"
-    finally:
-        await server.stop(0)
+    async with agent_stub(agent, short_tmp) as stub:
+        first = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
+        await asyncio.wait_for(backend.entered.wait(), 10)
+        second = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
+        await eventually(lambda: "operation=op-1: joined the running step" in caplog.text, timeout=10)
+        backend.release.set()
+        one, two = await first, await second
+    assert one == two and [p.state for p in one.processes] == ["stopped"]
+    assert backend.checkpoints == 1 and proc_state(proc.pid) == "T"
+    record = json.loads(records.read_text())["jobs"]["a"]
+    assert record["phase"] == "checkpointed" and record["operation"] == "op-1"
 
 
 async def test_a_resend_after_the_step_ended_gets_its_outcome_and_touches_nothing(children, tmp_path,
@@ -100,36 +108,30 @@ async def test_a_resend_after_the_step_ended_gets_its_outcome_and_touches_nothin
     proc = spinner(children)
     backend, records = Counted(), tmp_path / "records.json"
     agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=[backend], records_path=records)
-    target = f"unix://{short_tmp / 'agent.sock'}"
-    server, _ = await create_server(agent, target)
-    try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = apb_grpc.NodeAgentStub(channel)
-            done = await stub.Checkpoint(step("op-1"))
-            written, mtime = records.read_bytes(), records.stat().st_mtime_ns
-            assert await stub.Checkpoint(step("op-1")) == done  # the same outcome, seconds included
-            assert backend.checkpoints == 1 and proc_state(proc.pid) == "T"
-            assert records.read_bytes() == written and records.stat().st_mtime_ns == mtime  # not rewritten
-            back = await stub.Restore(step("op-2"))
-            assert await stub.Restore(step("op-2")) == back and backend.restores == 1 and proc_state(proc.pid) in "RS"
-            # a step that failed fails again with the same error, without running again
-            backend.fail = True
-            with pytest.raises(grpc.aio.AioRpcError) as first:
-                await stub.Checkpoint(step("op-3"))
-            backend.fail = False
-            with pytest.raises(grpc.aio.AioRpcError) as again:
-                await stub.Checkpoint(step("op-3"))
-            assert (again.value.code(), again.value.details()) == (first.value.code(), first.value.details())
-            assert "injected checkpoint failure" in again.value.details() and backend.checkpoints == 2
-            assert proc_state(proc.pid) in "RS" and "a" not in agent.records.jobs
-            # an operation id names one step: another step under it is refused, nothing runs
-            with pytest.raises(grpc.aio.AioRpcError) as other:
-                await stub.Restore(step("op-1"))
-            assert other.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "operation_id 'op-1' names the checkpoint of job 'a'" in other.value.details()
-            assert backend.restores == 1
-    finally:
-        await server.stop(0)
+    async with agent_stub(agent, short_tmp) as stub:
+        done = await stub.Checkpoint(step("op-1"))
+        written, mtime = records.read_bytes(), records.stat().st_mtime_ns
+        assert await stub.Checkpoint(step("op-1")) == done  # the same outcome, seconds included
+        assert backend.checkpoints == 1 and proc_state(proc.pid) == "T"
+        assert records.read_bytes() == written and records.stat().st_mtime_ns == mtime  # not rewritten
+        back = await stub.Restore(step("op-2"))
+        assert await stub.Restore(step("op-2")) == back and backend.restores == 1 and proc_state(proc.pid) in "RS"
+        # a step that failed fails again with the same error, without running again
+        backend.fail = True
+        with pytest.raises(grpc.aio.AioRpcError) as first:
+            await stub.Checkpoint(step("op-3"))
+        backend.fail = False
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await stub.Checkpoint(step("op-3"))
+        assert (again.value.code(), again.value.details()) == (first.value.code(), first.value.details())
+        assert "injected checkpoint failure" in again.value.details() and backend.checkpoints == 2
+        assert proc_state(proc.pid) in "RS" and "a" not in agent.records.jobs
+        # an operation id names one step: another step under it is refused, nothing runs
+        with pytest.raises(grpc.aio.AioRpcError) as other:
+            await stub.Restore(step("op-1"))
+        assert other.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "operation_id 'op-1' names the checkpoint of job 'a'" in other.value.details()
+        assert backend.restores == 1
 
 
 @pytest.mark.parametrize(("op", "text"), [("x" * 129, "operation_id is 129 characters; at most 128"),
@@ -139,19 +141,13 @@ async def test_a_bad_operation_id_is_invalid_argument_and_touches_nothing(op, te
     proc = spinner(children)
     backend = Counted()
     agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=[backend])
-    target = f"unix://{short_tmp / 'agent.sock'}"
-    server, _ = await create_server(agent, target)
-    try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = apb_grpc.NodeAgentStub(channel)
-            for rpc in (stub.Checkpoint, stub.Restore):
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await rpc(step(op))
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
-            assert (await stub.Checkpoint(step("x" * 128))).processes  # 128 is fine
-        assert backend.checkpoints == 1 and backend.restores == 0
-    finally:
-        await server.stop(0)
+    async with agent_stub(agent, short_tmp) as stub:
+        for rpc in (stub.Checkpoint, stub.Restore):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rpc(step(op))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+        assert (await stub.Checkpoint(step("x" * 128))).processes  # 128 is fine
+    assert backend.checkpoints == 1 and backend.restores == 0
 
 
 async def test_a_resend_to_a_restarted_agent_is_answered_from_its_records(children, tmp_path) -> None:
@@ -195,27 +191,21 @@ async def test_a_step_whose_caller_went_away_finishes_and_keeps_its_record(child
     proc = spinner(children)
     backend, records = Counted(held=True), tmp_path / "records.json"
     agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=[backend], records_path=records)
-    target = f"unix://{short_tmp / 'agent.sock'}"
-    server, _ = await create_server(agent, target)
-    try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = apb_grpc.NodeAgentStub(channel)
-            call = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
-            await asyncio.wait_for(backend.entered.wait(), 10)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            backend.release.set()
+    async with agent_stub(agent, short_tmp) as stub:
+        call = asyncio.ensure_future(stub.Checkpoint(step("op-1")))
+        await asyncio.wait_for(backend.entered.wait(), 10)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        backend.release.set()
 
-            def recorded() -> bool:
-                return json.loads(records.read_text())["jobs"].get("a", {}).get("phase") == "checkpointed"
+        def recorded() -> bool:
+            return json.loads(records.read_text())["jobs"].get("a", {}).get("phase") == "checkpointed"
 
-            await eventually(recorded, timeout=10)
-            resent = await stub.Checkpoint(step("op-1"))
-        assert [p.state for p in resent.processes] == ["stopped"] and backend.checkpoints == 1
-        assert proc_state(proc.pid) == "T" and backend.restores == 0  # owned by its record, not undone
-    finally:
-        await server.stop(0)
+        await eventually(recorded, timeout=10)
+        resent = await stub.Checkpoint(step("op-1"))
+    assert [p.state for p in resent.processes] == ["stopped"] and backend.checkpoints == 1
+    assert proc_state(proc.pid) == "T" and backend.restores == 0  # owned by its record, not undone
 
 
 async def test_the_agent_remembers_a_bounded_number_of_operations(tmp_path) -> None:
