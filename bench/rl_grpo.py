@@ -17,7 +17,9 @@ Prints (and writes to --out) one JSON object per shared run:
   bytes out and in, each record), hand-off milliseconds (a release to the next job's
   grant when it waited; p50, p99; "resident": neither a job's first grant nor one that
   moved memory), failed switches, the parameter hashes solo vs shared per seed
-  (bitwise_equal) and whether every job's extra tensor came through unchanged (extra_ok).
+  (bitwise_equal), whether every job's extra tensor came through unchanged (extra_ok), and
+  the mean seconds of each phase kind solo vs shared (a GPU phase that runs longer shared
+  than alone: contention outside the lock, e.g. for the CPUs that launch its kernels).
   Solo runs may come from an earlier run (--solo-json, same model and steps): the extra
   tensor is made once at start and only read at the end, so it changes no solo time that
   matters and no parameter.
@@ -155,6 +157,15 @@ def handoffs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def phase_seconds(jobs: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds from grant to synchronised end, per phase kind (generate, train, ...)."""
+    spans: dict[str, list[float]] = {}
+    for j in jobs:
+        for p in j["phases"]:
+            spans.setdefault(p["kind"], []).append(p["done"] - p["granted"])
+    return {k: round(sum(v) / len(v), 3) for k, v in sorted(spans.items())}
+
+
 def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
     jobs = run["jobs"]
     solo_sum = sum(r["wall_seconds"] for r in solo_runs)
@@ -201,6 +212,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "solo_gpu_busy_seconds": [round(r["gpu_busy_seconds"], 2) for r in solo_runs],
         "shared_job_seconds": [round(j["total_seconds"], 2) for j in jobs],
         "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
+        "phase_seconds_solo": phase_seconds(solo_runs), "phase_seconds_shared": phase_seconds(jobs),
         "memory_after": run["memory"], "switch_records": sw,
     }
 

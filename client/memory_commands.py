@@ -125,7 +125,7 @@ class MemoryCommandLoop:
         self._stop = threading.Event()
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
-        self._pool_offer: tuple[str, int] | None = None  # (path, bytes) from "hello", attached at first use
+        self._attaching: threading.Thread | None = None  # maps and registers the pool offered by "hello"
         self.connected = threading.Event()
         self.ready = threading.Event()  # connected once, or refused for good (`error`)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
@@ -158,7 +158,10 @@ class MemoryCommandLoop:
 
     def _handle(self, command: pb.MemoryCommand) -> None:
         if command.kind == "hello":
-            self._pool_offer = (command.pool_path, command.pool_bytes) if command.pool_path else None
+            if command.pool_path and self._attaching is None:  # once: a reconnect offers the same pool
+                self._attaching = threading.Thread(target=self._attach, args=(command.pool_path, command.pool_bytes),
+                                                   daemon=True, name=f"timeslice-pool-{self.group}")
+                self._attaching.start()
             self.connected.set()
             self.ready.set()
             return
@@ -181,8 +184,8 @@ class MemoryCommandLoop:
             log.warning("memory command ack refused group=%s op=%s: %s", self.group, command.op_id, err)
 
     def _run_command(self, command: pb.MemoryCommand, ranges: Ranges, ack: pb.MemoryCommandAck) -> None:
-        if ranges and self._pool is None and self._pool_offer is not None:
-            self._attach(*self._pool_offer)  # once, at the first command that needs it
+        if ranges and self._attaching is not None:
+            self._attaching.join()  # a command that came before the pool was registered waits for it
         if command.kind == "checkpoint":
             if self._in_hold():  # a revoked or lapsed holder may still be computing: never under it
                 raise RuntimeError(f"job {self._s.job_id} is inside its GPU phase on group {self.group} (it "
@@ -194,9 +197,11 @@ class MemoryCommandLoop:
             raise ValueError(f"unknown memory command {command.kind!r}")
 
     def _attach(self, path: str, size: int) -> None:
-        """Map the pool and let the store register it (seconds for a large pool, once; not at
-        start, so that a job whose memory never moves never pays for it)."""
-        self._pool_offer = None
+        """Map the pool and let the store register it, in its own thread as soon as the
+        orchestrator offers it: registering pins every page (seconds for tens of GB; measured
+        on the H200, 12-16 s inside a job's first checkpoint when it was done there,
+        bench/results/rl-grpo-b-h200.json), so it runs while the job computes, not inside a
+        switch."""
         t0 = time.monotonic()
         try:
             fd = os.open(path, os.O_RDWR)

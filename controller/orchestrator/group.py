@@ -98,7 +98,7 @@ class LockGroup:
 
     @property
     def phase(self) -> str:
-        return "switching" if self.switching else ("held" if self.holder else "idle")
+        return "held" if self.holder else ("switching" if self.switching else "idle")
 
     @property
     def resident(self) -> str | None:
@@ -267,8 +267,12 @@ class LockGroup:
             log.exception("group observer failed group=%s event=%s", self.id, kind)
 
     def dispatch(self) -> None:
-        """Grant the head waiter if the lock is free, moving memory first when needed."""
-        if self.holder is not None or self.switching is not None:
+        """Grant the head waiter if the lock is free, moving memory first when needed; while
+        a job holds, stage the next one (`MemoryMoves.stage_next`)."""
+        if self.holder is not None:
+            self.moves.stage_next()
+            return
+        if self.switching is not None:
             return
         head = self.queue.head()
         if head is None:
@@ -313,6 +317,7 @@ class LockGroup:
         self.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
         self.leases.arm()
         self.preemption.arm()
+        self.moves.stage_next()
 
     def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
         return GrantInfo(h.lease_id, h.epoch, self.spec.lease_seconds, waited, h.restored, h.switch_seconds)

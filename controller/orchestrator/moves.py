@@ -6,8 +6,12 @@ compute, memory moves only when needed. `auto` (the default, for the backends th
 GPU memory): a resident waiter is granted at once; any other is granted after a plan
 over fresh node-agent memory reports checkpoints the least recently held idle residents
 it does not fit beside, then restores it when it is checkpointed. A plan without room
-fails the waiters with `SwitchFailed` (nothing attempted, not retried). When the group
-goes idle, checkpointed jobs that fit are restored in the background. `exclusive` (and
+fails the waiters with `SwitchFailed` (nothing attempted, not retried). While a job
+holds, the job to be granted next, when checkpointed, is *staged*: room is made for it
+beside the holder (never moving the holder, leaving it room to grow to its peak) and it
+is restored behind the holder's phase, so the hand-off moves nothing; a staging without
+room is left to the hand-off. When the group goes idle, checkpointed jobs that fit are
+restored in the background. `exclusive` (and
 the `freeze` backend, and agents that report no GPU memory): one job is resident, as in
 a checkpoint at every hand-off.
 
@@ -64,6 +68,7 @@ class MemoryMoves:
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
+        self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
 
     @property
     def memory_aware(self) -> bool:
@@ -163,6 +168,24 @@ class MemoryMoves:
         jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed)
         return [j for j in dict.fromkeys(jobs) if j != incoming and j in self._g.residency.residents]
 
+    def stage_next(self) -> None:
+        """While a job holds (memory-aware groups): when the job that its release would
+        grant (`next_job`) is checkpointed, start the switch that makes room for it beside
+        the holder and restores it, without a grant. The holder's release then hands over
+        at once, or waits for the switch's end. Once per hold and job when there is no room
+        now (the hand-off plans again without the holder)."""
+        g = self._g
+        h, head = g.holder, g.queue.head()
+        if h is None or head is None or self.switching is not None or not self.memory_aware:
+            return
+        incoming = next_job(g, head)
+        if incoming == h.job_id or incoming not in g.residency.checkpointed or self.must_leave(incoming) \
+                or self._unstaged == (h.epoch, incoming) or incoming in g.failed_jobs:
+            return
+        self.switching = (None, incoming)
+        self._switch_task = asyncio.get_running_loop().create_task(
+            self._switch(None, incoming, restore=True, grant=False, beside=h.job_id), name=f"stage-{g.id}")
+
     # -- the switch ------------------------------------------------------------------------
     def start_switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
         self.switching = (evict[0] if evict else None, incoming)
@@ -179,24 +202,35 @@ class MemoryMoves:
         g.residency.observe(snap)
         return snap
 
-    async def plan(self, incoming: str, allow_evictions: bool) -> list[str]:
+    async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> list[str]:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
-        holders first. Raises NoRoom."""
+        holders first. `beside`: a holder that stays, with room to grow to its peak. Raises
+        NoRoom."""
         g = self._g
         forced = self.must_leave(incoming) if allow_evictions else []
         waited = False
         while True:
             snap = await self.snapshot()
             if snap is None:  # no memory information: one resident at a time
+                if beside is not None:
+                    raise NoRoom(f"no memory reports: {incoming} is not restored beside {beside}")
                 return g.residency.lru(excluding=[incoming]) if allow_evictions else []
-            residents = g.residency.lru(excluding=[incoming, *forced]) if allow_evictions else []
-            if forced:
-                snap = dataclasses.replace(snap, devices=dict(snap.devices))
+            residents = g.residency.lru(excluding=[incoming, *forced, *([beside] if beside else [])]) \
+                if allow_evictions else []
+            freed: dict[str, int] = {}
             for job in forced:  # what they hold is free once they leave
                 for dev, b in snap.on_device(job).items():
-                    if dev in snap.devices:
-                        m = snap.devices[dev]
-                        snap.devices[dev] = type(m)(m.total, m.free + b)
+                    freed[dev] = freed.get(dev, 0) + b
+            if beside is not None:  # it may still grow to its peak while it computes
+                peak = g.residency.peaks.get(beside, {})
+                for dev, b in snap.on_device(beside).items():
+                    freed[dev] = freed.get(dev, 0) - max(0, peak.get(dev, 0) - b)
+            if freed:
+                snap = dataclasses.replace(snap, devices=dict(snap.devices))
+            for dev, b in freed.items():
+                if dev in snap.devices:
+                    m = snap.devices[dev]
+                    snap.devices[dev] = type(m)(m.total, m.free + b)
             try:
                 plan = plan_room(incoming, residents, snap, g.residency.peaks,
                                  parse_headroom(g.spec.memory_headroom),
@@ -214,24 +248,31 @@ class MemoryMoves:
                 continue
             return [*forced, *plan]
 
-    async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
+    async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
+                      beside: str | None = None) -> None:
+        """`beside`: a staging (`stage_next`) next to this holder."""
         g = self._g
         record: SwitchRecord | None = None
         r = g.residency
         try:
             if evict is None:
-                evict = await self.plan(incoming, allow_evictions=True)
+                evict = await self.plan(incoming, allow_evictions=True, beside=beside)
                 self.switching = (evict[0] if evict else None, incoming)
             if not evict and not restore:
                 record = None
             else:
-                log.info("switch start group=%s evict=%s to=%s restore=%s", g.id, evict, incoming, restore)
+                log.info("switch start group=%s evict=%s to=%s restore=%s%s", g.id, evict, incoming, restore,
+                         f" beside={beside}" if beside else "")
                 g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
                 record = await g.switcher(g.spec, tuple(evict), incoming, restore)
         except NoRoom as err:
-            record = SwitchRecord(None, incoming, ok=False, error=str(err))
-            log.warning("no room group=%s job=%s: %s", g.id, incoming, err)
-            g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
+            if beside is not None:  # not now: the hand-off plans again, without the holder
+                log.info("not staged group=%s job=%s beside %s: %s", g.id, incoming, beside, err)
+                self._unstaged = (g.holder.epoch if g.holder else 0, incoming)
+            else:
+                record = SwitchRecord(None, incoming, ok=False, error=str(err))
+                log.warning("no room group=%s job=%s: %s", g.id, incoming, err)
+                g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
         except SwitchError as err:
             record = err.record
             g.counters.failed_switches += 1
@@ -259,8 +300,8 @@ class MemoryMoves:
                 r.held(incoming)
             elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
                 r.forget(incoming)
-            elif restore:
-                r.moved_in(incoming)
+            elif restore and record is not None:
+                r.moved_in(incoming, next_up=beside is not None)
         finally:
             self.switching = None
             self._switch_task = None
@@ -270,11 +311,12 @@ class MemoryMoves:
             g.notify("switched" if record.ok else "switch-failed", incoming, record=record)
         if grant and (record is None or record.ok):
             g.grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
-        if not grant and (record is None or not record.ok):
+        if not grant and beside is None and (record is None or not record.ok):
             g.idle.failed(incoming)
         elif record is not None and not record.ok and not record.unreachable and \
                 (restore or record.error.startswith("no room")):
             self._count_restore_failure(incoming, record)
+        g.preemption.switch_ended()
         g.dispatch()
         if g.idle.now() and (record is None or record.ok):
             g.idle.refresh_memory()

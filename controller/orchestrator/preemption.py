@@ -34,6 +34,7 @@ class Preemption:
         self._g = group
         self._timer: asyncio.TimerHandle | None = None
         self._parked: dict[str, tuple[Waiter, Hold]] = {}  # lease id -> a preempted holder's entry, hold
+        self._due: tuple[Hold, float] | None = None  # a limit reached while a staging switch ran
 
     def parked_jobs(self) -> list[str]:
         return [h.job_id for _, h in self._parked.values()]
@@ -72,7 +73,10 @@ class Preemption:
     def _on_limit(self, h: Hold, limit: float) -> None:
         self._timer = None
         g = self._g
-        if g.holder is not h or g.switching is not None or not self._contenders(h):
+        if g.holder is h and g.switching is not None:  # a staging beside the holder: preempt once it ends
+            self._due = (h, limit)
+            return
+        if g.holder is not h or not self._contenders(h):
             return
         g.counters.preemptions += 1
         log.info("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", g.id, h.job_id,
@@ -82,6 +86,12 @@ class Preemption:
         if g.spec.backend not in ("none", "cooperative"):  # checkpointed by the switch, re-queued keeping its lease
             self.park(h)
         g.dispatch()
+
+    def switch_ended(self) -> None:
+        """A switch ended: a limit reached while it ran takes effect now."""
+        due, self._due = self._due, None
+        if due is not None:
+            self._on_limit(*due)
 
     # -- parked holders ------------------------------------------------------------
     def park(self, h: Hold) -> None:

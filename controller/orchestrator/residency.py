@@ -176,12 +176,13 @@ class Residency:
         self.residents.pop(job, None)
         self.checkpointed.add(job)
 
-    def moved_in(self, job: str) -> None:
-        """Restored without a grant (a background restore): resident, least recently held."""
+    def moved_in(self, job: str, next_up: bool = False) -> None:
+        """Restored without a grant: resident, least recently held (a background restore),
+        or most recently (`next_up`: staged for the next grant, the last to leave)."""
         self.checkpointed.discard(job)
         if job not in self.residents:
             self.residents[job] = None
-            self.residents.move_to_end(job, last=False)
+            self.residents.move_to_end(job, last=next_up)
 
     def forget(self, job: str) -> None:
         self.residents.pop(job, None)
