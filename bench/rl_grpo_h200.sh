@@ -5,7 +5,9 @@
 # a: 2 jobs x ~18 GB, residency auto, backends cuda and cooperative (a-cooperative: the latter alone)
 # c: 4 jobs x ~30 GB, residency auto (all fit with headroom), backend cuda
 # b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (95 GB pinned pool), cuda;
-#    b-fifo: the same in strict queue order (residentFirstSeconds 0)
+#    b-fifo: the same in strict queue order (residentFirstSeconds 0); b-cuda: backend cuda with
+#    residentFirstSeconds 300 (its switches take ~35 s, more than the default 30 s bound: every
+#    waiter passed it and the three jobs rotated, one switch per phase: 10 of 24 phases in 545 s)
 # STEPS (default 8) must match the solo runs'; SOLO: the solo runs' JSON (bench/results/rl-grpo-solo-h200.json)
 # On the lent machine the project and its server dependencies come as wheels in .whl/.
 set -uo pipefail
@@ -48,7 +50,7 @@ for k in (1, 2, 4, 8):  # Python busy loops at once: the rate of each vs. one al
          --out "$out/rl-grpo-b-h200.json" ;;
     b-fifo) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --resident-first 0 \
          --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-b-fifo-h200.json" ;;
-    b-cuda) run --jobs 3 --extra-gb 40 --init-hold --backends cuda --solo-json "${SOLO:-$out/solo.json}" \
+    b-cuda) run --jobs 3 --extra-gb 40 --init-hold --backends cuda --resident-first 300 --solo-json "${SOLO:-$out/solo.json}" \
          --out "$out/rl-grpo-b-cuda-h200.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -463,6 +463,50 @@ async def test_the_next_job_is_restored_behind_the_holder_and_granted_without_a_
     await g.close()
 
 
+class SlowGpu(FakeGpu):
+    """A FakeGpu whose restores wait for `go` (a switch in flight)."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.go = asyncio.Event()
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        if restore:
+            await self.go.wait()
+        return await super().__call__(spec, evict, incoming, restore)
+
+
+async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> None:
+    """A slow switch (the `cuda` backend's 45 GB took ~35 s on the H200) must not idle the
+    GPU: b, beside whom a is being staged, is granted again at once when it asks while the
+    switch runs; a is granted once the switch is done and b released."""
+    gpu = SlowGpu(total=130 * GB, a=45)
+    gpu.go.set()
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB
+    await hold(g, "b")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # a checkpointed for c
+    gpu.go.clear()
+    grant_b = await g.acquire("b", 0, "b-1", timeout=None)
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
+    await eventually(lambda: g.switching is not None)  # a's staging waits for `go`
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    assert g.holder is None
+    grant_b = await asyncio.wait_for(g.acquire("b", 0, "b-2", timeout=None), 5)  # at once, switch in flight
+    assert g.switching is not None and not a_waits.done()
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    c_waits = asyncio.create_task(g.acquire("c", 0, "c-1", timeout=None))  # c is being moved out: it waits
+    await eventually(lambda: len(g.queue) == 2)
+    assert g.holder is None
+    gpu.go.set()
+    grant_a = await a_waits
+    assert not grant_a.restored and gpu.calls[1:3] == [("checkpoint", "c"), ("restore", "a")]
+    g.release("a", grant_a.lease_id, grant_a.epoch)  # c was staged behind a in turn
+    g.release("c", *(lambda gr: (gr.lease_id, gr.epoch))(await c_waits))
+    await g.close()
+
+
 async def test_no_staging_without_room_beside_the_holders_peak_then_resident_waiters_go_first() -> None:
     """The holder keeps room to grow to its peak: b (45 GB now, 80 GB at its peak) leaves no
     room for a (60 GB) beside it even with c checkpointed, so nothing moves while it holds

@@ -273,6 +273,7 @@ class LockGroup:
             self.moves.stage_next()
             return
         if self.switching is not None:
+            self.moves.grant_beside_staging()
             return
         head = self.queue.head()
         if head is None:

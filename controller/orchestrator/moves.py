@@ -69,6 +69,7 @@ class MemoryMoves:
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
+        self._beside: str | None = None  # while a staging runs: the job it makes room beside
 
     @property
     def memory_aware(self) -> bool:
@@ -182,9 +183,24 @@ class MemoryMoves:
         if incoming == h.job_id or incoming not in g.residency.checkpointed or self.must_leave(incoming) \
                 or self._unstaged == (h.epoch, incoming) or incoming in g.failed_jobs:
             return
-        self.switching = (None, incoming)
+        self.switching, self._beside = (None, incoming), h.job_id
         self._switch_task = asyncio.get_running_loop().create_task(
             self._switch(None, incoming, restore=True, grant=False, beside=h.job_id), name=f"stage-{g.id}")
+
+    def grant_beside_staging(self) -> None:
+        """Nobody holds while a staging runs: the job it was staged beside (room to its peak
+        is kept for it) holds again at once when it waits at the head's priority or above,
+        rather than leaving the GPUs idle until the switch ends (measured on the H200: a
+        `cuda` switch of 45 GB takes ~35 s). The staged job could not be granted before the
+        switch ends anyway."""
+        g = self._g
+        job, head = self._beside, g.queue.head()
+        if job is None or head is None or self.must_leave(job) or job not in g.residency.residents:
+            return
+        w = next((w for w in g.queue if w.job_id == job), None)
+        if w is not None and w.priority >= head.priority:
+            log.debug("granted beside a staging group=%s job=%s", g.id, job)
+            g.grant(job, restored=False, switch_seconds=0.0)
 
     # -- the switch ------------------------------------------------------------------------
     def start_switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
@@ -303,7 +319,7 @@ class MemoryMoves:
             elif restore and record is not None:
                 r.moved_in(incoming, next_up=beside is not None)
         finally:
-            self.switching = None
+            self.switching, self._beside = None, None
             self._switch_task = None
         if record is not None:
             record.finished_at_unix = time.time()
