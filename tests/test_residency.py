@@ -507,6 +507,29 @@ async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> 
     await g.close()
 
 
+async def test_a_max_hold_limit_reached_during_a_staging_preempts_when_it_ends() -> None:
+    """The holder's maxHoldSeconds runs out while the next job is being staged: the holder is
+    preempted once the switch ends (not never: the limit's timer is spent), and the staged
+    job is granted without another switch."""
+    gpu = SlowGpu(total=130 * GB, a=45)
+    gpu.go.set()
+    g = group(gpu, max_hold_seconds=0.05)
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB
+    await hold(g, "b")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))
+    gpu.go.clear()
+    await g.acquire("b", 0, "b-1", timeout=None)
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))  # a contender: b's clock starts
+    await eventually(lambda: g.preemption._due is not None)  # the limit came while the staging runs
+    assert g.holder is not None and g.holder.job_id == "b"
+    gpu.go.set()
+    grant_a = await a_waits
+    assert g.counters.preemptions == 1 and not grant_a.restored
+    assert gpu.calls[1:4] == [("checkpoint", "c"), ("restore", "a"), ("checkpoint", "b")]
+    await g.close()
+
+
 async def test_no_staging_without_room_beside_the_holders_peak_then_resident_waiters_go_first() -> None:
     """The holder keeps room to grow to its peak: b (45 GB now, 80 GB at its peak) leaves no
     room for a (60 GB) beside it even with c checkpointed, so nothing moves while it holds
