@@ -87,19 +87,24 @@ class Settings:
 def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,
              unavailable_timeout: float) -> Settings:
     """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP.
+    Without a job id, a client that has a token (`call_metadata`: in a cluster pod) sends
+    none and the orchestrator takes the job from the pod the token is bound to.
 
-    Raises ValueError when the target or the job id is set nowhere.
+    Raises ValueError when the target is set nowhere, or the job id is set nowhere and
+    there is no token.
     """
     target = target or os.environ.get(ENV_TARGET)
     job_id = job_id or os.environ.get(ENV_JOB)
     group_id = group_id or os.environ.get(ENV_GROUP) or None
     if not target:
         raise ValueError(f"no orchestrator address: pass target= or set {ENV_TARGET}")
-    if not job_id:
-        raise ValueError(f"no job id: pass job_id= or set {ENV_JOB}")
+    if not job_id and call_metadata() is None:
+        raise ValueError(f"no job id: pass job_id= or set {ENV_JOB} (in a cluster pod, mount the projected token "
+                         f"(audience timeslice.dev) at {DEFAULT_TOKEN_FILE} or ${ENV_TOKEN_FILE} instead: the "
+                         "orchestrator then takes the job from the pod)")
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
-    return Settings(target, job_id, group_id, priority, unavailable_timeout)
+    return Settings(target, job_id or "", group_id, priority, unavailable_timeout)
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:

@@ -38,7 +38,8 @@ class TimeSliceOrchestratorClient:
     Args:
         target: orchestrator address (`host:port`, `unix:///path`); default
             `$TIMESLICE_ORCHESTRATOR`.
-        job_id: this workload's job id; default `$TIMESLICE_JOB`.
+        job_id: this workload's job id; default `$TIMESLICE_JOB`; in a cluster pod with its
+            token mounted, none: the orchestrator takes the job from the pod.
         group_id: default group for calls that name none; default `$TIMESLICE_GROUP`.
         priority: queue priority, higher first, FIFO among equals.
         unavailable_timeout: seconds to keep retrying (same request id) while the

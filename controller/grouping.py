@@ -6,10 +6,15 @@ dicts, as the API server sends them), frozen dataclasses out, no I/O, no clock.
 
 Definitions:
 
-- A **claim set** is what one job (`jobs.job_id`) holds under one pod-level claim name
-  (`pod.spec.resourceClaims[].name`) across all its pods and nodes. A claim is in a claim
-  set when a pod of the job references it under that name, the claim is reserved for that
-  pod (`status.reservedFor`) and the pod is not finished. Only allocation results of
+- A **claim set** is what one job (`jobs.job_id`) holds from one **claim source** across
+  all its pods and nodes: the ResourceClaimTemplate its pods' claims are generated from
+  (`pod.spec.resourceClaims[].resourceClaimTemplateName`), or the ResourceClaim they name
+  (`resourceClaimName`). A claim is in a claim set when a pod of the job references it
+  from that source, the claim is reserved for that pod (`status.reservedFor`) and the pod
+  is not finished. The pod-level claim name (`pod.spec.resourceClaims[].name`) is only the
+  client's handle: a job whose trainer and sampler pods both call their claim `gpu`, from
+  templates `trainer-gpu` and `sampler-gpu`, has two claim sets, as with role-named claims
+  (the calling pod tells them apart, see `reconciler.aliases`). Only allocation results of
   driver `gpu.timeslice.dev` count; admin-access requests and results are never counted,
   so a claim with nothing else is in no claim set. A claim shared by pods of two jobs is
   in a claim set of each (and so puts both in one group).
@@ -104,26 +109,34 @@ class JobConfig:
                 f"memoryHeadroom={self.memory_headroom} residentFirstSeconds={self.resident_first_seconds:g}")
 
 
-def claim_set_id(job: str, name: str) -> str:
-    """`<job>:<pod-level claim name>`: the holder id of a claim set in its group. Claim
-    names are DNS labels (no ":"), so the id splits back at its last ":"."""
-    return safe_id(f"{job}:{name}")
+def claim_set_id(job: str, source: str) -> str:
+    """`<job>:<claim source>` (a ResourceClaimTemplate's or a ResourceClaim's name): the
+    holder id of a claim set in its group. Object names hold no ":", so the id splits back
+    at its last ":"."""
+    return safe_id(f"{job}:{source}")
 
 
 @dataclass(frozen=True)
 class ClaimSet:
     job: str
-    name: str                       # pod-level claim name, e.g. "trainer"
+    name: str                       # the pod-level claim name its pods use, e.g. "trainer" (the first, sorted)
     claims: tuple[ClaimRef, ...]    # oldest first
     devices: tuple[DeviceRef, ...]  # sorted
     gpus: tuple[str, ...]           # physical GPU ids, sorted
     nodes: tuple[str, ...]          # sorted
     pods: tuple[str, ...]           # pod uids, sorted
     config: JobConfig
+    source: str = ""                # the ResourceClaimTemplate or ResourceClaim name ("": the pod-level name)
+    names: tuple[str, ...] = ()     # every pod-level name its pods use, sorted (default: (name,))
 
     @property
     def id(self) -> str:
-        return claim_set_id(self.job, self.name)
+        return claim_set_id(self.job, self.source or self.name)
+
+    @property
+    def handles(self) -> tuple[str, ...]:
+        """The names a client of the job may lock it by: its pod-level names and its source."""
+        return tuple(dict.fromkeys((*(self.names or (self.name,)), *((self.source,) if self.source else ()))))
 
     @property
     def oldest(self) -> ClaimRef:
@@ -164,8 +177,8 @@ class Snapshot:
     warnings: tuple[GroupingWarning, ...] = ()
     node_agents: Mapping[str, AgentEndpoint] = field(default_factory=dict)  # node name -> (agent target, cert)
 
-    def claim_set(self, job: str, name: str) -> ClaimSet | None:
-        return self.claim_sets.get(claim_set_id(job, name))
+    def claim_set(self, job: str, source: str) -> ClaimSet | None:
+        return self.claim_sets.get(claim_set_id(job, source))
 
     def claim_sets_of_pod(self, pod_uid: str) -> tuple[ClaimSet, ...]:
         return tuple(cs for cs in self.claim_sets.values() if pod_uid in cs.pods)
@@ -267,16 +280,17 @@ def _parse_claim(claim: Mapping[str, Any], warnings: list[GroupingWarning]) -> _
                   cfg.job, reserved)
 
 
-def pod_claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(pod-level claim name, ResourceClaim name) of every claim the pod references that
-    exists: named in the spec, or generated from a template (`status.resourceClaimStatuses`)."""
+def pod_claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(pod-level claim name, ResourceClaim name, claim source) of every claim the pod
+    references that exists: named in the spec (the source is that claim), or generated
+    from a template (`status.resourceClaimStatuses`; the source is the template)."""
     generated = {s.get("name"): s.get("resourceClaimName")
                  for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()}
     out = []
     for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
         claim = ref.get("resourceClaimName") or generated.get(ref.get("name"))
         if ref.get("name") and claim:
-            out.append((ref["name"], claim))
+            out.append((ref["name"], claim, ref.get("resourceClaimName") or ref.get("resourceClaimTemplateName") or ""))
     return out
 
 
@@ -319,20 +333,22 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
         if c is not None:
             index[(c.ref.namespace, c.ref.name)] = c
 
-    # (namespace, job, pod-level claim name) -> (claim names, pod uids)
-    members: dict[tuple[str, str, str], tuple[set[str], set[str]]] = defaultdict(lambda: (set(), set()))
+    # (namespace, job, claim source) -> (claim names, pod uids, pod-level names)
+    members: dict[tuple[str, str, str], tuple[set[str], set[str], set[str]]] = \
+        defaultdict(lambda: (set(), set(), set()))
     for pod in pods:
         meta = pod.get("metadata") or {}
         uid, ns = meta.get("uid"), meta.get("namespace") or ""
         if not uid or (pod.get("status") or {}).get("phase") in FINISHED_PHASES:
             continue
-        for pod_claim, claim_name in pod_claim_names(pod):
+        for pod_claim, claim_name, source in pod_claim_names(pod):
             c = index.get((ns, claim_name))
             if c is None or uid not in c.reserved_for:
                 continue
-            claim_keys, pod_uids = members[(ns, job_id(pod, c.job_override), pod_claim)]
+            claim_keys, pod_uids, handles = members[(ns, job_id(pod, c.job_override), source or pod_claim)]
             claim_keys.add(claim_name)
             pod_uids.add(uid)
+            handles.add(pod_claim)
 
     for c in index.values():
         for pool, device in c.devices:
@@ -345,7 +361,8 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
         return gpus.get(d) or PhysicalGpu(f"{d[0]}/{d[1]}", d[0])
 
     sets: dict[str, ClaimSet] = {}
-    for (ns, job, name), (claim_names, pod_uids) in members.items():
+    for (ns, job, source), (claim_names, pod_uids, handles) in members.items():
+        name = min(handles)
         parts = sorted((index[(ns, n)] for n in claim_names), key=lambda c: c.ref)
         devices = sorted({d for c in parts for d in c.devices})
         placed = [gpu_of(d) for d in devices]
@@ -354,11 +371,12 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
             if c.config != oldest.config:
                 warnings.append(GroupingWarning(
                     c.ref, CONFLICTING_JOB_CONFIG,
-                    f"claim {c.ref} asks {c.config.describe()}, but claim set {name!r} of job {job} follows "
+                    f"claim {c.ref} asks {c.config.describe()}, but claim set {source!r} of job {job} follows "
                     f"its oldest claim {oldest.ref}: {oldest.config.describe()}"))
         cs = ClaimSet(job=job, name=name, claims=tuple(c.ref for c in parts), devices=tuple(devices),
                       gpus=tuple(sorted({g.id for g in placed})), nodes=tuple(sorted({g.node for g in placed})),
-                      pods=tuple(sorted(pod_uids)), config=oldest.config)
+                      pods=tuple(sorted(pod_uids)), config=oldest.config, source=source,
+                      names=tuple(sorted(handles)))
         sets[cs.id] = cs
 
     uf = _UnionFind()

@@ -2,12 +2,13 @@
 
 Owned by the controller app; called with every new `grouping.Snapshot` from
 `ClusterState`. Each `Group` becomes a `GroupSpec` whose members are its claim sets
-(a claim set holds the lock as `<job>:<claim name>`), with the node agents of the
+(a claim set holds the lock as `<job>:<claim source>`), with the node agents of the
 group's nodes (found from the node-plugin pods, `node_agents.py`, or from a fixed
 `agent_template` such as `{node}:50052` when the agents are not pods), and the agents'
 published TLS certificates (target -> PEM) go to the orchestrator before any group
 changes, so that every call pins the certificate of the agent as it is now; clients name
-their claim set by the pod-level claim name, mapped by (job, claim name) aliases.
+their claim set by the pod-level claim name (or its source), mapped by (job, name)
+aliases; a name two claim sets of a job share is resolved by the calling pod.
 Groups that vanished are removed; claim sets that vanished (claim deallocated, pods
 gone) are dropped from their group: they leave the queue and lose the lock at once, not
 after a lease.
@@ -22,7 +23,7 @@ from timeslice.controller.grouping import Group, Snapshot
 from timeslice.controller.node_agents import agent_certificates, missing_target
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.orchestrator import Orchestrator, pod_key
 from timeslice.driver.errors import NotFound
 
 log = logging.getLogger("timeslice.controller")
@@ -96,11 +97,14 @@ class Reconciler:
             pass
 
 
-def aliases(claim_sets: Iterable, group_of: dict[str, str]) -> dict[tuple[str, str], tuple[str, str]]:
-    """(job, claim name) and (claim-set id, claim name) -> (group id, claim-set id)."""
-    table: dict[tuple[str, str], tuple[str, str]] = {}
+def aliases(claim_sets: Iterable, group_of: dict[str, str]) -> dict[tuple[str, str], tuple[tuple[str, str], ...]]:
+    """(job, handle), (claim-set id, handle) and (`pod_key(uid)`, handle) of each of its
+    pods -> every (group id, claim-set id) it may name; a handle is a pod-level claim name
+    or the claim source (`ClaimSet.handles`)."""
+    table: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for cs in claim_sets:
         target = (group_of[cs.id], cs.id)
-        table[(cs.job, cs.name)] = target
-        table[(cs.id, cs.name)] = target
-    return table
+        for handle in cs.handles:
+            for key in ((cs.job, handle), (cs.id, handle), *((pod_key(uid), handle) for uid in cs.pods)):
+                table.setdefault(key, []).append(target)
+    return {k: tuple(sorted(v)) for k, v in table.items()}

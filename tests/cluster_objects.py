@@ -69,9 +69,9 @@ class World:
 
     def claim(self, pod: Obj, pod_claim: str, devices: list[tuple[str, str]], driver: str = names.DRIVER_NAME,
               config: list[Obj] | None = None, admin: bool = False, name: str | None = None,
-              request: str = "gpu") -> Obj:
-        """A claim generated for `pod` from a template under `pod_claim`, allocated `devices`
-        ((pool, device) pairs) and reserved for the pod."""
+              request: str = "gpu", template: str | None = None) -> Obj:
+        """A claim generated for `pod` from `template` (default: named like `pod_claim`) under
+        `pod_claim`, allocated `devices` ((pool, device) pairs) and reserved for the pod."""
         ns = pod["metadata"]["namespace"]
         name = name or f"{pod['metadata']['name']}-{pod_claim}"
         n = next(self._seq)
@@ -89,7 +89,7 @@ class World:
              "status": {"allocation": {"devices": {"results": results, "config": config or []}},
                         "reservedFor": []}}
         self.claims.append(c)
-        pod["spec"]["resourceClaims"].append({"name": pod_claim, "resourceClaimTemplateName": "tmpl"})
+        pod["spec"]["resourceClaims"].append({"name": pod_claim, "resourceClaimTemplateName": template or pod_claim})
         pod["status"]["resourceClaimStatuses"].append({"name": pod_claim, "resourceClaimName": name})
         self.reserve(c, pod)
         return c

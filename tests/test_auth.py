@@ -9,10 +9,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from timeslice import AccessDenied, TimeSliceOrchestratorClient
+from timeslice import AccessDenied, GroupNotFound, TimeSliceOrchestratorClient
 from timeslice.controller.auth import TokenReviewAuthenticator
 from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.orchestrator import Orchestrator, pod_key
 from timeslice.controller.orchestrator.server import create_server
 
 
@@ -36,7 +36,7 @@ class FakeReviews:
 async def server(tmp_path):
     orch = Orchestrator([GroupSpec(id="g", members=(MemberSpec(claim_set="ns/a:gpu", claims_by_agent={},
                                                                 pod_uids=("pod-a",)),))])
-    orch.set_aliases({("ns/a", "gpu"): ("g", "ns/a:gpu")})
+    orch.set_aliases({("ns/a", "gpu"): (("g", "ns/a:gpu"),), (pod_key("pod-a"), "gpu"): (("g", "ns/a:gpu"),)})
     reviews = FakeReviews({"token-a": "pod-a", "token-x": "pod-x"})
     srv, port = await create_server(orch, "127.0.0.1:0", TokenReviewAuthenticator(reviews))
     yield f"127.0.0.1:{port}", reviews
@@ -96,3 +96,26 @@ async def test_status_wants_an_accepted_token_when_auth_is_on_and_carries_no_lea
     assert await asyncio.to_thread(cli, ["status", "--target", target, "--json"]) == 0  # sends $TIMESLICE_TOKEN_FILE
     await asyncio.to_thread(client.release)
     client.close()
+
+
+async def test_a_pod_that_names_no_job_locks_as_its_pods_job(server, tmp_path, monkeypatch) -> None:
+    """Issue 11, item 4: no TIMESLICE_JOB in a cluster pod; the token names the pod, the pod's
+    claim called "gpu" names the claim set. A pod with no such claim learns what to do."""
+    target, _ = server
+    token = tmp_path / "token"
+    monkeypatch.setenv("TIMESLICE_TOKEN_FILE", str(token))
+    monkeypatch.delenv("TIMESLICE_JOB", raising=False)
+    token.write_text("token-a")
+    client = TimeSliceOrchestratorClient(target, group_id="gpu")
+    grant = await asyncio.to_thread(client.acquire)
+    assert grant.epoch == 1
+    await asyncio.to_thread(client.release)
+    client.close()
+    token.write_text("token-x")
+    other = TimeSliceOrchestratorClient(target, group_id="gpu")
+    with pytest.raises(GroupNotFound, match=r"holds no claim called 'gpu'.*or set TIMESLICE_JOB"):
+        await asyncio.to_thread(other.acquire)
+    other.close()
+    token.unlink()
+    with pytest.raises(ValueError, match="no job id"):
+        TimeSliceOrchestratorClient(target, group_id="gpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
 from timeslice.controller.grouping import (
     CONFLICTING_GROUP_CONFIG,
     CONFLICTING_JOB_CONFIG,
@@ -18,7 +19,10 @@ from timeslice.controller.grouping import (
     physical_gpus,
 )
 from timeslice.controller.jobs import ID_PATTERN
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.reconciler import aliases, group_spec
 from timeslice.driver import names
+from timeslice.driver.errors import FailedPrecondition
 
 from tests.cluster_objects import OTHER_DRIVER, World, gpu_uuid, slice_obj, ts_config
 
@@ -284,3 +288,54 @@ def test_diff_names_predecessors_of_a_merge() -> None:
     assert [g.id for g in dd.added] == [merged]
     assert dd.predecessors == {merged: tuple(sorted(before.groups))}
     assert len(dd.removed) == 2 and dd.claim_sets_gone == ()
+
+
+def _async_rl(claim_names: dict[str, str]) -> Snapshot:
+    """Two async-RL jobs: each a trainer pod on a seat of GPU 0 and a sampler pod on its own
+    GPU, their claims from templates trainer-gpu and sampler-gpu under `claim_names[role]`."""
+    w = one_node(gpus=3)
+    for i, job in enumerate(("a", "b")):
+        trainer = w.pod(f"{job}-trainer", owner=("Job", job))
+        sampler = w.pod(f"{job}-sampler", owner=("Job", job))
+        w.claim(trainer, claim_names["trainer"], [("node-a", f"gpu-0-seat-{i}")], template="trainer-gpu")
+        w.claim(sampler, claim_names["sampler"], [("node-a", f"gpu-{i + 1}-seat-0")], template="sampler-gpu")
+    return w.snapshot()
+
+
+def test_the_lock_unit_is_the_claim_source_not_the_pod_level_name() -> None:
+    """Issue 11, item 1: the peers' layout calls every pod's claim `gpu`; keyed by the
+    pod-level name, a job's trainer and sampler merged into one unit and all three GPUs
+    into one group. Keyed by the claim source, it gives the three groups that role-named
+    claims give: the trainers share GPU 0, each sampler is alone."""
+    literal, role_named = _async_rl({"trainer": "gpu", "sampler": "gpu"}), \
+        _async_rl({"trainer": "trainer", "sampler": "sampler"})
+    for s in (literal, role_named):
+        groups = sorted(sorted(cs.id for cs in g.claim_sets) for g in s.groups.values())
+        assert groups == [["ns/job/a:sampler-gpu"], ["ns/job/a:trainer-gpu", "ns/job/b:trainer-gpu"],
+                          ["ns/job/b:sampler-gpu"]]
+    cs = literal.claim_sets["ns/job/a:trainer-gpu"]
+    assert cs.source == "trainer-gpu" and cs.name == "gpu" and cs.handles == ("gpu", "trainer-gpu")
+    assert cs.pods == ("uid-pod-ns-a-trainer",)
+    assert role_named.claim_sets["ns/job/a:trainer-gpu"].handles == ("trainer", "trainer-gpu")
+
+
+async def test_a_name_two_claim_sets_share_is_resolved_by_the_calling_pod() -> None:
+    """The literal layout's clients all lock "gpu": the caller's pod (from its token) says
+    which claim set it means; without a pod the name is refused with what to do, and the
+    claim source always names one."""
+    s = _async_rl({"trainer": "gpu", "sampler": "gpu"})
+    orch = Orchestrator([group_spec(g, "none", lambda node: f"{node}:50052") for g in s.groups.values()])
+    try:
+        orch.set_aliases(aliases(s.claim_sets.values(), dict(s.group_of)))
+        group, member = orch.group_for("ns/job/a", "gpu", pod_uid="uid-pod-ns-a-sampler")
+        assert member == "ns/job/a:sampler-gpu" and group.id == s.group_of[member]
+        group, member = orch.group_for("ns/job/a", "gpu", pod_uid="uid-pod-ns-a-trainer")
+        assert member == "ns/job/a:trainer-gpu" and {m.claim_set for m in group.spec.members} == {
+            "ns/job/a:trainer-gpu", "ns/job/b:trainer-gpu"}
+        with pytest.raises(FailedPrecondition, match="2 claim sets its pods call 'gpu'"):
+            orch.group_for("ns/job/a", "gpu")
+        with pytest.raises(FailedPrecondition):
+            orch.group_for("ns/job/a", "gpu", pod_uid="uid-pod-ns-b-trainer")  # another job's pod decides nothing
+        assert orch.group_for("ns/job/b", "sampler-gpu")[1] == "ns/job/b:sampler-gpu"
+    finally:
+        await orch.close()

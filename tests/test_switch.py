@@ -156,7 +156,7 @@ async def test_cluster_members_are_switched_on_their_own_nodes_with_their_claims
     spec = c.orchestrator.group("g").spec
     # exclusive: only the switch steps ask the resolver (auto would add memory reports)
     c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "members": members, "residency": "exclusive"}))
-    c.orchestrator.set_aliases({("a", "trainer"): ("g", "a"), ("b", "trainer"): ("g", "b")})
+    c.orchestrator.set_aliases({("a", "trainer"): (("g", "a"),), ("b", "trainer"): (("g", "b"),)})
     a, b = c.client("a", group="trainer"), c.client("b", group="trainer")
     await a.acquire()
     task = asyncio.create_task(b.acquire())

@@ -20,9 +20,10 @@ MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, 
 
 
 class MemberSpec(BaseModel):
-    """One claim set of a group, in a cluster: `claim_set` is its id `<namespace>/<job>:<pod-level
-    claim name>` (`grouping.claim_set_id`), the holder id its clients lock with (`job_id` on
-    the wire); for each node agent the claim set's claims on that node (namespace, name),
+    """One claim set of a group, in a cluster: `claim_set` is its id `<namespace>/<job>:<claim
+    source>` (`grouping.claim_set_id`: a ResourceClaimTemplate's or ResourceClaim's name), the
+    holder id (`job_id` on the wire) its clients' handles resolve to (`Orchestrator.group_for`);
+    for each node agent the claim set's claims on that node (namespace, name),
     and the job's pods. The agent finds the processes from these (claim -> pods -> PIDs).
     `priority` and `max_hold_seconds` come from the claim set's TimeSliceConfig and
     override what its client asks for. (In static mode a group has no members and a holder
@@ -33,7 +34,7 @@ class MemberSpec(BaseModel):
     claim_set: str
     claims_by_agent: dict[str, tuple[tuple[str, str], ...]]
     pod_uids: tuple[str, ...] = ()
-    claim_name: str = ""  # the pod-level claim name of the claim set
+    claim_name: str = ""  # the pod-level claim name its pods use (marks its processes)
     priority: int = 0
     max_hold_seconds: float | None = Field(default=None, gt=0)
 

@@ -21,9 +21,15 @@ from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
-from timeslice.driver.errors import NotFound, TimeSliceServerError
+from timeslice.driver.errors import FailedPrecondition, NotFound, TimeSliceServerError
 
 log = logging.getLogger("timeslice.orchestrator")
+
+
+def pod_key(pod_uid: str) -> str:
+    """The alias key of a pod (`Orchestrator.set_aliases`): a caller that names no job is
+    known by the pod its token is bound to."""
+    return f"pod:{pod_uid}"
 
 
 class Orchestrator:
@@ -43,7 +49,7 @@ class Orchestrator:
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
         # its pod-level claim, and holds the lock as its claim set
-        self._aliases: dict[tuple[str, str], tuple[str, str]] = {}
+        self._aliases: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
         for spec in groups:
             self.add_group(spec)
 
@@ -78,8 +84,9 @@ class Orchestrator:
         except KeyError:
             raise NotFound(f"unknown group {group_id!r}") from None
 
-    def set_aliases(self, aliases: dict[tuple[str, str], tuple[str, str]]) -> None:
-        """Replace the (job, claim-set name) -> (group id, member job) table (the reconciler)."""
+    def set_aliases(self, aliases: Mapping[tuple[str, str], tuple[tuple[str, str], ...]]) -> None:
+        """Replace the (job, handle) -> [(group id, member job)] table (the reconciler; a
+        handle is a pod-level claim name or a claim source)."""
         self._aliases = dict(aliases)
 
     def set_agent_certificates(self, certificates: Mapping[str, str]) -> None:
@@ -89,11 +96,34 @@ class Orchestrator:
         (`AgentPool.set_certificates`)."""
         self._pool.set_certificates(certificates)
 
-    def group_for(self, job: str, name: str) -> tuple[LockGroup, str]:
-        """(group, the job as the group knows it) for `job` naming `name`: a group id, or the
-        job's claim-set name (the pod-level claim name, e.g. "trainer"). In a group with
-        members, only members may act. Raises NotFound."""
-        group_id, member = self._aliases.get((job, name), (name, job))
+    def group_for(self, job: str, name: str, pod_uid: str = "") -> tuple[LockGroup, str]:
+        """(group, the job as the group knows it) for `job` naming `name`: a group id, or
+        one of the job's claim sets by its pod-level claim name (e.g. "gpu") or its claim
+        source (e.g. "trainer-gpu"). When two claim sets of the job share the name (its
+        trainer and sampler pods both call their claim "gpu"), the one whose pods include
+        `pod_uid` (the caller's, from its token) is meant. In a group with members, only
+        members may act. `job` "": the job of the pod `pod_uid` (the caller named none).
+        Raises NotFound, FailedPrecondition (a shared name and no pod that decides)."""
+        if not job:
+            targets = self._aliases.get((pod_key(pod_uid), name), ())
+            if not targets:
+                raise NotFound(f"the calling pod ({pod_uid or 'unknown: no token'}) holds no claim called {name!r} "
+                               "of this driver (or set TIMESLICE_JOB)")
+            if len(targets) > 1:
+                raise FailedPrecondition(f"the calling pod's claims {', '.join(m for _, m in targets)} are all "
+                                         f"called {name!r}: lock by the claim source (the part after ':')")
+        else:
+            targets = self._aliases.get((job, name), ((name, job),))
+        if len(targets) > 1:
+            mine = [(g, m) for g, m in targets if g in self._groups and
+                    pod_uid in getattr(self._groups[g].spec.member(m), "pod_uids", ())] if pod_uid else []
+            if len(mine) != 1:
+                raise FailedPrecondition(
+                    f"job {job!r} has {len(targets)} claim sets its pods call {name!r} "
+                    f"({', '.join(m for _, m in targets)}): the calling pod decides which when the orchestrator "
+                    "authenticates pods (--auth tokenreview); else lock by the claim source (the part after ':')")
+            targets = tuple(mine)
+        group_id, member = targets[0]
         group = self.group(group_id)
         if group.spec.members and group.spec.member(member) is None:
             raise NotFound(f"job {job!r} has no claim in group {group_id!r}")

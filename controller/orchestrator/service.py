@@ -97,8 +97,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     async def _resolve(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[LockGroup, str]:
         """(group, member job) the request acts for, checked against the caller's pod."""
         pod = await self._auth.identify(context.invocation_metadata()) if self._auth is not None else None
+        if not request.job_id and pod is not None:  # the job of the caller's pod (token -> pod -> claim sets)
+            group, job = self._orch.group_for("", _check_id("group_id", request.group_id), pod.pod_uid)
+            return group, job
         group, job = self._orch.group_for(_check_id("job_id", request.job_id),
-                                          _check_id("group_id", request.group_id))
+                                          _check_id("group_id", request.group_id), pod.pod_uid if pod else "")
         if pod is not None:
             member = group.spec.member(job)
             if member is None or pod.pod_uid not in member.pod_uids:

@@ -2,7 +2,10 @@
 
 One worker process per claim set, marked with its pod-level claim name, so the node agent
 moves only the trainer's state when the shared trainer GPU switches jobs. One JSON line
-per phase: {"kind": "sample"|"train", "start", "end", "check_ok"} (CLOCK_MONOTONIC).
+per phase: {"kind": "sample"|"train", "start", "end", "check_ok", "waited"} (CLOCK_MONOTONIC;
+`waited`: seconds until the hold was granted). `PHASES` lists what this pod runs, as
+kind:claim pairs (default "sample:sampler,train:trainer": both, alternating, in one pod;
+"train:gpu" is a trainer pod whose claim is called `gpu`, as in the peers' layout).
 """
 
 import json
@@ -10,12 +13,15 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from timeslice import TimeSliceOrchestratorClient
 
 STEPS = int(os.environ.get("STEPS", "4"))
 SAMPLE_SECONDS = float(os.environ.get("SAMPLE_SECONDS", "2"))
 TRAIN_SECONDS = float(os.environ.get("TRAIN_SECONDS", "1"))
+SECONDS = {"sample": SAMPLE_SECONDS, "train": TRAIN_SECONDS}
+PHASES = [tuple(p.split(":", 1)) for p in os.environ.get("PHASES", "sample:sampler,train:trainer").split(",")]
 
 
 def start_worker(claim: str):
@@ -38,14 +44,16 @@ def stop(proc, link) -> None:
     proc.wait()
 
 
-client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (CDI), $TIMESLICE_JOB
-workers = {claim: start_worker(claim) for claim in ("sampler", "trainer")}
+client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (CDI); the job: from this pod's token
+workers = {claim: start_worker(claim) for _, claim in PHASES}
 for step in range(STEPS):
-    for kind, claim, seconds in (("sample", "sampler", SAMPLE_SECONDS), ("train", "trainer", TRAIN_SECONDS)):
+    for kind, claim in PHASES:
+        asked = time.monotonic()
         with client.on_accelerators(claim):
-            r = phase(workers[claim][1], seconds)
+            waited = time.monotonic() - asked
+            r = phase(workers[claim][1], SECONDS[kind])
             if step == STEPS - 1:  # free the device state while still holding the lock
                 stop(*workers[claim])
         print(json.dumps({"kind": kind, "step": step, "start": r["start"], "end": r["end"],
-                          "check_ok": r["check_ok"]}), flush=True)
+                          "check_ok": r["check_ok"], "waited": waited}), flush=True)
 client.close()

@@ -33,7 +33,7 @@ def send(message: dict) -> None:
     link.write(json.dumps(message) + "\n")
     link.flush()  # a text-mode socket file holds writes until a read, or a flush
 
-client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (from CDI), $TIMESLICE_JOB, $TIMESLICE_GROUP
+client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (from CDI), $TIMESLICE_GROUP; the job: from the token
 
 for step in range(STEPS):
     with client.on_accelerators():
