@@ -106,8 +106,13 @@ def our_slices(kube: Any) -> list[dict]:
 
 
 def claim_template(kube: Any, ns: str, name: str, count: int = 1, constraints: list[dict] | None = None,
-                   config: dict | None = None) -> None:
-    devices: dict = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": DRIVER, "count": count}}]}
+                   config: dict | None = None, every_seat_of: str | None = None) -> None:
+    """`every_seat_of`: a CEL selector; the request is `allocationMode: All` over the seats it matches."""
+    exactly: dict = {"deviceClassName": DRIVER, "count": count}
+    if every_seat_of is not None:
+        exactly = {"deviceClassName": DRIVER, "allocationMode": "All",
+                   "selectors": [{"cel": {"expression": every_seat_of}}]}
+    devices: dict = {"requests": [{"name": "gpu", "exactly": exactly}]}
     if constraints:
         devices["constraints"] = constraints
     if config is not None:

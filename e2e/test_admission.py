@@ -1,6 +1,7 @@
 """The ValidatingAdmissionPolicy of manifests/base rejects multi-seat requests without a
 distinct-GPU constraint (matchAttribute on the seat, distinctAttribute on the physical GPU,
-or a selector pinning seat 0) at apply time, with a message that says how to fix them."""
+or a selector pinning seat 0) at apply time, with a message that says how to fix them;
+`allocationMode: All` (a whole GPU, an admin-access monitor) is accepted."""
 
 from __future__ import annotations
 
@@ -75,3 +76,18 @@ def test_template_is_checked_too(kube, namespace, policy) -> None:
             "spec": {"spec": claim("x", 3)["spec"]}}
     r = kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(tmpl), check=False)
     assert r.returncode != 0 and "request(s) gpus" in r.stderr
+
+
+@pytest.mark.parametrize("admin", [False, True], ids=["whole-gpu", "admin-monitor"])
+def test_allocation_mode_all_is_accepted(kube, namespace, policy, admin) -> None:
+    """Issue 11, item 6: every seat of GPU 0 to one claim (exclusive), or every seat of the
+    node to an admin-access monitor."""
+    c = claim("all", 1, selector=None if admin else "device.attributes['gpu.timeslice.dev'].index == 0")
+    exactly = c["spec"]["devices"]["requests"][0]["exactly"]
+    del exactly["count"]
+    exactly["allocationMode"] = "All"
+    if admin:
+        exactly["adminAccess"] = True  # allowed in namespaces labelled resource.kubernetes.io/admin-access
+        kube.run("label", "namespace", namespace, "resource.kubernetes.io/admin-access=true", "--overwrite")
+    r = kube.run("create", "-n", namespace, "-f", "-", "--dry-run=server", input=yaml.safe_dump(c), check=False)
+    assert r.returncode == 0, r.stderr

@@ -119,6 +119,17 @@ def test_count_two_with_the_seat_constraint_gets_two_physical_gpus(kube, namespa
     assert bad.returncode != 0 and "matchAttribute: gpu.timeslice.dev/seat" in bad.stderr
 
 
+def test_allocation_mode_all_gets_every_seat_of_a_gpu(kube, namespace, plugin) -> None:
+    """Issue 11, item 6: a job that must not share takes a whole GPU (every seat of GPU 1, one
+    claim): the admission policy lets it in and the plugin prepares the four seats."""
+    claim_template(kube, namespace, "kp-whole", every_seat_of="device.attributes['gpu.timeslice.dev'].index == 1")
+    pod = unique("kp-whole")
+    claim_pod(kube, namespace, pod, {"gpu": "kp-whole"})
+    kube.wait_pod_phase(namespace, pod, {"Running"}, timeout=120)
+    assert sorted(devices_of(pod_claims(kube, namespace, pod)["gpu"])) == [f"gpu-1-seat-{k}" for k in range(4)]
+    kube.run("delete", "pod", "-n", namespace, pod, "--wait=true", "--timeout=60s")
+
+
 def test_malformed_config_fails_only_its_claim_with_an_event(kube, namespace, plugin) -> None:
     claim_template(kube, namespace, "kp-bad-config", config={"apiVersion": "timeslice.dev/v1alpha1",
                                                           "kind": "TimeSliceConfig", "backend": "magic"})

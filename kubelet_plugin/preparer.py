@@ -4,7 +4,9 @@ Owned by the kubelet plugin; called by the DRA gRPC adapter (`dra_service.py`). 
 is a transaction (STYLE.md 7): return the checkpointed answer if already prepared (the
 CDI spec is rewritten: /var/run/cdi is usually tmpfs); else read the claim from the API
 server, check it is allocated to this node and driver, validate its `TimeSliceConfig`,
-refuse two seats of one GPU in one request, write the CDI spec, then the checkpoint.
+refuse two seats of one GPU in one request (unless the request is `allocationMode: All` or
+admin access: every matching seat, e.g. a whole GPU to one claim, or a monitor), write
+the CDI spec, then the checkpoint.
 
 Contracts: idempotent; exactly one result per claim UID; a bad claim fails only its own
 slot (with a Warning Event on the claim) and never the others; unprepare of an unknown
@@ -67,7 +69,10 @@ def plan_claim(claim: dict[str, Any], uid: str, node: str, lookup: Callable[[str
     results = [r for r in allocation.get("devices", {}).get("results", []) if r.get("driver") == names.DRIVER_NAME]
     if not results:
         raise FailedPrecondition(f"claim {ref} has no devices of driver {names.DRIVER_NAME}")
+    whole = _every_seat_requests(claim)
     planned = []
+    passed: set[str] = set()  # GPUs whose device nodes an earlier seat of this claim passes through
+    seats: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # request -> GPU -> seats
     for r in results:
         if r["pool"] != node:
             raise FailedPrecondition(f"claim {ref}: device {r['pool']}/{r['device']} is allocated to node "
@@ -76,21 +81,40 @@ def plan_claim(claim: dict[str, Any], uid: str, node: str, lookup: Callable[[str
         if info is None:
             raise FailedPrecondition(f"claim {ref}: device {r['device']} is not published by this node")
         planned.append(PlannedDevice(r["request"].split("/", 1)[0], r["pool"], r["device"], info.uuid,
-                                     tuple(info.device_nodes)))
-    by_request: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for d in planned:
-        by_request[d.request][d.physical_gpu].append(d.device)
-    for request, gpus in by_request.items():
+                                     () if info.uuid in passed else tuple(info.device_nodes)))
+        passed.add(info.uuid)
+        seats[r["request"]][info.uuid].append(r["device"])
+        if r.get("adminAccess"):
+            whole.add(r["request"])
+    for request, gpus in seats.items():
         for gpu, devices in gpus.items():
-            if len(devices) > 1:
+            if len(devices) > 1 and request not in whole:
                 raise InvalidArgument(
                     f"claim {ref}: request {request!r} got {len(devices)} seats of one physical GPU {gpu} "
                     f"({', '.join(devices)}); two seats of one GPU are not two GPUs. Ask for distinct GPUs "
                     f"with spec.devices.constraints: [{{matchAttribute: {names.DRIVER_NAME}/seat, "
                     f"requests: [{request}]}}]")
-    configs = config.resolve(allocation.get("devices", {}).get("config", []) or [], sorted(by_request))
+    configs = config.resolve(allocation.get("devices", {}).get("config", []) or [],
+                             sorted({d.request for d in planned}))
     admin = any(r.get("adminAccess") for r in results)
     return ClaimPlan(tuple(planned), configs, admin)
+
+
+def _every_seat_requests(claim: dict[str, Any]) -> set[str]:
+    """Names of the claim's requests (and `firstAvailable` subrequests, as "request/sub",
+    the form of an allocation result's `request`) whose `allocationMode` is `All` (resource.k8s.io/v1
+    ExactDeviceRequest / DeviceSubRequest): they hold every seat their selectors match, so
+    several seats of one GPU are what the user asked for (a whole GPU to one claim), not a
+    miscount of GPUs."""
+    out: set[str] = set()
+    for req in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or ():
+        name = req.get("name", "")
+        if (req.get("exactly") or {}).get("allocationMode") == "All":
+            out.add(name)
+        for sub in req.get("firstAvailable") or ():
+            if sub.get("allocationMode") == "All":
+                out.add(f"{name}/{sub.get('name', '')}")
+    return out
 
 
 class ClaimPreparer:

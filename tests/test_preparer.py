@@ -105,3 +105,28 @@ async def test_prepare_is_per_claim_idempotent_and_survives_restarts(tmp_path) -
     done = await fresh.unprepare([refs[0], ClaimRef("ns", "never", "x")])
     assert done == {"a": None, "never": None}
     assert not (tmp_path / "cdi" / "timeslice.dev-gpu_a.json").exists() and "a" not in fresh.checkpoint.claims
+
+
+def test_allocation_mode_all_and_admin_access_may_hold_every_seat_of_a_gpu() -> None:
+    """Issue 11, item 6: `allocationMode: All` (a whole GPU to one claim) and an admin-access
+    monitor hold several seats of one GPU on purpose; the GPU's device nodes pass through
+    once. A count request beside them in the same claim is still checked."""
+    whole = claim("u", [f"gpu-0-seat-{k}" for k in range(4)])
+    whole["spec"] = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.timeslice.dev",
+                                                                          "allocationMode": "All"}}]}}
+    plan = plan_claim(whole, "u", NODE, GPUS.get)
+    assert [d.physical_gpu for d in plan.devices] == ["GPU-0"] * 4 and not plan.admin_access
+    assert [d.device_nodes for d in plan.devices] == [("/dev/nvidia0", "/dev/nvidiactl"), (), (), ()]
+    sub = claim("u", ["gpu-0-seat-0", "gpu-0-seat-1"], request="gpu/whole")
+    sub["spec"] = {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
+        {"name": "whole", "deviceClassName": "gpu.timeslice.dev", "allocationMode": "All"}]}]}}
+    assert len(plan_claim(sub, "u", NODE, GPUS.get).devices) == 2
+    monitor = plan_claim(claim("u", [f"gpu-{i}-seat-{k}" for i in range(2) for k in range(4)], admin=True), "u",
+                         NODE, GPUS.get)
+    assert monitor.admin_access and len(monitor.devices) == 8
+    counted = claim("u", ["gpu-1-seat-0", "gpu-1-seat-1"], request="two")
+    counted["spec"] = {"devices": {"requests": [
+        {"name": "gpu", "exactly": {"deviceClassName": "gpu.timeslice.dev", "allocationMode": "All"}},
+        {"name": "two", "exactly": {"deviceClassName": "gpu.timeslice.dev", "count": 2}}]}}
+    with pytest.raises(InvalidArgument, match="request 'two' got 2 seats of one physical GPU"):
+        plan_claim(counted, "u", NODE, GPUS.get)
