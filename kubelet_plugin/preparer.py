@@ -3,7 +3,8 @@
 Owned by the kubelet plugin; called by the DRA gRPC adapter (`dra_service.py`). Each claim
 is a transaction (STYLE.md 7): return the checkpointed answer if already prepared (the
 CDI spec is rewritten: /var/run/cdi is usually tmpfs); else read the claim from the API
-server, check it is allocated to this node and driver, validate its `TimeSliceConfig`,
+server, check it is allocated to this node and driver, validate its `TimeSliceConfig` (one
+for all its requests: a claim is one lock unit),
 refuse two seats of one GPU in one request (unless the request is `allocationMode: All` or
 admin access: every matching seat, e.g. a whole GPU to one claim, or a monitor), write
 the CDI spec, then the checkpoint.
@@ -96,8 +97,19 @@ def plan_claim(claim: dict[str, Any], uid: str, node: str, lookup: Callable[[str
                     f"requests: [{request}]}}]")
     configs = config.resolve(allocation.get("devices", {}).get("config", []) or [],
                              sorted({d.request for d in planned}))
+    first, *rest = sorted(configs)
+    differ = [r for r in rest if configs[r] != configs[first]]
+    if differ:  # one claim is one lock unit (in one claim set): one job, one priority, one backend
+        raise InvalidArgument(
+            f"claim {ref}: requests {first!r} and {', '.join(map(repr, differ))} carry different TimeSliceConfigs "
+            f"({_described(configs[first])} vs {_described(configs[differ[0]])}); a claim is locked as one unit, so "
+            "give every request the same config (an entry without `requests` applies to all) or split the claim")
     admin = any(r.get("adminAccess") for r in results)
     return ClaimPlan(tuple(planned), configs, admin)
+
+
+def _described(cfg: config.TimeSliceConfig) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.model_dump(exclude={"apiVersion", "kind"}).items())
 
 
 def _every_seat_requests(claim: dict[str, Any]) -> set[str]:

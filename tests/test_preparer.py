@@ -130,3 +130,19 @@ def test_allocation_mode_all_and_admin_access_may_hold_every_seat_of_a_gpu() -> 
         {"name": "two", "exactly": {"deviceClassName": "gpu.timeslice.dev", "count": 2}}]}}
     with pytest.raises(InvalidArgument, match="request 'two' got 2 seats of one physical GPU"):
         plan_claim(counted, "u", NODE, GPUS.get)
+
+
+def test_requests_of_one_claim_that_disagree_on_their_config_are_refused() -> None:
+    """Issue 11, item 5: a claim is one lock unit; a config for one request only (another
+    job, another priority) was silently ignored for the claim. Now prepare refuses it."""
+    cfg = {"opaque": {"driver": "gpu.timeslice.dev", "parameters": {
+        "apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "priority": 5, "job": "other"}},
+        "requests": ["b"]}
+    two = claim("u", ["gpu-0-seat-0"], request="a", config=[cfg])
+    two["status"]["allocation"]["devices"]["results"].append(
+        {"request": "b", "driver": "gpu.timeslice.dev", "pool": NODE, "device": "gpu-1-seat-0"})
+    with pytest.raises(InvalidArgument, match=r"requests 'a' and 'b' carry different TimeSliceConfigs .*job=None "
+                                              r"priority=0.* vs job=other priority=5"):
+        plan_claim(two, "u", NODE, GPUS.get)
+    del cfg["requests"]  # for every request: accepted
+    assert plan_claim(two, "u", NODE, GPUS.get).configs["a"].priority == 5
