@@ -11,7 +11,8 @@ their claim set by the pod-level claim name (or its source), mapped by (job, nam
 aliases; a name two claim sets of a job share is resolved by the calling pod.
 Groups that vanished are removed; claim sets that vanished (claim deallocated, pods
 gone) are dropped from their group: they leave the queue and lose the lock at once, not
-after a lease.
+after a lease. Claim sets that moved to another group (groups merged or split) take their
+holder, waiters and residency along (`takeover.carry`) before the old group goes.
 """
 
 from __future__ import annotations
@@ -69,13 +70,33 @@ class Reconciler:
     async def apply(self, snapshot: Snapshot) -> None:
         old, self.snapshot = self.snapshot, snapshot
         self.orchestrator.set_agent_certificates(agent_certificates(snapshot.node_agents.values()))
+        moved: dict[tuple[str, str], set[str]] = {}  # (old group, new group) -> claim sets that moved
         for cs_id in old.claim_sets:
-            if cs_id not in snapshot.claim_sets or snapshot.group_of.get(cs_id) != old.group_of.get(cs_id):
-                self._drop(old.group_of.get(cs_id), cs_id, "its claims were deallocated or its pods are gone"
-                           if cs_id not in snapshot.claim_sets else "it moved to another group")
+            if cs_id not in snapshot.claim_sets:
+                self._drop(old.group_of.get(cs_id), cs_id, "its claims were deallocated or its pods are gone")
+            elif old.group_of.get(cs_id) and snapshot.group_of.get(cs_id) != old.group_of.get(cs_id):
+                moved.setdefault((old.group_of[cs_id], snapshot.group_of[cs_id]), set()).add(cs_id)
+        self._set_groups(snapshot, old)
+        for (old_id, new_id), jobs in sorted(moved.items(), key=lambda kv: self._carry_order(kv[0][0])):
+            try:
+                self.orchestrator.carry(old_id, new_id, jobs)
+            except NotFound:  # the old group was never set up (its spec failed): nothing to carry
+                pass
         for group_id in set(old.groups) - set(snapshot.groups):
             await self.orchestrator.remove_group(group_id)
             log.info("group removed group=%s", group_id)
+        self.orchestrator.set_aliases(aliases(snapshot.claim_sets.values(), snapshot.group_of))
+
+    def _carry_order(self, old_id: str) -> tuple[int, int, float]:
+        """Old groups whose holder has the highest priority (then the earliest grant) carry
+        first: that holder goes on holding in a merged group, the others are revoked."""
+        try:
+            h = self.orchestrator.group(old_id).holder
+        except NotFound:
+            h = None
+        return (0, -h.priority, h.granted_at) if h is not None else (1, 0, 0.0)
+
+    def _set_groups(self, snapshot: Snapshot, old: Snapshot) -> None:
         for group in snapshot.groups.values():
             spec = group_spec(group, self.default_backend,
                               lambda node: agent_target(node, snapshot, self.agent_template))
@@ -85,7 +106,6 @@ class Reconciler:
                     self._on_group_set(lock)  # e.g. show the group in its claims' status
                 log.info("group set group=%s members=%s nodes=%s backend=%s", group.id,
                          [m.claim_set for m in spec.members], list(group.nodes), spec.backend)
-        self.orchestrator.set_aliases(aliases(snapshot.claim_sets.values(), snapshot.group_of))
 
     def _drop(self, group_id: str | None, cs_id: str, why: str) -> None:
         if group_id is None:

@@ -66,7 +66,7 @@ def run_async_rl(kube, layout: Path) -> None:
     else:
         raise AssertionError("jobs did not finish")
     phases: dict[str, list[tuple[float, float, str]]] = {"sample": [], "train": []}
-    sampler_waits: list[float] = []
+    sampler_waits: list[tuple[float, float]] = []  # (in the orchestrator's queue, from asking to the grant)
     for job in sorted(j["metadata"]["name"] for j in jobs):
         for line in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines():
             if line.startswith("{"):
@@ -74,9 +74,12 @@ def run_async_rl(kube, layout: Path) -> None:
                 assert r["check_ok"], r
                 phases[r["kind"]].append((r["start"], r["end"], job.removesuffix("-sampler")))
                 if r["kind"] == "sample":
-                    sampler_waits.append(r["waited"])
+                    sampler_waits.append((r["queued"], r["waited"]))
     assert len(phases["train"]) == 8 and len(phases["sample"]) == 8
-    assert max(sampler_waits) <= 0.05, sampler_waits  # the samplers never wait on anyone
+    print(f"{layout.name}: sampler waits, seconds (queued, whole call): {sorted(sampler_waits)}")
+    # the samplers never wait behind a trainer (a train phase is 1 s; before claim sources, the
+    # literal layout's samplers waited 1.2-1.7 s); on this 2-core VM the calls themselves take ~10-90 ms
+    assert max(q for q, _ in sampler_waits) <= 0.5, sampler_waits
     train = sorted(phases["train"])
     for (_, e1, j1), (s2, _, j2) in itertools.pairwise(train):
         assert s2 >= e1 - 0.01, f"trainers of {j1} and {j2} overlapped"

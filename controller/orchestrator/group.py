@@ -134,6 +134,7 @@ class LockGroup:
         else:
             w = self.queue.push(request_id, job_id, priority, self.clock(),
                                 asyncio.get_running_loop().create_future())
+            w.owner = self
             log.debug("queued group=%s job=%s priority=%d position=%d", self.id, job_id, priority,
                       len(self.queue) - 1)
             self.dispatch()
@@ -141,13 +142,13 @@ class LockGroup:
         try:
             return await asyncio.wait_for(asyncio.shield(w.future), timeout)
         except TimeoutError:
-            self.callers.left(w)
+            (w.owner or self).callers.left(w)  # its group now: it moves when groups re-form
             raise AcquireTimeout(f"group {self.id}: no grant within {timeout} s") from None
         except asyncio.CancelledError:
-            self.callers.lost(w)
+            (w.owner or self).callers.lost(w)
             raise
         except BaseException:
-            self.callers.left(w)
+            (w.owner or self).callers.left(w)
             raise
 
     def release(self, job_id: str, lease_id: str, epoch: int, request_id: str = "") -> tuple[int, bool]:

@@ -26,6 +26,7 @@ class Waiter:
     enqueued_at: float
     future: asyncio.Future[Any] = field(repr=False)
     callers: int = 1
+    owner: Any = field(default=None, repr=False)  # the LockGroup whose queue holds it (it moves on a re-formation)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -47,6 +48,15 @@ class LockQueue:
         self._waiters.insert(i, w)
         self._by_request[(job_id, request_id)] = w
         return w
+
+    def adopt(self, w: Waiter) -> None:
+        """Queue a waiter taken from another group's queue: behind the waiters of its priority
+        already here (callers adopt several in their old order)."""
+        w.seq = next(self._seq)
+        i = bisect.bisect(self._keys, w.key)
+        self._keys.insert(i, w.key)
+        self._waiters.insert(i, w)
+        self._by_request[(w.job_id, w.request_id)] = w
 
     def remove(self, w: Waiter) -> bool:
         """Take `w` out; False when it was not queued."""

@@ -77,6 +77,11 @@ class Orchestrator:
             except Exception:  # an observer must never break the lock, nor the other observers
                 log.exception("group observer failed group=%s event=%s", group.id, event.kind)
 
+    def carry(self, old_id: str, new_id: str, jobs: set[str]) -> None:
+        """Claim sets `jobs` moved from group `old_id` to `new_id` (groups re-formed):
+        `takeover.carry`. Raises NotFound."""
+        takeover.carry(self.group(new_id), self.group(old_id), jobs)
+
     def group(self, group_id: str) -> LockGroup:
         """The group of that id; raises NotFound."""
         try:

@@ -101,3 +101,61 @@ def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -
     g.dispatch()
     g.preemption.arm()
     return True
+
+
+def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
+    """Groups re-formed (a claim set joined or left, and groups merged or split): the claim
+    sets `jobs` moved from `old` to `new` (members of `new` now). Their state comes along:
+    residency (resident, checkpointed, peaks), the fencing epoch floor (never below
+    `old`'s), the jobs that must leave the GPUs before a grant, their waiters in their order
+    (callers, futures and preempted holders' leases included: nobody waits in a group that
+    is gone), and `old`'s holder. That one goes on holding in `new` with its lease when `new`
+    has no holder; else it is revoked: it must leave the GPUs (checkpointed, or frozen)
+    before `new` grants anyone, and once it is out, a keep-alive of its lease queues it again
+    (`requeue_switched_out`), as a holder preempted mid-phase. Callers carry the old group
+    of the highest-priority holder first."""
+    new.epoch = max(new.epoch, old.epoch)
+    r_old, r_new = old.residency, new.residency
+    for job in sorted(jobs):
+        if job in r_old.checkpointed:
+            r_new.moved_out(job)
+        elif job in r_old.residents:
+            r_new.moved_in(job)
+        if job in r_old.peaks:
+            r_new.peaks[job] = dict(r_old.peaks[job])
+    for job in old.moves.must_leave(""):
+        if job in jobs:
+            new.moves.lapsed(job)
+    for w in old.queue:
+        if w.job_id not in jobs:
+            continue
+        old.queue.remove(w)
+        parked = old.preemption.forget(w)
+        if parked is not None:  # a preempted holder's entry: queued again there under its lease
+            new.leases.remember(parked.lease_id)
+            new.preemption.park(parked)
+            continue
+        w.owner = new
+        new.queue.adopt(w)
+    h = old.holder
+    if h is not None and h.job_id in jobs:
+        if new.holder is None and not new.moves.must_leave(h.job_id):
+            old.holder = None
+            old.leases.stop()
+            old.preemption.stop_clock()
+            new.holder = h
+            new.leases.remember(h.lease_id)
+            r_new.held(h.job_id)
+            new.leases.arm()
+            log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
+        else:
+            old.end_hold(h, f"revoked: its claim set moved to group {new.id}, which has another holder")
+            r_new.moved_in(h.job_id)
+            new.moves.lapsed(h.job_id)
+            log.warning("holder revoked group=%s job=%s epoch=%d: it leaves the GPUs before anyone is granted",
+                        new.id, h.job_id, h.epoch)
+    log.info("carried group=%s from=%s jobs=%s waiters=%d", new.id, old.id, sorted(jobs), len(new.queue))
+    new.preemption.arm()
+    old.preemption.disarm_when_unwaited()
+    old.dispatch()
+    new.dispatch()

@@ -2,8 +2,9 @@
 
 One worker process per claim set, marked with its pod-level claim name, so the node agent
 moves only the trainer's state when the shared trainer GPU switches jobs. One JSON line
-per phase: {"kind": "sample"|"train", "start", "end", "check_ok", "waited"} (CLOCK_MONOTONIC;
-`waited`: seconds until the hold was granted). `PHASES` lists what this pod runs, as
+per phase: {"kind": "sample"|"train", "start", "end", "check_ok", "waited", "queued"}
+(CLOCK_MONOTONIC; `waited`: seconds from asking to the grant, the call included; `queued`:
+the orchestrator's count, seconds in its queue). `PHASES` lists what this pod runs, as
 kind:claim pairs (default "sample:sampler,train:trainer": both, alternating, in one pod;
 "train:gpu" is a trainer pod whose claim is called `gpu`, as in the peers' layout).
 """
@@ -51,9 +52,10 @@ for step in range(STEPS):
         asked = time.monotonic()
         with client.on_accelerators(claim):
             waited = time.monotonic() - asked
+            queued = client.holding(claim).waited_seconds
             r = phase(workers[claim][1], SECONDS[kind])
             if step == STEPS - 1:  # free the device state while still holding the lock
                 stop(*workers[claim])
         print(json.dumps({"kind": kind, "step": step, "start": r["start"], "end": r["end"],
-                          "check_ok": r["check_ok"], "waited": waited}), flush=True)
+                          "check_ok": r["check_ok"], "waited": waited, "queued": queued}), flush=True)
 client.close()

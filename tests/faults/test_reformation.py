@@ -1,0 +1,161 @@
+"""Property-based runs (hypothesis) of groups that re-form (issue 11, item 3): claim sets
+join and leave a node of four GPUs at random (each on one to three of them, one seat per
+GPU), so groups merge and split, while their jobs acquire and release. The real grouping,
+reconciler and orchestrator run; the switcher models what is computing (a checkpoint stops a
+job, a restore lets it run again). After every step: at most one claim set computes on any
+physical GPU (a holder whose group merged into one with another holder was revoked and
+stopped before anyone else was granted, or it still holds alone), and no waiter is lost:
+every acquire of a claim set still present is queued in the group its claim set is in now,
+or granted; only a claim set that left sees its acquire refused."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from timeslice.controller.orchestrator.group_model import SwitchRecord
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.reconciler import Reconciler
+from timeslice.driver.errors import StaleLease
+
+from tests.cluster_objects import World
+
+JOBS = ("a", "b", "c", "d", "e")
+GPUS = 4
+
+
+class StopModel:
+    """The `freeze`-like switcher: a checkpoint stops a job's processes, a restore resumes them."""
+
+    def __init__(self) -> None:
+        self.stopped: set[str] = set()
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        self.stopped.update(evict)
+        if restore:
+            self.stopped.discard(incoming)
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+
+class Cluster:
+    """One node; each job is at most one pod with one claim (template "gpu") on some GPUs."""
+
+    def __init__(self) -> None:
+        self.world = World()
+        self.world.node("node-a", gpus=GPUS, seats=len(JOBS))
+        self.pods: dict[str, dict] = {}
+        self.gpus: dict[str, tuple[int, ...]] = {}  # job -> the GPUs of its claim
+        self._seat = itertools.count()
+
+    def join(self, job: str, gpus: tuple[int, ...]) -> None:
+        pod = self.world.pod(f"{job}-{next(self._seat)}", owner=("Job", job))
+        seat = JOBS.index(job)  # one seat index per job: never two jobs on one seat
+        self.world.claim(pod, "gpu", [("node-a", f"gpu-{g}-seat-{seat}") for g in gpus])
+        self.pods[job], self.gpus[job] = pod, gpus
+
+    def leave(self, job: str) -> None:
+        pod = self.pods.pop(job)
+        self.world.pods.remove(pod)
+        name = pod["status"]["resourceClaimStatuses"][0]["resourceClaimName"]
+        self.world.claims[:] = [c for c in self.world.claims if c["metadata"]["name"] != name]
+        del self.gpus[job]
+
+
+def cs_id(job: str) -> str:
+    return f"ns/job/{job}:gpu"
+
+
+async def settle(orch: Orchestrator) -> None:
+    """Let switches and grants that are due run (the switcher answers at once): bounded yields."""
+    for _ in range(200):
+        await asyncio.sleep(0)
+        if all(g.switching is None for g in orch.groups()):
+            break
+
+
+async def run(steps: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    model = StopModel()
+    orch = Orchestrator(switcher=model)
+    rec = Reconciler(orch, agent_template="{node}:1", default_backend="freeze")
+    cluster = Cluster()
+    pending: dict[str, tuple[str, asyncio.Task]] = {}  # job -> (request id, its acquire)
+    holds: dict[str, object] = {}  # job -> the grant its client holds (until it releases or leaves)
+    ids = itertools.count()
+
+    async def apply() -> None:
+        await rec.apply(cluster.world.snapshot())
+        await settle(orch)
+
+    def collect() -> None:
+        for job, (_, task) in list(pending.items()):
+            if task.done():
+                del pending[job]
+                if task.exception() is None:
+                    holds[job] = task.result()
+                else:
+                    assert isinstance(task.exception(), StaleLease) and job not in cluster.pods, task.exception()
+
+    def check() -> None:
+        collect()
+        computing: dict[int, list[str]] = {}
+        for job in holds:
+            if job in cluster.pods and job not in model.stopped:
+                for g in cluster.gpus[job]:
+                    computing.setdefault(g, []).append(job)
+        assert all(len(jobs) <= 1 for jobs in computing.values()), computing
+        snap = rec.snapshot
+        for job, (request_id, _) in pending.items():
+            if job not in cluster.pods:
+                continue  # it left: its acquire is refused (checked when it ends)
+            group = orch.group(snap.group_of[cs_id(job)])
+            granted = group.holder is not None and group.holder.job_id == cs_id(job)  # its task ends next
+            assert granted or group.queue.by_request(cs_id(job), request_id) is not None, (job, group.id)
+
+    try:
+        for op, job, gpus in steps:
+            if op == "join" and job not in cluster.pods:
+                cluster.join(job, gpus)
+                await apply()
+            elif op == "leave" and job in cluster.pods:
+                cluster.leave(job)
+                holds.pop(job, None)
+                await apply()
+            elif op == "acquire" and job in cluster.pods and job not in pending and job not in holds:
+                group, member = orch.group_for(f"ns/job/{job}", "gpu")
+                request_id = f"r{next(ids)}"
+                pending[job] = (request_id, asyncio.create_task(group.acquire(member, 0, request_id, None)))
+                await settle(orch)
+            elif op == "release" and job in holds:
+                grant = holds.pop(job)
+                group, member = orch.group_for(f"ns/job/{job}", "gpu")
+                try:
+                    group.release(member, grant.lease_id, grant.epoch)  # type: ignore[attr-defined]
+                except StaleLease:
+                    assert job in model.stopped  # revoked when its group merged: it was stopped first
+                await settle(orch)
+            check()
+        for job in list(cluster.pods):  # everyone leaves: every acquire ends
+            cluster.leave(job)
+            holds.pop(job, None)
+            await apply()
+            check()
+        await settle(orch)
+        collect()
+        assert not pending
+    finally:
+        for _, task in pending.values():
+            task.cancel()
+        await orch.close()
+
+
+gpu_sets = st.lists(st.integers(0, GPUS - 1), min_size=1, max_size=3, unique=True).map(lambda g: tuple(sorted(g)))
+step = st.tuples(st.sampled_from(["join", "join", "leave", "acquire", "acquire", "release"]), st.sampled_from(JOBS),
+                 gpu_sets)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(step, min_size=4, max_size=40))
+def test_groups_that_re_form_keep_one_computing_claim_set_per_gpu_and_every_waiter(steps) -> None:
+    asyncio.run(run(steps))
