@@ -3,7 +3,8 @@ claim sets) while each has its own sampler GPU (groups of one). Both samplers ru
 same time; only the trainers alternate. Deploys manifests/examples/async-rl as it is (one
 pod per job with claims `trainer` and `sampler`), and in the peers' layout
 (hack/local-async-rl-literal: a trainer pod and a sampler pod per job, every claim called
-`gpu`; the lock units are the claim sources, so the groups are the same)."""
+`gpu`; the lock units are the claim sources, so the groups are the same). And a two-pod SPMD
+unit beside another job on one GPU (hack/local-spmd)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from e2e.test_timeslicing import Controller, leader, status
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "hack" / "local-async-rl"
 LITERAL = ROOT / "hack" / "local-async-rl-literal"
+SPMD = ROOT / "hack" / "local-spmd"
 NS = "timeslice-async-rl"
 
 
@@ -48,33 +50,64 @@ def test_samplers_run_together_and_only_trainers_alternate(kube, cluster_stack, 
                  timeout=180)
 
 
-def run_async_rl(kube, layout: Path) -> None:
+def finished_jobs(kube, layout: Path, on_poll=lambda: None) -> list[dict]:
+    """Apply `layout` and wait until all its Jobs succeeded (none may fail)."""
     kube.run("apply", "-k", str(layout))
-    groups: dict[str, set[str]] = {}
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        for g in status(kube):
-            members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
-                       if w}
-            groups.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})
+        on_poll()
         jobs = kube.json("get", "jobs", "-n", NS)["items"]
         failed = [j["metadata"]["name"] for j in jobs if j.get("status", {}).get("failed")]
         assert not failed, kube.run("logs", "-n", NS, f"job/{failed[0]}", check=False).stdout
         if jobs and all(j.get("status", {}).get("succeeded") for j in jobs):
-            break
+            return jobs
         time.sleep(0.5)
-    else:
-        raise AssertionError("jobs did not finish")
+    raise AssertionError("jobs did not finish")
+
+
+def phase_lines(kube, job: str) -> list[dict]:
+    lines = kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+@pytest.mark.timeout(300)
+def test_a_two_pod_spmd_unit_holds_until_its_last_pod_releases(kube, cluster_stack) -> None:
+    """Issue 11, items 2 and 8: ranks of job `spmd` (two pods, claims from one template: one
+    claim set) compute 1 s and 2 s per step; job `other` shares GPU 0. The unit's hold ends
+    with its last rank's release, so `other` never computes beside either rank, and no rank
+    fails (the first rank's release used to end the hold; the second's was then refused)."""
+    try:
+        finished_jobs(kube, SPMD)
+        windows = {job: [(r["start"], r["end"]) for r in phase_lines(kube, job)] for job in ("spmd-0", "spmd-1",
+                                                                                              "other")}
+        assert all(len(w) == 4 for w in windows.values()), windows
+        for s1, e1 in windows["other"]:
+            for rank in ("spmd-0", "spmd-1"):
+                for s2, e2 in windows[rank]:
+                    assert e1 <= s2 + 0.01 or e2 <= s1 + 0.01, f"other computed beside {rank}: {windows}"
+    finally:
+        kube.run("delete", "-k", str(SPMD), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                 timeout=180)
+
+
+def run_async_rl(kube, layout: Path) -> None:
+    groups: dict[str, set[str]] = {}
+
+    def observe_groups() -> None:
+        for g in status(kube):
+            members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
+                       if w}
+            groups.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})
+
+    jobs = finished_jobs(kube, layout, observe_groups)
     phases: dict[str, list[tuple[float, float, str]]] = {"sample": [], "train": []}
     sampler_waits: list[tuple[float, float]] = []  # (in the orchestrator's queue, from asking to the grant)
     for job in sorted(j["metadata"]["name"] for j in jobs):
-        for line in kube.run("logs", "-n", NS, f"job/{job}").stdout.splitlines():
-            if line.startswith("{"):
-                r = json.loads(line)
-                assert r["check_ok"], r
-                phases[r["kind"]].append((r["start"], r["end"], job.removesuffix("-sampler")))
-                if r["kind"] == "sample":
-                    sampler_waits.append((r["queued"], r["waited"]))
+        for r in phase_lines(kube, job):
+            assert r["check_ok"], r
+            phases[r["kind"]].append((r["start"], r["end"], job.removesuffix("-sampler")))
+            if r["kind"] == "sample":
+                sampler_waits.append((r["queued"], r["waited"]))
     assert len(phases["train"]) == 8 and len(phases["sample"]) == 8
     print(f"{layout.name}: sampler waits, seconds (queued, whole call): {sorted(sampler_waits)}")
     # the samplers never wait behind a trainer (a train phase is 1 s; before claim sources, the

@@ -6,7 +6,8 @@ per phase: {"kind": "sample"|"train", "start", "end", "check_ok", "waited", "que
 (CLOCK_MONOTONIC; `waited`: seconds from asking to the grant, the call included; `queued`:
 the orchestrator's count, seconds in its queue). `PHASES` lists what this pod runs, as
 kind:claim pairs (default "sample:sampler,train:trainer": both, alternating, in one pod;
-"train:gpu" is a trainer pod whose claim is called `gpu`, as in the peers' layout).
+"train:gpu" is a trainer pod whose claim is called `gpu`, as in the peers' layout; "rest:"
+waits `REST_SECONDS` holding nothing).
 """
 
 import json
@@ -21,6 +22,7 @@ from timeslice import TimeSliceOrchestratorClient
 STEPS = int(os.environ.get("STEPS", "4"))
 SAMPLE_SECONDS = float(os.environ.get("SAMPLE_SECONDS", "2"))
 TRAIN_SECONDS = float(os.environ.get("TRAIN_SECONDS", "1"))
+REST_SECONDS = float(os.environ.get("REST_SECONDS", "1"))
 SECONDS = {"sample": SAMPLE_SECONDS, "train": TRAIN_SECONDS}
 PHASES = [tuple(p.split(":", 1)) for p in os.environ.get("PHASES", "sample:sampler,train:trainer").split(",")]
 
@@ -46,9 +48,12 @@ def stop(proc, link) -> None:
 
 
 client = TimeSliceOrchestratorClient()  # $TIMESLICE_ORCHESTRATOR (CDI); the job: from this pod's token
-workers = {claim: start_worker(claim) for _, claim in PHASES}
+workers = {claim: start_worker(claim) for _, claim in PHASES if claim}
 for step in range(STEPS):
     for kind, claim in PHASES:
+        if not claim:  # a phase off the GPU
+            time.sleep(REST_SECONDS)
+            continue
         asked = time.monotonic()
         with client.on_accelerators(claim):
             waited = time.monotonic() - asked
