@@ -141,6 +141,8 @@ def _status(a: argparse.Namespace) -> int:
                   f"checkpointed {_size(j.checkpointed_bytes)}")
         for w in g.waiters:
             print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
+        for line in g.warnings:
+            print(f"  warning: {line}")
         for r in g.recent_switches[-5:]:
             result = "ok" if r.ok else f"FAILED: {r.error}"
             print(f"  switch {r.from_job_id or '-'} -> {r.to_job_id}: {result} (checkpoint "

@@ -97,6 +97,11 @@ class Reconciler:
         return (0, -h.priority, h.granted_at) if h is not None else (1, 0, 0.0)
 
     def _set_groups(self, snapshot: Snapshot, old: Snapshot) -> None:
+        warned: dict[str, list[str]] = {}  # group id -> its claims' configuration warnings
+        for w in snapshot.warnings:
+            for cs in snapshot.claim_sets.values():
+                if w.claim in cs.claims:
+                    warned.setdefault(snapshot.group_of[cs.id], []).append(f"{w.reason}: {w.message}")
         for group in snapshot.groups.values():
             spec = group_spec(group, self.default_backend,
                               lambda node: agent_target(node, snapshot, self.agent_template))
@@ -106,6 +111,7 @@ class Reconciler:
                     self._on_group_set(lock)  # e.g. show the group in its claims' status
                 log.info("group set group=%s members=%s nodes=%s backend=%s", group.id,
                          [m.claim_set for m in spec.members], list(group.nodes), spec.backend)
+            self.orchestrator.group(group.id).warnings = tuple(dict.fromkeys(warned.get(group.id, ())))
 
     def _drop(self, group_id: str | None, cs_id: str, why: str) -> None:
         if group_id is None:

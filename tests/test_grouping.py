@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import random
 
 import pytest
+from timeslice.cli.main import main as cli
 from timeslice.controller.grouping import (
     CONFLICTING_GROUP_CONFIG,
     CONFLICTING_JOB_CONFIG,
@@ -20,7 +22,9 @@ from timeslice.controller.grouping import (
 )
 from timeslice.controller.jobs import ID_PATTERN
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.reconciler import aliases, group_spec
+from timeslice.controller.orchestrator.server import create_server
+from timeslice.controller.orchestrator.service import group_status
+from timeslice.controller.reconciler import Reconciler, aliases, group_spec
 from timeslice.driver import names
 from timeslice.driver.errors import FailedPrecondition
 
@@ -337,5 +341,29 @@ async def test_a_name_two_claim_sets_share_is_resolved_by_the_calling_pod() -> N
         with pytest.raises(FailedPrecondition):
             orch.group_for("ns/job/a", "gpu", pod_uid="uid-pod-ns-b-trainer")  # another job's pod decides nothing
         assert orch.group_for("ns/job/b", "sampler-gpu")[1] == "ns/job/b:sampler-gpu"
+    finally:
+        await orch.close()
+
+
+async def test_configuration_warnings_show_in_the_groups_status(capsys) -> None:
+    """Issue 11, item 5: the conflicts that become Warning Events also show in `timeslice
+    status` (GroupStatus.warnings), on the group of the claims involved."""
+    w = one_node()
+    a, b = w.pod("a", job="a"), w.pod("b", job="b")
+    w.claim(a, "gpu", [("node-a", "gpu-0-seat-0")], config=[ts_config(backend="cuda")])
+    w.claim(b, "gpu", [("node-a", "gpu-0-seat-1")], config=[ts_config(backend="none")])
+    s = w.snapshot()
+    orch = Orchestrator()
+    try:
+        await Reconciler(orch, agent_template="{node}:1").apply(s)
+        status = group_status(orch.group(only_group(s).id).view())
+        assert [x.split(":")[0] for x in status.warnings] == [CONFLICTING_GROUP_CONFIG]
+        assert "backend=none" in status.warnings[0] and "backend=cuda" in status.warnings[0]
+        server, port = await create_server(orch, "127.0.0.1:0")
+        try:
+            assert await asyncio.to_thread(cli, ["status", "--target", f"127.0.0.1:{port}"]) == 0
+        finally:
+            await server.stop(0)
+        assert f"  warning: {CONFLICTING_GROUP_CONFIG}: " in capsys.readouterr().out
     finally:
         await orch.close()

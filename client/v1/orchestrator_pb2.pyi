@@ -221,7 +221,7 @@ class SwitchRecord(_message.Message):
     def __init__(self, from_job_id: _Optional[str] = ..., to_job_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., checkpoint_seconds: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., bytes_checkpointed: _Optional[int] = ..., bytes_restored: _Optional[int] = ..., finished_at_unix: _Optional[float] = ...) -> None: ...
 
 class GroupStatus(_message.Message):
-    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets", "preemptions", "residency", "resident_job_ids", "jobs", "devices")
+    __slots__ = ("group_id", "backend", "holder", "waiters", "resident_job_id", "checkpointed_job_ids", "phase", "epoch", "grants", "switches", "failed_switches", "lease_expiries", "recent_switches", "agent_targets", "preemptions", "residency", "resident_job_ids", "jobs", "devices", "warnings")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class GroupStatus(_message.Message):
     RESIDENT_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     backend: str
     holder: Holder
@@ -260,7 +261,8 @@ class GroupStatus(_message.Message):
     resident_job_ids: _containers.RepeatedScalarFieldContainer[str]
     jobs: _containers.RepeatedCompositeFieldContainer[JobResidency]
     devices: _containers.RepeatedCompositeFieldContainer[DeviceMemory]
-    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., residency: _Optional[str] = ..., resident_job_ids: _Optional[_Iterable[str]] = ..., jobs: _Optional[_Iterable[_Union[JobResidency, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., residency: _Optional[str] = ..., resident_job_ids: _Optional[_Iterable[str]] = ..., jobs: _Optional[_Iterable[_Union[JobResidency, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobResidency(_message.Message):
     __slots__ = ("job_id", "state", "device_bytes", "peak_bytes", "checkpointed_bytes")

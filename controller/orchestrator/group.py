@@ -81,6 +81,7 @@ class LockGroup:
         self.counters = Counters()
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
+        self.warnings: tuple[str, ...] = ()  # configuration conflicts among its claims (set by the reconciler)
         self.moves = MemoryMoves(self)
         self.idle = IdleRestores(self)
         self.preemption = Preemption(self)

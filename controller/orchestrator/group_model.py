@@ -150,6 +150,7 @@ class GroupView:
     resident_jobs: list[str] = field(default_factory=list)  # least recently held first
     peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
     memory: MemorySnapshot | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
 
@@ -168,4 +169,5 @@ def group_view(g: LockGroup) -> GroupView:
         agents=list(g.spec.agents),
         residency=g.spec.residency if g.memory_aware else "exclusive",
         resident_jobs=list(g.residency.residents),
-        peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot)
+        peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot,
+        warnings=list(g.warnings))

@@ -52,7 +52,7 @@ def _jobs(v: GroupView) -> list[pb.JobResidency]:
 def group_status(v: GroupView) -> pb.GroupStatus:
     snap = v.memory
     s = pb.GroupStatus(
-        residency=v.residency, resident_job_ids=v.resident_jobs, jobs=_jobs(v),
+        residency=v.residency, resident_job_ids=v.resident_jobs, jobs=_jobs(v), warnings=v.warnings,
         devices=[pb.DeviceMemory(device=d, total_bytes=m.total, free_bytes=m.free,
                                  age_seconds=max(0.0, time.monotonic() - snap.taken_at))
                  for d, m in sorted(snap.devices.items())] if snap else [],
