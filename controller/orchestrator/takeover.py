@@ -110,10 +110,11 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
     `old`'s), the jobs that must leave the GPUs before a grant, their waiters in their order
     (callers, futures and preempted holders' leases included: nobody waits in a group that
     is gone), and `old`'s holder. That one goes on holding in `new` with its lease when `new`
-    has no holder; else it is revoked: it must leave the GPUs (checkpointed, or frozen)
-    before `new` grants anyone, and once it is out, a keep-alive of its lease queues it again
-    (`requeue_switched_out`), as a holder preempted mid-phase. Callers carry the old group
-    of the highest-priority holder first."""
+    has no holder; else it is preempted (`Preemption.park`): it keeps its lease, leaves the
+    GPUs (checkpointed, or frozen) before `new` grants anyone, and is restored in its turn,
+    invisibly to its code; with `none` or `cooperative` (nothing stops it) its lease is
+    revoked and it must leave as a lapsed holder. Callers carry the old group of the
+    highest-priority holder first."""
     new.epoch = max(new.epoch, old.epoch)
     r_old, r_new = old.residency, new.residency
     for job in sorted(jobs):
@@ -149,11 +150,15 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
             new.leases.arm()
             log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
         else:
-            old.end_hold(h, f"revoked: its claim set moved to group {new.id}, which has another holder")
+            old.end_hold(h, f"preempted: its claim set moved to group {new.id}, which has another holder")
             r_new.moved_in(h.job_id)
-            new.moves.lapsed(h.job_id)
-            log.warning("holder revoked group=%s job=%s epoch=%d: it leaves the GPUs before anyone is granted",
-                        new.id, h.job_id, h.epoch)
+            if new.spec.backend in ("none", "cooperative"):  # nothing stops it: its lease is revoked
+                new.moves.lapsed(h.job_id)
+            else:  # as if preempted: it keeps its lease, leaves the GPUs before any grant, is restored in turn
+                new.leases.remember(h.lease_id)
+                new.preemption.park(h)
+            log.warning("holder preempted group=%s job=%s epoch=%d: its group merged with one that holds; it "
+                        "leaves the GPUs before anyone is granted", new.id, h.job_id, h.epoch)
     log.info("carried group=%s from=%s jobs=%s waiters=%d", new.id, old.id, sorted(jobs), len(new.queue))
     new.preemption.arm()
     old.preemption.disarm_when_unwaited()

@@ -162,3 +162,39 @@ step = st.tuples(st.sampled_from(["join", "join", "leave", "acquire", "acquire",
           ("acquire", "d", (0,)), ("leave", "d", (0,)), ("release", "d", (0,))])  # granted as its pod left
 def test_groups_that_re_form_keep_one_computing_claim_set_per_gpu_and_every_waiter(steps) -> None:
     asyncio.run(run(steps))
+
+
+async def test_a_merge_keeps_one_holder_and_preempts_the_other_under_its_lease() -> None:
+    """a holds GPU 0, b holds GPU 1; c joins on both GPUs and the groups merge. a (granted
+    first) goes on holding; b is preempted, not failed: its keep-alives and release stay
+    valid, it is frozen before anyone else is granted and holds again in its turn under its
+    lease; c waits behind both."""
+    model = StopModel()
+    orch = Orchestrator(switcher=model)
+    rec = Reconciler(orch, agent_template="{node}:1", default_backend="freeze")
+    cluster = Cluster()
+    try:
+        cluster.join("a", (0,))
+        cluster.join("b", (1,))
+        await rec.apply(cluster.world.snapshot())
+        grants = {}
+        for job in ("a", "b"):
+            group, member = orch.group_for(f"ns/job/{job}", "gpu")
+            grants[job] = await group.acquire(member, 0, f"{job}-1", None)
+        cluster.join("c", (0, 1))
+        await rec.apply(cluster.world.snapshot())
+        merged, c = orch.group_for("ns/job/c", "gpu")
+        assert orch.group_for("ns/job/a", "gpu")[0] is merged and len(orch.groups()) == 1
+        assert merged.holder.job_id == cs_id("a") and merged.holder.lease_id == grants["a"].lease_id
+        assert merged.keep_alive(cs_id("b"), grants["b"].lease_id, grants["b"].epoch) > 0  # still its lease
+        c_waits = asyncio.create_task(merged.acquire(c, 0, "c-1", None))
+        await settle(orch)
+        merged.release(cs_id("a"), grants["a"].lease_id, grants["a"].epoch)
+        await settle(orch)
+        assert merged.holder.job_id == cs_id("b") and merged.holder.lease_id == grants["b"].lease_id
+        assert "ns/job/a:gpu" in model.stopped and not c_waits.done()
+        merged.release(cs_id("b"), grants["b"].lease_id, merged.holder.epoch)
+        grant_c = await c_waits
+        assert grant_c.epoch > max(g.epoch for g in grants.values()) and cs_id("b") in model.stopped
+    finally:
+        await orch.close()
