@@ -4,7 +4,8 @@ same time; only the trainers alternate. Deploys manifests/examples/async-rl as i
 pod per job with claims `trainer` and `sampler`), and in the peers' layout
 (hack/local-async-rl-literal: a trainer pod and a sampler pod per job, every claim called
 `gpu`; the lock units are the claim sources, so the groups are the same). And a two-pod SPMD
-unit beside another job on one GPU (hack/local-spmd)."""
+unit beside another job on one GPU (hack/local-spmd), and a job joining mid-run that merges
+two groups (hack/local-merge)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "hack" / "local-async-rl"
 LITERAL = ROOT / "hack" / "local-async-rl-literal"
 SPMD = ROOT / "hack" / "local-spmd"
+MERGE = ROOT / "hack" / "local-merge"
 NS = "timeslice-async-rl"
 
 
@@ -90,16 +92,47 @@ def test_a_two_pod_spmd_unit_holds_until_its_last_pod_releases(kube, cluster_sta
                  timeout=180)
 
 
+def group_members(kube, into: dict[str, set[str]]) -> None:
+    """Add each group's claim sets seen now (holder, waiters, resident) to `into`."""
+    for g in status(kube):
+        members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
+                   if w}
+        into.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})
+
+
+@pytest.mark.timeout(300)
+def test_a_job_joining_mid_run_merges_two_groups_and_fails_nobody(kube, cluster_stack) -> None:
+    """Issue 11, items 3 and 8: merge-a (GPU 0) and merge-b (GPU 1) run in groups of their own;
+    bridge joins with a seat of each GPU while they run, and the groups merge. Their holders
+    and waiters are carried into the merged group (one holder preempted, not failed): every
+    pod succeeds, and bridge never computes beside either job."""
+    def logged(job: str) -> bool:
+        out = kube.run("logs", "-n", NS, f"job/{job}", check=False).stdout
+        return any(line.startswith("{") for line in out.splitlines())
+
+    try:
+        kube.run("apply", "-k", str(MERGE))
+        wait(lambda: logged("merge-a") and logged("merge-b"), 120, "both jobs computing")
+        groups: dict[str, set[str]] = {}
+        finished_jobs(kube, MERGE / "bridge", lambda: group_members(kube, groups))
+        windows = {job: [(r["start"], r["end"]) for r in phase_lines(kube, job)] for job in ("merge-a", "merge-b",
+                                                                                              "bridge")}
+        assert len(windows["bridge"]) == 3 and len(windows["merge-a"]) == len(windows["merge-b"]) == 8, windows
+        for s1, e1 in windows["bridge"]:
+            for job in ("merge-a", "merge-b"):
+                for s2, e2 in windows[job]:
+                    assert e1 <= s2 + 0.01 or e2 <= s1 + 0.01, f"bridge computed beside {job}: {windows}"
+        assert any(len({m.split(":")[0].rsplit("/", 1)[-1] for m in members}) == 3 for members in groups.values()), \
+            groups  # one group held all three jobs
+    finally:
+        for layout in (MERGE / "bridge", MERGE):
+            kube.run("delete", "-k", str(layout), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                     timeout=180)
+
+
 def run_async_rl(kube, layout: Path) -> None:
     groups: dict[str, set[str]] = {}
-
-    def observe_groups() -> None:
-        for g in status(kube):
-            members = {w for w in [g.get("holder", {}).get("job_id", "")] + [w["job_id"] for w in g.get("waiters", [])]
-                       if w}
-            groups.setdefault(g["group_id"], set()).update(members | {g.get("resident_job_id", "")} - {""})
-
-    jobs = finished_jobs(kube, layout, observe_groups)
+    jobs = finished_jobs(kube, layout, lambda: group_members(kube, groups))
     phases: dict[str, list[tuple[float, float, str]]] = {"sample": [], "train": []}
     sampler_waits: list[tuple[float, float]] = []  # (in the orchestrator's queue, from asking to the grant)
     for job in sorted(j["metadata"]["name"] for j in jobs):
