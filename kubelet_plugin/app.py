@@ -109,7 +109,7 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
         except ApiException as err:
             if err.status == 404:
                 raise NotFound(f"claim {namespace}/{name} no longer exists") from None
-            raise
+            raise kubeapi.api_error(err, f"read claim {namespace}/{name}") from None
         return api.sanitize_for_serialization(obj)
 
     gpus = await asyncio.to_thread(discover_gpus, cfg.fake_gpus, cfg.node_name)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from timeslice.driver import config, names
 from timeslice.driver.errors import FailedPrecondition, InvalidArgument, TimeSliceServerError
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.kubeapi import api_error
 from timeslice.kubelet_plugin import cdi
 from timeslice.kubelet_plugin.checkpoint import Checkpoint
 from timeslice.kubelet_plugin.plugin import ClaimRef, PreparedDevice, PrepareResult
@@ -173,7 +174,7 @@ class ClaimPreparer:
         rec = self.checkpoint.claims.get(ref.uid)
         try:
             if rec is None:
-                claim = await self._read_claim(ref.namespace, ref.name)
+                claim = await self._read(ref)
                 plan = plan_claim(claim, ref.uid, self.node, self._lookup)
                 rec = self._record(ref, plan)
                 cdi.write(self.cdi_dir, self._spec(ref.uid, rec))
@@ -193,6 +194,18 @@ class ClaimPreparer:
                                                      device_name=d["device_name"],
                                                      cdi_device_ids=d["cdi_device_ids"], share_id=None)
                                       for d in rec["devices"]], error=None)
+
+    async def _read(self, ref: ClaimRef) -> dict[str, Any]:
+        """The claim from the API server. Any failure of the read is this claim's alone (the
+        other claims of the call go on): one that is not already ours becomes a one-line
+        KubernetesApiError (retryable: the kubelet asks again)."""
+        try:
+            claim: dict[str, Any] = await self._read_claim(ref.namespace, ref.name)
+            return claim
+        except TimeSliceServerError:
+            raise
+        except Exception as err:
+            raise api_error(err, f"read claim {ref.namespace}/{ref.name}") from err
 
     def _record(self, ref: ClaimRef, plan: ClaimPlan) -> dict[str, Any]:
         kind_id = cdi.ClaimSpec(ref.uid, ref.namespace, ref.name, ())

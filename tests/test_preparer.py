@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+from kubernetes.aio.client.exceptions import ApiException
 from timeslice.driver.errors import FailedPrecondition, InvalidArgument, NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.kubelet_plugin.checkpoint import Checkpoint
@@ -146,3 +147,26 @@ def test_requests_of_one_claim_that_disagree_on_their_config_are_refused() -> No
         plan_claim(two, "u", NODE, GPUS.get)
     del cfg["requests"]  # for every request: accepted
     assert plan_claim(two, "u", NODE, GPUS.get).configs["a"].priority == 5
+
+
+async def test_one_claims_api_error_fails_only_that_claim_with_an_event(tmp_path) -> None:
+    """Issue 12, item 5: a read that failed with an API error (not a 404) gave every claim of
+    the call the raw exception. Now only that claim fails, with one line and an Event."""
+    events = Events()
+    good = claim("a", ["gpu-0-seat-0"])
+
+    async def read(ns: str, name: str) -> dict:
+        if name == "claim-bad":
+            raise ApiException(status=500, reason="Internal Server Error")
+        if name == "claim-odd":
+            raise RuntimeError("connection reset by peer")
+        return good
+
+    p = ClaimPreparer(node_name=NODE, read_claim=read, lookup=GPUS.get, cdi_dir=tmp_path / "cdi",
+                      checkpoint=Checkpoint(tmp_path / "checkpoint.json"), events=EventRecorder(events, "test"))
+    out = await p.prepare([ClaimRef("ns", "a", "claim-a"), ClaimRef("ns", "bad", "claim-bad"),
+                           ClaimRef("ns", "odd", "claim-odd")])
+    assert out["a"].error is None and len(out["a"].devices) == 1
+    assert out["bad"].error == "prepare ns/claim-bad: read claim ns/claim-bad: HTTP 500: Internal Server Error"
+    assert out["odd"].error == "prepare ns/claim-odd: read claim ns/claim-odd: RuntimeError: connection reset by peer"
+    assert [e["involvedObject"]["name"] for e in events.sent] == ["claim-bad", "claim-odd"]
