@@ -44,6 +44,28 @@ EVENTS = {  # group event kind -> (reason, warning?)
 RETRY_BACKOFF = Backoff(initial=0.5, maximum=10.0)
 
 
+def merged_devices(current: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`status.devices` with `ours` written into it. An entry belongs to its driver
+    (resource.k8s.io/v1 AllocatedDeviceStatus, keyed by driver, pool, device and shareID):
+    other drivers' entries stay as they are, and so do other writers' conditions on ours;
+    our entries for devices no longer allocated go. A merge patch replaces a list whole, so
+    the caller sends this list, not ours alone."""
+    def key(d: dict[str, Any]) -> tuple[str, str, str, str]:
+        return (d.get("driver", ""), d.get("pool", ""), d.get("device", ""), d.get("shareID") or "")
+
+    mine = {key(d): d for d in ours}
+    ours_types = {c["type"] for d in ours for c in d.get("conditions", [])}
+    out = []
+    for d in current:
+        new = mine.pop(key(d), None)
+        if new is not None:
+            kept = [c for c in d.get("conditions") or [] if c.get("type") not in ours_types]
+            out.append({**d, **new, "conditions": kept + new["conditions"]})
+        elif d.get("driver") != names.DRIVER_NAME:
+            out.append(d)
+    return out + list(mine.values())
+
+
 def condition(kind: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
     return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message,
             "lastTransitionTime": now}
@@ -161,12 +183,16 @@ class ClaimStatusWriter:
             for namespace, name in self._claims_of(member.claim_set):
                 claim = self._api.api_client.sanitize_for_serialization(
                     await self._api.read_namespaced_resource_claim(name, namespace))
-                results = claim.get("status", {}).get("allocation", {}).get("devices", {}).get("results", [])
-                devices = [{"driver": r["driver"], "pool": r["pool"], "device": r["device"],
-                            "conditions": conditions, "data": data}
-                           for r in results if r["driver"] == names.DRIVER_NAME]
-                await self._api.patch_namespaced_resource_claim_status(
-                    name, namespace, {"status": {"devices": devices}})
+                status = claim.get("status") or {}
+                results = status.get("allocation", {}).get("devices", {}).get("results", [])
+                ours = [{"driver": r["driver"], "pool": r["pool"], "device": r["device"],
+                         **({"shareID": r["shareID"]} if r.get("shareID") else {}),
+                         "conditions": conditions, "data": data}
+                        for r in results if r["driver"] == names.DRIVER_NAME]
+                # the whole list, as read at this resourceVersion (a concurrent write: 409, retried)
+                await self._api.patch_namespaced_resource_claim_status(name, namespace, {
+                    "metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
+                    "status": {"devices": merged_devices(status.get("devices") or [], ours)}})
 
     async def recorded(self, group: LockGroup) -> tuple[str | None, int]:
         """(resident job, last epoch) as the claims' status.devices record them."""

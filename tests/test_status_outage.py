@@ -30,6 +30,7 @@ from timeslice.controller.app import Controller, ControllerConfig
 from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.reconciler import Reconciler
+from timeslice.driver import names
 from timeslice.driver.backoff import Backoff
 from timeslice.driver.events import EventRecorder
 
@@ -93,8 +94,11 @@ def shown(apiserver: FakeApiServer, member: str) -> tuple[Any, ...] | None:
     devices = (claim.get("status") or {}).get("devices") or []
     if not devices:
         return None
-    held = next(c for c in devices[0]["conditions"] if c["type"] == "LockHeld")
-    data = devices[0]["data"]
+    ours = next((d for d in devices if d["driver"] == names.DRIVER_NAME and "data" in d), None)
+    if ours is None:
+        return None
+    held = next(c for c in ours["conditions"] if c["type"] == "LockHeld")
+    data = ours["data"]
     return held["status"], held["reason"], data["holder"], data["epoch"], data["queuePosition"]
 
 
@@ -255,3 +259,33 @@ async def test_configuration_warnings_become_warning_events_on_their_claims_once
             assert ctl.warnings.publish(ctl.reconciler.snapshot.warnings) == 0  # the same again: no second Event
     finally:
         await server.stop()
+
+
+async def test_status_writes_keep_other_drivers_entries_and_conditions(apiserver) -> None:
+    """Issue 12, item 2: a claim with one of our seats and another driver's NIC, whose status
+    has that driver's entry and a foreign condition on our entry. Our write used to leave only
+    our entry with our two conditions (a merge patch replaces the list). Now only ours change."""
+    nic = {"driver": "nic.example.com", "pool": "node-a", "device": "eth1",
+           "conditions": [{"type": "Ready", "status": "True", "reason": "Up", "message": "",
+                           "lastTransitionTime": "2026-01-01T00:00:00Z"}], "data": {"mac": "aa"}}
+    foreign = {"type": "Monitored", "status": "True", "reason": "Probe", "message": "",
+               "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    world = two_jobs_one_gpu()
+    for c in world.claims:
+        c["status"]["devices"] = [nic, *({"driver": r["driver"], "pool": r["pool"], "device": r["device"],
+                                          "conditions": [foreign]}
+                                         for r in c["status"]["allocation"]["devices"]["results"])]
+        apiserver.put(c)
+    async with writing(apiserver, Backoff(initial=0.2, maximum=0.4, jitter=0.0)) as (reconciler, _):
+        await reconciler.apply(world.snapshot())
+        await eventually(lambda: all(shown(apiserver, m) == ("False", "Idle", "", 0, -1) for m in (A, B)),
+                         timeout=HANDOFF)
+        for m in (A, B):
+            devices = apiserver.claim("ns", CLAIM[m])["status"]["devices"]
+            def plain(d: dict) -> dict:  # times come back as +00:00 through the client's round trip
+                return {**d, "conditions": [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                                            for c in d["conditions"]]}
+
+            assert plain(devices[0]) == plain(nic) and len(devices) == 2
+            assert [c["type"] for c in devices[1]["conditions"]] == ["Monitored", "LockHeld", "Resident"]
+        assert all("resourceVersion" in body["metadata"] for _, _, body in apiserver.status_patches)
