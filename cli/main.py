@@ -270,15 +270,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# A module a command imports -> the extra of this package that installs it (pyproject.toml).
+EXTRAS = {"yaml": "server", "pydantic": "server", "prometheus_client": "server", "aiohttp": "server",
+          "cryptography": "server", "grpc_health": "server", "kubernetes": "kubernetes", "pynvml": "gpu",
+          "cuda": "gpu", "torch": "torch"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         return int(a.fn(a))
+    except ModuleNotFoundError as err:  # a client-only install running a server command: name the extra
+        top = (err.name or "").split(".")[0]
+        fix = f"pip install 'timeslice-dra[{EXTRAS[top]}]'" if top in EXTRAS else f"pip install {top}"
+        print(f"timeslice {a.command}: error: it needs the Python package {top!r}, which is not installed: {fix}",
+              file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `timeslice status | head`: the reader left; no traceback (Python docs, signal)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except (OSError, ValueError) as err:  # a bad config file, flag value or address: one line, no traceback
         print(f"timeslice {a.command}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        if type(err).__name__ != "ConfigException":  # kubernetes.config: no cluster to talk to
+            raise
+        print(f"timeslice {a.command}: error: no Kubernetes cluster: {err} (run it in a pod with a service "
+              "account, or set KUBECONFIG)", file=sys.stderr)
         return 2
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -163,6 +164,31 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch) -> None:
         assert err.startswith("timeslice orchestrator: error:") and expected in err and "Traceback" not in err
     assert main(["orchestrator", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing, command, extra", [
+    ("yaml", ["orchestrator", "--listen", "127.0.0.1:0"], "server"),
+    ("kubernetes", ["controller", "--listen", "127.0.0.1:0"], "kubernetes"),
+])
+def test_a_missing_extra_is_named_in_one_line(missing: str, command: list[str], extra: str) -> None:
+    """Issue 12, item 11: a client-only install (`pip install timeslice-dra`) running a server
+    command ended in `ModuleNotFoundError` and a traceback. The module is hidden from a fresh
+    interpreter here."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; from timeslice.cli.main import main; "
+            f"sys.exit(main({command!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"timeslice {command[0]}: error: it needs the Python package {missing!r}, which is "
+                                f"not installed: pip install 'timeslice-dra[{extra}]'")
+
+
+def test_a_command_without_a_cluster_says_so_in_one_line(tmp_path) -> None:
+    """Issue 12, item 11: `timeslice controller` with no cluster ended in a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")}
+    r = timeslice("controller", "--listen", "127.0.0.1:0", env={**env, "KUBECONFIG": str(tmp_path / "none"),
+                                                               "HOME": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("timeslice controller: error: no Kubernetes cluster:"), r.stderr
 
 
 def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path) -> None:
