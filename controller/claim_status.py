@@ -29,6 +29,7 @@ from timeslice.controller.reflector import describe_error
 from timeslice.driver import names
 from timeslice.driver.backoff import Backoff
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.tasks import cancel_and_wait
 
 log = logging.getLogger("timeslice.controller.status")
 
@@ -104,10 +105,7 @@ class ClaimStatusWriter:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="claim-status")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def pending(self) -> dict[str, int]:
         """Group id -> failed writes in a row, for the groups whose status is not written yet."""

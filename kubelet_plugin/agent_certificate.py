@@ -22,7 +22,6 @@ not written by the API server).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -33,6 +32,7 @@ from timeslice.driver.certificates import fingerprint
 from timeslice.driver.errors import KubernetesApiRejected
 from timeslice.driver.kubeapi import api_error
 from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION
+from timeslice.driver.tasks import cancel_and_wait
 
 log = logging.getLogger("timeslice.kubelet_plugin.agent_certificate")
 
@@ -89,10 +89,7 @@ class CertificatePublisher:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _run(self) -> None:
         failures = 0

@@ -33,7 +33,6 @@ removes them at once (uninstall, tests).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -49,6 +48,7 @@ from timeslice.driver.backoff import Backoff
 from timeslice.driver.errors import KubernetesApiError, KubernetesApiRejected
 from timeslice.driver.kubeapi import api_error
 from timeslice.driver.names import DRIVER_NAME
+from timeslice.driver.tasks import cancel_and_wait
 from timeslice.kubelet_plugin.resourceslices import (
     MAX_DEVICES_PER_SLICE,
     Device,
@@ -278,10 +278,7 @@ class SlicePublisher:
         """Cancel the loop and its watch; with `delete_slices`, also delete the node's slices
         of this driver (once; an API error is raised)."""
         self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         async with self._changed:
             self._changed.notify_all()
         if delete_slices:
