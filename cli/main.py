@@ -92,7 +92,8 @@ def _controller(a: argparse.Namespace) -> int:
               "agent_namespace": a.agent_namespace, "default_backend": a.default_backend,
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
-              "agent_token_file": a.agent_token_file, "require_agent_tls": a.require_agent_tls or None}
+              "agent_token_file": a.agent_token_file, "require_agent_tls": a.require_agent_tls or None,
+              "resync_seconds": a.resync_seconds}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -255,6 +256,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--lease-duration", type=int, help="seconds (default 15)")
     c.add_argument("--renew-deadline", type=float, help="seconds (default 10)")
     c.add_argument("--retry-period", type=float, help="seconds (default 2)")
+    c.add_argument("--resync-seconds", type=float,
+                   help="full relist of claims, pods and ResourceSlices every this many seconds, so that a missed "
+                        "watch event (a deleted pod still holding its GPUs) heals (default 300)")
     c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     c.set_defaults(fn=_controller)
 

@@ -81,6 +81,7 @@ class ControllerConfig(BaseModel):
     lease_duration: int = 15
     renew_deadline: float = 10.0
     retry_period: float = 2.0
+    resync_seconds: float = Field(default=300.0, gt=0)  # full relist of claims, pods, slices (a missed event heals)
 
 
     @model_validator(mode="after")
@@ -127,7 +128,7 @@ class Controller:
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.warnings = ConfigWarnings(events)
         self._leading = False
-        self.state = ClusterState(api, self._apply,
+        self.state = ClusterState(api, self._apply, resync_seconds=cfg.resync_seconds,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
 
     async def _apply(self, snapshot: Snapshot) -> None:

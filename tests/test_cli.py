@@ -146,6 +146,10 @@ def test_controller_agent_token_file_flag(monkeypatch, capsys) -> None:
     assert not seen[0].require_agent_tls and seen[2].require_agent_tls
     assert main(["controller", "--require-agent-tls", "--agent-template", "{node}:50052"]) == 2
     assert "cannot be combined with agent_template" in capsys.readouterr().err
+    main(["controller", "--resync-seconds", "30"])  # issue 12, item 9: it was fixed at 300 s
+    assert seen[0].resync_seconds == 300.0 and seen[-1].resync_seconds == 30.0
+    assert main(["controller", "--resync-seconds", "0"]) == 2
+    assert "resync_seconds" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch) -> None:
