@@ -118,14 +118,17 @@ def seat_devices(gpus: Sequence[GpuInfo], seats_per_gpu: int = DEFAULT_SEATS_PER
 
 
 def consumable_devices(gpus: Sequence[GpuInfo]) -> list[Device]:
-    """One shareable device per GPU (KEP-5075); claims consume no memory unless they ask."""
+    """One shareable device per GPU (KEP-5075); claims consume no memory unless they ask.
+    Each is seat 0 of its GPU (its only seat), so the distinct-GPU constraints of `seats`
+    mode (`matchAttribute` on `seat`, a `seat == 0` selector) hold in this mode too: a claim
+    written for one mode is allocatable in the other (issue 12, item 10)."""
     devices = []
     for g in sorted(gpus, key=lambda g: g.index):
         reservable = g.memory_bytes - g.memory_bytes % MEMORY_STEP_BYTES  # max: a multiple of step
         devices.append({
             "name": gpu_name(g.index),
             "allowMultipleAllocations": True,
-            "attributes": gpu_attributes(g),
+            "attributes": {**gpu_attributes(g), "seat": {"int": 0}},
             "capacity": {"memory": {
                 "value": str(g.memory_bytes),
                 "requestPolicy": {"default": "0", "validRange": {

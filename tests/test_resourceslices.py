@@ -96,7 +96,7 @@ def test_consumable_mode_one_shareable_device_per_gpu() -> None:
     assert names(devices) == ["gpu-0", "gpu-1"]
     d = devices[0]
     assert d["allowMultipleAllocations"] is True
-    assert "seat" not in d["attributes"]
+    assert d["attributes"]["seat"] == {"int": 0}  # its only seat: seats-mode constraints hold (issue 12, item 10)
     mem = 81559 * 2**20
     assert d["capacity"] == {"memory": {
         "value": str(mem),
