@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.tasks import cancel_and_wait
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -74,6 +75,8 @@ class KubeletPluginConfig(BaseModel):
     pod_namespace: str = Field(default_factory=lambda: os.environ.get("POD_NAMESPACE", ""))
     backends: tuple[str, ...] = ("freeze", "none")
     orchestrator: str = ""
+    # prepared claims are checked against the API server at start and this often, seconds
+    prune_seconds: float = Field(default=300.0, gt=0)
 
     @model_validator(mode="after")
     def _unauthenticated_only_on_a_unix_socket(self) -> KubeletPluginConfig:
@@ -97,6 +100,17 @@ def _local(listen: str) -> bool:
     return listen.startswith("unix:") or listen.rsplit(":", 1)[0] in ("127.0.0.1", "localhost", "[::1]")
 
 
+
+async def _prune_periodically(preparer: ClaimPreparer, seconds: float) -> None:
+    """`ClaimPreparer.prune_gone` at start, then every `seconds`: prepared claims deleted
+    while this plugin was down lose their CDI spec and checkpoint entry."""
+    while True:
+        try:
+            await preparer.prune_gone()
+        except Exception:  # the API server away: asked again next time
+            log.exception("checking prepared claims against the API server failed")
+        await asyncio.sleep(seconds)
+
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
     api = await kubeapi.api_client()
@@ -118,6 +132,7 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
                              checkpoint=Checkpoint(cfg.state_dir / "checkpoint.json"), cdi_dir=cfg.cdi_dir,
                              events=events, orchestrator=cfg.orchestrator)
     restored = preparer.restore_cdi_specs()
+    pruner = asyncio.create_task(_prune_periodically(preparer, cfg.prune_seconds), name="prune-claims")
     publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)
     await publisher.publish(devices, wait=False)  # the loop retries while the API server is away
     agent = NodeAgent(StaticProcessResolver(), backends=cfg.backends, records_path=cfg.state_dir / "agent.json",
@@ -162,5 +177,6 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
         await agent_server.stop(1)
         if cert_publisher is not None:
             await cert_publisher.stop()
+        await cancel_and_wait(pruner)
         await publisher.stop()
         await api.close()

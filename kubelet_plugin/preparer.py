@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from timeslice.driver import config, names
-from timeslice.driver.errors import FailedPrecondition, InvalidArgument, TimeSliceServerError
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, NotFound, TimeSliceServerError
 from timeslice.driver.events import EventRecorder
 from timeslice.driver.kubeapi import api_error
 from timeslice.kubelet_plugin import cdi
@@ -152,6 +152,31 @@ class ClaimPreparer:
         for uid, rec in self.checkpoint.claims.items():
             cdi.write(self.cdi_dir, self._spec(uid, rec))
         return len(self.checkpoint.claims)
+
+    async def prune_gone(self) -> list[str]:
+        """Forget prepared claims that no longer exist (a missed NodeUnprepareResources: the
+        plugin was down when the claim was deleted): a claim the API server no longer has,
+        or has under another uid, loses its CDI spec and checkpoint entry. A claim whose read
+        fails otherwise is kept (asked again next time). Returns the uids removed."""
+        gone = []
+        async with self._lock:
+            for uid, rec in list(self.checkpoint.claims.items()):
+                ref = ClaimRef(rec["namespace"], uid, rec["name"])
+                try:
+                    claim = await self._read(ref)
+                except NotFound:
+                    claim = None
+                except TimeSliceServerError as err:
+                    log.info("prepared claim %s/%s not checked: %s", ref.namespace, ref.name, err)
+                    continue
+                if claim is not None and (claim.get("metadata") or {}).get("uid") == uid:
+                    continue
+                cdi.remove(self.cdi_dir, uid)
+                self.checkpoint.pop(uid)
+                gone.append(uid)
+                log.warning("prepared claim %s/%s uid=%s no longer exists: its CDI spec and checkpoint entry are "
+                            "removed (its unprepare was missed)", ref.namespace, ref.name, uid)
+        return gone
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         async with self._lock:

@@ -170,3 +170,27 @@ async def test_one_claims_api_error_fails_only_that_claim_with_an_event(tmp_path
     assert out["bad"].error == "prepare ns/claim-bad: read claim ns/claim-bad: HTTP 500: Internal Server Error"
     assert out["odd"].error == "prepare ns/claim-odd: read claim ns/claim-odd: RuntimeError: connection reset by peer"
     assert [e["involvedObject"]["name"] for e in events.sent] == ["claim-bad", "claim-odd"]
+
+
+async def test_claims_deleted_while_the_plugin_was_down_are_pruned(tmp_path) -> None:
+    """Issue 12, item 7: prepare a claim, stop the plugin, delete the claim, start the plugin:
+    its CDI spec and checkpoint entry stayed (the start-up restore even rewrote the spec). A
+    claim re-created under the same name (another uid) is gone too; one the API server cannot
+    answer for now is kept."""
+    claims = {"claim-a": claim("a", ["gpu-0-seat-0"]), "claim-b": claim("b", ["gpu-1-seat-0"]),
+              "claim-c": claim("c", ["gpu-0-seat-1"])}
+    await preparer(tmp_path, claims).prepare([ClaimRef("ns", u, f"claim-{u}") for u in "abc"])
+    del claims["claim-a"]  # deleted while the plugin was down
+    claims["claim-b"] = claim("b2", ["gpu-1-seat-0"])  # deleted and re-created: another uid
+    restarted = preparer(tmp_path, claims)
+    assert restarted.restore_cdi_specs() == 3
+    assert sorted(await restarted.prune_gone()) == ["a", "b"]
+    assert sorted(restarted.checkpoint.claims) == ["c"]
+    assert sorted(f.name for f in (tmp_path / "cdi").iterdir()) == ["timeslice.dev-gpu_c.json"]
+
+    async def unavailable(ns: str, name: str) -> dict:
+        raise ApiException(status=503, reason="Service Unavailable")
+
+    away = ClaimPreparer(node_name=NODE, read_claim=unavailable, lookup=GPUS.get, cdi_dir=tmp_path / "cdi",
+                         checkpoint=Checkpoint(tmp_path / "state" / "checkpoint.json"))
+    assert await away.prune_gone() == [] and sorted(away.checkpoint.claims) == ["c"]
