@@ -17,9 +17,10 @@ claim succeeds; unprepare may run in a fresh process after a restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -145,7 +146,8 @@ class ClaimPreparer:
         self.cdi_dir = cdi_dir
         self._events = events
         self._orchestrator = orchestrator
-        self._lock = asyncio.Lock()  # prepare/unprepare are serialized, as the Go helper does
+        # one claim's prepare, unprepare and prune run one at a time; different claims, at once
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # claim uid -> (its lock, callers holding or waiting)
 
     def restore_cdi_specs(self) -> int:
         """Rewrite the CDI spec of every checkpointed claim (after a restart or reboot)."""
@@ -158,44 +160,66 @@ class ClaimPreparer:
         plugin was down when the claim was deleted): a claim the API server no longer has,
         or has under another uid, loses its CDI spec and checkpoint entry. A claim whose read
         fails otherwise is kept (asked again next time). Returns the uids removed."""
-        gone = []
-        async with self._lock:
-            for uid, rec in list(self.checkpoint.claims.items()):
-                ref = ClaimRef(rec["namespace"], uid, rec["name"])
-                try:
-                    claim = await self._read(ref)
-                except NotFound:
-                    claim = None
-                except TimeSliceServerError as err:
-                    log.info("prepared claim %s/%s not checked: %s", ref.namespace, ref.name, err)
-                    continue
-                if claim is not None and (claim.get("metadata") or {}).get("uid") == uid:
-                    continue
-                cdi.remove(self.cdi_dir, uid)
-                self.checkpoint.pop(uid)
-                gone.append(uid)
-                log.warning("prepared claim %s/%s uid=%s no longer exists: its CDI spec and checkpoint entry are "
-                            "removed (its unprepare was missed)", ref.namespace, ref.name, uid)
-        return gone
+        refs = [ClaimRef(rec["namespace"], uid, rec["name"]) for uid, rec in list(self.checkpoint.claims.items())]
+        gone = await asyncio.gather(*(self._prune_one(ref) for ref in refs))
+        return [ref.uid for ref, g in zip(refs, gone) if g]
+
+    async def _prune_one(self, ref: ClaimRef) -> bool:
+        async with self._lock(ref.uid):
+            if ref.uid not in self.checkpoint.claims:
+                return False  # unprepared meanwhile
+            try:
+                claim = await self._read(ref)
+            except NotFound:
+                claim = None
+            except TimeSliceServerError as err:
+                log.info("prepared claim %s/%s not checked: %s", ref.namespace, ref.name, err)
+                return False
+            if claim is not None and (claim.get("metadata") or {}).get("uid") == ref.uid:
+                return False
+            cdi.remove(self.cdi_dir, ref.uid)
+            self.checkpoint.pop(ref.uid)
+        log.warning("prepared claim %s/%s uid=%s no longer exists: its CDI spec and checkpoint entry are removed (its "
+                    "unprepare was missed)", ref.namespace, ref.name, ref.uid)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, uid: str) -> AsyncIterator[None]:
+        """The claim's own lock, dropped once nobody holds or waits for it."""
+        lock, users = self._locks.get(uid, (asyncio.Lock(), 0))
+        self._locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[uid]
+            if users == 1:
+                del self._locks[uid]
+            else:
+                self._locks[uid] = (lock, users - 1)
 
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
-        async with self._lock:
-            results = await asyncio.gather(*(self._prepare_one(c) for c in claims))
+        """Each claim on its own: a slow API read of one delays no other, in this call or another."""
+        results = await asyncio.gather(*(self._prepare_one(c) for c in claims))
         return {c.uid: r for c, r in zip(claims, results)}
 
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
-        async with self._lock:
-            out: dict[str, str | None] = {}
-            for c in claims:
+        out: dict[str, str | None] = {}
+        for c in claims:
+            async with self._lock(c.uid):
                 try:
                     cdi.remove(self.cdi_dir, c.uid)
                     self.checkpoint.pop(c.uid)
                     out[c.uid] = None
                 except OSError as err:
                     out[c.uid] = f"unprepare {c.namespace}/{c.name}: {err}"
-            return out
+        return out
 
     async def _prepare_one(self, ref: ClaimRef) -> PrepareResult:
+        async with self._lock(ref.uid):
+            return await self._prepare_locked(ref)
+
+    async def _prepare_locked(self, ref: ClaimRef) -> PrepareResult:
         rec = self.checkpoint.claims.get(ref.uid)
         try:
             if rec is None:
