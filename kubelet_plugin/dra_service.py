@@ -12,12 +12,12 @@ the DRA socket. This module owns everything gRPC-shaped about
   one filled with an error, unknown UIDs dropped (kubelet fails a call that answers for
   a claim it did not ask about), an exception turned into a per-claim error for every
   claim of the call, subrequest names reduced to their request;
-- serialization (one plugin call at a time) and request logs (`claim=` lines).
+- request logs (`claim=` lines). Calls run at once (kubelet prepares the claims of
+  different pods in parallel): the plugin locks what it shares.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -71,25 +71,20 @@ def _checked(result: PrepareResult) -> PrepareResult:
 
 
 class DRAService:
-    """Calls the `ClaimPlugin` under one lock and enforces its contract (module docstring).
-
-    Both version servicers share one `DRAService`, so v1 and v1beta1 calls are
-    serialized together.
-    """
+    """Calls the `ClaimPlugin` and enforces its contract (module docstring). Both version
+    servicers share one `DRAService`."""
 
     def __init__(self, plugin: ClaimPlugin) -> None:
         self.plugin = plugin
-        self._lock = asyncio.Lock()
 
     async def prepare(self, claims: list[ClaimRef], api: str = "v1") -> dict[str, PrepareResult]:
         """{uid: result} for exactly the UIDs of `claims`; never raises for a plugin failure."""
         t0 = time.monotonic()
-        async with self._lock:
-            try:
-                raw: dict[str, PrepareResult] = dict(await self.plugin.prepare(list(claims)))
-            except Exception as err:
-                log.exception("prepare failed in the plugin api=%s claims=%s", api, _names(claims))
-                raw = {c.uid: PrepareResult(error=f"prepare failed: {type(err).__name__}: {err}") for c in claims}
+        try:
+            raw: dict[str, PrepareResult] = dict(await self.plugin.prepare(list(claims)))
+        except Exception as err:
+            log.exception("prepare failed in the plugin api=%s claims=%s", api, _names(claims))
+            raw = {c.uid: PrepareResult(error=f"prepare failed: {type(err).__name__}: {err}") for c in claims}
         results = {c.uid: _checked(raw.pop(c.uid, None) or PrepareResult(
             error="prepare: the plugin returned no result for this claim")) for c in claims}
         if raw:
@@ -106,12 +101,11 @@ class DRAService:
 
     async def unprepare(self, claims: list[ClaimRef], api: str = "v1") -> dict[str, str | None]:
         """{uid: error or None} for exactly the UIDs of `claims`; never raises for a plugin failure."""
-        async with self._lock:
-            try:
-                raw: dict[str, str | None] = dict(await self.plugin.unprepare(list(claims)))
-            except Exception as err:
-                log.exception("unprepare failed in the plugin api=%s claims=%s", api, _names(claims))
-                raw = {c.uid: f"unprepare failed: {type(err).__name__}: {err}" for c in claims}
+        try:
+            raw: dict[str, str | None] = dict(await self.plugin.unprepare(list(claims)))
+        except Exception as err:
+            log.exception("unprepare failed in the plugin api=%s claims=%s", api, _names(claims))
+            raw = {c.uid: f"unprepare failed: {type(err).__name__}: {err}" for c in claims}
         missing = "unprepare: the plugin returned no result for this claim"
         results = {c.uid: raw.pop(c.uid) if c.uid in raw else missing for c in claims}
         if raw:

@@ -66,8 +66,9 @@ class ClaimPlugin(Protocol):
       of a claim not prepared (or already unprepared) succeeds.
     - **Restarts.** Unprepare may run in a fresh process, for a claim prepared before
       the restart: it must work from the node checkpoint, not from memory.
-    - **Serialized.** The adapter never runs two calls at once, so a single-process
-      implementation needs no lock of its own.
+    - **Concurrent.** The adapter runs calls at once (kubelet prepares different pods'
+      claims in parallel): an implementation locks what its calls share (`ClaimPreparer`:
+      one lock per claim).
     - **Cancellation.** Kubelet gives up on a call after 45 s; the adapter's task is
       then cancelled (`asyncio.CancelledError` inside the plugin).
     """

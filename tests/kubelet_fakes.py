@@ -29,7 +29,8 @@ def device_for(uid: str, n: int = 0, share_id: str | None = None) -> PreparedDev
 class FakeClaimPlugin:
     """Answers every claim with `devices[uid]` (default: one device) unless told otherwise:
     `errors[uid]` fails that claim, `omit` leaves UIDs out, `extra` adds answers nobody asked
-    for, `exc` raises from the call. `calls` records (op, claims); `delay` holds each call."""
+    for, `exc` raises from the call. `calls` records (op, claims); `delay` holds each call;
+    `hold_until_running`: each call waits (10 s at most) until that many run at once."""
 
     devices: dict[str, list[PreparedDevice]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
@@ -40,12 +41,18 @@ class FakeClaimPlugin:
     calls: list[tuple[str, list[ClaimRef]]] = field(default_factory=list)
     running: int = 0
     max_running: int = 0
+    hold_until_running: int = 0
+    _all_in: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def _enter(self, op: str, claims: list[ClaimRef]) -> None:
         self.calls.append((op, claims))
         self.running += 1
         self.max_running = max(self.max_running, self.running)
+        if self.running >= self.hold_until_running:
+            self._all_in.set()
         try:
+            if self.hold_until_running:
+                await asyncio.wait_for(self._all_in.wait(), 10)
             await asyncio.sleep(self.delay)
         finally:
             self.running -= 1
