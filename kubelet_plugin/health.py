@@ -35,6 +35,7 @@ UNKNOWN: Health = "Unknown"
 _WIRE = {HEALTHY: hpb.HEALTHY, UNHEALTHY: hpb.UNHEALTHY, UNKNOWN: hpb.UNKNOWN}
 MAX_MESSAGE = 1024  # kubelet truncates longer messages
 DEFAULT_INTERVAL = 10.0  # seconds between reports; kubelet's default timeout is 30 s
+CHECK_TIMEOUT = 2.0  # seconds one GPU's NVML check may take before it is reported Unknown
 
 
 @dataclass(frozen=True)
@@ -82,15 +83,19 @@ class NvmlHealthSource:
     NVML itself is unavailable (no `pynvml`, no driver) or the device has no UUID.
 
     `nvml` is the `pynvml` module (imported when None); tests pass a stand-in. NVML calls
-    block, so each poll runs in a worker thread.
+    block, so each GPU's check runs in its own worker thread (`watch`), with a deadline of
+    `check_timeout` s: a GPU whose check does not answer in time is reported Unknown with a
+    message (and not checked again until that call returns), and the others keep reporting.
     """
 
     def __init__(self, devices: DeviceLister, interval: float = DEFAULT_INTERVAL,
-                 nvml: ModuleType | None = None) -> None:
+                 nvml: ModuleType | None = None, check_timeout: float = CHECK_TIMEOUT) -> None:
         self._devices = devices
         self.interval = interval
         self._nvml = nvml
         self._initialized = False
+        self.check_timeout = check_timeout
+        self._checks: dict[str, asyncio.Future[tuple[Health, str]]] = {}  # GPU uuid -> its check in flight
 
     def _init(self) -> str | None:
         """Load and initialize NVML once; returns why it is unavailable, or None."""
@@ -116,18 +121,41 @@ class NvmlHealthSource:
         return HEALTHY, ""
 
     def poll(self) -> list[DeviceHealth]:
-        """One snapshot (blocking)."""
+        """One snapshot (blocking: every GPU checked in turn, no deadline)."""
         devices = list(self._devices())
         down = self._init()
         if down:
             return [DeviceHealth(d.pool, d.device, UNKNOWN, down) for d in devices]
-        per_gpu = {uuid: self._check(uuid) for uuid in {d.uuid for d in devices if d.uuid}}
+        return self._report(devices, {uuid: self._check(uuid) for uuid in {d.uuid for d in devices if d.uuid}})
+
+    async def snapshot(self) -> list[DeviceHealth]:
+        """One snapshot, each GPU checked in its own thread within `check_timeout` s."""
+        devices = list(self._devices())
+        down = await asyncio.to_thread(self._init)
+        if down:
+            return [DeviceHealth(d.pool, d.device, UNKNOWN, down) for d in devices]
+        uuids = {d.uuid for d in devices if d.uuid}
+        for uuid in uuids - set(self._checks):
+            self._checks[uuid] = asyncio.ensure_future(asyncio.to_thread(self._check, uuid))
+        await asyncio.wait([self._checks[u] for u in uuids], timeout=self.check_timeout)
+        per_gpu: dict[str, tuple[Health, str]] = {}
+        for uuid in uuids:
+            check = self._checks[uuid]
+            if check.done():
+                per_gpu[uuid] = check.result()
+                del self._checks[uuid]
+            else:
+                per_gpu[uuid] = (UNKNOWN, f"NVML has not answered for GPU {uuid} within {self.check_timeout:g} s")
+        return self._report(devices, per_gpu)
+
+    @staticmethod
+    def _report(devices: list[DeviceRef], per_gpu: dict[str, tuple[Health, str]]) -> list[DeviceHealth]:
         return [DeviceHealth(d.pool, d.device, *per_gpu[d.uuid]) if d.uuid
                 else DeviceHealth(d.pool, d.device, UNKNOWN, "no GPU UUID for this device") for d in devices]
 
     async def watch(self) -> AsyncIterator[list[DeviceHealth]]:
         while True:
-            yield await asyncio.to_thread(self.poll)
+            yield await self.snapshot()
             await asyncio.sleep(self.interval)
 
 

@@ -6,6 +6,8 @@ info, errors) so the Healthy / Unhealthy / Unknown rules run without a GPU.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
@@ -154,3 +156,31 @@ async def test_a_failing_source_ends_the_stream_with_internal(serve_plugin) -> N
             pass
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert err.value.details() == "health source failed: RuntimeError: NVML thread died"
+
+
+async def test_a_gpu_whose_nvml_call_hangs_is_unknown_and_the_others_keep_reporting() -> None:
+    """Issue 12, item 4: one NVML call blocking stopped every GPU's health report (7 s seen)
+    and the hung GPU was never reported. Now each GPU is checked in its own thread with a
+    deadline; the hung one is Unknown (not checked again until its call returns)."""
+    release = threading.Event()
+
+    class HangingNvml(FakeNvml):
+        def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+            if uuid == "GPU-bbb":
+                self.queried.append(uuid)
+                release.wait(30)  # a hung driver call
+                return uuid
+            return super().nvmlDeviceGetHandleByUUID(uuid)
+
+    nvml = HangingNvml()
+    source = NvmlHealthSource(lambda: SEATS, nvml=nvml, check_timeout=0.2)  # type: ignore[arg-type]
+    try:
+        for _ in range(2):
+            snap = by_device(await source.snapshot())
+            assert snap["gpu-0-seat-0"] == ("Healthy", "") and snap["gpu-0-seat-1"] == ("Healthy", "")
+            assert snap["gpu-1-seat-0"] == ("Unknown", "NVML has not answered for GPU GPU-bbb within 0.2 s")
+        assert nvml.queried.count("GPU-bbb") == 1  # the hung call was not piled up
+    finally:
+        release.set()
+    await asyncio.wait_for(source._checks["GPU-bbb"], 10)
+    assert {h for h, _ in by_device(await source.snapshot()).values()} == {"Healthy"}
