@@ -128,6 +128,7 @@ class Controller:
         self.reconciler = Reconciler(self.orchestrator, cfg.agent_template, cfg.default_backend, self.writer.mark)
         self.warnings = ConfigWarnings(events)
         self._leading = False
+        self.failed: Exception | None = None  # why serving failed while leading (`run` raises it)
         self.state = ClusterState(api, self._apply, resync_seconds=cfg.resync_seconds,
                                   agent_namespace=None if cfg.agent_template else cfg.agent_namespace)
 
@@ -184,15 +185,27 @@ class Controller:
         group.adopt(resident, checkpointed, epoch)
 
     async def elect(self, stop: asyncio.Event) -> None:
-        """Run for leadership; serve while leading; set `stop` when leadership is lost."""
+        """Run for leadership; serve while leading; set `stop` when leadership is lost, or
+        when serving fails while leading (the library goes on renewing the Lease when its
+        leading task fails: a leader that cannot serve would keep it for good)."""
         async def lost() -> None:
             log.error("leadership lost identity=%s: exiting", self.cfg.identity)
             stop.set()
 
+        async def lead() -> None:
+            try:
+                await self.lead()
+            except Exception as err:
+                log.error("serving failed while leading identity=%s: %s: giving up the Lease and exiting",
+                          self.cfg.identity, err)
+                self.failed = err
+                stop.set()
+                raise
+
         c = self.cfg
         lock = _LeaseLock(c.lease_name, c.lease_namespace, c.identity, self.api)
         # the library writes lease_duration as the Lease's integer leaseDurationSeconds
-        config = electionconfig.Config(lock, int(c.lease_duration), c.renew_deadline, c.retry_period, self.lead, lost)
+        config = electionconfig.Config(lock, int(c.lease_duration), c.renew_deadline, c.retry_period, lead, lost)
         log.info("waiting for leadership identity=%s lease=%s/%s", c.identity, c.lease_namespace, c.lease_name)
         await leaderelection.LeaderElection(config).run()
 
@@ -232,3 +245,5 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
         with contextlib.suppress(Exception):
             await ctl.orchestrator.close()
         await api.close()
+    if ctl.failed is not None:  # the process exits non-zero: its pod restarts, another replica leads
+        raise ctl.failed

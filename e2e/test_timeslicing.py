@@ -49,11 +49,11 @@ def stack(kube, node_name, tmp_path_factory):
 class Controller:
     """`timeslice controller --leader-election` as a host process (a replica)."""
 
-    def __init__(self, work: Path, name: str, kubeconfig: str) -> None:
+    def __init__(self, work: Path, name: str, kubeconfig: str, listen: str = TARGET) -> None:
         self.log_path = work / f"{name}.log"
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "timeslice.cli.main", "controller", "--listen", TARGET, "--agent-template",
+            [sys.executable, "-m", "timeslice.cli.main", "controller", "--listen", listen, "--agent-template",
              agent_socket(work), "--default-backend", "freeze", "--auth", "tokenreview", "--leader-election",
              "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1"],
             stdout=self.log, stderr=subprocess.STDOUT,
