@@ -95,3 +95,16 @@ def write(spec_dir: Path, spec: ClaimSpec) -> Path:
 
 def remove(spec_dir: Path, claim_uid: str) -> None:
     spec_path(spec_dir, claim_uid).unlink(missing_ok=True)
+
+
+def remove_leftovers(spec_dir: Path) -> list[str]:
+    """Delete the temporary files of our spec writes that a crash left behind
+    (`.<spec name>.<random>.tmp`, `driver/atomic.py`; other writers' files are not
+    touched); returns their names. Run at start, before any write."""
+    if not spec_dir.is_dir():
+        return []
+    gone = []
+    for p in spec_dir.glob(f".{VENDOR}-{CLASS}_*.json.*.tmp"):
+        p.unlink(missing_ok=True)
+        gone.append(p.name)
+    return gone

@@ -150,7 +150,10 @@ class ClaimPreparer:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # claim uid -> (its lock, callers holding or waiting)
 
     def restore_cdi_specs(self) -> int:
-        """Rewrite the CDI spec of every checkpointed claim (after a restart or reboot)."""
+        """Rewrite the CDI spec of every checkpointed claim (after a restart or reboot), once
+        the temporaries of interrupted writes are gone (`cdi.remove_leftovers`)."""
+        for name in cdi.remove_leftovers(self.cdi_dir):
+            log.warning("removed the leftover of an interrupted CDI spec write: %s", name)
         for uid, rec in self.checkpoint.claims.items():
             cdi.write(self.cdi_dir, self._spec(uid, rec))
         return len(self.checkpoint.claims)

@@ -221,3 +221,20 @@ async def test_a_slow_claim_delays_no_other_claim_and_one_claim_runs_one_at_a_ti
     slow.set()
     assert (await first)["a"] == (await again)["a"] and (await first)["a"].error is None
     assert reads == ["claim-a", "claim-b"] and p._locks == {}
+
+
+async def test_leftover_temporaries_of_interrupted_cdi_writes_are_removed_at_start(tmp_path) -> None:
+    """Issue 12, item 3: a write killed between its temporary and the rename left a complete
+    spec file in the CDI directory (then named .tmp-*.json, which the runtime's loader read: a
+    conflict that dropped the device). Temporaries end in .tmp now, and a start removes ours
+    (only ours)."""
+    p = preparer(tmp_path, {"claim-a": claim("a", ["gpu-0-seat-0"])})
+    await p.prepare([ClaimRef("ns", "a", "claim-a")])
+    cdi_dir = tmp_path / "cdi"
+    leftover = cdi_dir / ".timeslice.dev-gpu_a.json.x7f3k2.tmp"
+    leftover.write_text((cdi_dir / "timeslice.dev-gpu_a.json").read_text())
+    foreign = cdi_dir / ".nvidia.com-gpu.json.abc.tmp"
+    foreign.write_text("{}")
+    assert preparer(tmp_path, {}).restore_cdi_specs() == 1
+    assert not leftover.exists() and foreign.exists()
+    assert sorted(f.name for f in cdi_dir.iterdir()) == [".nvidia.com-gpu.json.abc.tmp", "timeslice.dev-gpu_a.json"]
