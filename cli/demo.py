@@ -199,6 +199,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
+# The fields of the summary line, in order.
+SUMMARY_KEYS = ("jobs", "rounds", "backend", "switches", "failed_switches", "preemptions", "duty_cycle_solo",
+                "duty_cycle_shared", "handoff_ms_p50", "handoff_ms_p99", "switch_seconds_mean", "data_ok")
+
+
 def render(result: dict[str, Any], width: int = 72) -> str:
     """A per-job timeline (`#` computing, `.` reward, ` ` waiting) and the summary."""
     events = result["timeline"]
@@ -218,9 +223,7 @@ def render(result: dict[str, Any], width: int = 72) -> str:
                     for c in range(int((a - t0) * scale), min(width, int((b - t0) * scale))):
                         row[c] = ch
             lines.append(f"  {job:>14} |{''.join(row)}|")
-    keys = ("jobs", "rounds", "backend", "switches", "failed_switches", "preemptions", "duty_cycle_solo",
-            "duty_cycle_shared", "handoff_ms_p50", "handoff_ms_p99", "switch_seconds_mean", "data_ok")
-    lines.append("summary: " + ", ".join(f"{k}={result[k]}" for k in keys if k in result))
+    lines.append("summary: " + ", ".join(f"{k}={result[k]}" for k in SUMMARY_KEYS if k in result))
     return "\n".join(lines)
 
 
