@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: help demo test unit e2e lint protos wheels cluster-up cluster-down bench
+.PHONY: help demo test unit e2e lint protos wheels cluster-up cluster-down bench stress-test
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ wheels: $(STAMP) ## build the timeslice wheel into dist/ (for the cluster's Pyth
 
 e2e: wheels ## bring up the local cluster (built from source, cached), run e2e/, tear it down
 	hack/e2e.sh
+
+stress-test: wheels ## the suite under load: unit 5 times and e2e once while stress-ng keeps every core busy
+	hack/stress-test.sh
 
 cluster-up: wheels ## start the local single-node cluster (hack/local-cluster.sh up)
 	hack/local-cluster.sh up --wheels dist

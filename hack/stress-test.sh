@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The suite on a loaded machine (issue 12): stress-ng keeps every core busy while the unit +
+# integration suite runs RUNS times (default 5) and the e2e suite once; each run's time and
+# result is printed. Needs stress-ng (Debian package, installed when missing) and, for e2e, root.
+#   hack/stress-test.sh
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root" || exit 2
+command -v stress-ng >/dev/null || apt-get install -y -q stress-ng >/dev/null
+stress-ng --cpu "$(nproc)" --quiet &
+stress=$!
+trap 'kill "$stress" 2>/dev/null; wait "$stress" 2>/dev/null' EXIT
+failed=0
+for i in $(seq 1 "${RUNS:-5}"); do
+  start=$(date +%s)
+  if .venv/bin/pytest -q -p no:cacheprovider tests >"/tmp/stress-unit-$i.log" 2>&1; then result=passed; else result=FAILED; failed=1; fi
+  echo "unit run $i: $result in $(( $(date +%s) - start )) s ($(tail -n 1 "/tmp/stress-unit-$i.log"))"
+done
+start=$(date +%s)
+if hack/e2e.sh >/tmp/stress-e2e.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
+echo "e2e run: $result in $(( $(date +%s) - start )) s ($(grep -E '[0-9]+ (passed|failed)' /tmp/stress-e2e.log | tail -n 1))"
+exit "$failed"
