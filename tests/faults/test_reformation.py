@@ -73,6 +73,8 @@ async def settle(orch: Orchestrator) -> None:
         await asyncio.sleep(0)
         if all(g.switching is None for g in orch.groups()):
             break
+    for _ in range(5):  # and the acquires whose futures a grant resolved return
+        await asyncio.sleep(0)
 
 
 async def run(steps: list[tuple[str, str, tuple[int, ...]]]) -> None:
@@ -81,6 +83,7 @@ async def run(steps: list[tuple[str, str, tuple[int, ...]]]) -> None:
     rec = Reconciler(orch, agent_template="{node}:1", default_backend="freeze")
     cluster = Cluster()
     pending: dict[str, tuple[str, asyncio.Task]] = {}  # job -> (request id, its acquire)
+    left: list[asyncio.Task] = []  # acquires of pods that left: refused (or granted as they left)
     holds: dict[str, object] = {}  # job -> the grant its client holds (until it releases or leaves)
     ids = itertools.count()
 
@@ -122,6 +125,8 @@ async def run(steps: list[tuple[str, str, tuple[int, ...]]]) -> None:
             elif op == "leave" and job in cluster.pods:
                 cluster.leave(job)
                 holds.pop(job, None)
+                if job in pending:  # a pod of the same job may join again: this acquire is the old pod's
+                    left.append(pending.pop(job)[1])
                 await apply()
             elif op == "acquire" and job in cluster.pods and job not in pending and job not in holds:
                 group, member = orch.group_for(f"ns/job/{job}", "gpu")
@@ -140,13 +145,18 @@ async def run(steps: list[tuple[str, str, tuple[int, ...]]]) -> None:
         for job in list(cluster.pods):  # everyone leaves: every acquire ends
             cluster.leave(job)
             holds.pop(job, None)
+            if job in pending:
+                left.append(pending.pop(job)[1])
             await apply()
             check()
         await settle(orch)
         collect()
         assert not pending
+        for task in left:
+            assert task.done() and (task.cancelled() or task.exception() is None
+                                    or isinstance(task.exception(), StaleLease)), task
     finally:
-        for _, task in pending.values():
+        for task in [t for _, t in pending.values()] + left:
             task.cancel()
         await orch.close()
 
@@ -160,6 +170,11 @@ step = st.tuples(st.sampled_from(["join", "join", "leave", "acquire", "acquire",
 @given(st.lists(step, min_size=4, max_size=40))
 @example([("join", "a", (0,)), ("join", "d", (0,)), ("acquire", "a", (0,)), ("leave", "a", (0,)),
           ("acquire", "d", (0,)), ("leave", "d", (0,)), ("release", "d", (0,))])  # granted as its pod left
+@example([("join", "a", (0,)), ("join", "b", (0,)), ("acquire", "b", (0,)), ("acquire", "a", (0,)),
+          ("leave", "a", (0,)), ("join", "a", (0,))])  # a new pod of a job whose old pod's acquire was refused
+@example([("join", "a", (0,)), ("join", "b", (0,)), ("join", "d", (1,)), ("acquire", "b", (0,)),
+          ("acquire", "a", (0,)), ("acquire", "d", (0,)), ("leave", "b", (0,)),
+          ("join", "b", (0, 1))])  # a granted as b left, then preempted when b's return merged the groups
 def test_groups_that_re_form_keep_one_computing_claim_set_per_gpu_and_every_waiter(steps) -> None:
     asyncio.run(run(steps))
 
