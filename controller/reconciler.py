@@ -89,7 +89,8 @@ class Reconciler:
 
     def _carry_order(self, old_id: str) -> tuple[int, int, float]:
         """Old groups whose holder has the highest priority (then the earliest grant) carry
-        first: that holder goes on holding in a merged group, the others are revoked."""
+        first: that holder goes on holding in a merged group, the others are preempted
+        (`takeover.carry`)."""
         try:
             h = self.orchestrator.group(old_id).holder
         except NotFound:
