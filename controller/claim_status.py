@@ -19,10 +19,10 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from timeslice.controller.grouping import Snapshot
+from timeslice.controller.grouping import DeviceRef, PhysicalGpu, Snapshot
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupEvent
 from timeslice.controller.reflector import describe_error
@@ -65,6 +65,33 @@ def merged_devices(current: list[dict[str, Any]], ours: list[dict[str, Any]]) ->
         elif d.get("driver") != names.DRIVER_NAME:
             out.append(d)
     return out + list(mine.values())
+
+
+async def write_claim(api: Any, namespace: str, name: str, conditions: list[dict[str, Any]],
+                      data: dict[str, Any], gpus: Mapping[DeviceRef, PhysicalGpu]) -> None:
+    """Write our `status.devices` entries of one claim: one per allocation result of our
+    driver, keyed by driver, pool, device and (consumable mode) the result's `shareID`
+    (resource.k8s.io/v1 AllocatedDeviceStatus; the API server refuses an entry that names
+    no allocated device with HTTP 422). Each entry carries `conditions`, `data` and its
+    GPU's `uuid`, `productName` and `driverVersion` from the ResourceSlices (`gpus`).
+    `api`: kubernetes.aio ResourceV1Api. Raises the API's exceptions (409 on a concurrent
+    write: the caller retries)."""
+    claim = api.api_client.sanitize_for_serialization(await api.read_namespaced_resource_claim(name, namespace))
+    status = claim.get("status") or {}
+    results = status.get("allocation", {}).get("devices", {}).get("results", [])
+    ours = []
+    for r in results:
+        if r["driver"] != names.DRIVER_NAME:
+            continue
+        gpu = gpus.get((r["pool"], r["device"]))
+        ours.append({"driver": r["driver"], "pool": r["pool"], "device": r["device"],
+                     **({"shareID": r["shareID"]} if r.get("shareID") else {}),
+                     "conditions": conditions,
+                     "data": {**data, **(gpu.status_data() if gpu else {})}})
+    # the whole list, as read at this resourceVersion (a concurrent write: 409, retried)
+    await api.patch_namespaced_resource_claim_status(name, namespace, {
+        "metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
+        "status": {"devices": merged_devices(status.get("devices") or [], ours)}})
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, now: str) -> dict[str, Any]:
@@ -179,18 +206,7 @@ class ClaimStatusWriter:
                           if member.claim_set in v.checkpointed_jobs else "NotLoaded",
                           f"group {v.group_id}: resident {', '.join(v.resident_jobs) or 'none'}", now)]
             for namespace, name in self._claims_of(member.claim_set):
-                claim = self._api.api_client.sanitize_for_serialization(
-                    await self._api.read_namespaced_resource_claim(name, namespace))
-                status = claim.get("status") or {}
-                results = status.get("allocation", {}).get("devices", {}).get("results", [])
-                ours = [{"driver": r["driver"], "pool": r["pool"], "device": r["device"],
-                         **({"shareID": r["shareID"]} if r.get("shareID") else {}),
-                         "conditions": conditions, "data": data}
-                        for r in results if r["driver"] == names.DRIVER_NAME]
-                # the whole list, as read at this resourceVersion (a concurrent write: 409, retried)
-                await self._api.patch_namespaced_resource_claim_status(name, namespace, {
-                    "metadata": {"resourceVersion": claim["metadata"]["resourceVersion"]},
-                    "status": {"devices": merged_devices(status.get("devices") or [], ours)}})
+                await write_claim(self._api, namespace, name, conditions, data, self._snapshot().gpus)
 
     async def recorded(self, group: LockGroup) -> tuple[str | None, int]:
         """(resident job, last epoch) as the claims' status.devices record them."""

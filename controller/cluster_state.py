@@ -81,11 +81,12 @@ def trim_pod(pod: Obj) -> Obj | None:
 
 
 def trim_slice(slice_: Obj) -> Obj | None:
-    """Pool, node and each device's GPU identity, for slices of our driver."""
+    """Pool, node and each device's GPU identity (uuid, product, driver version), for slices of our driver."""
     spec = slice_.get("spec") or {}
     if spec.get("driver") != names.DRIVER_NAME:
         return None
-    keep = ("physicalGpu", "uuid", f"{names.DRIVER_NAME}/physicalGpu", f"{names.DRIVER_NAME}/uuid")
+    keep = tuple(k for a in ("physicalGpu", "uuid", "productName", "driverVersion")
+                 for k in (a, f"{names.DRIVER_NAME}/{a}"))
     devices = [{"name": d.get("name"), "attributes": _pick(d.get("attributes"), *keep)}
                for d in spec.get("devices") or ()]
     return {"metadata": _pick(slice_.get("metadata"), "name", "uid"),

@@ -82,8 +82,14 @@ class ClaimRef:
 
 @dataclass(frozen=True)
 class PhysicalGpu:
-    id: str    # the GPU's uuid (attribute physicalGpu or uuid)
-    node: str  # spec.nodeName of the slice that publishes it (its pool when unknown)
+    id: str                   # the GPU's uuid (attribute physicalGpu or uuid)
+    node: str                 # spec.nodeName of the slice that publishes it (its pool when unknown)
+    product: str = ""         # attribute productName, e.g. "NVIDIA H200"
+    driver_version: str = ""  # attribute driverVersion (semver), e.g. "580.159.4"
+
+    def status_data(self) -> dict[str, str]:
+        """What a claim's `status.devices[].data` says of the GPU (as the peer drivers do)."""
+        return {"uuid": self.id, "productName": self.product, "driverVersion": self.driver_version}
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,7 @@ class Snapshot:
     group_of: Mapping[str, str] = field(default_factory=dict)          # claim-set id -> group id
     warnings: tuple[GroupingWarning, ...] = ()
     node_agents: Mapping[str, AgentEndpoint] = field(default_factory=dict)  # node name -> (agent target, cert)
+    gpus: Mapping[DeviceRef, PhysicalGpu] = field(default_factory=dict)     # the ResourceSlices' devices
 
     def claim_set(self, job: str, source: str) -> ClaimSet | None:
         return self.claim_sets.get(claim_set_id(job, source))
@@ -201,10 +208,10 @@ class SnapshotDiff:
 
 # -- ResourceSlices ------------------------------------------------------------------
 
-def _attribute(device: Mapping[str, Any], name: str) -> str | None:
+def _attribute(device: Mapping[str, Any], name: str, kind: str = "string") -> str | None:
     attrs = device.get("attributes") or {}
     value = attrs.get(name) or attrs.get(f"{names.DRIVER_NAME}/{name}") or {}
-    s = value.get("string")
+    s = value.get(kind)
     return s if isinstance(s, str) and s else None
 
 
@@ -228,7 +235,9 @@ def physical_gpus(slices: Iterable[Mapping[str, Any]]) -> dict[DeviceRef, Physic
         for device in spec.get("devices") or ():
             gpu = _attribute(device, "physicalGpu") or _attribute(device, "uuid")
             if gpu and device.get("name"):
-                table[(pool_name, device["name"])] = PhysicalGpu(gpu, node)
+                table[(pool_name, device["name"])] = PhysicalGpu(
+                    gpu, node, _attribute(device, "productName") or "",
+                    _attribute(device, "driverVersion", "version") or "")
     return table
 
 
@@ -395,7 +404,7 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
         groups[g.id] = g
         group_of.update((cs.id, g.id) for cs in g.claim_sets)
     return Snapshot(groups=dict(sorted(groups.items())), claim_sets=dict(sorted(sets.items())),
-                    group_of=dict(sorted(group_of.items())), warnings=tuple(sorted(set(warnings))))
+                    group_of=dict(sorted(group_of.items())), warnings=tuple(sorted(set(warnings))), gpus=dict(gpus))
 
 
 def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group:

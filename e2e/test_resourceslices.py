@@ -1,5 +1,6 @@
 """SlicePublisher against the real API server: server-side validation, watch, generations,
-and the scheduler allocating the published seats in seat-major order.
+and the scheduler allocating the published seats in seat-major order; the controller's
+claim status write on those allocations, beside another driver's entry.
 
 The publisher runs in the test process with fake GPUs (`4xH200`) for the cluster's node;
 everything is checked through kubectl, as a user would see it. The kubelet has no
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.e2e
 
 kubernetes_aio = pytest.importorskip("kubernetes.aio", reason="needs the kubernetes extra (kubernetes>=37)")
 
+from timeslice.controller.claim_status import condition, write_claim  # noqa: E402
+from timeslice.controller.grouping import physical_gpus  # noqa: E402
 from timeslice.driver.backoff import Backoff  # noqa: E402
 from timeslice.driver.names import DRIVER_NAME  # noqa: E402
 from timeslice.kubelet_plugin.devices import discover_gpus  # noqa: E402
@@ -284,3 +287,101 @@ async def test_scheduler_shares_a_consumable_gpu(kube, publisher: SlicePublisher
         assert got == [["gpu-0"]] * 3
     finally:
         await delete_pods(kube, namespace, pods)
+
+
+# -- claim status on the real API server (issue 12, items 2 and 12) --------------------------
+
+NIC_DRIVER = "nic.e2e.example.com"
+
+
+@pytest.fixture
+def nic(kube, namespace: str, node_name: str):
+    """Another driver on the node: a ResourceSlice with one NIC and a DeviceClass for it
+    (no plugin: claims get it allocated, nothing prepares it)."""
+    name = f"{namespace}.{NIC_DRIVER}"
+    kube.apply({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": name},
+                "spec": {"driver": NIC_DRIVER, "nodeName": node_name,
+                         "pool": {"name": node_name, "generation": 1, "resourceSliceCount": 1},
+                         "devices": [{"name": "nic-0"}]}})
+    kube.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{NIC_DRIVER}'"}}]}})
+    yield name
+    kube.run("delete", "deviceclasses.v1.resource.k8s.io", name, "--ignore-not-found", check=False)
+    kube.run("delete", SLICES, name, "--ignore-not-found", check=False)
+
+
+@pytest.mark.parametrize("mode", ["seats", CONSUMABLE])
+async def test_claim_status_is_written_beside_another_drivers_entry(kube, api, publisher: SlicePublisher,
+                                                                    node_name: str, namespace: str,
+                                                                    device_class: str, nic: str, mode: str) -> None:
+    """A claim with one of our devices and another driver's NIC, that driver's status entry
+    written first: the controller's status write (`write_claim`) is accepted by the API
+    server in both modes (consumable: keyed by the allocation's shareID; before, HTTP 422 on
+    every retry), keeps the other driver's entry and the other writer's condition on ours,
+    and says which GPU it is (uuid, product, driver version)."""
+    await asyncio.wait_for(publisher.publish(build_devices(discover_gpus("1xH200", node=node_name), mode)), 30)
+    slices = await our_slices(kube, node_name)
+    if mode == CONSUMABLE:
+        skip_without_consumable_capacity(slices[0])
+    template = claim_template("gpu-and-nic", device_class)
+    template["spec"]["spec"]["devices"]["requests"].append({"name": "nic", "exactly": {"deviceClassName": nic}})
+    kube.apply({**template, "metadata": {"name": "gpu-and-nic", "namespace": namespace}})
+    pod = f"status-{mode}"
+    kube.apply({**pod_with_claim(pod, "gpu-and-nic", kube.busybox_image),
+                "metadata": {"name": pod, "namespace": namespace}})
+    resource = kubernetes_aio.client.ResourceV1Api(api)
+    try:
+        async def claim_name():
+            statuses = (await kubectl_json(kube, "get", "pod", "-n", namespace, pod)).get("status", {}).get(
+                "resourceClaimStatuses") or []
+            return statuses[0].get("resourceClaimName") if statuses else None
+
+        name = await wait_for(claim_name, f"claim of pod {pod} created", timeout=60)
+
+        async def claim():
+            c = await kubectl_json(kube, "get", "resourceclaims.v1.resource.k8s.io", "-n", namespace, name)
+            return c if c.get("status", {}).get("allocation") else None
+
+        results = (await wait_for(claim, f"claim {name} allocated", timeout=60))["status"]["allocation"][
+            "devices"]["results"]
+        (ours,) = [r for r in results if r["driver"] == DRIVER_NAME]
+        assert bool(ours.get("shareID")) == (mode == CONSUMABLE), ours
+        theirs = {"driver": NIC_DRIVER, "pool": node_name, "device": "nic-0",
+                  "conditions": [{"type": "Ready", "status": "True", "reason": "LinkUp", "message": "",
+                                  "lastTransitionTime": "2026-11-30T00:00:00Z"}],
+                  "networkData": {"interfaceName": "eth1"}}
+        await asyncio.to_thread(kube.run, "patch", "resourceclaims.v1.resource.k8s.io", "-n", namespace, name,
+                                "--subresource=status", "--type=merge", "-p",
+                                json.dumps({"status": {"devices": [theirs]}}))
+
+        gpus = physical_gpus(slices)
+        now = "2026-11-30T00:00:01Z"
+        await write_claim(resource, namespace, name, [condition("LockHeld", True, "Holder", "g: holder a", now)],
+                          {"groupId": "g"}, gpus)
+        devices = (await kubectl_json(kube, "get", "resourceclaims.v1.resource.k8s.io", "-n", namespace,
+                                      name))["status"]["devices"]
+        (kept,) = [d for d in devices if d["driver"] == NIC_DRIVER]
+        assert kept == theirs
+        (mine,) = [d for d in devices if d["driver"] == DRIVER_NAME]
+        assert (mine["device"], mine.get("shareID")) == (ours["device"], ours.get("shareID"))
+        assert [c["type"] for c in mine["conditions"]] == ["LockHeld"]
+        assert mine["data"] == {"groupId": "g", "uuid": f"GPU-fake-{node_name}-0", "productName": "NVIDIA H200",
+                                "driverVersion": mine["data"]["driverVersion"]} and mine["data"]["driverVersion"]
+
+        # another writer's condition on our entry outlives our next write
+        foreign = {"type": "example.com/Checked", "status": "True", "reason": "Checked", "message": "",
+                   "lastTransitionTime": now}
+        await asyncio.to_thread(kube.run, "patch", "resourceclaims.v1.resource.k8s.io", "-n", namespace, name,
+                                "--subresource=status", "--type=merge", "-p", json.dumps(
+                                    {"status": {"devices": [theirs, {**mine, "conditions": [
+                                        *mine["conditions"], foreign]}]}}))
+        await write_claim(resource, namespace, name, [condition("LockHeld", False, "Idle", "g: holder none", now)],
+                          {"groupId": "g"}, gpus)
+        devices = (await kubectl_json(kube, "get", "resourceclaims.v1.resource.k8s.io", "-n", namespace,
+                                      name))["status"]["devices"]
+        assert [d for d in devices if d["driver"] == NIC_DRIVER] == [theirs]
+        (mine,) = [d for d in devices if d["driver"] == DRIVER_NAME]
+        assert [(c["type"], c["status"]) for c in mine["conditions"]] == [("example.com/Checked", "True"),
+                                                                           ("LockHeld", "False")]
+    finally:
+        await delete_pods(kube, namespace, [pod])

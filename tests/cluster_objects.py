@@ -25,7 +25,8 @@ def slice_obj(node: str, gpus: int = 2, seats: int = 4, driver: str = names.DRIV
               attribute: str = "physicalGpu", name: str | None = None) -> Obj:
     """Seats `gpu-<i>-seat-<k>` of `gpus` GPUs, seat-major, as the kubelet plugin publishes them."""
     devices = [{"name": f"gpu-{i}-seat-{k}",
-                "attributes": {attribute: {"string": gpu_uuid(node, i)}, "seat": {"int": k}}}
+                "attributes": {attribute: {"string": gpu_uuid(node, i)}, "seat": {"int": k},
+                               "productName": {"string": "NVIDIA H200"}, "driverVersion": {"version": "580.159.4"}}}
                for k in range(seats) for i in range(gpus)]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
             "metadata": {"name": name or f"{node}-{driver}-{generation}", "uid": f"slice-{node}-{driver}-{generation}"},

@@ -46,9 +46,10 @@ def test_physical_gpus_from_slices() -> None:
     table = physical_gpus([slice_obj("node-a", gpus=2, seats=2),
                            slice_obj("node-b", gpus=1, seats=1, attribute="uuid"),
                            slice_obj("node-c", driver=OTHER_DRIVER)])
-    assert table[("node-a", "gpu-1-seat-0")] == PhysicalGpu(gpu_uuid("node-a", 1), "node-a")
+    h200 = ("NVIDIA H200", "580.159.4")
+    assert table[("node-a", "gpu-1-seat-0")] == PhysicalGpu(gpu_uuid("node-a", 1), "node-a", *h200)
     assert table[("node-a", "gpu-1-seat-1")] == table[("node-a", "gpu-1-seat-0")]
-    assert table[("node-b", "gpu-0-seat-0")] == PhysicalGpu(gpu_uuid("node-b", 0), "node-b")  # uuid fallback
+    assert table[("node-b", "gpu-0-seat-0")] == PhysicalGpu(gpu_uuid("node-b", 0), "node-b", *h200)  # uuid fallback
     assert not [k for k in table if k[0] == "node-c"]
     assert len(table) == 5
 

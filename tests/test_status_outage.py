@@ -34,7 +34,7 @@ from timeslice.driver import names
 from timeslice.driver.backoff import Backoff
 from timeslice.driver.events import EventRecorder
 
-from tests.cluster_objects import World
+from tests.cluster_objects import World, gpu_uuid
 from tests.conftest import eventually
 from tests.fake_apiserver import FakeApiServer
 
@@ -231,6 +231,9 @@ async def test_a_group_removed_while_its_write_fails_is_not_written_later(apiser
         for m in (A, B):
             (device,) = apiserver.claim("ns", CLAIM[m])["status"]["devices"]
             assert device["data"]["groupId"] == new and shown(apiserver, m) == ("False", "Idle", "", 0, -1)
+            # issue 12, item 12: the GPU as the peer drivers describe it, from the ResourceSlice
+            assert (device["data"]["uuid"], device["data"]["productName"], device["data"]["driverVersion"]) == (
+                gpu_uuid("node-a", 0), "NVIDIA H200", "580.159.4")
 
 
 async def test_configuration_warnings_become_warning_events_on_their_claims_once(short_tmp) -> None:
