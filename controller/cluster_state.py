@@ -6,7 +6,8 @@ it warm); its `on_change(snapshot)` callback feeds the orchestrator wiring. One
 
     ResourceClaims  all namespaces; kept when allocated with a result of gpu.timeslice.dev
     Pods            all namespaces, not finished (field selector on status.phase); kept
-                    when they reference a claim (`spec.resourceClaims`)
+                    when they reference a claim (`spec.resourceClaims`) or kube-scheduler
+                    made one for their extended resources (`status.extendedResourceClaimStatus`)
     ResourceSlices  field selector spec.driver=gpu.timeslice.dev
     plugin pods     label app.kubernetes.io/name=timeslice-kubelet-plugin in
                     `agent_namespace` (unless None): the node agents (`node_agents`:
@@ -69,14 +70,15 @@ def trim_claim(claim: Obj) -> Obj | None:
 def trim_pod(pod: Obj) -> Obj | None:
     """The fields `grouping` and `jobs` read, for unfinished pods that reference claims."""
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
-    if not spec.get("resourceClaims") or status.get("phase") in grouping.FINISHED_PHASES:
+    if not (spec.get("resourceClaims") or status.get("extendedResourceClaimStatus")) or \
+            status.get("phase") in grouping.FINISHED_PHASES:
         return None
     meta = pod.get("metadata") or {}
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k in jobs.IDENTITY_LABELS}
     return {
         "metadata": {**_pick(meta, "name", "namespace", "uid", "ownerReferences"), "labels": labels},
         "spec": _pick(spec, "nodeName", "resourceClaims"),
-        "status": _pick(status, "phase", "resourceClaimStatuses"),
+        "status": _pick(status, "phase", "resourceClaimStatuses", "extendedResourceClaimStatus"),
     }
 
 
@@ -124,6 +126,11 @@ class ClusterState:
     @property
     def reflectors(self) -> tuple[Reflector, ...]:
         return (self.claims, self.pods, self.slices) + ((self.agents,) if self.agents else ())
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The reflectors' and the emit loop's tasks (empty before `start()`), for liveness checks."""
+        return list(self._tasks)
 
     def start(self) -> None:
         if self._tasks:

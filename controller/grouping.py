@@ -14,7 +14,11 @@ Definitions:
   is not finished. The pod-level claim name (`pod.spec.resourceClaims[].name`) is only the
   client's handle: a job whose trainer and sampler pods both call their claim `gpu`, from
   templates `trainer-gpu` and `sampler-gpu`, has two claim sets, as with role-named claims
-  (the calling pod tells them apart, see `reconciler.aliases`). Only allocation results of
+  (the calling pod tells them apart, see `reconciler.aliases`). A pod that asks for the
+  DeviceClass's extended resource (`timeslice.dev/gpu` in its containers' resources, gate
+  DRAExtendedResource) gets a claim from kube-scheduler, named in
+  `pod.status.extendedResourceClaimStatus`: its handle and source are the extended
+  resource's name, so a job's pods that ask for it form one claim set. Only allocation results of
   driver `gpu.timeslice.dev` count; admin-access requests and results are never counted,
   so a claim with nothing else is in no claim set. A claim shared by pods of two jobs is
   in a claim set of each (and so puts both in one group).
@@ -291,15 +295,22 @@ def _parse_claim(claim: Mapping[str, Any], warnings: list[GroupingWarning]) -> _
 
 def pod_claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """(pod-level claim name, ResourceClaim name, claim source) of every claim the pod
-    references that exists: named in the spec (the source is that claim), or generated
-    from a template (`status.resourceClaimStatuses`; the source is the template)."""
-    generated = {s.get("name"): s.get("resourceClaimName")
-                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()}
+    references that exists: named in the spec (the source is that claim), generated
+    from a template (`status.resourceClaimStatuses`; the source is the template), or
+    created by kube-scheduler for the extended resources its containers ask for
+    (`status.extendedResourceClaimStatus`, KEP-5004; the name and the source are each
+    extended resource's name, e.g. `timeslice.dev/gpu`)."""
+    status = pod.get("status") or {}
+    generated = {s.get("name"): s.get("resourceClaimName") for s in status.get("resourceClaimStatuses") or ()}
     out = []
     for ref in (pod.get("spec") or {}).get("resourceClaims") or ():
         claim = ref.get("resourceClaimName") or generated.get(ref.get("name"))
         if ref.get("name") and claim:
             out.append((ref["name"], claim, ref.get("resourceClaimName") or ref.get("resourceClaimTemplateName") or ""))
+    extended = status.get("extendedResourceClaimStatus") or {}
+    if extended.get("resourceClaimName"):
+        resources = sorted({m.get("resourceName") for m in extended.get("requestMappings") or ()} - {None, ""})
+        out.extend((r, extended["resourceClaimName"], resources[0]) for r in resources)
     return out
 
 

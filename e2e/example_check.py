@@ -50,10 +50,11 @@ def recorded_holders(kube) -> set[str]:
             for d in c.get("status", {}).get("devices", [])} - {None, ""}
 
 
-def run_example_and_check(kube, during=lambda: None) -> dict:
-    """Apply the example, call `during()` every 0.5 s until both Jobs succeeded, check
-    the interleaving; returns the group's last `timeslice status` (a dict)."""
-    kube.run("apply", "-k", str(EXAMPLE))
+def run_example_and_check(kube, during=lambda: None, layout: Path = EXAMPLE) -> dict:
+    """Apply the example (or another `layout` of its two Jobs), call `during()` every 0.5 s
+    until both Jobs succeeded, check the interleaving; returns the group's last
+    `timeslice status` (a dict)."""
+    kube.run("apply", "-k", str(layout))
     seen: dict[str, dict] = {}
     conditions: list[dict] = []
     deadline = time.monotonic() + 240

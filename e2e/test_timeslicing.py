@@ -24,6 +24,8 @@ import yaml
 from e2e.example_check import EXAMPLE, NS, TARGET, recorded_holders, run_example_and_check, status
 from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfig, wait
 
+EXTENDED = EXAMPLE.parent / "local-extended"
+
 
 @pytest.fixture(scope="module")
 def stack(kube, node_name, tmp_path_factory):
@@ -76,6 +78,27 @@ def leader(controllers: list[Controller]) -> Controller | None:
 @pytest.mark.timeout(400)
 def test_two_jobs_share_one_gpu_and_alternate(kube, stack) -> None:
     run_example_and_check(kube)
+
+
+@pytest.mark.timeout(400)
+def test_jobs_that_ask_for_the_extended_resource_share_one_gpu(kube, stack) -> None:
+    """Issue 12, item 13 (gate DRAExtendedResource): the example's trainers ask for
+    `timeslice.dev/gpu: 1` instead of a claim. kube-scheduler makes each pod's claim, the
+    plugin prepares it, and the trainers lock it by that name: they alternate as with
+    claims. A pod asking for the implicit name is refused at admission, saying what to ask for."""
+    kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
+    try:
+        group = run_example_and_check(kube, layout=EXTENDED)
+        switched = {j for r in group["recent_switches"] for j in (r.get("from_job_id"), r.get("to_job_id")) if j}
+        assert switched == {f"{NS}/{j}:timeslice.dev/gpu" for j in ("rl-job-a", "rl-job-b")}, group
+    finally:
+        kube.run("delete", "-k", str(EXTENDED), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                 timeout=180)
+    implicit = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "implicit", "namespace": "default"},
+                "spec": {"containers": [{"name": "main", "image": kube.busybox_image, "resources": {
+                    "limits": {"deviceclass.resource.kubernetes.io/gpu.timeslice.dev": "1"}}}]}}
+    r = kube.run("create", "--dry-run=server", "-f", "-", input=json.dumps(implicit), check=False)
+    assert r.returncode != 0 and "Ask for timeslice.dev/gpu instead" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(400)

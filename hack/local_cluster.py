@@ -83,6 +83,7 @@ DEFAULT_FEATURE_GATES = ",".join([
     "DRAPartitionableDevices=true",
     "DRADeviceTaints=true",
     "ResourceHealthStatus=true",
+    "DRAExtendedResource=true",
 ])
 FEATURE_GATES = os.environ.get("TIMESLICE_FEATURE_GATES", DEFAULT_FEATURE_GATES)
 # resource.k8s.io/v1 is served by default from 1.34; older versions for older clients,

@@ -95,6 +95,20 @@ class World:
         self.reserve(c, pod)
         return c
 
+    def extended_claim(self, pod: Obj, resource: str, devices: list[tuple[str, str]]) -> Obj:
+        """The claim kube-scheduler makes for the extended `resource` the pod's container
+        asks for (KEP-5004): no entry in `spec.resourceClaims`, the pod's
+        `status.extendedResourceClaimStatus` names it."""
+        request = "container-0-request-0"
+        c = self.claim(pod, "-", devices, name=f"{pod['metadata']['name']}-extended-resources-x1", request=request)
+        pod["spec"]["resourceClaims"].pop()
+        pod["status"]["resourceClaimStatuses"].pop()
+        c["metadata"]["annotations"] = {"resource.kubernetes.io/extended-resource-claim": "true"}
+        pod["status"]["extendedResourceClaimStatus"] = {
+            "resourceClaimName": c["metadata"]["name"],
+            "requestMappings": [{"containerName": "main", "resourceName": resource, "requestName": request}]}
+        return c
+
     def share(self, claim: Obj, pod: Obj, pod_claim: str) -> None:
         """`pod` uses the existing `claim` by name under `pod_claim` (a shared claim)."""
         pod["spec"]["resourceClaims"].append({"name": pod_claim, "resourceClaimName": claim["metadata"]["name"]})

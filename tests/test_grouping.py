@@ -124,6 +124,25 @@ def test_multi_node_spmd_claim_set_spans_nodes_and_switches_as_one() -> None:
     assert g.nodes == ("node-a", "node-b") and len(g.claim_sets) == 2
 
 
+def test_claims_kube_scheduler_makes_for_the_extended_resource_form_one_claim_set_per_job() -> None:
+    """Issue 12, item 13: pods that ask for `timeslice.dev/gpu` (DRAExtendedResource) have
+    no `spec.resourceClaims`; their claims, named in `status.extendedResourceClaimStatus`,
+    are the job's claim set `timeslice.dev/gpu`, locked by that name, beside a job with a
+    template claim on the same GPU. The controller's trimmed pods keep what this needs."""
+    from timeslice.controller.cluster_state import trim_claim, trim_pod
+
+    w = one_node()
+    for i in range(2):
+        w.extended_claim(w.pod(f"ext-{i}", owner=("Job", "ext")), "timeslice.dev/gpu", [("node-a", f"gpu-0-seat-{i}")])
+    w.claim(w.pod("b-0", owner=("Job", "b")), "gpu", [("node-a", "gpu-0-seat-2")])
+    trimmed = compute([trim_claim(c) for c in w.claims], [trim_pod(p) for p in w.pods], physical_gpus(w.slices))
+    assert trimmed == w.snapshot()
+    cs = trimmed.claim_set("ns/job/ext", "timeslice.dev/gpu")
+    assert cs is not None and cs.handles == ("timeslice.dev/gpu",) and len(cs.pods) == 2
+    assert [c.name for c in cs.claims] == ["ext-0-extended-resources-x1", "ext-1-extended-resources-x1"]
+    assert [c.id for c in only_group(trimmed).claim_sets] == ["ns/job/b:gpu", "ns/job/ext:timeslice.dev/gpu"]
+
+
 def test_shared_claim_counts_for_each_pod_of_the_job_once() -> None:
     w = one_node()
     p0, p1 = w.pod("w-0", owner=("Job", "w")), w.pod("w-1", owner=("Job", "w"))
