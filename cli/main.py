@@ -78,6 +78,7 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
         "registry_dir": a.registry_dir, "agent_listen": a.agent_listen, "agent_auth": a.agent_auth,
         "agent_allowed_users": _names(a.agent_allowed_users), "agent_tls": a.agent_tls or None,
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
+        "liveness_file": a.liveness_file,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
     return 0
@@ -93,7 +94,7 @@ def _controller(a: argparse.Namespace) -> int:
               "leader_election": a.leader_election or None, "lease_duration": a.lease_duration,
               "renew_deadline": a.renew_deadline, "retry_period": a.retry_period, "auth": a.auth,
               "agent_token_file": a.agent_token_file, "require_agent_tls": a.require_agent_tls or None,
-              "resync_seconds": a.resync_seconds}
+              "resync_seconds": a.resync_seconds, "liveness_file": a.liveness_file}
     asyncio.run(run(ControllerConfig(**{k: v for k, v in fields.items() if v is not None})))
     return 0
 
@@ -221,6 +222,10 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
+    k.add_argument("--liveness-file", metavar="PATH",
+                   help="touch PATH every 5 s while the plugin works, for a livenessProbe that runs "
+                        "`python3 -m timeslice.driver.liveness PATH 30` (exit 1 when it is older than 30 s: "
+                        "a stuck event loop or a background task that ended) (default off)")
     k.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     k.set_defaults(fn=_kubelet_plugin)
 
@@ -259,6 +264,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--resync-seconds", type=float,
                    help="full relist of claims, pods and ResourceSlices every this many seconds, so that a missed "
                         "watch event (a deleted pod still holding its GPUs) heals (default 300)")
+    c.add_argument("--liveness-file", metavar="PATH",
+                   help="touch PATH every 5 s while the replica (leader or standby) works, for a livenessProbe "
+                        "that runs "
+                        "`python3 -m timeslice.driver.liveness PATH 30` (exit 1 when it is older than 30 s: "
+                        "a stuck event loop or a background task that ended) (default off)")
     c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     c.set_defaults(fn=_controller)
 

@@ -48,6 +48,7 @@ from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.errors import Unauthenticated
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.liveness import Heartbeat, tasks_alive
 
 log = logging.getLogger("timeslice.controller")
 
@@ -62,7 +63,8 @@ class ControllerConfig(BaseModel):
     TLS certificate (annotation `timeslice.dev/agent-certificate`), so it needs the
     plugin pods (no `agent_template`); `metrics_listen`: `host:port` of the Prometheus
     `/metrics` endpoint, served on every replica (a replica that does not lead reports no
-    groups; None: off). Times in seconds."""
+    groups; None: off); `liveness_file`: touched while the replica works
+    (`driver.liveness`; None: off). Times in seconds."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -82,6 +84,7 @@ class ControllerConfig(BaseModel):
     renew_deadline: float = 10.0
     retry_period: float = 2.0
     resync_seconds: float = Field(default=300.0, gt=0)  # full relist of claims, pods, slices (a missed event heals)
+    liveness_file: Path | None = None
 
 
     @model_validator(mode="after")
@@ -231,9 +234,16 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
         stop.set()
 
     task.add_done_callback(ended)
+    heartbeat = None
+    if cfg.liveness_file:  # its reflectors, its election or serving, and (leading) its status writer
+        heartbeat = Heartbeat(cfg.liveness_file, {"controller": tasks_alive(
+            lambda: [task, *ctl.state.tasks, ctl.writer.task])})
+        heartbeat.start()
     try:
         await stop.wait()
     finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task

@@ -128,6 +128,11 @@ class ClaimStatusWriter:
         if event.kind in EVENTS:
             asyncio.get_running_loop().create_task(self._event(event))
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The background task (None before `start()`), for liveness checks."""
+        return self._task
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="claim-status")
 

@@ -5,11 +5,13 @@ plugin pod (no `--agent-template`) and calls it with its projected ServiceAccoun
 which the agent checks with TokenReview, over TLS pinning the certificate the plugin
 publishes on its pod (`--agent-tls`, `--require-agent-tls`); the example's two Jobs
 alternate on one GPU, and deleting the leader controller pod mid-run keeps the group
-working.
+working; the liveness probes restart a stopped plugin and a stopped standby controller.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -165,3 +167,51 @@ def test_the_plugin_may_annotate_only_its_own_pod(kube, installed) -> None:
              "its token names none")):
         r = as_plugin(token, *args)
         assert r.returncode != 0 and "Forbidden" in r.stderr and why in r.stderr, (args, r.stderr)
+
+
+def host_pid(pod: dict, word: str) -> int:
+    """The host pid of the pod's `timeslice <word>` process (its cgroup names the pod uid)."""
+    uid = pod["metadata"]["uid"]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            cgroup = (proc / "cgroup").read_text()
+        except OSError:
+            continue
+        if word.encode() in cmdline and any(b"timeslice" in a for a in cmdline[:2]) and (
+                uid in cgroup or uid.replace("-", "_") in cgroup):
+            return int(proc.name)
+    raise AssertionError(f"no timeslice {word} process of pod {pod['metadata']['name']} on this host")
+
+
+def restarts(pod: dict) -> int:
+    return sum(c.get("restartCount", 0) for c in pod.get("status", {}).get("containerStatuses", []))
+
+
+@pytest.mark.timeout(300)
+def test_liveness_probes_restart_a_stopped_plugin_and_controller(kube, installed) -> None:
+    """Issue 12, item 1: the plugin and a standby controller (it serves no port) are stopped
+    (SIGSTOP: a wedged process that still exists). Their heartbeat files age, the liveness
+    probes fail with the reason, and the kubelet restarts both containers, which come back Ready."""
+    plugin = next(p for p in pods(kube, "timeslice-kubelet-plugin") if ready(p))
+    leader_name = wait(lambda: serving_leader(kube), 60, "a serving leader")
+    standby = wait(lambda: next((p for p in pods(kube, "timeslice-controller")
+                                 if ready(p) and p["metadata"]["name"] != leader_name), None), 120, "a Ready standby")
+    stopped = {p["metadata"]["name"]: (p, restarts(p)) for p in (plugin, standby)}
+    for pod, word in ((plugin, "kubelet-plugin"), (standby, "controller")):
+        os.kill(host_pid(pod, word), signal.SIGSTOP)
+
+    def restarted_and_ready() -> bool:
+        now = {p["metadata"]["name"]: p for app in ("timeslice-kubelet-plugin", "timeslice-controller")
+               for p in pods(kube, app)}
+        return all(name in now and restarts(now[name]) > before and ready(now[name])
+                   for name, (_, before) in stopped.items())
+
+    wait(restarted_and_ready, 150, "both stopped containers restarted by their liveness probes and Ready")
+    for name in stopped:
+        events = kube.run("get", "events", "-n", SYSTEM, "--field-selector", f"involvedObject.name={name}", "-o",
+                          "jsonpath={.items[*].message}").stdout
+        assert "Liveness probe failed" in events and "heartbeat" in events, events
+    wait(lambda: our_slices(kube), 60, "the restarted plugin's ResourceSlices")

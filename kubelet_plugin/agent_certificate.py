@@ -83,6 +83,11 @@ class CertificatePublisher:
         except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
             raise api_error(err, f"annotating pod {self.namespace}/{self.name} with the agent certificate") from err
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The background task (None before `start()`), for liveness checks."""
+        return self._task
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="agent-certificate-publisher")

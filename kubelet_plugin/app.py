@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.liveness import Heartbeat, tasks_alive
 from timeslice.driver.tasks import cancel_and_wait
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
@@ -55,7 +56,9 @@ class KubeletPluginConfig(BaseModel):
     only): anyone reaching an unauthenticated port could freeze any claim's processes and
     overwrite another job's checkpoint record (issue 10, item 12). `agent_tls`: serve the agent port with
     TLS and publish its certificate on pod `pod_namespace`/`pod_name` (default: env
-    `POD_NAMESPACE` / `POD_NAME`, from the downward API)."""
+    `POD_NAMESPACE` / `POD_NAME`, from the downward API). `liveness_file`: touched while
+    the plugin works (`driver.liveness`: its background tasks run and the kubelet's sockets
+    exist; None: off)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -77,6 +80,7 @@ class KubeletPluginConfig(BaseModel):
     orchestrator: str = ""
     # prepared claims are checked against the API server at start and this often, seconds
     prune_seconds: float = Field(default=300.0, gt=0)
+    liveness_file: Path | None = None
 
     @model_validator(mode="after")
     def _unauthenticated_only_on_a_unix_socket(self) -> KubeletPluginConfig:
@@ -167,11 +171,20 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     log.info("kubelet plugin up node=%s gpus=%d devices=%d restored_cdi_specs=%d agent_port=%d agent_auth=%s "
              "agent_tls=%s", cfg.node_name, len(gpus), len(devices), restored, agent_port, cfg.agent_auth,
              "on" if identity else "off")
+    heartbeat = None
+    if cfg.liveness_file:  # a socket the kubelet lost (its plugin directory wiped) comes back with a restart
+        kubelet_sockets = [servers.paths.dra] + ([servers.paths.registration] if servers.registration_server else [])
+        heartbeat = Heartbeat(cfg.liveness_file, {
+            "tasks": tasks_alive(lambda: [pruner, publisher.task, cert_publisher.task if cert_publisher else None]),
+            "sockets": lambda: ", ".join(f"{p} is gone" for p in kubelet_sockets if not p.exists()) or None})
+        heartbeat.start()
     if stop is None:
         stop = signals.stop_event()
     try:
         await stop.wait()
     finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
         with contextlib.suppress(Exception):
             await servers.stop(1)
         await agent_server.stop(1)

@@ -245,6 +245,11 @@ class SlicePublisher:
         """The slices as the API server returned them at the last successful sync."""
         return copy.deepcopy(self._slices)
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The background task (None before `start()`), for liveness checks."""
+        return self._task
+
     def start(self) -> None:
         """Start the background loop (idempotent; `publish` starts it too)."""
         if self._stopped:

@@ -462,7 +462,8 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
     cfg = KubeletPluginConfig(node_name="node-a", fake_gpus="1xH200", state_dir=short_tmp / "state",
                               cdi_dir=short_tmp / "cdi", plugin_data_dir=short_tmp / "plugin",
                               registry_dir=short_tmp / "registry", agent_listen=f"127.0.0.1:{port}", agent_tls=True,
-                              agent_auth="tokenreview")  # a port needs authenticated callers
+                              agent_auth="tokenreview",  # a port needs authenticated callers
+                              liveness_file=short_tmp / "live")
     assert (cfg.pod_name, cfg.pod_namespace) == ("plugin-a", "timeslice-system")  # from the downward API's env
     stop = asyncio.Event()
     task = asyncio.create_task(run(cfg, stop))
@@ -473,9 +474,11 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
             health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.aio.AioRpcError):
             await health(f"127.0.0.1:{port}")  # plaintext is refused
+        assert (short_tmp / "live").exists()  # the heartbeat for the livenessProbe (issue 12, item 1)
     finally:
         stop.set()
         await asyncio.wait_for(task, 20)
+    assert not (short_tmp / "live").exists()
 
 
 # -- the manifests ----------------------------------------------------------------------
