@@ -259,8 +259,11 @@ def _wheels_layer(out: Path, wheels: Path, pyver: str, log) -> Path:
     target = stage / f"usr/local/lib/python{pyver}/dist-packages"
     target.mkdir(parents=True)
     log(f"pip install {len(files)} wheel(s) from {wheels} into the python image")
-    # Dependencies not present in the wheel directory come from PyPI.
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile",
+    # Dependencies not present in the wheel directory come from PyPI. --no-warn-conflicts: pip
+    # checks the new packages against those of the Python running it (the host's, which the
+    # image does not get) and printed an ERROR about them (issue 12, item 14); what goes into
+    # the target is resolved together by this one install.
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-compile", "--no-warn-conflicts",
                     "--disable-pip-version-check", "--root-user-action=ignore", "--target", str(target),
                     "--find-links", str(wheels), *(_with_extras(f) for f in files)], check=True)
     bindir = target / "bin"
