@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: help demo test unit e2e lint protos wheels cluster-up cluster-down bench stress-test
+.PHONY: help demo test unit unit-all e2e lint protos wheels cluster-up cluster-down bench stress-test
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) ## run the demo: orchestrator, node agent and 2 synthetic RL jobs (ARGS="--json ...")
 	$(BIN)/timeslice demo $(ARGS)
 
-test: lint unit e2e ## the whole suite: lint, unit + integration, e2e on a local cluster
+test: lint unit-all e2e ## the whole suite: lint, unit + integration (slow ones too), e2e on a local cluster
 
-unit: $(STAMP) ## unit and integration tests (real gRPC servers and processes; GPU tests skip without a GPU)
+unit: $(STAMP) ## unit and integration tests without those marked slow (> 5 s each): the quick loop
+	$(BIN)/pytest -q -m "not slow" tests
+
+unit-all: $(STAMP) ## every unit and integration test (real gRPC servers and processes; GPU tests skip without a GPU)
 	$(BIN)/pytest -q tests
 
 lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/

@@ -113,6 +113,7 @@ async def test_a_checkpoint_whose_record_cannot_be_written_touches_nothing(child
     assert not list(tmp_path.glob("**/*.tmp"))  # no temporary left behind
 
 
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(children, short_tmp,
                                                                                caplog) -> None:
     """Issue 10, item 1 (orchestrator side): the agent died during a checkpoint; the switch was

@@ -31,6 +31,7 @@ def test_demo_json_runs_real_processes_and_keeps_data() -> None:
     assert r.stderr == ""  # no warnings
 
 
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_demo_with_max_hold_preempts_mid_phase_and_keeps_data() -> None:
     """Phases of 1.2 s, maxHoldSeconds 0.3: each holder is frozen mid-phase while the
     other computes, and every worker's state survives."""
@@ -195,6 +196,7 @@ def test_a_command_without_a_cluster_says_so_in_one_line(tmp_path) -> None:
     assert r.stderr.splitlines()[-1].startswith("timeslice controller: error: no Kubernetes cluster:"), r.stderr
 
 
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_demo_stopped_by_sigterm_leaves_no_process(tmp_path) -> None:
     """SIGTERM (or Ctrl-C) stops the demo: its jobs and workers (frozen ones too) are
     stopped, it says so in one line and exits 130."""

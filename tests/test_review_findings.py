@@ -132,6 +132,7 @@ async def test_take_over_with_a_node_without_agent_keeps_the_recorded_epoch_and_
         await orch.close()
 
 
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 async def test_pooled_agent_channel_recovers_promptly_when_the_agent_is_back() -> None:
     """With hostNetwork (the shipped manifest) a restarted plugin pod has the same target,
     and a crash-looping agent keeps its Running pod and target, so `AgentPool` reuses one

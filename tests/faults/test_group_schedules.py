@@ -16,6 +16,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timeslice.controller.orchestrator import takeover
@@ -74,6 +75,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, residency=st.sampled_from(["auto", "exclusive"]), fail_every=st.sampled_from([0, 3, 7]))
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_random_schedules_keep_the_invariants(ops, residency, fail_every) -> None:
     asyncio.run(_run(ops, residency, fail_every))
 

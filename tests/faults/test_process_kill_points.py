@@ -163,6 +163,7 @@ class Rig:
 
 @pytest.mark.parametrize("victim", ["orchestrator", "job"])
 @pytest.mark.parametrize("point", POINTS)
+@pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_a_process_killed_at_each_point_of_a_switch_leaves_no_job_frozen_and_no_two_computing(
         point, victim, tmp_path, short_tmp) -> None:
     rig = Rig(tmp_path, short_tmp / "agent.sock", point)
