@@ -86,15 +86,16 @@ class FakeStore:
 
 @pytest.fixture
 async def coop(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
-    """`await coop(pool_bytes=..., backend="cooperative", agent=None)` -> (orchestrator, target)."""
+    """`await coop(pool_bytes=..., backend="cooperative", agent=None, residency="auto")` -> (orchestrator, target)."""
     closers: list[Callable[[], object]] = []
 
     async def make(pool_bytes: int = 1 << 20, backend: str = "cooperative",
-                   agent: NodeAgent | None = None) -> tuple[Orchestrator, str]:
+                   agent: NodeAgent | None = None, residency: str = "auto") -> tuple[Orchestrator, str]:
         agent_target = f"unix://{short_tmp / 'agent.sock'}"
         agent_server, _ = await create_agent_server(agent or NodeAgent(StaticProcessResolver()), agent_target)
         pool = PinnedPool(short_tmp / "pinned-pool", pool_bytes) if pool_bytes else None
-        orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(agent_target,))], pinned_pool=pool)
+        orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(agent_target,), residency=residency)],
+                            pinned_pool=pool)
         server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
         closers.extend([lambda: agent_server.stop(0), lambda: server.stop(0), orch.close])
         return orch, f"127.0.0.1:{port}"
@@ -460,3 +461,40 @@ async def test_a_resident_that_stays_unmovable_past_the_grace_fails_the_waiter_w
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)
+
+
+@pytest.mark.parametrize("comes_back", [False, True])
+async def test_a_resident_that_exits_or_reconnects_is_waited_for_not_failed(coop, monkeypatch, comes_back) -> None:
+    """Seen on two H200s (issue 14, residency exclusive): job b finished, its streams closed
+    with its state on the GPU, and a's next acquire failed at once ("cannot be checkpointed:
+    exiting or reconnecting"), killing a. Now the switch waits: b's process exited (the
+    grace passes: nothing of it to move, a is granted) or it reconnects (then it is
+    checkpointed as usual)."""
+    from timeslice.controller.orchestrator import cooperative
+
+    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", 5.0 if comes_back else 0.3)
+    orch, target = await coop(residency="exclusive")
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = await jobs(target, sa, sb)
+    try:
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        await asyncio.to_thread(b.acquire)  # a checkpointed for b
+        await asyncio.to_thread(b.release)
+        loop = b._memory_loops[0]
+        loop.close()  # b is done (or its connection dropped): its state is still on the GPU
+        await eventually(lambda: orch.cooperative.departing("g", "b"))
+        waiter = asyncio.create_task(asyncio.to_thread(a.acquire))
+        if comes_back:
+            await eventually(lambda: orch.group("g").switching is not None)
+            b.serve_memory_commands(sb)  # a new stream of b's process: its state can move again
+            await connected(b)
+        await asyncio.wait_for(waiter, 10)
+        assert sa.device == bytearray(sa.original)
+        (last,) = orch.group("g").view().recent_switches[-1:]
+        assert last.ok and last.bytes_checkpointed == (64 * 1024 if comes_back else 0), last
+        assert (sb.device is None) == comes_back
+        await asyncio.to_thread(a.release)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)

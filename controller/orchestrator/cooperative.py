@@ -14,10 +14,12 @@ A process is one stream (`stream_id`); a reconnect with the same id (the orchest
 was briefly unreachable) takes over its entry, checkpoint included. The entry of a
 checkpointed process whose stream ends is kept (its bytes are still in the pool) until
 it reconnects, its job is forgotten (`forget`), or a restore finds it gone for longer
-than `RECONNECT_GRACE_SECONDS` (its state went with it). A command that times out leaves
-the process's state unknown: it is not moved again until it answers, and its late answer
-is recorded (a late checkpoint is rolled back at once); its client also restores by
-itself when a grant finds its state out.
+than `RECONNECT_GRACE_SECONDS` (its state went with it). A checkpoint of a job whose last
+stream ended with its state on the GPU (`departing`: exiting, or reconnecting) waits for
+a reconnect until the grace has passed; past it, the job exited and nothing is left to
+move. A command that times out leaves the process's state unknown: it is not moved again
+until it answers, and its late answer is recorded (a late checkpoint is rolled back at
+once); its client also restores by itself when a grant finds its state out.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ log = logging.getLogger("timeslice.cooperative")
 # A checkpointed process whose stream closed this long ago is taken as gone (its client
 # reconnects within its backoff, at most 2 s), and its state as lost.
 RECONNECT_GRACE_SECONDS = 10.0
+# How often a checkpoint looks whether a departing job came back, seconds.
+DEPARTING_POLL_SECONDS = 0.1
 # Bound on rolling back a checkpoint that answered after its switch gave up, seconds.
 LATE_ROLLBACK_TIMEOUT_SECONDS = 60.0
 
@@ -164,15 +168,21 @@ class CooperativeJobs:
 
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory. All or
-        nothing: on a failure the processes already done restore. Raises NotFound (no
-        process of the job is connected: nothing to move), BackendError (a process refused,
-        or has not answered an earlier command: its state is unknown; or its processes closed
-        their streams just now with their state on the GPU: see `departing`), StepTimeout."""
-        if not self.connected(group, job) and self.departing(group, job):
-            raise BackendError(f"job {job}'s processes closed their memory command streams "
-                               f"{time.monotonic() - self._left[(group, job)]:.1f} s ago with their state on the GPU: "
-                               "it cannot be checkpointed (it is exiting or reconnecting)")
+        nothing: on a failure the processes already done restore. A job whose streams just
+        closed (`departing`) is waited for until it reconnects or the grace has passed.
+        Raises NotFound (no process of the job is connected: nothing to move, e.g. it exited),
+        BackendError (a process refused, or has not answered an earlier command: its state
+        is unknown), StepTimeout (also: a departing job neither came back nor passed the
+        grace within `timeout` seconds)."""
         t0 = time.monotonic()
+        while not self.connected(group, job) and self.departing(group, job):
+            if time.monotonic() - t0 > timeout:
+                raise StepTimeout(f"job {job}'s processes closed their memory command streams with their state on "
+                                  f"the GPU and neither came back nor passed the {RECONNECT_GRACE_SECONDS:g} s grace "
+                                  f"within {timeout:g} s")
+            await asyncio.sleep(DEPARTING_POLL_SECONDS)  # exiting (its memory is freed) or reconnecting
+        if not self.connected(group, job):
+            self._left.pop((group, job), None)
         done: list[_Process] = []
         moved = 0
         for p in self._live(group, job):
