@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from timeslice.driver.errors import NotFound
+from timeslice.kubelet_plugin.agent import procfs
 
 
 class ProcessResolver(Protocol):
@@ -20,8 +21,13 @@ class ProcessResolver(Protocol):
 
 
 class StaticProcessResolver:
-    def __init__(self, jobs: dict[str, Sequence[int]] | None = None) -> None:
+    """Jobs' PIDs as told by whoever starts them. `descendants`: a job is also every live
+    descendant of its PIDs (a launcher such as torchrun, whose ranks it starts; the
+    launcher itself has no CUDA context and is skipped by the CUDA backends)."""
+
+    def __init__(self, jobs: dict[str, Sequence[int]] | None = None, descendants: bool = False) -> None:
         self._jobs: dict[str, list[int]] = {j: list(p) for j, p in (jobs or {}).items()}
+        self._descendants = descendants
 
     def set(self, job_id: str, pids: Sequence[int]) -> None:
         self._jobs[job_id] = list(pids)
@@ -33,4 +39,9 @@ class StaticProcessResolver:
         pids = self._jobs.get(job_id)
         if not pids:
             raise NotFound(f"no processes known for job {job_id!r} on this node")
-        return list(pids)
+        if not self._descendants:
+            return list(pids)
+        out = list(pids)
+        for pid in pids:
+            out.extend(p for p in procfs.descendants(pid) if p not in out)
+        return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from timeslice.driver.errors import ProcessGone
 
 
@@ -14,3 +16,28 @@ def proc_state(pid: int) -> str:
         raise ProcessGone(f"process {pid} does not exist") from None
     # comm (field 2) may hold spaces and parentheses: the state follows the last ')'.
     return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
+
+
+def descendants(pid: int) -> list[int]:
+    """The live descendants of `pid`, parents first: the children every thread of it
+    started (/proc/PID/task/TID/children, Linux >= 3.5 with CONFIG_PROC_CHILDREN), then
+    theirs. A process that exits meanwhile is left out; [] when `pid` is gone."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop(0)
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                if kid not in out:
+                    out.append(kid)
+                    todo.append(kid)
+    return out
