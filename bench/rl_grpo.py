@@ -24,6 +24,13 @@ Prints (and writes to --out) one JSON object per shared run:
   tensor is made once at start and only read at the end, so it changes no solo time that
   matters and no parameter.
 
+With `--nproc R` each job is `torchrun --standalone --nproc-per-node R` (R data-parallel ranks on
+GPUs 0..R-1, NCCL all-reduce in every train step, rl_job.py): the node agent finds the ranks as
+the launcher's descendants, and the shared runs switch all of a job's ranks together. With
+`--nccl-transparent` every job (solo too, so the math is the same) runs with NCCL's peer-to-peer
+and shared-memory transports off (NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1): the transparent
+backends refuse processes whose GPU memory other processes map (issue 14).
+
     python bench/rl_grpo.py --jobs 2 --extra-gb 7 --backends cuda cooperative --out bench/results/rl-grpo-a.json
 """
 
@@ -35,6 +42,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -60,25 +68,37 @@ from bench import machine  # noqa: E402
 GROUP = "gpu"
 
 
+# NCCL without the transports that map one process's GPU memory into another (issue 14).
+NCCL_TRANSPARENT = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def job_env(a: argparse.Namespace, **extra: str) -> dict[str, str]:
+    return {**os.environ, **(NCCL_TRANSPARENT if a.nccl_transparent else {}), **extra}
+
+
 def job_args(a: argparse.Namespace, seed: int) -> list[str]:
-    return [sys.executable, str(ROOT / "bench" / "rl_job.py"), "--seed", str(seed), "--size", a.size,
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc)] \
+        if a.nproc > 1 else [sys.executable]
+    return [*launcher, str(ROOT / "bench" / "rl_job.py"), "--seed", str(seed), "--size", a.size,
             "--steps", str(a.steps), "--batch", str(a.batch), "--new-tokens", str(a.new_tokens),
             "--reward-seconds", str(a.reward_seconds), "--extra-gb", str(a.extra_gb), "--device", a.device,
             "--group", GROUP, *(["--init-hold"] if a.init_hold else [])]
 
 
 async def run_job(argv: list[str], env: dict[str, str], started: asyncio.Queue[int] | None = None) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE)
+    # a session of its own: a failed run kills the whole job (torchrun and its ranks)
+    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE, start_new_session=True)
     if started is not None:
         started.put_nowait(proc.pid)
     try:
         out, _ = await proc.communicate()
     finally:
         if proc.returncode is None:  # another job failed: this one goes too (it holds GPU memory)
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[1:4])} exited with {proc.returncode}")
+        raise RuntimeError(f"{' '.join(argv[1:])[:200]} exited with {proc.returncode}")
     return json.loads(out.decode().strip().splitlines()[-1])
 
 
@@ -86,7 +106,7 @@ async def solo(a: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for i in range(a.jobs):
         t0 = time.time()
-        r = await run_job([*job_args(a, i), "--no-orchestrator"], dict(os.environ))
+        r = await run_job([*job_args(a, i), "--no-orchestrator"], job_env(a))
         r["wall_seconds"] = time.time() - t0
         results.append(r)
         print(f"solo seed={i} seconds={r['wall_seconds']:.1f} busy={r['gpu_busy_seconds']:.1f}", file=sys.stderr)
@@ -94,7 +114,7 @@ async def solo(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, Any]:
-    resolver = StaticProcessResolver()
+    resolver = StaticProcessResolver(descendants=True)  # torchrun's ranks
     agent_target = f"unix://{tmp / f'agent-{backend}.sock'}"
     agent = NodeAgent(resolver, backends=[backend] if backend in ("cuda", "cuda-checkpoint") else ["none"])
     agent_server, _ = await create_agent_server(agent, agent_target)
@@ -119,7 +139,7 @@ async def shared(a: argparse.Namespace, backend: str, tmp: Path) -> dict[str, An
         t0 = time.time()
         async with asyncio.TaskGroup() as tg:  # one job failing stops the others
             for i in range(a.jobs):
-                env = {**os.environ, "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_JOB": f"job-{i}"}
+                env = job_env(a, TIMESLICE_ORCHESTRATOR=f"127.0.0.1:{port}", TIMESLICE_JOB=f"job-{i}")
                 argv = [*job_args(a, i), "--register", "all" if backend == "cooperative" else "none"]
                 tasks.append(tg.create_task(run_job(argv, env, started)))
                 resolver.set(f"job-{i}", [await started.get()])
@@ -207,6 +227,9 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "param_hash_solo": solo_hashes, "param_hash_shared": hashes,
         "bitwise_equal": all(solo_hashes.get(s) == h for s, h in hashes.items()),
         "extra_ok": all(j["extra_ok"] for j in jobs),
+        "ranks": a.nproc, "nccl_transparent": a.nccl_transparent,
+        "allreduce_ok": all(all(j.get("allreduce_ok", [])) for j in jobs),
+        "allreduce_checks": sum(len(j.get("allreduce_ok", [])) for j in jobs),
         "pool_setup_seconds": round(run["pool_setup"], 2),
         "solo_seconds": [round(r["wall_seconds"], 2) for r in solo_runs],
         "solo_gpu_busy_seconds": [round(r["gpu_busy_seconds"], 2) for r in solo_runs],
@@ -249,6 +272,9 @@ def main() -> None:
     p.add_argument("--reward-seconds", type=float, default=3.0)
     p.add_argument("--extra-gb", type=float, default=0.0, help="extra resident GB per job (sizes its footprint)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--nproc", type=int, default=1, help="ranks per job (torchrun, one GPU each)")
+    p.add_argument("--nccl-transparent", action="store_true",
+                   help="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 for every job (solo too)")
     p.add_argument("--init-hold", action="store_true", help="jobs make their GPU state inside a hold (rl_job.py)")
     p.add_argument("--pool-gb", type=float, default=0.0, help="cooperative: the node's pinned pool, GB (0: none)")
     p.add_argument("--pool-dir", default="/dev/shm", help="where the pinned pool file lives (a memory filesystem)")

@@ -23,6 +23,12 @@ with `torch.cuda.synchronize()`; with --no-orchestrator the holds are no-ops. Ev
 is seeded and shapes are fixed, and `torch.use_deterministic_algorithms(True)` is on, so the final parameters
 are bitwise equal between a solo and a shared run of the same --seed.
 
+Under `torchrun --nproc-per-node R` (WORLD_SIZE > 1) the job is R data-parallel ranks of one job (one client
+each, the same TIMESLICE_JOB: they share its hold): rank r uses cuda:r (gloo on the CPU), its own prompts and
+sampling streams (`prompt/r`, `sample/r`), and trains through DistributedDataParallel, so every train step
+all-reduces the gradients over NCCL (gloo). Each train phase also all-reduces (r + 1) and records whether the sum
+came out as R(R+1)/2 (`allreduce_ok`: a communicator broken by a switch shows here). Rank 0 prints the result.
+
 Prints one JSON line to stdout at the end (logs go to stderr). Times are wall seconds; the `phases` entries
 use `time.time()` (unix seconds, comparable across processes): `acquire` (acquire called), `granted` (acquire
 returned), `done` (GPU work synchronised), `released` (release returned). `param_hash` is the sha256 of the
@@ -168,9 +174,21 @@ def main(argv: list[str] | None = None) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if args.device == "cuda" and world > 1
+                          else args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     on_cuda = device.type == "cuda"
+    dist = None
+    if world > 1:
+        import torch.distributed as dist
+
+        if on_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if on_cuda else "gloo", device_id=device if on_cuda else None)
+
+    def stream(name: str) -> str:  # rank r's own prompts and samples; a single process keeps the plain names
+        return f"{name}/{rank}" if world > 1 else name
 
     config = LlamaConfig(**SIZES[args.size], max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
                          tie_word_embeddings=False, attn_implementation="sdpa")
@@ -179,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         from timeslice import TimeSliceOrchestratorClient
 
         client = TimeSliceOrchestratorClient()
-    holds = Holds(client, args.group, torch.cuda.synchronize if on_cuda else lambda: None)
+    holds = Holds(client, args.group, (lambda: torch.cuda.synchronize(device)) if on_cuda else lambda: None)
 
     def extra_checksum() -> list[int] | None:
         """Two wrapping int64 sums over the extra tensor, on the device, in pieces (no full-size temporary): it
@@ -223,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
             timeslice.torch.register(client, model, optimizer, *([] if extra is None else [extra]),
                                      group_id=args.group)
     n_params = sum(p.numel() for p in model.parameters())
+    trained = model
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        trained = DistributedDataParallel(model, device_ids=[device] if on_cuda else None)
+    allreduce_ok: list[bool] = []
     # transformers 5.x renames forward's `past_key_values` to `cache`; the cache object is updated in place
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     vocab = config.vocab_size
@@ -238,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     def generate(prompts: torch.Tensor, step: int) -> torch.Tensor:
         """[B, P] prompts (CPU) -> [B, N] sampled completions (CPU)."""
         model.eval()
-        gen = torch.Generator(device).manual_seed(stream_seed(args.seed, step, "sample"))
+        gen = torch.Generator(device).manual_seed(stream_seed(args.seed, step, stream("sample")))
         cache = {cache_kw: DynamicCache(config=config)}
         logits = model(input_ids=prompts.to(device), use_cache=True, logits_to_keep=1, **cache).logits
         tokens = []
@@ -254,13 +278,17 @@ def main(argv: list[str] | None = None) -> None:
         ids = torch.cat([prompts, completions], dim=1).to(device)
         targets = completions.to(device)
         # positions P-1 .. P+N-2 predict the N completion tokens
-        logits = model(input_ids=ids[:, :-1], use_cache=False, logits_to_keep=args.new_tokens).logits
+        logits = trained(input_ids=ids[:, :-1], use_cache=False, logits_to_keep=args.new_tokens).logits
         nll = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1), reduction="none")
         logprob_sums = -nll.view(targets.shape).sum(dim=1)
         loss = -(advantages.to(device) * logprob_sums).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if dist is not None:  # the communicator still works after whatever switch came before
+            check = torch.full((1,), float(rank + 1), device=device)
+            dist.all_reduce(check)
+            allreduce_ok.append(check.item() == world * (world + 1) / 2)
 
     def params_to_host() -> list[torch.Tensor]:
         """The parameters' bytes, copied to host memory (in a hold: a short GPU phase)."""
@@ -278,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
 
     mean_rewards: list[float] = []
     for step in range(args.steps):
-        prompt_gen = torch.Generator().manual_seed(stream_seed(args.seed, step, "prompt"))
+        prompt_gen = torch.Generator().manual_seed(stream_seed(args.seed, step, stream("prompt")))
         distinct = torch.randint(0, vocab, (args.batch // GROUP, args.prompt_len), generator=prompt_gen)
         prompts = distinct.repeat_interleave(GROUP, dim=0)  # [B, P]: rows 4g .. 4g+3 share a prompt
 
@@ -301,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     digest = sha256(host_params)
     if client is not None:
         client.close()
+    if dist is not None:
+        dist.destroy_process_group()
+        if rank != 0:
+            return
 
     result = {
         "seed": args.seed,
@@ -315,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         "total_seconds": time.time() - T_START,
         "phases": holds.phases,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else 0,
+        "ranks": world,
+        "allreduce_ok": allreduce_ok,
         "rewards": mean_rewards,
     }
     print(json.dumps(result), flush=True)
