@@ -59,6 +59,7 @@ from timeslice.controller.orchestrator.group_model import GroupEvent  # noqa: E4
 from timeslice.controller.orchestrator.orchestrator import Orchestrator  # noqa: E402
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool  # noqa: E402
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server  # noqa: E402
+from timeslice.driver import names  # noqa: E402
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent  # noqa: E402
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver  # noqa: E402
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server  # noqa: E402
@@ -68,12 +69,8 @@ from bench import machine  # noqa: E402
 GROUP = "gpu"
 
 
-# NCCL without the transports that map one process's GPU memory into another (issue 14).
-NCCL_TRANSPARENT = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-
-
 def job_env(a: argparse.Namespace, **extra: str) -> dict[str, str]:
-    return {**os.environ, **(NCCL_TRANSPARENT if a.nccl_transparent else {}), **extra}
+    return {**os.environ, **(names.NCCL_NO_PEER_MEMORY_ENV if a.nccl_transparent else {}), **extra}
 
 
 def job_args(a: argparse.Namespace, seed: int) -> list[str]:

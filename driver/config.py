@@ -45,6 +45,9 @@ class TimeSliceConfig(BaseModel):
     residentFirstSeconds: float = Field(default=names.DEFAULT_RESIDENT_FIRST_SECONDS, ge=0, le=3600)
     maxHoldSeconds: float | None = Field(default=None, gt=0)
     leaseSeconds: float = Field(default=names.DEFAULT_LEASE_SECONDS, gt=0, le=300)
+    # False: the claim's containers get NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 (CDI env), so
+    # that backends cuda and cuda-checkpoint can move a multi-GPU NCCL job (issue 14)
+    ncclPeerTransports: bool = True
 
     @field_validator("memoryHeadroom")
     @classmethod

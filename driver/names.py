@@ -50,3 +50,8 @@ DEFAULT_AGENT_CALLERS = ("system:serviceaccount:timeslice-system:timeslice-contr
 # checks this name (gRPC channel option `grpc.ssl_target_name_override`).
 AGENT_TLS_SERVER_NAME = "timeslice-node-agent"
 AGENT_CERTIFICATE_ANNOTATION = LABEL_PREFIX + "agent-certificate"
+
+# NCCL without the transports that map one process's GPU memory into another: what the
+# cuda backends need of a multi-GPU NCCL job (kubelet_plugin/agent/backends/peer_memory.py),
+# and what TimeSliceConfig ncclPeerTransports: false puts in the claim's containers.
+NCCL_NO_PEER_MEMORY_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}

@@ -53,6 +53,7 @@ class ClaimSpec:
     orchestrator: str = ""
     shared_device_nodes: tuple[str, ...] = field(default=())
     admin_access: bool = False
+    env: tuple[str, ...] = ()  # more KEY=VALUE for every container of the claim
 
     def cdi_id(self, device: str) -> str:
         return f"{KIND}={self.claim_uid}-{device}"
@@ -73,6 +74,7 @@ def render(spec: ClaimSpec) -> dict[str, object]:
         claim_env.append(f"TIMESLICE_ORCHESTRATOR={spec.orchestrator}")
     if spec.admin_access:
         claim_env.append(f"{env_key('ADMIN_ACCESS', spec.claim_uid)}=true")
+    claim_env.extend(spec.env)
     edits: dict[str, object] = {"env": claim_env}
     if spec.shared_device_nodes:
         edits["deviceNodes"] = _nodes(spec.shared_device_nodes)

@@ -278,7 +278,9 @@ class ClaimPreparer:
                           for d in rec["devices"]),
             orchestrator=self._orchestrator,
             shared_device_nodes=tuple(sorted(n for n in nodes if not _per_gpu_node(n))),
-            admin_access=rec["admin_access"])
+            admin_access=rec["admin_access"],
+            env=tuple(f"{k}={v}" for k, v in names.NCCL_NO_PEER_MEMORY_ENV.items())
+            if any(c.get("ncclPeerTransports") is False for c in rec["configs"].values()) else ())
 
 
 def _per_gpu_node(path: str) -> bool:

@@ -3,8 +3,14 @@ driver answers per PID is the test's input, so every branch runs on the CPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from timeslice.driver.errors import BackendError, FailedPrecondition, StepTimeout
+from timeslice.driver.names import NCCL_NO_PEER_MEMORY_ENV
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, LOCKED, NO_CONTEXT, RUNNING
 from timeslice.kubelet_plugin.agent.backends.cuda_style import CudaStyleBackend
 
@@ -89,3 +95,64 @@ async def test_a_failed_checkpoint_restores_the_others_and_unlocks_everyone() ->
     with pytest.raises(BackendError, match="CUDA_ERROR_UNKNOWN"):
         await b.checkpoint([TARGET, HELPER], timeout=5)
     assert b.states == {TARGET: RUNNING, HELPER: RUNNING}
+
+
+# -- issue 14, item 0: never checkpoint what cannot be restored ---------------------------
+
+# A rank: NCCL loaded (a file named libnccl.so.2 mapped), then it waits.
+RANK = """
+    import mmap, sys, time
+    f = open(sys.argv[1], "rb")
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    print("ready", flush=True)
+    time.sleep(600)
+"""
+
+
+class PeerMappedDriver(Scripted):
+    """What two H200s answered for NCCL ranks with peer-to-peer on: the lock and the
+    checkpoint succeed, the restore fails, and the ranks stay stuck."""
+
+    def __init__(self, gpus_of: dict[int, set[int]]) -> None:
+        super().__init__()
+        self.states = {pid: RUNNING for pid in gpus_of}
+        self.process_gpus = lambda: gpus_of  # type: ignore[method-assign]
+
+    async def do_restore(self, pid: int) -> None:
+        self.calls.append(("restore", pid))
+        raise BackendError(f"cuCheckpointProcessRestore pid {pid}: CUDA_ERROR_NOT_SUPPORTED")
+
+
+def ranks(tmp_path, children, env: dict[str, str], n: int = 2) -> list[int]:
+    lib = tmp_path / "libnccl.so.2"
+    lib.write_bytes(b"\0" * 4096)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")} | env
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(RANK), str(lib)], stdout=subprocess.PIPE,
+                              text=True, env=env) for _ in range(n)]
+    children.extend(procs)
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    return [p.pid for p in procs]
+
+
+async def test_nccl_ranks_on_two_gpus_without_the_variables_are_refused_before_any_lock(tmp_path, children) -> None:
+    pids = ranks(tmp_path, children, {})
+    b = PeerMappedDriver({pids[0]: {0}, pids[1]: {1}})
+    with pytest.raises(BackendError, match="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1") as err:
+        await b.checkpoint(pids, timeout=5)
+    assert "backend cooperative" in str(err.value) and "ncclPeerTransports: false" in str(err.value)
+    assert b.calls == [] and set(b.states.values()) == {RUNNING}  # nothing was locked
+
+
+async def test_nccl_ranks_with_the_variables_or_on_one_gpu_are_moved(tmp_path, children) -> None:
+    safe = ranks(tmp_path, children, NCCL_NO_PEER_MEMORY_ENV)
+    b = PeerMappedDriver({safe[0]: {0}, safe[1]: {1}})
+    assert {s.state for s in await b.checkpoint(safe, timeout=5)} == {CHECKPOINTED}
+    # this driver would now leave them stuck: what the refusal above keeps from happening
+    with pytest.raises(BackendError, match="CUDA_ERROR_NOT_SUPPORTED"):
+        await b.restore(safe, timeout=5)
+    unsafe = ranks(tmp_path, children, {"NCCL_P2P_DISABLE": "1"})  # only one of the two
+    one_gpu = PeerMappedDriver({unsafe[0]: {0}, unsafe[1]: {0}})
+    assert {s.state for s in await one_gpu.checkpoint(unsafe, timeout=5)} == {CHECKPOINTED}
+    with pytest.raises(BackendError, match="NCCL"):
+        await PeerMappedDriver({unsafe[0]: {0}, unsafe[1]: {1}}).checkpoint(unsafe, timeout=5)

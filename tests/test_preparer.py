@@ -150,6 +150,23 @@ def test_requests_of_one_claim_that_disagree_on_their_config_are_refused() -> No
     assert plan_claim(two, "u", NODE, GPUS.get).configs["a"].priority == 5
 
 
+async def test_a_config_without_nccl_peer_transports_sets_the_nccl_variables_in_the_containers(tmp_path) -> None:
+    """Issue 14, item 0: `ncclPeerTransports: false` lets the cuda backends move a
+    multi-GPU NCCL job; the plugin puts NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 into
+    the claim's CDI spec. Without it, the claim's containers get neither."""
+    cfg = [{"source": "FromClaim", "requests": [], "opaque": {"driver": "gpu.timeslice.dev", "parameters": {
+        "apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "ncclPeerTransports": False}}}]
+    claims = {"claim-a": claim("a", ["gpu-0-seat-0", "gpu-1-seat-0"], config=cfg),
+              "claim-b": claim("b", ["gpu-0-seat-1"])}
+    p = preparer(tmp_path, claims)
+    got = await p.prepare([ClaimRef("ns", u, f"claim-{u}") for u in ("a", "b")])
+    assert got["a"].error is None and got["b"].error is None
+    env = {u: json.loads((tmp_path / "cdi" / f"timeslice.dev-gpu_{u}.json").read_text())["containerEdits"]["env"]
+           for u in ("a", "b")}
+    assert {"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1"} <= set(env["a"])
+    assert not [e for e in env["b"] if e.startswith("NCCL_")]
+
+
 async def test_one_claims_api_error_fails_only_that_claim_with_an_event(tmp_path) -> None:
     """Issue 12, item 5: a read that failed with an API error (not a 404) gave every claim of
     the call the raw exception. Now only that claim fails, with one line and an Event."""

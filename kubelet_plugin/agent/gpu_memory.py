@@ -43,6 +43,15 @@ def process_gpu_bytes() -> dict[int, int]:
     return sizes
 
 
+def process_gpus() -> dict[int, set[int]]:
+    """{pid: NVML indices of the GPUs it has a CUDA context on}; empty without NVML."""
+    out: dict[int, set[int]] = {}
+    for gpu in gpus():
+        for pid in gpu.processes:
+            out.setdefault(pid, set()).add(gpu.index)
+    return out
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU: NVML uuid and index, total and free bytes (`nvmlDeviceGetMemoryInfo`), and

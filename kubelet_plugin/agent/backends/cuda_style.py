@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from timeslice.driver.errors import BackendError, FailedPrecondition, TimeSliceServerError
+from timeslice.kubelet_plugin.agent import gpu_memory
 from timeslice.kubelet_plugin.agent.backends.base import (
     CHECKPOINTED,
     LOCKED,
@@ -27,10 +28,13 @@ from timeslice.kubelet_plugin.agent.backends.base import (
     log,
     run_step,
 )
-from timeslice.kubelet_plugin.agent.gpu_memory import process_gpu_bytes
+from timeslice.kubelet_plugin.agent.backends.peer_memory import shared_gpu_memory
 
 
 class CudaStyleBackend(Backend):
+    # pid -> NVML indices of its GPUs (a test replaces it)
+    process_gpus: Callable[[], Mapping[int, set[int]]] = staticmethod(gpu_memory.process_gpus)
+
     def __init__(self, lock_timeout: float) -> None:
         self.lock_timeout = lock_timeout
 
@@ -55,8 +59,13 @@ class CudaStyleBackend(Backend):
         memory or communicators are shared, NCCL's peers, blocks in its lock until its peers are
         locked too), and only then checkpoint the locked ones. A lock that fails unlocks the
         others before anything is checkpointed; a checkpoint that fails restores the ones done
-        and unlocks every process still locked."""
-        sizes = await asyncio.to_thread(process_gpu_bytes)
+        and unlocks every process still locked. Processes whose GPU memory NCCL may have
+        mapped into each other are refused before anything is locked (`peer_memory`):
+        BackendError."""
+        shared = await asyncio.to_thread(lambda: shared_gpu_memory(pids, self.process_gpus()))
+        if shared is not None:
+            raise BackendError(shared.message(self.name))
+        sizes = await asyncio.to_thread(gpu_memory.process_gpu_bytes)
         locked = await run_step(f"{self.name} lock", pids, lambda p: self._lock_one(p, timeout), self._unlock_one)
         to_move = [s.pid for s in locked if s.state == LOCKED]
         try:
