@@ -124,6 +124,8 @@ class MemoryCommandLoop:
         self._stub = stub
         self._s = settings
         self._stop = threading.Event()
+        self._busy = threading.Lock()  # held while a command runs and is acknowledged
+        self._closing = False  # set under _busy by close(): no new command runs
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
         self._attaching: threading.Thread | None = None  # maps and registers the pool offered by "hello"
@@ -166,6 +168,12 @@ class MemoryCommandLoop:
             self.connected.set()
             self.ready.set()
             return
+        with self._busy:
+            if not self._closing:
+                self._command(command)
+
+    def _command(self, command: pb.MemoryCommand) -> None:
+        """Run one command and acknowledge it (under `_busy`)."""
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
         ranges = [(r.offset, r.length) for r in command.ranges]
@@ -224,8 +232,13 @@ class MemoryCommandLoop:
 
     def close(self) -> None:
         """Stop the thread and close the stream (the orchestrator forgets this process
-        unless it is checkpointed)."""
+        unless it is checkpointed), once the command it may be running is acknowledged."""
         self._stop.set()
+        # A command in flight (a switch evicting this job as it ends) is finished and
+        # acknowledged first: cancelling under it failed the other job's switch (seen on
+        # two H200s, issue 14).
+        with self._busy:
+            self._closing = True
         if self._call is not None:
             self._call.cancel()
         self._thread.join(timeout=5.0)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -496,5 +497,48 @@ async def test_a_resident_that_exits_or_reconnects_is_waited_for_not_failed(coop
         assert (sb.device is None) == comes_back
         await asyncio.to_thread(a.release)
     finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
+class GatedStore(FakeStore):
+    """Its checkpoint says when it starts and waits for the test's go."""
+
+    def __init__(self, seed: str) -> None:
+        super().__init__(seed)
+        self.started, self.go = threading.Event(), threading.Event()
+
+    def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
+        self.started.set()
+        assert self.go.wait(30)
+        return super().checkpoint(ranges)
+
+
+async def test_a_job_that_ends_while_it_is_being_checkpointed_answers_before_it_closes(coop) -> None:
+    """Seen on two H200s (issue 14): a job ended (client.close()) while a switch was
+    checkpointing it for the other job; close() cancelled its command stream under the
+    running command, the switch failed ("closed its command stream; ROLLBACK FAILED") and
+    the waiting job died of SwitchFailed. Now close() lets the command finish and answer."""
+    orch, target = await coop()
+    sa, sb = GatedStore("a"), FakeStore("b")
+    a, b = await jobs(target, sa, sb)
+    try:
+        sa.go.set()
+        for client in (a, b, a):  # each vacates for the other
+            await asyncio.to_thread(client.acquire)
+            await asyncio.to_thread(client.release)
+        sa.go.clear()
+        sa.started.clear()
+        waiter = asyncio.create_task(asyncio.to_thread(b.acquire))  # a is checkpointed for b ...
+        assert await asyncio.to_thread(sa.started.wait, 10)
+        closing = asyncio.create_task(asyncio.to_thread(a.close))  # ... as a ends
+        sa.go.set()
+        await asyncio.wait_for(closing, 10)
+        await asyncio.wait_for(waiter, 10)
+        assert sb.device == bytearray(sb.original)
+        assert orch.group("g").view().counters.failed_switches == 0
+        await asyncio.to_thread(b.release)
+    finally:
+        sa.go.set()
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
