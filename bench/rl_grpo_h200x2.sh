@@ -11,7 +11,7 @@
 #       CUDA_EXTRA_GB more), solo runs measured first
 # cooperative: NCCL defaults, residency exclusive, a pinned pool, ~20 GB per rank (1b model and
 #       EXTRA_GB); solo runs measured first
-# STEPS steps per job (default 4).
+# STEPS steps per job (default 4). SOLO_TRANSPARENT: solo runs saved by an earlier cuda stage (same STEPS).
 set -uo pipefail
 out="$1"
 shift
@@ -34,8 +34,10 @@ for stage in "$@"; do
     smoke) run --size tiny --steps 2 --nccl-transparent --residency exclusive --backends cuda cooperative \
              --pool-gb 2 --out "$out/smoke.json" ;;
     refuse) run --size tiny --steps 2 --residency exclusive --backends cuda --out "$out/refuse.json" ;;
-    cuda) run --nccl-transparent --residency exclusive --extra-gb "$cuda_extra" --backends cuda \
-            --save-solo "$out/solo-transparent.json" --out "$out/rl-grpo-ddp-cuda-h200x2.json" ;;
+    cuda)
+      if [ -n "${SOLO_TRANSPARENT:-}" ]; then solo=(--solo-json "$SOLO_TRANSPARENT"); else solo=(--save-solo "$out/solo-transparent.json"); fi
+      run --nccl-transparent --residency exclusive --extra-gb "$cuda_extra" --backends cuda "${solo[@]}" \
+        --out "$out/rl-grpo-ddp-cuda-h200x2.json" ;;
     cooperative) run --residency exclusive --extra-gb "$extra" --backends cooperative --pool-gb 45 \
                    --save-solo "$out/solo-default.json" --out "$out/rl-grpo-ddp-cooperative-h200x2.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

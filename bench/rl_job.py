@@ -326,13 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     with holds.phase("hash", args.steps):
         host_params = params_to_host()
         extra_at_end = extra_checksum()
+        if dist is not None:  # the last CUDA work of the job: a job checkpointed after its last release
+            dist.destroy_process_group()  # would block in NCCL's teardown until restored, i.e. for good
     digest = sha256(host_params)
     if client is not None:
         client.close()
-    if dist is not None:
-        dist.destroy_process_group()
-        if rank != 0:
-            return
+    if rank != 0:
+        return
 
     result = {
         "seed": args.seed,
