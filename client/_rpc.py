@@ -148,6 +148,10 @@ def release_request(s: Settings, g: Grant) -> pb.ReleaseRequest:
                              request_id=g.request_id)
 
 
+def leave_request(s: Settings, group: str) -> pb.LeaveRequest:
+    return pb.LeaveRequest(job_id=s.job_id, group_id=group)
+
+
 def keep_alive_request(s: Settings, g: Grant) -> pb.KeepAliveRequest:
     return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
 

@@ -48,6 +48,8 @@ class AsyncTimeSliceOrchestratorClient:
                          else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
+        self._held: set[str] = set()  # every group this client was granted: left at close()
+        self._closed = False
         self._cancels: set[asyncio.Future[None]] = set()
 
     @property
@@ -80,6 +82,7 @@ class AsyncTimeSliceOrchestratorClient:
         hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp, request_id))
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
+        self._held.add(group)
         return hold.grant
 
     async def _cancel(self, group: str, request_id: str) -> None:
@@ -153,7 +156,11 @@ class AsyncTimeSliceOrchestratorClient:
                 log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
 
     async def close(self) -> None:
-        """Release every hold (best effort) and close the channel."""
+        """Release every hold (best effort), leave every group it held, close the channel.
+        A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for group in list(self._holds):
             try:
                 while group in self._holds:
@@ -162,6 +169,12 @@ class AsyncTimeSliceOrchestratorClient:
                 log.info("release on close failed group=%s: %s", group, err)
         if self._cancels:  # let pending cancels reach the server before the channel goes
             await asyncio.wait(self._cancels, timeout=_rpc.CANCEL_TIMEOUT)
+        for group in sorted(self._held):  # see TimeSliceOrchestratorClient.close
+            try:
+                await self._stub.Leave(_rpc.leave_request(self._s, group), timeout=_rpc.CANCEL_TIMEOUT,
+                                       metadata=_rpc.call_metadata())
+            except grpc.RpcError as err:
+                log.info("leave on close failed group=%s: %s", group, _rpc.code_of(err))
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncTimeSliceOrchestratorClient:

@@ -58,6 +58,8 @@ class TimeSliceOrchestratorClient:
                          else grpc.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
         self._holds: dict[str, _Hold] = {}
+        self._held: set[str] = set()  # every group this client was granted: left at close()
+        self._closed = False
         self._lock = threading.Lock()
         self._memory_loops: list[MemoryCommandLoop] = []
 
@@ -99,6 +101,7 @@ class TimeSliceOrchestratorClient:
         hold = _Hold(grant)
         with self._lock:
             self._holds[group] = hold
+            self._held.add(group)
         threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
                          name=f"timeslice-keepalive-{group}").start()
         return grant
@@ -197,7 +200,13 @@ class TimeSliceOrchestratorClient:
         return loop
 
     def close(self) -> None:
-        """Release every hold (best effort), stop the memory-command threads, close the channel."""
+        """Release every hold (best effort), stop the memory-command threads, tell the
+        orchestrator this process is done with each group it held (`Leave`: a job whose
+        state was moved off the GPUs after its last release is brought back, so that its
+        processes can end), close the channel. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         for loop in self._memory_loops:
             loop.close()
         for group in list(self._holds):
@@ -206,6 +215,12 @@ class TimeSliceOrchestratorClient:
                     self.release(group)
             except Exception as err:  # closing must not fail on a lost lease
                 log.info("release on close failed group=%s: %s", group, err)
+        for group in sorted(self._held):
+            try:
+                self._stub.Leave(_rpc.leave_request(self._s, group), timeout=_rpc.CANCEL_TIMEOUT,
+                                 metadata=_rpc.call_metadata())
+            except grpc.RpcError as err:  # best effort: an orchestrator away restores orphans by itself
+                log.info("leave on close failed group=%s: %s", group, _rpc.code_of(err))
         self._channel.close()
 
     def __enter__(self) -> TimeSliceOrchestratorClient:

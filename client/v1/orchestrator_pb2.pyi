@@ -100,6 +100,20 @@ class AcquireResponse(_message.Message):
     switch_seconds: float
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., restored: _Optional[bool] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("job_id", "group_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    group_id: str
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    def __init__(self, result: _Optional[str] = ...) -> None: ...
+
 class CancelAcquireRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "request_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

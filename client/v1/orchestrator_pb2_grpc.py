@@ -49,6 +49,11 @@ class OrchestratorStub:
                 request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.SerializeToString,
                 response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/timeslice.v1.Orchestrator/Leave',
+                request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.LeaveResponse.FromString,
+                _registered_method=True)
         self.KeepAlive = channel.unary_unary(
                 '/timeslice.v1.Orchestrator/KeepAlive',
                 request_serializer=timeslice_dot_v1_dot_orchestrator__pb2.KeepAliveRequest.SerializeToString,
@@ -104,6 +109,17 @@ class OrchestratorServicer:
         already granted (the caller gave up just as the grant came) ends that caller's part
         of the hold, the hold with its last caller. Idempotent; sent by a client whose
         Acquire failed (timeout, interrupt), so no grant is left behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """The caller's process is done with the group (its client closes). A job that neither
+        holds nor waits is forgotten: never moved off the GPUs again, and, if its state is off
+        them (or leaving them), restored once the group is idle, so that its processes can end
+        (a CUDA-checkpointed process blocks in its CUDA teardown until it is restored).
+        Idempotent. Errors: NOT_FOUND (unknown group).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +181,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.CancelAcquire,
                     request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.FromString,
                     response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=timeslice_dot_v1_dot_orchestrator__pb2.LeaveRequest.FromString,
+                    response_serializer=timeslice_dot_v1_dot_orchestrator__pb2.LeaveResponse.SerializeToString,
             ),
             'KeepAlive': grpc.unary_unary_rpc_method_handler(
                     servicer.KeepAlive,
@@ -273,6 +294,33 @@ class Orchestrator:
             '/timeslice.v1.Orchestrator/CancelAcquire',
             timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireRequest.SerializeToString,
             timeslice_dot_v1_dot_orchestrator__pb2.CancelAcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice.v1.Orchestrator/Leave',
+            timeslice_dot_v1_dot_orchestrator__pb2.LeaveRequest.SerializeToString,
+            timeslice_dot_v1_dot_orchestrator__pb2.LeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -221,6 +221,18 @@ class LockGroup:
         self.dispatch()
         self.idle.refresh_memory()
 
+    def leave(self, job_id: str) -> str:
+        """A process of `job_id` is done with the group (`Leave`). A job that neither holds
+        nor waits is dropped (`drop_job`: if its state is off the GPUs, or being moved off,
+        it is restored once the group is idle, then forgotten; if it is on them, it is never
+        moved again). Returns "left", or "busy" when the job holds or waits."""
+        if (self.holder is not None and self.holder.job_id == job_id) or any(w.job_id == job_id for w in self.queue):
+            return "busy"
+        if job_id in self.residency.residents or job_id in self.residency.checkpointed:
+            log.info("job left group=%s job=%s", self.id, job_id)
+            self.drop_job(job_id, "its processes are done with the group")
+        return "left"
+
     def adopt(self, resident: str | None, checkpointed: set[str], epoch: int,
               must_leave: set[str] | frozenset[str] = frozenset(),
               residents: set[str] | frozenset[str] = frozenset()) -> None:

@@ -97,7 +97,10 @@ class IdleRestores:
         g = self._g
         try:
             snap = await g.moves.snapshot()
-            if snap is None or not self.now():
+            if snap is None:  # the agents report no GPU memory: as a group without memory reports
+                self._restore_unneeded_stops()
+                return
+            if not self.now():
                 return
             for job in sorted(g.residency.checkpointed - self._failed):
                 try:

@@ -64,6 +64,7 @@ class MemoryMoves:
     def __init__(self, group: LockGroup) -> None:
         self._g = group
         self.switching: tuple[str | None, str] | None = None
+        self._evicting: frozenset[str] = frozenset()  # the jobs the switch in flight moves off the GPUs
         self._switch_task: asyncio.Task[None] | None = None
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
@@ -91,14 +92,14 @@ class MemoryMoves:
             self._lapsed.add(job)
 
     def dropped(self, job: str, held: bool) -> None:
-        """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job)
-        still resident is fenced: nobody is granted until a switch has checkpointed (or
-        frozen, or found gone) its processes; then, like one dropped while checkpointed, it
-        is restored when the group is idle, then forgotten."""
+        """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job,
+        or one the switch in flight moves off) still resident is fenced: nobody is granted
+        until a switch has checkpointed (or frozen, or found gone) its processes; then, like
+        one dropped while checkpointed, it is restored when the group is idle, then forgotten."""
         g = self._g
-        if (held or job in self._lapsed | self._fenced) and g.spec.backend != "none" \
+        if (held or job in self._lapsed | self._fenced | self._evicting) and g.spec.backend != "none" \
                 and job in g.residency.residents:  # dropped again while fenced: it stays fenced
-            self._fenced.add(job)
+            self._fenced.add(job)  # (being evicted: an orphan once out)
         elif job in g.residency.checkpointed and g.spec.backend != "none":
             g.idle.unowned(job)
         else:
@@ -280,7 +281,11 @@ class MemoryMoves:
                 log.info("switch start group=%s evict=%s to=%s restore=%s%s", g.id, evict, incoming, restore,
                          f" beside={beside}" if beside else "")
                 g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
-                record = await g.switcher(g.spec, tuple(evict), incoming, restore)
+                self._evicting = frozenset(evict)
+                try:
+                    record = await g.switcher(g.spec, tuple(evict), incoming, restore)
+                finally:
+                    self._evicting = frozenset()
         except NoRoom as err:
             if beside is not None:  # not now: the hand-off plans again, without the holder
                 log.info("not staged group=%s job=%s beside %s: %s", g.id, incoming, beside, err)

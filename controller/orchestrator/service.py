@@ -143,6 +143,11 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         return pb.CancelAcquireResponse(was=group.cancel(job, request.request_id))
 
     @rpc_method
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        group, job = await self._resolve(request, context)
+        return pb.LeaveResponse(result=group.leave(job))
+
+    @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         group, job = await self._resolve(request, context)
