@@ -165,6 +165,15 @@ class Orchestrator:
         self.group(group_id).drop_job(job, reason)
         self.cooperative.forget(group_id, job)
 
+    def leave(self, group_id: str, job: str) -> str:
+        """A process of `job` is done with the group (`LockGroup.leave`); a job that left has
+        its cooperative processes and their pinned ranges forgotten too (a cooperative job
+        needs no restore to end). Returns "left" or "busy". Raises NotFound."""
+        result = self.group(group_id).leave(job)
+        if result == "left":
+            self.cooperative.forget(group_id, job)
+        return result
+
     async def close(self) -> None:
         for group in list(self._groups.values()):
             await group.close()

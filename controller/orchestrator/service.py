@@ -145,7 +145,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     @rpc_method
     async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         group, job = await self._resolve(request, context)
-        return pb.LeaveResponse(result=group.leave(job))
+        return pb.LeaveResponse(result=self._orch.leave(group.id, job))
 
     @rpc_method
     async def KeepAlive(self, request: pb.KeepAliveRequest,
