@@ -4,8 +4,8 @@ same time; only the trainers alternate. Deploys manifests/examples/async-rl as i
 pod per job with claims `trainer` and `sampler`), and in the peers' layout
 (hack/local-async-rl-literal: a trainer pod and a sampler pod per job, every claim called
 `gpu`; the lock units are the claim sources, so the groups are the same). And a two-pod SPMD
-unit beside another job on one GPU (hack/local-spmd), and a job joining mid-run that merges
-two groups (hack/local-merge)."""
+unit beside another job on one GPU (hack/local-spmd), a job joining mid-run that merges
+two groups (hack/local-merge), and two jobs whose claims hold two GPUs each (hack/local-two-gpus)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from e2e.example_check import NS as EXAMPLE_NS
+from e2e.example_check import run_example_and_check
 from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
 from e2e.test_timeslicing import Controller, leader, status
 
@@ -24,6 +26,7 @@ EXAMPLE = ROOT / "hack" / "local-async-rl"
 LITERAL = ROOT / "hack" / "local-async-rl-literal"
 SPMD = ROOT / "hack" / "local-spmd"
 MERGE = ROOT / "hack" / "local-merge"
+TWO_GPUS = ROOT / "hack" / "local-two-gpus"
 NS = "timeslice-async-rl"
 
 
@@ -154,3 +157,25 @@ def run_async_rl(kube, layout: Path) -> None:
     assert overlap, "the two samplers never ran at the same time"
     shared = [g for g, m in groups.items() if len(m) == 2]
     assert len(shared) == 1 and all(":trainer" in m for m in groups[shared[0]]), groups
+
+
+@pytest.mark.timeout(400)
+def test_two_jobs_whose_claims_hold_two_gpus_each_switch_on_both_together(kube, cluster_stack) -> None:
+    """Issue 14, item 4: the example's claims ask for two GPUs (one seat of each). Both jobs'
+    claims span GPU 0 and GPU 1: one group, and each hand-off freezes one job's processes and
+    thaws the other's, on both GPUs at once; their GPU phases never overlap."""
+    gpus: dict[str, list[str]] = {}
+
+    def allocations() -> None:  # while the jobs run: their claims go when their pods end
+        for c in kube.json("get", "resourceclaims", "-n", EXAMPLE_NS)["items"]:
+            results = c.get("status", {}).get("allocation", {}).get("devices", {}).get("results", [])
+            if results:
+                gpus[c["metadata"]["name"]] = sorted(r["device"] for r in results)
+
+    try:
+        group = run_example_and_check(kube, during=allocations, layout=TWO_GPUS)
+        assert len(gpus) == 2 and all(len({d.split("-seat-")[0] for d in ds}) == 2 for ds in gpus.values()), gpus
+        assert int(group["switches"]) >= 1 and int(group["failed_switches"]) == 0, group
+    finally:
+        kube.run("delete", "-k", str(TWO_GPUS), "--ignore-not-found", "--wait=true", "--timeout=120s", check=False,
+                 timeout=180)
