@@ -6,6 +6,7 @@ Imports only `grpc`, `protobuf` and the generated `timeslice.v1` stubs.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -23,6 +24,8 @@ from timeslice.errors import (
     TimeSliceError,
 )
 from timeslice.v1 import orchestrator_pb2 as pb
+
+log = logging.getLogger("timeslice.client")
 
 ENV_TARGET = "TIMESLICE_ORCHESTRATOR"
 ENV_JOB = "TIMESLICE_JOB"
@@ -193,6 +196,9 @@ class Retry:
         self._since = self._since or now
         if code not in RETRIED or now - self._since >= self._unavailable_timeout:
             raise translate(err, self.what) from err
+        if code == grpc.StatusCode.CANCELLED:  # rare, and its cause under load is not known (issue 10, item 15)
+            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
         self._delay = next_backoff(self._delay)
         return pause
