@@ -68,6 +68,13 @@ SERVER_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging a client that only waits
     ("grpc.http2.min_time_between_pings_ms", 10000),
     ("grpc.so_reuseport", 0),
+    # Calls the core has received but the asyncio server has not picked up yet: past 1000 (the
+    # core's default soft limit, GRPC_ARG_SERVER_MAX_PENDING_REQUESTS) it cancels new ones at
+    # random (random early detection) up to 3000 (the hard limit), and the client sees CANCELLED
+    # with no details. Hundreds of clients connecting at once hit it (issue 10, item 15: ~30
+    # cancelled first Acquires per run of 200 groups x 8 clients); pending calls cost little.
+    ("grpc.server.max_pending_requests", 100000),
+    ("grpc.server.max_pending_requests_hard_limit", 200000),
 ]
 
 
