@@ -196,7 +196,7 @@ class Retry:
         self._since = self._since or now
         if code not in RETRIED or now - self._since >= self._unavailable_timeout:
             raise translate(err, self.what) from err
-        if code == grpc.StatusCode.CANCELLED:  # rare, and its cause under load is not known (issue 10, item 15)
+        if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
