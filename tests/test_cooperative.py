@@ -542,3 +542,21 @@ async def test_a_job_that_ends_while_it_is_being_checkpointed_answers_before_it_
         sa.go.set()
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
+
+
+async def test_leave_of_a_cooperative_job_with_another_process_still_connected_changes_nothing(coop) -> None:
+    """A unit of two processes: one ends (its stream closed, then Leave) while the other still
+    has its command stream open: the job stays, and so do the other process's entries."""
+    orch, target = await coop()
+    first, second = (TimeSliceOrchestratorClient(target, "a", "g") for _ in range(2))
+    try:
+        for c in (first, second):
+            c.serve_memory_commands(FakeStore("a"))
+            await connected(c)
+        await asyncio.to_thread(first.acquire)
+        await asyncio.to_thread(first.release)
+        await asyncio.to_thread(first.close)  # its Leave: "busy", the other process is connected
+        assert orch.cooperative.connected("g", "a") and "a" in orch.group("g").residency.residents
+    finally:
+        await asyncio.to_thread(first.close)
+        await asyncio.to_thread(second.close)

@@ -168,8 +168,13 @@ class Orchestrator:
     def leave(self, group_id: str, job: str) -> str:
         """A process of `job` is done with the group (`LockGroup.leave`); a job that left has
         its cooperative processes and their pinned ranges forgotten too (a cooperative job
-        needs no restore to end). Returns "left" or "busy". Raises NotFound."""
-        result = self.group(group_id).leave(job)
+        needs no restore to end). A job with a cooperative process still connected (another
+        process of it, e.g. a pod of the same unit) is "busy" and stays. Returns "left" or
+        "busy". Raises NotFound."""
+        group = self.group(group_id)
+        if self.cooperative.connected(group_id, job):
+            return "busy"
+        result = group.leave(job)
         if result == "left":
             self.cooperative.forget(group_id, job)
         return result
