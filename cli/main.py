@@ -104,6 +104,16 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB"
 
 
+def _run(a: argparse.Namespace) -> int:
+    from timeslice.cli.run import run
+
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        print("timeslice run: error: no command: timeslice run [options] -- CMD [ARG ...]", file=sys.stderr)
+        return 2
+    return run(cmd, a.target, a.job, a.group, a.timeout, a.priority)
+
+
 def _status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -271,6 +281,21 @@ def parser() -> argparse.ArgumentParser:
                         "a stuck event loop or a background task that ended) (default off)")
     c.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     c.set_defaults(fn=_controller)
+
+    r = sub.add_parser("run", help="run a command while this job holds a group (like flock)",
+                       description="Acquire the group, run CMD, release when it ends; exit with CMD's status. "
+                                   "Other exit codes: 75 no grant within --timeout, 69 orchestrator unreachable, "
+                                   "group unknown or switch failed, 70 the hold was lost while CMD ran, 127 CMD "
+                                   "cannot start, 2 usage.",
+                       usage="timeslice run [-h] [--target HOST:PORT] [--job JOB] [--group GROUP] "
+                             "[--timeout SECONDS] [--priority N] -- CMD [ARG ...]")
+    r.add_argument("--target", help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+    r.add_argument("--job", help="job id (default $TIMESLICE_JOB; in a pod with a token: the pod's job)")
+    r.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
+    r.add_argument("--timeout", type=float, help="seconds to wait for the grant (default: no bound)")
+    r.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
+    r.set_defaults(fn=_run)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches",
                        description="An orchestrator with --auth tokenreview wants a token (audience timeslice.dev) "

@@ -1,0 +1,74 @@
+"""`timeslice run -- CMD`: run a command while this job holds a group, like flock(1).
+
+Acquires the group (the client library: keep-alive while CMD runs, `Leave` at the end),
+starts CMD with the caller's environment, forwards SIGINT and SIGTERM to it, releases when
+it ends, and exits with CMD's status. Exit codes besides CMD's own (sysexits.h):
+
+    75  EX_TEMPFAIL     no grant within --timeout seconds
+    69  EX_UNAVAILABLE  the orchestrator is unreachable, the group unknown, or the switch to
+                        this job failed (the message says which)
+    70  EX_SOFTWARE     CMD succeeded but the hold was lost while it ran (its lease lapsed):
+                        another job may have computed beside it
+    2                   usage: no CMD, no orchestrator address or job id
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+EX_TEMPFAIL, EX_UNAVAILABLE, EX_SOFTWARE = 75, 69, 70
+
+
+def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | None, timeout: float | None,
+        priority: int) -> int:
+    """Returns the exit status for the `timeslice run` process (see the module docstring).
+    Raises ValueError for a missing address or job id."""
+    from timeslice import TimeSliceOrchestratorClient
+    from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
+
+    client = TimeSliceOrchestratorClient(target, job, group, priority=priority)
+    try:
+        try:
+            grant = client.acquire(timeout=timeout)
+        except AcquireTimeout as err:
+            print(f"timeslice run: {err}", file=sys.stderr)
+            return EX_TEMPFAIL
+        except TimeSliceError as err:
+            print(f"timeslice run: {err}", file=sys.stderr)
+            return EX_UNAVAILABLE
+        try:
+            child = subprocess.Popen(list(cmd))
+        except OSError as err:
+            print(f"timeslice run: cannot start {cmd[0]}: {err}", file=sys.stderr)
+            client.release(grant.group_id)
+            return 127
+        forward = _forward_signals(child)
+        try:
+            status = child.wait()
+        finally:
+            forward()
+        try:
+            client.release(grant.group_id)
+        except LeaseLost as err:  # the lock lapsed under CMD: say so, and fail a run that "succeeded"
+            print(f"timeslice run: {err}: the hold was lost while the command ran", file=sys.stderr)
+            return status if status > 0 else EX_SOFTWARE
+        return status if status >= 0 else 128 - status  # killed by a signal: as a shell reports it
+    finally:
+        client.close()
+
+
+def _forward_signals(child: subprocess.Popen[bytes]) -> Callable[[], None]:
+    """SIGINT and SIGTERM go to CMD (which decides how to end); returns the restorer."""
+    def send(sig: int, _frame: FrameType | None) -> None:
+        child.send_signal(sig)
+
+    old = {s: signal.signal(s, send) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return restore

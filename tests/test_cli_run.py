@@ -1,0 +1,69 @@
+"""`timeslice run -- CMD` (issue 13, item 4) against a real orchestrator server: commands of
+two jobs never run at once, CMD's status is the exit status, and the documented codes for a
+grant that does not come in time and for a command that cannot start."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+from collections.abc import AsyncIterator
+
+import pytest
+from timeslice import AsyncTimeSliceOrchestratorClient
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.server import create_server
+
+# CMD: append (job, start, end) to a file around a short piece of work.
+WORK = ("import json, sys, time; t0 = time.time(); time.sleep(0.3); "
+        "open(sys.argv[1], 'a').write(json.dumps([sys.argv[2], t0, time.time()]) + '\\n')")
+
+
+@pytest.fixture
+async def target() -> AsyncIterator[str]:
+    orch = Orchestrator([GroupSpec(id="g", backend="none")])
+    server, port = await create_server(orch, "127.0.0.1:0")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
+async def timeslice_run(target: str, job: str, *args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "run", "--target", target, "--job", job, "--group", "g", *args,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode or 0, err.decode()
+
+
+async def test_commands_of_different_jobs_never_run_at_once(target, tmp_path) -> None:
+    """(Two runs of one job share its hold, as a job's processes do.)"""
+    log = tmp_path / "spans"
+    runs = [timeslice_run(target, job, "--", sys.executable, "-c", WORK, str(log), job) for job in "abcd"]
+    assert [rc for rc, _ in await asyncio.gather(*runs)] == [0, 0, 0, 0]
+    spans = sorted((json.loads(line) for line in log.read_text().splitlines()), key=lambda s: s[1])
+    assert len(spans) == 4
+    for (_, _, end), (_, start, _) in itertools.pairwise(spans):
+        assert start >= end, spans
+
+
+async def test_the_commands_status_is_the_exit_status(target) -> None:
+    assert (await timeslice_run(target, "a", "--", "sh", "-c", "exit 3"))[0] == 3
+    assert (await timeslice_run(target, "a", "--", "sh", "-c", "kill -TERM $$"))[0] == 128 + 15
+    rc, err = await timeslice_run(target, "a", "--", "/nonexistent/cmd")
+    assert rc == 127 and "cannot start /nonexistent/cmd" in err
+
+
+async def test_no_grant_within_the_timeout_exits_75(target) -> None:
+    holder = AsyncTimeSliceOrchestratorClient(target, "other", "g")
+    await holder.acquire()
+    try:
+        rc, err = await timeslice_run(target, "a", "--timeout", "0.5", "--", "true")
+        assert rc == 75 and "acquire g" in err, err
+    finally:
+        await holder.close()
+    assert (await timeslice_run(target, "a", "--", "true"))[0] == 0  # the group was left as it was
