@@ -237,6 +237,16 @@ def test_pinned_pool_hands_out_every_free_range_and_merges_what_comes_back(short
         PinnedPool(short_tmp / "p2", 0)
 
 
+def test_pinned_pool_take_reserves_just_enough_largest_first_or_nothing(short_tmp: Path) -> None:
+    pool = PinnedPool(short_tmp / "pool", 100)
+    a = pool.take(30)
+    b = pool.take(50)
+    assert a == [(0, 30)] and b == [(30, 50)] and pool.used_bytes == 80
+    assert pool.take(21) == [] and pool.used_bytes == 80  # 20 free: nothing reserved
+    pool.release(a)  # free: [0, 30) and [80, 100)
+    assert pool.take(40) == [(0, 30), (80, 10)] and pool.take_all() == [(90, 10)]
+
+
 def test_a_populated_pool_is_written_through_once(short_tmp: Path) -> None:
     """Every page written (tmpfs clears fallocated pages only at their first touch, which
     would otherwise fall inside the first checkpoint), in slices that need not divide evenly."""
@@ -560,3 +570,48 @@ async def test_leave_of_a_cooperative_job_with_another_process_still_connected_c
     finally:
         await asyncio.to_thread(first.close)
         await asyncio.to_thread(second.close)
+
+
+class MeetingStore(FakeStore):
+    """Its checkpoint waits until every store of `group` has started its own: it passes only
+    when the processes of a job are checkpointed at once."""
+
+    def __init__(self, seed: str, group: list[MeetingStore]) -> None:
+        super().__init__(seed)
+        self.started = threading.Event()
+        self.group = group
+        group.append(self)
+
+    def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
+        self.started.set()
+        assert all(s.started.wait(10) for s in self.group), "checkpointed one after the other"
+        return super().checkpoint(ranges)
+
+
+async def test_the_processes_of_a_job_are_checkpointed_at_once_each_into_its_own_pool_ranges(coop) -> None:
+    """Issue 14: a 2-rank job's ranks were checkpointed one after the other (the first one was
+    offered the whole pool), so a switch took the sum of their copies; on two H200s the second
+    rank then found the pool short and used its own pageable memory."""
+    orch, target = await coop()
+    ranks: list[MeetingStore] = []
+    stores = [MeetingStore(f"a{i}", ranks) for i in range(2)]
+    a_ranks = [TimeSliceOrchestratorClient(target, "a", "g") for _ in stores]
+    b = job(target, "b", FakeStore("b"))
+    try:
+        for c, store in zip(a_ranks, stores):
+            c.serve_memory_commands(store)
+            await connected(c)
+        await connected(b)
+        await asyncio.to_thread(a_ranks[0].acquire)
+        await asyncio.to_thread(a_ranks[0].release)
+        await asyncio.to_thread(b.acquire)  # both ranks of a are checkpointed for b, at once
+        assert all(s.device is None and s.own is None for s in stores)  # both in the pinned pool
+        (first, second) = sorted(r for p in orch.cooperative._procs[("g", "a")].values() for r in p.pool_ranges)
+        assert first[0] + first[1] <= second[0]  # one range each, disjoint
+        await asyncio.to_thread(b.release)
+        await asyncio.to_thread(a_ranks[1].acquire)
+        assert all(s.device == bytearray(s.original) for s in stores)
+        await asyncio.to_thread(a_ranks[1].release)
+    finally:
+        for c in (*a_ranks, b):
+            await asyncio.to_thread(c.close)

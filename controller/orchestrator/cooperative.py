@@ -167,8 +167,8 @@ class CooperativeJobs:
         return left is not None and time.monotonic() - left < RECONNECT_GRACE_SECONDS
 
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
-        """Every process of the job copies its state out and frees the GPU memory. All or
-        nothing: on a failure the processes already done restore. A job whose streams just
+        """Every process of the job copies its state out and frees the GPU memory, all at
+        once. All or nothing: on a failure the processes that succeeded restore. A job whose streams just
         closed (`departing`) is waited for until it reconnects or the grace has passed.
         Raises NotFound (no process of the job is connected: nothing to move, e.g. it exited),
         BackendError (a process refused, or has not answered an earlier command: its state
@@ -183,25 +183,20 @@ class CooperativeJobs:
             await asyncio.sleep(DEPARTING_POLL_SECONDS)  # exiting (its memory is freed) or reconnecting
         if not self.connected(group, job):
             self._left.pop((group, job), None)
-        done: list[_Process] = []
-        moved = 0
-        for p in self._live(group, job):
-            if p.checkpointed and not p.unanswered:
-                continue
-            offered: list[tuple[int, int]] = []
-            try:
-                self._check_answered(p)
-                offered = self.pool.take_all() if self.pool else []
-                ack = await self._command(p, "checkpoint", offered, timeout)
-            except BaseException as err:
-                if offered and not isinstance(err, StepTimeout):  # after a timeout they wait for its answer
+        procs = [p for p in self._live(group, job) if not (p.checkpointed and not p.unanswered)]
+        for p in procs:
+            self._check_answered(p)
+        offers = self._offers(procs)
+        # all at once: a job's ranks hold their state on different GPUs, each moving over its own link
+        results = await asyncio.gather(*(self._command(p, "checkpoint", o, timeout) for p, o in zip(procs, offers)),
+                                       return_exceptions=True)
+        done, moved, failed = [], 0, None
+        for p, offered, ack in zip(procs, offers, results):
+            if isinstance(ack, BaseException):
+                if offered and not isinstance(ack, StepTimeout):  # after a timeout they wait for its answer
                     self.pool.keep(offered, 0)  # type: ignore[union-attr]
-                undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
-                stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
-                note = f"; ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"; rolled back {len(done)} process(es)"
-                if isinstance(err, BackendError | StepTimeout | ProcessGone):
-                    raise type(err)(f"{err}{note}") from err
-                raise
+                failed = failed or ack
+                continue
             self._checkpointed(p, offered, ack)
             if not ack.pinned and self.pool is not None:
                 log.warning("cooperative checkpoint group=%s job=%s pid=%d went to the process's own host memory (the "
@@ -209,6 +204,13 @@ class CooperativeJobs:
                             group, job, p.pid, sum(n for _, n in offered), p.registered)
             done.append(p)
             moved += ack.bytes or p.registered
+        if failed is not None:
+            undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
+            stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
+            note = f"; ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"; rolled back {len(done)} process(es)"
+            if isinstance(failed, BackendError | StepTimeout | ProcessGone):
+                raise type(failed)(f"{failed}{note}") from failed
+            raise failed
         return StepResult(moved, time.monotonic() - t0)
 
     def check_restore(self, group: str, job: str) -> None:
@@ -265,6 +267,16 @@ class CooperativeJobs:
         if p.unanswered:
             raise BackendError(f"process {p.pid} of job {p.job} has not answered an earlier memory command (it timed "
                                "out): where its state is is unknown, so it is not moved until it answers")
+
+    def _offers(self, procs: list[_Process]) -> list[list[tuple[int, int]]]:
+        """Pool ranges for each process about to checkpoint: one process gets every free
+        range (its state may have grown since it registered); several at once get room for
+        their registered bytes each, while it lasts ([]: it keeps its own host copy)."""
+        if self.pool is None:
+            return [[] for _ in procs]
+        if len(procs) == 1:
+            return [self.pool.take_all()]
+        return [self.pool.take(p.registered) for p in procs]
 
     def _checkpointed(self, p: _Process, offered: list[tuple[int, int]], ack: pb.MemoryCommandAck) -> None:
         if offered and self.pool is not None:

@@ -65,6 +65,26 @@ class PinnedPool:
             self._used[off] = length
         return taken
 
+    def take(self, nbytes: int) -> list[tuple[int, int]]:
+        """Reserve free ranges, largest first, that hold `nbytes` together (the last one cut to
+        fit); [] when the free total is smaller (nothing is reserved then). For one process
+        of several checkpointed at once; `keep` gives back what it did not use."""
+        if nbytes <= 0 or sum(n for _, n in self._free) < nbytes:
+            return []
+        taken: list[tuple[int, int]] = []
+        free: list[tuple[int, int]] = []
+        left = nbytes
+        for off, length in sorted(self._free, key=lambda r: (-r[1], r[0])):
+            n = min(length, left)
+            if n > 0:
+                taken.append((off, n))
+                self._used[off] = n
+                left -= n
+            if n < length:
+                free.append((off + n, length - n))
+        self._free = sorted(free)
+        return taken
+
     def keep(self, ranges: list[tuple[int, int]], used: int) -> list[tuple[int, int]]:
         """Of `ranges` (from `take_all`), keep the first `used` bytes in order and give back
         the rest; returns the ranges kept."""
