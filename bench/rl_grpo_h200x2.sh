@@ -9,7 +9,7 @@
 # cuda: NCCL peer-to-peer and shared memory off (the transparent path), residency exclusive (every
 #       hand-off checkpoints one job's ranks and restores the other's), 1b model (~8 GB per rank,
 #       CUDA_EXTRA_GB more), solo runs measured first
-# cooperative: NCCL defaults, residency exclusive, a pinned pool, ~20 GB per rank (1b model and
+# cooperative: NCCL defaults, residency exclusive, a pinned pool for both jobs (80 GB), ~20 GB per rank (1b model and
 #       EXTRA_GB); solo runs measured first
 # STEPS steps per job (default 4). SOLO_TRANSPARENT: solo runs saved by an earlier cuda stage (same STEPS).
 set -uo pipefail
@@ -38,7 +38,7 @@ for stage in "$@"; do
       if [ -n "${SOLO_TRANSPARENT:-}" ]; then solo=(--solo-json "$SOLO_TRANSPARENT"); else solo=(--save-solo "$out/solo-transparent.json"); fi
       run --nccl-transparent --residency exclusive --extra-gb "$cuda_extra" --backends cuda "${solo[@]}" \
         --out "$out/rl-grpo-ddp-cuda-h200x2.json" ;;
-    cooperative) run --residency exclusive --extra-gb "$extra" --backends cooperative --pool-gb 45 \
+    cooperative) run --residency exclusive --extra-gb "$extra" --backends cooperative --pool-gb 80 \
                    --save-solo "$out/solo-default.json" --out "$out/rl-grpo-ddp-cooperative-h200x2.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
