@@ -114,6 +114,18 @@ def _run(a: argparse.Namespace) -> int:
     return run(cmd, a.target, a.job, a.group, a.timeout, a.priority)
 
 
+def _acquire(a: argparse.Namespace) -> int:
+    from timeslice.cli import hold
+
+    return hold.acquire(hold.hold_file(a.group, a.job, a.hold_file), a.target, a.job, a.group, a.timeout, a.priority)
+
+
+def _release(a: argparse.Namespace) -> int:
+    from timeslice.cli import hold
+
+    return hold.release(hold.hold_file(a.group, a.job, a.hold_file))
+
+
 def _status(a: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -296,6 +308,22 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     r.set_defaults(fn=_run)
+
+    for name, text in (("acquire", "hold a group until `timeslice release` (for shell scripts)"),
+                       ("release", "end a hold taken by `timeslice acquire`")):
+        h = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. A holder process keeps the "
+                           "lease alive in between; its hold file (JSON: pid, group, job, epoch) says where it is. "
+                           "Exit codes: 0, 75 no grant within --timeout, 69 orchestrator unreachable, group unknown "
+                           "or switch failed, 70 the hold was lost before release, 2 usage.")
+        h.add_argument("--job", help="job id (default $TIMESLICE_JOB)")
+        h.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
+        h.add_argument("--hold-file", help="where the hold is recorded (default $XDG_RUNTIME_DIR or /tmp, "
+                                           "timeslice-<uid>/hold-<job>@<group>.json)")
+        if name == "acquire":
+            h.add_argument("--target", help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+            h.add_argument("--timeout", type=float, help="seconds to wait for the grant (default: no bound)")
+            h.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
+        h.set_defaults(fn=_acquire if name == "acquire" else _release)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches",
                        description="An orchestrator with --auth tokenreview wants a token (audience timeslice.dev) "

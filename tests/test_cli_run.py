@@ -1,5 +1,6 @@
-"""`timeslice run -- CMD` (issue 13, item 4) against a real orchestrator server: commands of
-two jobs never run at once, CMD's status is the exit status, and the documented codes for a
+"""`timeslice run -- CMD`, `timeslice acquire` and `timeslice release` (issue 13, item 4)
+against a real orchestrator server: commands of two jobs never run at once, CMD's status is
+the exit status, a hold outlives `acquire` until `release`, and the documented codes for a
 grant that does not come in time and for a command that cannot start."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from collections.abc import AsyncIterator
 
 import pytest
-from timeslice import AsyncTimeSliceOrchestratorClient
+from timeslice import AcquireTimeout, AsyncTimeSliceOrchestratorClient
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
@@ -67,3 +68,47 @@ async def test_no_grant_within_the_timeout_exits_75(target) -> None:
     finally:
         await holder.close()
     assert (await timeslice_run(target, "a", "--", "true"))[0] == 0  # the group was left as it was
+
+
+async def timeslice(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice.cli.main", *args,
+                                                stderr=asyncio.subprocess.PIPE, env=env)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode or 0, err.decode()
+
+
+async def test_acquire_holds_until_release_across_commands(target, tmp_path) -> None:
+    """`timeslice acquire` returns once granted and the hold outlives it (a holder process keeps
+    the lease); another job waits until `timeslice release`; a second acquire of the same hold
+    is refused; release without a hold says so."""
+    hold = str(tmp_path / "hold.json")
+    args = ["--job", "a", "--group", "g", "--hold-file", hold]
+    assert (await timeslice("acquire", "--target", target, *args))[0] == 0
+    state = json.loads((tmp_path / "hold.json").read_text())
+    assert state["state"] == "held" and state["group"] == "g" and state["epoch"] == 1
+    rc, err = await timeslice("acquire", "--target", target, *args)
+    assert rc == 2 and "already holds" in err
+    other = AsyncTimeSliceOrchestratorClient(target, "b", "g")
+    try:
+        with pytest.raises(AcquireTimeout):
+            await other.acquire(timeout=0.5)  # a holds, across commands
+        assert (await timeslice("release", *args))[0] == 0
+        assert not (tmp_path / "hold.json").exists()
+        assert (await other.acquire(timeout=30)).epoch == 2
+        await other.release()
+    finally:
+        await other.close()
+    rc, err = await timeslice("release", *args)
+    assert rc == 2 and "no hold file" in err
+
+
+async def test_acquire_that_gets_no_grant_in_time_exits_75_and_leaves_no_hold(target, tmp_path) -> None:
+    holder = AsyncTimeSliceOrchestratorClient(target, "other", "g")
+    await holder.acquire()
+    try:
+        rc, err = await timeslice("acquire", "--target", target, "--job", "a", "--group", "g", "--timeout", "0.5",
+                                  "--hold-file", str(tmp_path / "hold.json"))
+        assert rc == 75 and "acquire g" in err, err
+        assert not (tmp_path / "hold.json").exists()
+    finally:
+        await holder.close()

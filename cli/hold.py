@@ -1,0 +1,144 @@
+"""`timeslice acquire` / `timeslice release`: a hold that outlives one command, for shell scripts.
+
+`acquire` starts a holder process (`python -m timeslice.cli.hold`, its own session) that
+acquires the group with the client library and keeps the lease alive; `acquire` returns once
+the grant came (or failed), having written the hold file: JSON {pid, group, job, epoch,
+state}. `release` sends the holder SIGTERM and waits for it to end (a pidfd, Linux >= 5.3);
+the holder releases, writes `state` ("released", or "lost" when the lease had lapsed), and
+exits. The holder logs to the hold file's name with `.log`. Exit codes as `timeslice run`
+(cli/run.py): 75 no grant within --timeout, 69 unavailable or switch failed, 70 the hold
+was lost before `release`, 2 usage (no hold file, a hold already there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from timeslice.cli.run import EX_SOFTWARE, EX_TEMPFAIL, EX_UNAVAILABLE
+
+# Seconds `release` waits for the holder to release and end.
+RELEASE_TIMEOUT = 60.0
+
+
+def hold_file(group: str | None, job: str | None, path: str | None) -> Path:
+    """`path`, else $XDG_RUNTIME_DIR (or /tmp)/timeslice-<uid>/hold-<job>@<group>.json."""
+    if path:
+        return Path(path)
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"timeslice-{os.getuid()}"
+    group = group or os.environ.get("TIMESLICE_GROUP") or "default"
+    job = job or os.environ.get("TIMESLICE_JOB") or "pod"
+    return base / f"hold-{job}@{group}.json".replace("/", "_")
+
+
+def _write(path: Path, state: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)
+
+
+def acquire(path: Path, target: str | None, job: str | None, group: str | None, timeout: float | None,
+            priority: int) -> int:
+    if path.exists():
+        print(f"timeslice acquire: {path} exists: this job already holds the group (or a holder died: remove "
+              "the file)", file=sys.stderr)
+        return 2
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
+            "" if timeout is None else str(timeout), str(priority)]
+    # its own session and log (next to the hold file): it must not keep the caller's terminal or pipes
+    with open(path.with_suffix(".log"), "ab") as log:
+        holder = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
+                                  start_new_session=True)
+    assert holder.stdout is not None
+    line = holder.stdout.readline().strip()  # "granted" or "<exit code> <message>"
+    holder.stdout.close()
+    if line == "granted":
+        return 0
+    holder.wait()
+    path.with_suffix(".log").unlink(missing_ok=True)  # what it said is in `line`
+    code, _, message = line.partition(" ")
+    print(f"timeslice acquire: {message or 'the holder ended without a grant'}", file=sys.stderr)
+    return int(code) if code.isdigit() else EX_UNAVAILABLE
+
+
+def release(path: Path) -> int:
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        print(f"timeslice release: no hold file {path}: {err}", file=sys.stderr)
+        return 2
+    pid = int(state["pid"])
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # the holder is gone: its lease lapses on the orchestrator
+        print(f"timeslice release: the holder (pid {pid}) is gone: the hold ends when its lease lapses",
+              file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return EX_SOFTWARE
+    try:
+        os.kill(pid, signal.SIGTERM)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(RELEASE_TIMEOUT * 1000):
+            print(f"timeslice release: the holder (pid {pid}) did not end within {RELEASE_TIMEOUT:g} s",
+                  file=sys.stderr)
+            return EX_UNAVAILABLE
+    finally:
+        os.close(fd)
+    state = json.loads(path.read_text())
+    path.unlink(missing_ok=True)
+    path.with_suffix(".log").unlink(missing_ok=True)
+    if state.get("state") == "lost":
+        print("timeslice release: the hold was lost before release (its lease lapsed)", file=sys.stderr)
+        return EX_SOFTWARE
+    return 0
+
+
+def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority: str) -> int:
+    """The holder process: acquire, tell `acquire` on stdout, hold until SIGTERM, release."""
+    from timeslice import TimeSliceOrchestratorClient
+    from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
+
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    try:
+        client = TimeSliceOrchestratorClient(target or None, job or None, group or None, priority=int(priority))
+    except ValueError as err:
+        print(f"2 {err}", flush=True)
+        return 2
+    try:
+        try:
+            grant = client.acquire(timeout=float(timeout) if timeout else None)
+        except AcquireTimeout as err:
+            print(f"{EX_TEMPFAIL} {err}", flush=True)
+            return EX_TEMPFAIL
+        except TimeSliceError as err:
+            print(f"{EX_UNAVAILABLE} {err}", flush=True)
+            return EX_UNAVAILABLE
+        state: dict[str, object] = {"pid": os.getpid(), "group": grant.group_id, "job": client.job_id,
+                                    "epoch": grant.epoch, "state": "held"}
+        _write(path, state)
+        print("granted", flush=True)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # `acquire` has read its line and gone
+        stop.wait()
+        try:
+            client.release(grant.group_id)
+            state["state"] = "released"
+        except LeaseLost:
+            state["state"] = "lost"
+        _write(path, state)
+        return 0
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_hold(Path(sys.argv[1]), *sys.argv[2:7]))
