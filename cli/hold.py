@@ -57,8 +57,16 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
         holder = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
                                   start_new_session=True)
     assert holder.stdout is not None
-    line = holder.stdout.readline().strip()  # "granted" or "<exit code> <message>"
-    holder.stdout.close()
+    try:
+        line = holder.stdout.readline().strip()  # "granted" or "<exit code> <message>"
+    except KeyboardInterrupt:  # the caller gave up: no hold may be left behind
+        holder.terminate()
+        holder.wait()
+        path.unlink(missing_ok=True)
+        path.with_suffix(".log").unlink(missing_ok=True)
+        return 130
+    finally:
+        holder.stdout.close()
     if line == "granted":
         return 0
     holder.wait()
@@ -77,11 +85,11 @@ def release(path: Path) -> int:
     pid = int(state["pid"])
     try:
         fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # the holder is gone: its lease lapses on the orchestrator
-        print(f"timeslice release: the holder (pid {pid}) is gone: the hold ends when its lease lapses",
-              file=sys.stderr)
-        path.unlink(missing_ok=True)
-        return EX_SOFTWARE
+        ours = str(path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (ProcessLookupError, FileNotFoundError):
+        ours = False
+    if not ours:  # gone (or its pid reused): never signal another process
+        return _holder_gone(path, pid)
     try:
         os.kill(pid, signal.SIGTERM)
         poller = select.poll()
@@ -93,6 +101,8 @@ def release(path: Path) -> int:
     finally:
         os.close(fd)
     state = json.loads(path.read_text())
+    if state.get("state") == "held":  # it ended without releasing (killed)
+        return _holder_gone(path, pid)
     path.unlink(missing_ok=True)
     path.with_suffix(".log").unlink(missing_ok=True)
     if state.get("state") == "lost":
@@ -101,14 +111,21 @@ def release(path: Path) -> int:
     return 0
 
 
+def _holder_gone(path: Path, pid: int) -> int:
+    print(f"timeslice release: the holder (pid {pid}) ended without releasing: the hold ends when its lease "
+          "lapses", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    path.with_suffix(".log").unlink(missing_ok=True)
+    return EX_SOFTWARE
+
+
 def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority: str) -> int:
     """The holder process: acquire, tell `acquire` on stdout, hold until SIGTERM, release."""
     from timeslice import TimeSliceOrchestratorClient
     from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
 
     stop = threading.Event()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # until granted, a signal ends it (and its waiter with it)
     try:
         client = TimeSliceOrchestratorClient(target or None, job or None, group or None, priority=int(priority))
     except ValueError as err:
@@ -125,8 +142,15 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
             return EX_UNAVAILABLE
         state: dict[str, object] = {"pid": os.getpid(), "group": grant.group_id, "job": client.job_id,
                                     "epoch": grant.epoch, "state": "held"}
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda *_: stop.set())
         _write(path, state)
-        print("granted", flush=True)
+        try:
+            print("granted", flush=True)
+        except BrokenPipeError:  # `acquire` is gone (interrupted): nobody will release, release now
+            path.unlink(missing_ok=True)
+            client.release(grant.group_id)
+            return 0
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # `acquire` has read its line and gone
         stop.wait()
         try:

@@ -311,10 +311,14 @@ def parser() -> argparse.ArgumentParser:
 
     for name, text in (("acquire", "hold a group until `timeslice release` (for shell scripts)"),
                        ("release", "end a hold taken by `timeslice acquire`")):
+        codes = ("0 granted, 75 no grant within --timeout, 69 orchestrator unreachable, group unknown or switch "
+                 "failed, 130 interrupted (no hold is left), 2 usage or a hold already there" if name == "acquire" else
+                 "0 released, 70 the hold was lost before release (its lease lapsed, or the holder was killed), "
+                 "2 no hold file")
         h = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. A holder process keeps the "
                            "lease alive in between; its hold file (JSON: pid, group, job, epoch) says where it is. "
-                           "Exit codes: 0, 75 no grant within --timeout, 69 orchestrator unreachable, group unknown "
-                           "or switch failed, 70 the hold was lost before release, 2 usage.")
+                           "A job's holds are shared: `timeslice run` or another acquire of the same job joins it. "
+                           f"Exit codes: {codes}.")
         h.add_argument("--job", help="job id (default $TIMESLICE_JOB)")
         h.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
         h.add_argument("--hold-file", help="where the hold is recorded (default $XDG_RUNTIME_DIR or /tmp, "

@@ -34,6 +34,8 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
     try:
         try:
             grant = client.acquire(timeout=timeout)
+        except KeyboardInterrupt:  # Ctrl-C while waiting: the client already withdrew the request
+            return 130
         except AcquireTimeout as err:
             print(f"timeslice run: {err}", file=sys.stderr)
             return EX_TEMPFAIL

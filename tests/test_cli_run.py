@@ -6,20 +6,34 @@ grant that does not come in time and for a command that cannot start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
+import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+import grpc
 import pytest
 from timeslice import AcquireTimeout, AsyncTimeSliceOrchestratorClient
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 # CMD: append (job, start, end) to a file around a short piece of work.
 WORK = ("import json, sys, time; t0 = time.time(); time.sleep(0.3); "
         "open(sys.argv[1], 'a').write(json.dumps([sys.argv[2], t0, time.time()]) + '\\n')")
+
+
+@pytest.fixture(autouse=True)
+def no_holder_left(tmp_path) -> Iterator[None]:
+    """A test that fails midway must not leave a holder process running."""
+    yield
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        os.kill(json.loads((tmp_path / "hold.json").read_text())["pid"], signal.SIGKILL)
 
 
 @pytest.fixture
@@ -112,3 +126,40 @@ async def test_acquire_that_gets_no_grant_in_time_exits_75_and_leaves_no_hold(ta
         assert not (tmp_path / "hold.json").exists()
     finally:
         await holder.close()
+
+
+async def test_a_killed_holder_is_reported_and_an_interrupted_acquire_leaves_no_hold(target, tmp_path) -> None:
+    """Found by a new-user try: `release` after the holder was SIGKILLed answered 0, and a
+    Ctrl-C on a waiting `acquire` left a hold file of a hold that never was."""
+    hold = tmp_path / "hold.json"
+    args = ["--job", "a", "--group", "g", "--hold-file", str(hold)]
+    assert (await timeslice("acquire", "--target", target, *args))[0] == 0
+    os.kill(json.loads(hold.read_text())["pid"], signal.SIGKILL)
+    rc, err = await timeslice("release", *args)
+    assert rc == 70 and "ended without releasing" in err, err
+    assert not hold.exists() and not hold.with_suffix(".log").exists()
+
+    holder = AsyncTimeSliceOrchestratorClient(target, "other", "g")
+    await holder.acquire(timeout=30)  # a's lease may still run: wait for it to lapse
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice.cli.main", "acquire", "--target",
+                                                target, *args, stderr=asyncio.subprocess.PIPE)
+    try:
+        for _ in range(600):  # until a's acquire waits in the queue (a signal, not a fixed time)
+            async with grpc.aio.insecure_channel(target) as ch:
+                group = await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))
+            if any(w.job_id == "a" for w in group.waiters):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the acquire never waited in the queue")
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 60)
+        assert proc.returncode == 130 and not hold.exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await holder.release()
+        await holder.close()
+    assert (await timeslice("run", "--target", target, "--job", "b", "--group", "g", "--timeout", "30", "--",
+                            "true"))[0] == 0  # nobody holds g
