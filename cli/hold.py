@@ -1,6 +1,7 @@
 """`timeslice acquire` / `timeslice release`: a hold that outlives one command, for shell scripts.
 
-`acquire` starts a holder process (`python -m timeslice.cli.hold`, its own session) that
+`acquire` starts a holder process (`python -m timeslice.cli.hold`, in the caller's process
+group: in one-box mode, `timeslice serve`, that group is the job whose processes move) that
 acquires the group with the client library and keeps the lease alive; `acquire` returns once
 the grant came (or failed), having written the hold file: JSON {pid, group, job, epoch,
 state}. `release` sends the holder SIGTERM and waits for it to end (a pidfd, Linux >= 5.3);
@@ -52,10 +53,10 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
             "" if timeout is None else str(timeout), str(priority)]
-    # its own session and log (next to the hold file): it must not keep the caller's terminal or pipes
+    # its own log (next to the hold file): it must not keep the caller's terminal or pipes; it
+    # stays in the caller's process group, so a Ctrl-C or hang-up of the script releases the hold
     with open(path.with_suffix(".log"), "ab") as log:
-        holder = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-                                  start_new_session=True)
+        holder = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True)
     assert holder.stdout is not None
     try:
         line = holder.stdout.readline().strip()  # "granted" or "<exit code> <message>"
@@ -142,7 +143,7 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
             return EX_UNAVAILABLE
         state: dict[str, object] = {"pid": os.getpid(), "group": grant.group_id, "job": client.job_id,
                                     "epoch": grant.epoch, "state": "held"}
-        for s in (signal.SIGTERM, signal.SIGINT):
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, lambda *_: stop.set())
         _write(path, state)
         try:

@@ -51,6 +51,16 @@ def _orchestrator(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from timeslice.cli.serve import ServeConfig, default_socket, main
+    from timeslice.driver import logs
+
+    logs.setup(a.log_level)
+    return main(ServeConfig(socket=Path(a.socket) if a.socket else default_socket(), socket_mode=a.socket_mode,
+                            scope=a.job_scope, groups_file=Path(a.config) if a.config else None,
+                            backend=a.backend, state_dir=Path(a.state_dir) if a.state_dir else None))
+
+
 def _at_least(low: float, kind: type) -> Any:
     """An argparse type: `kind(text)`, at least `low`."""
     def parse(text: str) -> Any:
@@ -213,6 +223,30 @@ def parser() -> argparse.ArgumentParser:
                         "(overrides the config's state_file; default off)")
     o.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     o.set_defaults(fn=_orchestrator)
+
+    v = sub.add_parser("serve", help="one-box mode: orchestrator and node agent on this machine, no Kubernetes",
+                       description="Serve the orchestrator on a unix socket and a node agent beside it. A client "
+                                   "needs no job id: each call acts for the job of the calling process's process "
+                                   "group (or cgroup), read from the socket's peer credentials, and the agent moves "
+                                   "that job's GPU processes. Prints `ready TIMESLICE_ORCHESTRATOR=unix://...` "
+                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM, 2 bad configuration or "
+                                   "socket.")
+    v.add_argument("--config", metavar="FILE",
+                   help="YAML groups, as for `timeslice orchestrator --config` (a group without `agents` uses this "
+                        "machine's agent; pinned_pool, state_file, metrics_listen apply; listen does not). Default: "
+                        "one group per GPU, gpu0, gpu1, ...")
+    v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
+                   help="backend of the default per-GPU groups (default cuda)")
+    v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
+                                                    "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/...)")
+    v.add_argument("--socket-mode", type=lambda t: int(t, 8), default=0o600, metavar="OCTAL",
+                   help="permission bits of the socket (default 600: only its owner's processes can call)")
+    v.add_argument("--job-scope", choices=["process-group", "cgroup"], default="process-group",
+                   help="a job's processes: the caller's process group (default) or its cgroup")
+    v.add_argument("--state-dir", help="agent records and epoch floors, kept across restarts (default "
+                                       "/var/lib/timeslice as root, else $XDG_STATE_HOME/timeslice)")
+    v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
+    v.set_defaults(fn=_serve)
 
     k = sub.add_parser("kubelet-plugin", help="serve the DRA kubelet plugin and the node agent on this node",
                        description="Publish this node's GPUs as ResourceSlices, prepare claims for the kubelet "

@@ -91,7 +91,9 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
              unavailable_timeout: float) -> Settings:
     """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP.
     Without a job id, a client that has a token (`call_metadata`: in a cluster pod) sends
-    none and the orchestrator takes the job from the pod the token is bound to.
+    none and the orchestrator takes the job from the pod the token is bound to; so does a
+    client of a `unix:` target (one-box mode, `timeslice serve`: the job of the calling
+    process's process group, from the socket's peer credentials).
 
     Raises ValueError when the target is set nowhere, or the job id is set nowhere and
     there is no token.
@@ -101,7 +103,7 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
     group_id = group_id or os.environ.get(ENV_GROUP) or None
     if not target:
         raise ValueError(f"no orchestrator address: pass target= or set {ENV_TARGET}")
-    if not job_id and call_metadata() is None:
+    if not job_id and call_metadata() is None and not target.startswith("unix:"):
         raise ValueError(f"no job id: pass job_id= or set {ENV_JOB} (in a cluster pod, mount the projected token "
                          f"(audience timeslice.dev) at {DEFAULT_TOKEN_FILE} or ${ENV_TOKEN_FILE} instead: the "
                          "orchestrator then takes the job from the pod)")

@@ -39,7 +39,8 @@ class TimeSliceOrchestratorClient:
         target: orchestrator address (`host:port`, `unix:///path`); default
             `$TIMESLICE_ORCHESTRATOR`.
         job_id: this workload's job id; default `$TIMESLICE_JOB`; in a cluster pod with its
-            token mounted, none: the orchestrator takes the job from the pod.
+            token mounted, none: the orchestrator takes the job from the pod; with a
+            `unix:` target (`timeslice serve`), none: the job of this process's process group.
         group_id: default group for calls that name none; default `$TIMESLICE_GROUP`.
         priority: queue priority, higher first, FIFO among equals.
         unavailable_timeout: seconds to keep retrying (same request id) while the

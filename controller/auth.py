@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from timeslice.driver import bearer as bearer_token
-from timeslice.driver.errors import Unauthenticated
+from timeslice.driver.errors import PermissionDenied, Unauthenticated
 from timeslice.driver.tokenreview import DEFAULT_CACHE_SECONDS, TokenReviewer
 
 AUDIENCE = "timeslice.dev"
@@ -28,6 +28,7 @@ class PodIdentity:
     username: str
     pod_uid: str
     pod_name: str
+    job_id: str = ""  # a call that names no job acts for the job of this pod
 
 
 def bearer(metadata: Any) -> str:
@@ -42,17 +43,24 @@ class TokenReviewAuthenticator:
     def __init__(self, auth_api: Any, cache_seconds: float = DEFAULT_CACHE_SECONDS) -> None:
         self._reviewer = TokenReviewer(auth_api, AUDIENCE, cache_seconds)
 
-    async def authenticate(self, metadata: Any) -> str:
+    async def authenticate(self, context: Any) -> str:
         """The user name of the call's token, bound to a pod or not (status calls: an admin's
         `kubectl create token <sa> --audience timeslice.dev` will do). Raises Unauthenticated
         (no token, token rejected) or KubernetesApiError (the review failed)."""
-        return str((await self._reviewer.review(bearer(metadata))).username)
+        return str((await self._reviewer.review(bearer(context.invocation_metadata()))).username)
 
-    async def identify(self, metadata: Any) -> PodIdentity:
+    async def identify(self, context: Any) -> PodIdentity:
         """The pod the call's token is bound to. Raises Unauthenticated (no token, token
         rejected, not bound to a pod) or KubernetesApiError (the review failed)."""
-        user = await self._reviewer.review(bearer(metadata))
+        user = await self._reviewer.review(bearer(context.invocation_metadata()))
         uid = user.first(POD_UID)
         if not uid:
             raise Unauthenticated(f"token of {user.username} is not bound to a pod")
         return PodIdentity(user.username, uid, user.first(POD_NAME))
+
+    def admit(self, caller: PodIdentity, group: Any, job: str) -> None:
+        """Only a pod of the claim set `job` acts for it. Raises PermissionDenied."""
+        member = group.spec.member(job)
+        if member is None or caller.pod_uid not in member.pod_uids:
+            raise PermissionDenied(f"pod {caller.pod_name or caller.pod_uid} holds no claim of {job!r} "
+                                   f"in group {group.id}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import AsyncIterator
 
 import grpc.aio
 from timeslice.controller.orchestrator.config import OrchestratorConfig
@@ -34,31 +35,37 @@ async def create_server(orchestrator: Orchestrator, listen: str,
                                    [SERVICE_NAME], listen)
 
 
-async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
-    """Run until SIGINT/SIGTERM, then stop with `grace` seconds for in-flight calls (short:
-    what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry
-    those with the same request id against the next orchestrator)."""
+@contextlib.asynccontextmanager
+async def running(config: OrchestratorConfig, authenticator: Authenticator | None = None,
+                  grace: float = 1.0) -> AsyncIterator[tuple[Orchestrator, int]]:
+    """The orchestrator of `config` serving on `config.listen` (and `/metrics` with
+    `metrics_listen`); yields (orchestrator, bound port), then stops with `grace` seconds
+    for in-flight calls (short: what is in flight at a stop is mostly Acquires blocked in a
+    queue, and clients retry those with the same request id against the next orchestrator).
+    Used by `serve` and by one-box mode (`timeslice serve`). Raises OSError (listen)."""
     pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
     orchestrator = Orchestrator(config.groups, pinned_pool=pool, state=StateFile(config.state_file))
-    await orchestrator.adopt_agents()
-    metrics = None
-    if config.metrics_listen:
-        metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
+    metrics = server = None
     try:
-        server, port = await create_server(orchestrator, config.listen)
-    except BaseException:
-        if metrics is not None:
-            await metrics.cleanup()
-        raise
-    log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
-    gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
-    stop = signals.stop_event()
-    try:
-        await stop.wait()
+        await orchestrator.adopt_agents()
+        if config.metrics_listen:
+            metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
+        server, port = await create_server(orchestrator, config.listen, authenticator)
+        log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
+        gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
+        yield orchestrator, port
     finally:
         log.info("orchestrator stopping grace=%gs", grace)
-        await server.stop(grace)
+        if server is not None:
+            await server.stop(grace)
         if metrics is not None:
             await metrics.cleanup()
         with contextlib.suppress(Exception):
             await orchestrator.close()
+
+
+async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
+    """`timeslice orchestrator`: run until SIGINT/SIGTERM (`running`)."""
+    stop = signals.stop_event()
+    async with running(config, grace=grace):
+        await stop.wait()

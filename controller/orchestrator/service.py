@@ -19,7 +19,7 @@ from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupView
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.driver import names
-from timeslice.driver.errors import FailedPrecondition, InvalidArgument, PermissionDenied, TimeSliceServerError
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, TimeSliceServerError
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -75,43 +75,55 @@ def group_status(v: GroupView) -> pb.GroupStatus:
     return s
 
 
-class Authenticator(Protocol):
-    async def identify(self, metadata: Any) -> Any:
-        """The caller's pod (with `.pod_uid`); raises Unauthenticated."""
+class Caller(Protocol):
+    pod_uid: str  # the caller's pod ("" outside a cluster)
+
+    @property
+    def job_id(self) -> str:
+        """The job a call that names none acts for ("": the job of the caller's pod)."""
         ...
 
-    async def authenticate(self, metadata: Any) -> str:
-        """The caller's user name, whether or not its token is bound to a pod; raises Unauthenticated."""
+
+class Authenticator(Protocol):
+    """Who calls: the cluster's TokenReview (`controller/auth.py`) or one-box mode's peer
+    credentials (`controller/peer_auth.py`)."""
+
+    async def identify(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller of a lock call; raises Unauthenticated."""
+        ...
+
+    async def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """A status call's caller, by name; raises Unauthenticated."""
+        ...
+
+    def admit(self, caller: Caller, group: LockGroup, job: str) -> None:
+        """May `caller` act for `job` in `group`? Raises PermissionDenied / FailedPrecondition."""
         ...
 
 
 class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     """`authenticator`: None serves anyone (static groups, the demo); else every lock call
-    must come from a pod of the member (claim set) it acts for, and a status call from any
-    caller whose token the authenticator accepts (status carries no lease ids)."""
+    must come from a caller the authenticator admits for the job it acts for, and a status
+    call from any caller it accepts (status carries no lease ids)."""
 
     def __init__(self, orchestrator: Orchestrator, authenticator: Authenticator | None = None) -> None:
         self._orch = orchestrator
         self._auth = authenticator
 
     async def _resolve(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[LockGroup, str]:
-        """(group, member job) the request acts for, checked against the caller's pod."""
-        pod = await self._auth.identify(context.invocation_metadata()) if self._auth is not None else None
-        if not request.job_id and pod is not None:  # the job of the caller's pod (token -> pod -> claim sets)
-            group, job = self._orch.group_for("", _check_id("group_id", request.group_id), pod.pod_uid)
-            return group, job
-        group, job = self._orch.group_for(_check_id("job_id", request.job_id),
-                                          _check_id("group_id", request.group_id), pod.pod_uid if pod else "")
-        if pod is not None:
-            member = group.spec.member(job)
-            if member is None or pod.pod_uid not in member.pod_uids:
-                raise PermissionDenied(f"pod {pod.pod_name or pod.pod_uid} holds no claim of {job!r} "
-                                       f"in group {group.id}")
+        """(group, member job) the request acts for, admitted for the caller."""
+        group_id = _check_id("group_id", request.group_id)
+        if self._auth is None:
+            return self._orch.group_for(_check_id("job_id", request.job_id), group_id)
+        caller = await self._auth.identify(context)
+        job = request.job_id or caller.job_id  # "": the job of the caller's pod (token -> pod -> claim sets)
+        group, job = self._orch.group_for(_check_id("job_id", job) if job else "", group_id, caller.pod_uid)
+        self._auth.admit(caller, group, job)
         return group, job
 
     async def _authenticated(self, context: grpc.aio.ServicerContext) -> None:
         if self._auth is not None:
-            await self._auth.authenticate(context.invocation_metadata())
+            await self._auth.authenticate(context)
 
     @rpc_method
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:

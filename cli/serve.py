@@ -1,0 +1,146 @@
+"""`timeslice serve`: one-box mode, the orchestrator and a node agent on one machine.
+
+The composition root of one-box mode (no Kubernetes): the same orchestrator, node agent
+and backends as in a cluster, wired so that a job needs no id and no PIDs. Clients call
+the public unix socket (`UnixFront`: mode 0600 by default, so only its owner's processes
+can connect); each call is identified by its socket's peer credentials and acts for the
+job of the caller's process group (or cgroup), whose processes the node agent moves
+(`PeerJobs`, `PeerProcessResolver`). Groups come from a YAML file (the orchestrator's
+config format; a group without `agents` uses this machine's agent) or are one per GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator.server import running
+from timeslice.controller.peer_auth import PeerAuthenticator
+from timeslice.driver import names, signals
+from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.peer_processes import PeerProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+
+log = logging.getLogger("timeslice.serve")
+
+
+def default_socket() -> Path:
+    """/run/timeslice/orchestrator.sock for root, else under $XDG_RUNTIME_DIR (or /tmp)."""
+    if os.geteuid() == 0:
+        return Path("/run/timeslice/orchestrator.sock")
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/timeslice-{os.geteuid()}"
+    return Path(base) / "timeslice" / "orchestrator.sock"
+
+
+def default_state_dir() -> Path:
+    """/var/lib/timeslice for root, else $XDG_STATE_HOME/timeslice (~/.local/state/timeslice)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/timeslice")
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "timeslice"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`socket`: the public unix socket and `socket_mode` its permission bits; `scope`: what
+    makes a job ("process-group" or "cgroup"); `groups_file`: YAML groups (None: one group
+    per GPU, `gpu<index>`, with `backend`); `state_dir`: the agent's checkpoint records and
+    the orchestrator's epoch floors, kept across restarts."""
+
+    socket: Path
+    socket_mode: int = 0o600
+    scope: ScopeKind = "process-group"
+    groups_file: Path | None = None
+    backend: str = names.BACKEND_CUDA
+    state_dir: Path | None = None
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs here (NVML); 0 without NVML or GPUs."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+
+
+def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) -> OrchestratorConfig:
+    """The orchestrator's config: the groups of `cfg.groups_file` (a group with no `agents`
+    gets this machine's agent) or one per GPU; it listens on a loopback port that only
+    `UnixFront` should use. Raises ValueError (a bad file, no GPU and no file)."""
+    if cfg.groups_file is not None:
+        try:
+            raw: dict[str, Any] = yaml.safe_load(cfg.groups_file.read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ValueError(f"--config {cfg.groups_file}: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--config {cfg.groups_file}: want a mapping with `groups:`")
+        groups = [dict(g) for g in raw.get("groups") or [] if isinstance(g, dict)]
+        for g in groups:
+            if g.get("backend", "none") != names.BACKEND_NONE and not g.get("agents"):
+                g["agents"] = [agent_target]
+        raw = {**raw, "groups": groups}
+    else:
+        n = gpu_count()
+        if n == 0:
+            raise ValueError("no NVIDIA GPU found (NVML): name the groups in a file, --config FILE "
+                             "(`groups: [{id: g, backend: freeze}]`; README, \"On one GPU machine\")")
+        raw = {"groups": [{"id": f"gpu{i}", "backend": cfg.backend, "agents": [agent_target]} for i in range(n)]}
+    raw.setdefault("state_file", str(state_dir / "orchestrator-state.json"))
+    try:
+        config = OrchestratorConfig.model_validate(raw)
+    except ValueError as err:
+        raise ValueError(f"--config {cfg.groups_file}: {err}") from None
+    if not config.groups:
+        raise ValueError(f"--config {cfg.groups_file}: no groups")
+    return config.model_copy(update={"listen": "127.0.0.1:0"})
+
+
+async def serve(cfg: ServeConfig, ready: Any = None) -> None:
+    """Run until SIGINT/SIGTERM. Prints one line when ready (to `ready`, default stdout):
+    `ready TIMESLICE_ORCHESTRATOR=unix://<socket> groups=<id>(<backend>),...`. Raises
+    ValueError (configuration) or OSError (the socket cannot be bound)."""
+    state_dir = cfg.state_dir or default_state_dir()
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    stop = signals.stop_event()
+    with tempfile.TemporaryDirectory(prefix="timeslice-agent-") as private:  # mode 0700: the agent is ours
+        agent_target = f"unix://{Path(private) / 'agent.sock'}"
+        config = orchestrator_config(cfg, agent_target, state_dir)
+        backends = sorted({g.backend for g in config.groups} | {names.BACKEND_NONE})
+        jobs = PeerJobs()
+        agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
+        agent_server, _ = await create_agent_server(agent, agent_target)
+        front = UnixFront(cfg.socket, cfg.socket_mode)
+        try:
+            async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
+                await front.start(port)
+                groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
+                log.info("serving socket=%s scope=%s groups=%s", cfg.socket, cfg.scope, groups)
+                print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}", file=ready or sys.stdout,
+                      flush=True)
+                await stop.wait()
+        finally:
+            await front.close()
+            await agent_server.stop(1)
+
+
+def main(cfg: ServeConfig) -> int:
+    try:
+        asyncio.run(serve(cfg))
+    except (ValueError, OSError) as err:
+        print(f"timeslice serve: {err}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    return 0

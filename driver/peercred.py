@@ -1,0 +1,268 @@
+"""Who is calling over a unix socket: the peer's credentials and the processes it stands for.
+
+Owned by one-box mode (`timeslice serve`, `cli/serve.py`); read by the orchestrator's
+peer authenticator (`controller/peer_auth.py`) and the node agent's one-box process
+resolver (`kubelet_plugin/agent/peer_processes.py`).
+
+gRPC does not hand a servicer the socket of a call, so the kernel's `SO_PEERCRED` (pid,
+uid, gid of the process that connected; socket(7), unix(7)) is read by `UnixFront`: it
+accepts on the public unix socket (mode 0600 unless asked otherwise), reads the peer's
+credentials, and splices the connection's bytes to the gRPC server on a loopback port.
+Each spliced upstream connection has its own local port, and the servicer's
+`context.peer()` ("ipv4:127.0.0.1:PORT") names it: `UnixFront.credentials(peer)` maps it
+back. A call that reaches the loopback port without the front has no credentials and is
+refused by the authenticator.
+
+A job is the process group (`setpgid(2)`; a shell gives each pipeline its own) or the
+cgroup (`/proc/PID/cgroup`, v2 unified line) of a calling process: `Scope`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from timeslice.driver.errors import PermissionDenied, ProcessGone
+
+log = logging.getLogger("timeslice.serve")
+
+ScopeKind = Literal["process-group", "cgroup"]
+SCOPE_KINDS: tuple[ScopeKind, ...] = ("process-group", "cgroup")
+_CHUNK = 256 * 1024
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """The process that connected (`SO_PEERCRED` at connect time)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The processes a caller stands for: `kind` "process-group" (`key`: the pgid) or
+    "cgroup" (`key`: the cgroup v2 path, e.g. /user.slice/.../run-r1.scope)."""
+
+    kind: ScopeKind
+    key: str
+
+    @property
+    def job_name(self) -> str:
+        """A job id for callers that name none: `pgid-<pgid>` or `cgroup-<last path part>`."""
+        if self.kind == "process-group":
+            return f"pgid-{self.key}"
+        tail = "".join(c if c.isalnum() or c in "._-@" else "-" for c in self.key.rsplit("/", 1)[-1])
+        return f"cgroup-{tail or 'root'}"[:253]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.key}"
+
+
+def scope_of(pid: int, kind: ScopeKind, proc: Path = Path("/proc")) -> Scope:
+    """The scope `pid` belongs to now. Raises ProcessGone."""
+    try:
+        if kind == "process-group":
+            return Scope(kind, str(_stat_pgid(pid, proc)))
+        return Scope(kind, _cgroup(pid, proc))
+    except (ProcessLookupError, FileNotFoundError):
+        raise ProcessGone(f"process {pid} is gone") from None
+
+
+def members(scope: Scope, uid: int, proc: Path = Path("/proc")) -> list[int]:
+    """Live PIDs in `scope` whose real uid is `uid` (any uid when `uid` is 0), ascending,
+    never this process itself (the server)."""
+    out = []
+    me = os.getpid()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            if uid and _uid(pid, proc) != uid:
+                continue
+            here = str(_stat_pgid(pid, proc)) if scope.kind == "process-group" else _cgroup(pid, proc)
+        except (OSError, ValueError):  # gone meanwhile, a zombie, or not ours to read
+            continue
+        if here == scope.key:
+            out.append(pid)
+    return sorted(out)
+
+
+def _stat_pgid(pid: int, proc: Path) -> int:
+    stat_line = (proc / str(pid) / "stat").read_bytes()
+    # after "pid (comm) ": state ppid pgrp ... (proc(5)); comm may hold spaces and ')'
+    return int(stat_line[stat_line.rindex(b")") + 2:].split()[2])
+
+
+def _uid(pid: int, proc: Path) -> int:
+    for line in (proc / str(pid) / "status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])  # real uid
+    raise ValueError(f"no Uid line for {pid}")
+
+
+def _cgroup(pid: int, proc: Path) -> str:
+    for line in (proc / str(pid) / "cgroup").read_text().splitlines():
+        if line.startswith("0::"):  # the cgroup v2 unified hierarchy
+            return line[3:]
+    raise FileNotFoundError(f"process {pid} has no cgroup v2 entry")
+
+
+class UnixFront:
+    """The public unix socket of one-box mode: accepts, reads `SO_PEERCRED`, splices each
+    connection to the gRPC server's loopback port. `mode` is the socket file's permission
+    bits (0o600: only the owner's processes can connect). Use `start(port)` then `close()`."""
+
+    def __init__(self, path: Path, mode: int = 0o600) -> None:
+        self.path = path
+        self._upstream = 0
+        self._mode = mode
+        self._by_port: dict[int, PeerCredentials] = {}
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def start(self, upstream_port: int) -> None:
+        """Bind the socket (removing a stale socket file, never any other file) and splice
+        its connections to 127.0.0.1:`upstream_port`. Raises OSError (the directory cannot
+        be made; a live server holds the path; the path is not a socket)."""
+        self._upstream = upstream_port
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise OSError(f"{self.path} exists and is not a socket: remove it or choose another --socket")
+            probe = socket.socket(socket.AF_UNIX)
+            try:
+                probe.connect(str(self.path))
+                raise OSError(f"{self.path}: another server is listening there")
+            except ConnectionRefusedError:  # a leftover of a server that is gone
+                self.path.unlink()
+            finally:
+                probe.close()
+        old = os.umask(0o777 & ~self._mode)  # the socket file is never reachable with wider bits
+        try:
+            self._server = await asyncio.start_unix_server(self._accepted, path=str(self.path), limit=_CHUNK)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self._mode)
+
+    def credentials(self, peer: str) -> PeerCredentials | None:
+        """The credentials behind a servicer's `context.peer()`; None for a call that did
+        not come through this front."""
+        host, _, port = peer.rpartition(":")
+        if host not in ("ipv4:127.0.0.1", "ipv6:[::1]") or not port.isdigit():
+            return None
+        return self._by_port.get(int(port))
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            sock = writer.get_extra_info("socket")
+            pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream, limit=_CHUNK)
+            port = up_writer.get_extra_info("sockname")[1]
+            self._by_port[port] = PeerCredentials(pid, uid, gid)
+            log.debug("connection pid=%d uid=%d port=%d", pid, uid, port)
+            try:
+                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            finally:
+                del self._by_port[port]  # before the port can be reused by anyone
+                up_writer.close()
+        except OSError as err:  # the gRPC server is gone (stopping), or the peer's socket broke
+            log.warning("connection not spliced: %s", err)
+        finally:
+            writer.close()
+            self._conns.discard(task)
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    """Copy until end of stream, then half-close `dst` (HTTP/2 ends with a GOAWAY anyway)."""
+    try:
+        while data := await src.read(_CHUNK):
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except (ConnectionError, OSError):
+        dst.close()
+
+
+class PeerJobs:
+    """Which scopes (process groups or cgroups) make up each job in one-box mode, and whose
+    job it is: the one owner of these facts. The orchestrator's peer authenticator binds a
+    caller's scope to the job it acts for; the node agent's resolver reads them.
+    Bounded: scopes whose processes are all gone are forgotten at the next bind."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self._proc = proc
+        self._job_of: dict[Scope, str] = {}
+        self._owner: dict[str, int] = {}  # job -> uid
+
+    def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
+        """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
+        Raises PermissionDenied: the job is another uid's (root may act for any), or the
+        scope already belongs to another job."""
+        other = self._job_of.get(scope)
+        if other == job:
+            return
+        self._forget_empty()
+        owner = self._owner.get(job)
+        if owner is not None and owner != caller.uid and caller.uid != 0:
+            raise PermissionDenied(f"job {job!r} belongs to uid {owner}; process {caller.pid} (uid {caller.uid}) "
+                                   "cannot act for it")
+        other = self._job_of.get(scope)
+        if other is not None:
+            raise PermissionDenied(
+                f"process {caller.pid} cannot act for job {job!r}: it is in {scope}, which belongs to job "
+                f"{other!r}: one {scope.kind} cannot be two jobs (each job's processes are moved together). Start "
+                "each job in its own process group (its own shell command line, or `setsid`) or its own cgroup "
+                "(`systemd-run --user --scope`)")
+        self._job_of[scope] = job
+        self._owner.setdefault(job, caller.uid)
+        log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
+
+    def scopes(self, job: str) -> list[tuple[Scope, int]]:
+        """[(scope, owner uid)] of `job` ([] when none is bound). Scopes whose processes
+        are all gone are dropped first, so that a reused pgid is never taken for the job."""
+        self._forget_empty()
+        uid = self._owner.get(job, 0)
+        return [(s, uid) for s, j in self._job_of.items() if j == job]
+
+    def _forget_empty(self) -> None:
+        for scope in [s for s in self._job_of if not self._alive(s)]:
+            job = self._job_of.pop(scope)
+            if job not in self._job_of.values():
+                self._owner.pop(job, None)
+
+    def _alive(self, scope: Scope) -> bool:
+        if scope.kind == "process-group":
+            try:
+                os.killpg(int(scope.key), 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return (Path("/sys/fs/cgroup") / scope.key.lstrip("/")).is_dir()

@@ -1,0 +1,160 @@
+"""One-box mode (issue 13, item 1): `timeslice serve` as a real process, jobs as real process
+groups that name neither a job nor a PID. The job of a call is the caller's process group,
+read from the unix socket's peer credentials; the node agent moves that group's marked
+processes (the `freeze` backend on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from timeslice.cli.serve import gpu_count
+from timeslice.driver.errors import PermissionDenied
+from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+# A job: a worker (marked, so the agent moves it) that appends a timestamp to a file every
+# 5 ms, and the job's client (this script) that holds the group `rounds` times around a
+# short phase, recording each hold's span. Neither names a job nor a PID.
+JOB = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    name, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ticks = open(f"{out}/{name}.ticks", "w")
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\\nwhile True:\\n  sys.stdout.write(repr(time.time()) + '\\\\n')\\n"
+         "  sys.stdout.flush()\\n  time.sleep(0.005)"],
+        stdout=ticks, env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+    client = TimeSliceOrchestratorClient(group_id="g")
+    spans = []
+    for _ in range(rounds):
+        with client.on_accelerators():
+            t0 = time.time()
+            time.sleep(0.3)
+            spans.append([name, t0, time.time()])
+        time.sleep(0.05)
+    client.close()
+    worker.kill()
+    open(f"{out}/{name}.spans", "w").write(json.dumps(spans))
+""")
+
+
+@pytest.fixture
+async def served(tmp_path) -> AsyncIterator[tuple[str, int]]:
+    """A `timeslice serve` process with one freeze group `g`: (socket path, loopback port)."""
+    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: freeze, lease_seconds: 10}\n")
+    sock = tmp_path / "run" / "orchestrator.sock"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+        "--socket", str(sock), "--state-dir", str(tmp_path / "state"), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g(freeze)"), line
+        port = 0
+        while not port:  # the loopback port the front splices to, from the log line before `ready`
+            m = re.search(rb"orchestrator serving listen=127.0.0.1:0 port=(\d+)", await proc.stderr.readline())
+            port = int(m.group(1)) if m else 0
+        yield str(sock), port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 30)
+    assert proc.returncode == 0
+    assert not sock.exists()
+
+
+def env_for(sock: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+    return {**env, "TIMESLICE_ORCHESTRATOR": f"unix://{sock}", **extra}
+
+
+async def test_two_jobs_in_their_own_process_groups_share_the_group_and_the_other_is_frozen(served,
+                                                                                          tmp_path) -> None:
+    sock, _ = served
+    assert os.stat(sock).st_mode & 0o777 == 0o600
+    jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
+                                                 env=env_for(sock), start_new_session=True) for name in "ab"]
+    for job in jobs:
+        assert await asyncio.wait_for(job.wait(), 90) == 0
+    spans = sorted((s for name in "ab" for s in json.loads((tmp_path / f"{name}.spans").read_text())),
+                   key=lambda s: s[1])
+    assert len(spans) == 6
+    ticks = {name: [float(t) for t in (tmp_path / f"{name}.ticks").read_text().split()] for name in "ab"}
+    switches = 0
+    for prev, cur in itertools.pairwise(spans):
+        assert cur[1] >= prev[2], spans  # never two holders at once
+        if prev[0] != cur[0]:  # a hand-off: the job that held is frozen while the other holds
+            switches += 1
+            ran = [t for t in ticks[prev[0]] if cur[1] <= t <= cur[2]]
+            assert not ran, f"{prev[0]}'s worker ran while {cur[0]} held: {ran[:3]}"
+    assert switches >= 1
+    async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+        status = await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))
+    assert status.switches >= 1 and status.failed_switches == 0
+    pgids = {f"pgid-{job.pid}" for job in jobs}  # each job leads its own session, hence its group
+    assert {r.to_job_id for r in status.recent_switches} == pgids
+
+
+async def test_callers_that_bypass_the_socket_or_share_a_process_group_are_refused(served) -> None:
+    sock, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:  # the loopback port, not the socket
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.OrchestratorStub(ch).Acquire(pb.AcquireRequest(group_id="g", job_id="x"))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "unix socket" in str(err.value.details())
+    # one process group acting for two jobs: the second is refused (freezing one would freeze both)
+    script = ("import sys\nfrom timeslice import TimeSliceOrchestratorClient\n"
+              "c = TimeSliceOrchestratorClient(group_id='g', job_id=sys.argv[1])\n"
+              "try:\n  c.acquire(timeout=30); c.release(); print('ok')\n"
+              "except Exception as e:\n  print(type(e).__name__, e)\nc.close()")
+    run = [await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script, job], env=env_for(sock),
+                                   capture_output=True, text=True, timeout=60)
+           for job in ("first", "second")]  # both in this test's process group
+    assert run[0].stdout.strip() == "ok", run[0]
+    assert run[1].stdout.startswith("AccessDenied"), run[1]
+    assert "belongs to job 'first'" in run[1].stdout and "own process group" in run[1].stdout, run[1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+async def test_another_users_process_cannot_call(served) -> None:
+    sock, _ = served
+    probe = "import os, socket, sys\nos.setgid(65534)\nos.setuid(65534)\ns = socket.socket(socket.AF_UNIX)\n" \
+            "try:\n  s.connect(sys.argv[1])\nexcept PermissionError:\n  print('refused')"  # as user nobody
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", probe, sock], capture_output=True,
+                                  text=True, timeout=30)
+    assert out.stdout.strip() == "refused", out
+
+
+def test_serve_without_groups_or_gpus_says_what_to_do(tmp_path) -> None:
+    if gpu_count():
+        pytest.skip("a GPU is here: the default groups would be made from it")
+    out = subprocess.run([sys.executable, "-m", "timeslice.cli.main", "serve", "--socket", str(tmp_path / "s.sock"),
+                          "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no NVIDIA GPU found" in out.stderr and "--config" in out.stderr, out
+    assert "Traceback" not in out.stderr
+    assert Path(tmp_path / "s.sock").exists() is False
+
+
+def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:
+    jobs = PeerJobs()
+    group = Scope("process-group", str(os.getpgrp()))  # a live group, so that it is not forgotten
+    jobs.bind("j", PeerCredentials(pid=1, uid=1000, gid=1000), group)
+    with pytest.raises(PermissionDenied, match="belongs to uid 1000"):
+        jobs.bind("j", PeerCredentials(pid=2, uid=1001, gid=1001), Scope("cgroup", "/"))
+    with pytest.raises(PermissionDenied, match="belongs to job 'j'"):
+        jobs.bind("k", PeerCredentials(pid=3, uid=1000, gid=1000), group)
+    jobs.bind("j", PeerCredentials(pid=4, uid=0, gid=0), Scope("cgroup", "/"))  # root may act for any job
+    assert sorted(str(s) for s, _ in jobs.scopes("j")) == ["cgroup /", f"process-group {os.getpgrp()}"]
+    assert {uid for _, uid in jobs.scopes("j")} == {1000}
