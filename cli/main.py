@@ -275,7 +275,9 @@ def parser() -> argparse.ArgumentParser:
                         "1 year, name timeslice-node-agent; the key stays in memory), published on this pod as "
                         "annotation timeslice.dev/agent-certificate (needs $POD_NAME, $POD_NAMESPACE and RBAC "
                         "'patch pods'), where the controller pins it (default off: plaintext)")
-    k.add_argument("--backends", help="checkpoint backends offered, comma-separated (default freeze,none)")
+    k.add_argument("--backends", help="checkpoint backends offered, comma-separated, of cuda, cuda-checkpoint, "
+                                      "freeze, app (the job's inference engine sleeps and wakes), none "
+                                      "(default freeze,none)")
     k.add_argument("--orchestrator", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
                    help="orchestrator address injected into containers (default $TIMESLICE_ORCHESTRATOR)")
     k.add_argument("--liveness-file", metavar="PATH",

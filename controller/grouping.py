@@ -59,6 +59,7 @@ from timeslice.controller.jobs import job_id, safe_id
 from timeslice.controller.node_agents import AgentEndpoint
 from timeslice.driver import config as ts_config
 from timeslice.driver import names
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import InvalidArgument
 
 DeviceRef = tuple[str, str]  # (pool, device) of an allocation result
@@ -107,16 +108,18 @@ class JobConfig:
     residency: str = names.RESIDENCY_AUTO
     memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
     resident_first_seconds: float = names.DEFAULT_RESIDENT_FIRST_SECONDS
+    app: AppEngine | None = None  # backend app: the claim set's own engine
 
     @classmethod
     def of(cls, cfg: ts_config.TimeSliceConfig) -> JobConfig:
         return cls(cfg.priority, cfg.backend, cfg.maxHoldSeconds, cfg.leaseSeconds, cfg.residency,
-                   cfg.memoryHeadroom, cfg.residentFirstSeconds)
+                   cfg.memoryHeadroom, cfg.residentFirstSeconds, cfg.app)
 
     def describe(self) -> str:
         return (f"priority={self.priority} backend={self.backend} maxHoldSeconds={self.max_hold_seconds} "
                 f"leaseSeconds={self.lease_seconds:g} residency={self.residency} "
-                f"memoryHeadroom={self.memory_headroom} residentFirstSeconds={self.resident_first_seconds:g}")
+                f"memoryHeadroom={self.memory_headroom} residentFirstSeconds={self.resident_first_seconds:g}"
+                + (f" app={self.app.describe()}" if self.app else ""))
 
 
 def claim_set_id(job: str, source: str) -> str:

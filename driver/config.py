@@ -8,7 +8,12 @@ controller (job-level values). Wire form, in a DeviceClass's or a claim's
       apiVersion: timeslice.dev/v1alpha1
       kind: TimeSliceConfig
       priority: 10               # queue priority, higher first (-1000..1000)
-      backend: auto              # auto | cuda | cuda-checkpoint | cooperative | freeze | none
+      backend: auto              # auto | cuda | cuda-checkpoint | cooperative | freeze | app | none
+      app:                       # backend app only (and required by it): the job's inference engine
+        engine: vllm             # vllm | sglang (driver/app_engine.py)
+        url: http://127.0.0.1:8000   # loopback only
+        level: 1                 # vLLM sleep level 1 or 2
+        timeoutSeconds: 120      # bound on one sleep or wake call
       residency: auto            # auto: move memory only when the next job does not fit | exclusive
       memoryHeadroom: "10%"      # kept free per GPU under residency auto: percent or quantity ("8Gi")
       residentFirstSeconds: 30   # residency auto: resident waiters may pass one that needs a switch this long
@@ -26,8 +31,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from timeslice.driver import names
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.headroom import parse_headroom
 
@@ -39,7 +45,9 @@ class TimeSliceConfig(BaseModel):
     kind: Literal["TimeSliceConfig"]
     job: str | None = Field(default=None, min_length=1, max_length=253)
     priority: int = Field(default=0, ge=-1000, le=1000)
-    backend: Literal["auto", "cuda", "cuda-checkpoint", "cooperative", "freeze", "none"] = "auto"
+    backend: Literal["auto", "cuda", "cuda-checkpoint", "cooperative", "freeze", "app", "none"] = "auto"
+    # backend app: the job's inference engine, which sleeps and wakes on the agent's call
+    app: AppEngine | None = None
     residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO
     memoryHeadroom: str = names.DEFAULT_MEMORY_HEADROOM
     residentFirstSeconds: float = Field(default=names.DEFAULT_RESIDENT_FIRST_SECONDS, ge=0, le=3600)
@@ -54,6 +62,16 @@ class TimeSliceConfig(BaseModel):
     def _headroom(cls, v: str) -> str:
         parse_headroom(v)
         return v
+
+    @model_validator(mode="after")
+    def _app_with_backend_app(self) -> TimeSliceConfig:
+        if self.backend == names.BACKEND_APP and self.app is None:
+            raise ValueError("backend app needs the job's engine: app: {engine: vllm|sglang, url: "
+                             "http://127.0.0.1:<port>}")
+        if self.app is not None and self.backend != names.BACKEND_APP:
+            raise ValueError(f"app is set, but backend is {self.backend}: set backend: app to switch the job by "
+                             "its engine's sleep and wake, or drop app")
+        return self
 
 
 DEFAULT = TimeSliceConfig(apiVersion=names.CONFIG_API_VERSION, kind=names.CONFIG_KIND)

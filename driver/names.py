@@ -17,7 +17,10 @@ BACKEND_CUDA = "cuda"
 BACKEND_CUDA_CHECKPOINT = "cuda-checkpoint"
 BACKEND_FREEZE = "freeze"
 BACKEND_NONE = "none"
-BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_NONE)
+# The job's inference engine (vLLM, SGLang) frees and re-takes its GPU memory on the agent's
+# call (kubelet_plugin/agent/backends/app.py; the engine in driver/app_engine.py).
+BACKEND_APP = "app"
+BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_APP, BACKEND_NONE)
 # Moved by the job's own process (timeslice.torch) on the orchestrator's command, not by a
 # node agent: agents only report memory for it.
 BACKEND_COOPERATIVE = "cooperative"

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from kubernetes.aio import client as k8s
 from kubernetes.aio.client.exceptions import ApiException
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from timeslice.driver import kubeapi, names, signals
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
@@ -81,6 +81,15 @@ class KubeletPluginConfig(BaseModel):
     # prepared claims are checked against the API server at start and this often, seconds
     prune_seconds: float = Field(default=300.0, gt=0)
     liveness_file: Path | None = None
+
+    @field_validator("backends")
+    @classmethod
+    def _known_backends(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [b for b in v if b not in names.BACKENDS]
+        if unknown or not v:
+            raise ValueError(f"--backends {','.join(v)}: unknown {unknown or 'none given'}; known: "
+                             f"{', '.join(names.BACKENDS)}")
+        return v
 
     @model_validator(mode="after")
     def _unauthenticated_only_on_a_unix_socket(self) -> KubeletPluginConfig:

@@ -102,12 +102,14 @@ def short_tmp() -> Iterator[Path]:
 @pytest.fixture
 async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
     """`await make_cluster(backend="cuda", nodes=1, lease_seconds=10, jobs={job: pids}, memory_probe=...)`
-    (`memory_probe`: the agents' NVML stand-in, `NodeAgent(memory_probe=...)`)."""
+    (`memory_probe`: the agents' NVML stand-in, `NodeAgent(memory_probe=...)`; `spec`: more
+    `GroupSpec` fields, e.g. `{"apps": {...}}`)."""
     closers: list[Callable[[], object]] = []
 
     async def make(backend: str = "none", nodes: int = 1, lease_seconds: float = 10.0,
                    jobs: dict[str, list[int]] | None = None, groups: Sequence[str] = ("g",),
-                   real_backend: bool = False, memory_probe: Callable[[], list] | None = None) -> Cluster:
+                   real_backend: bool = False, memory_probe: Callable[[], list] | None = None,
+                   spec: dict[str, object] | None = None) -> Cluster:
         calls: list[tuple[str, str, tuple[int, ...]]] = []
         agents, resolvers, fakes, targets = {}, {}, {}, []
         if backend != "none":
@@ -125,7 +127,8 @@ async def make_cluster(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
                 server, _ = await create_agent_server(agents[node], target)
                 closers.append(lambda s=server: s.stop(0))
                 targets.append(target)
-        orch = Orchestrator([GroupSpec(id=g, backend=backend, agents=tuple(targets), lease_seconds=lease_seconds)
+        orch = Orchestrator([GroupSpec(id=g, backend=backend, agents=tuple(targets), lease_seconds=lease_seconds,
+                                       **(spec or {}))  # type: ignore[arg-type]
                              for g in groups])
         server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

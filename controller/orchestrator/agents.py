@@ -33,6 +33,7 @@ import grpc.aio
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.bearer import Metadata, TokenFile
 from timeslice.driver.certificates import fingerprint
 from timeslice.driver.errors import OutcomeUnknown, TimeSliceServerError, Unavailable, error_from_status
@@ -123,23 +124,27 @@ class AgentClient:
         return error_from_status(err.code(), message)
 
     async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
-                         member: MemberSpec | None = None, operation_id: str = "") -> StepResult:
+                         member: MemberSpec | None = None, operation_id: str = "",
+                         app: AppEngine | None = None) -> StepResult:
         """Checkpoint `job_id` on this node (its claims there, when `member` says) as the
-        operation `operation_id` ("": a new one). Raises a `TimeSliceServerError` subclass;
-        `OutcomeUnknown` with `no_reply` when no reply came (resend it with the same id)."""
+        operation `operation_id` ("": a new one); `app`: its engine (backend app). Raises a
+        `TimeSliceServerError` subclass; `OutcomeUnknown` with `no_reply` when no reply came
+        (resend it with the same id)."""
         return await self._step(self._stub.Checkpoint, "checkpoint", job_id, backend, group_id, timeout, member,
-                                operation_id)
+                                operation_id, app)
 
     async def restore(self, job_id: str, backend: str, group_id: str, timeout: float,
-                      member: MemberSpec | None = None, operation_id: str = "") -> StepResult:
+                      member: MemberSpec | None = None, operation_id: str = "",
+                      app: AppEngine | None = None) -> StepResult:
         """Restore `job_id` on this node, as `checkpoint`. Raises a `TimeSliceServerError` subclass."""
         return await self._step(self._stub.Restore, "restore", job_id, backend, group_id, timeout, member,
-                                operation_id)
+                                operation_id, app)
 
     async def _step(self, rpc: grpc.aio.UnaryUnaryMultiCallable, what: str, job_id: str, backend: str,
-                    group_id: str, timeout: float, member: MemberSpec | None, operation_id: str) -> StepResult:
+                    group_id: str, timeout: float, member: MemberSpec | None, operation_id: str,
+                    app: AppEngine | None) -> StepResult:
         operation_id = operation_id or new_operation_id()
-        req = self._step_request(job_id, backend, group_id, timeout, member, operation_id)
+        req = self._step_request(job_id, backend, group_id, timeout, member, operation_id, app)
         deadline = timeout + RPC_SLACK_SECONDS
         t0 = time.monotonic()
         try:
@@ -172,12 +177,16 @@ class AgentClient:
                            int(resp.host_available_bytes))
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
-                      member: MemberSpec | None, operation_id: str = "") -> apb.SwitchStepRequest:
+                      member: MemberSpec | None, operation_id: str = "",
+                      app: AppEngine | None = None) -> apb.SwitchStepRequest:
         claims = member.claims_by_agent.get(self.target, ()) if member else ()
+        engine = apb.AppEngine(engine=app.engine, url=app.url, level=app.level,
+                               timeout_seconds=app.timeoutSeconds) if app is not None else None
         return apb.SwitchStepRequest(job_id=job_id, backend=backend, timeout_seconds=timeout, group_id=group_id,
                                      claims=[apb.ClaimRef(namespace=ns, name=n) for ns, n in claims],
                                      pod_uids=member.pod_uids if member else (),
-                                     claim_name=member.claim_name if member else "", operation_id=operation_id)
+                                     claim_name=member.claim_name if member else "", operation_id=operation_id,
+                                     app=engine)
 
     async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
         """Jobs this agent holds checkpoint records for (it checkpointed them), of `group_id`

@@ -12,9 +12,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from timeslice.driver import names
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.headroom import parse_headroom
 
-Backend = Literal["cuda", "cuda-checkpoint", "freeze", "cooperative", "none"]
+Backend = Literal["cuda", "cuda-checkpoint", "freeze", "cooperative", "app", "none"]
 # Backends that move GPU memory, whose groups place jobs by memory (residency "auto").
 MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_COOPERATIVE})
 
@@ -26,8 +27,9 @@ class MemberSpec(BaseModel):
     for each node agent the claim set's claims on that node (namespace, name),
     and the job's pods. The agent finds the processes from these (claim -> pods -> PIDs).
     `priority` and `max_hold_seconds` come from the claim set's TimeSliceConfig and
-    override what its client asks for. (In static mode a group has no members and a holder
-    id is a job name from the agents' job tables.)"""
+    override what its client asks for; `app` (backend app) its inference engine, which the
+    agents sleep and wake. (In static mode a group has no members and a holder id is a job
+    name from the agents' job tables.)"""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +39,7 @@ class MemberSpec(BaseModel):
     claim_name: str = ""  # the pod-level claim name its pods use (marks its processes)
     priority: int = 0
     max_hold_seconds: float | None = Field(default=None, gt=0)
+    app: AppEngine | None = None
 
 
 class GroupSpec(BaseModel):
@@ -51,6 +54,8 @@ class GroupSpec(BaseModel):
     each GPU (a percent of its memory, "10%", or a quantity, "8Gi"), and lets waiters
     that are resident pass, for at most `resident_first_seconds`, a waiter of their
     priority whose grant would move memory; `exclusive` checkpoints at every hand-off.
+    `apps` (backend app, static mode): each job's inference engine by job name, in the
+    wire form of TimeSliceConfig `app` (`{engine: vllm, url: "http://127.0.0.1:8000"}`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -67,10 +72,19 @@ class GroupSpec(BaseModel):
     # Cluster mode: the group's jobs and where they run. Empty (static mode): any job may
     # acquire, and every agent resolves the job by its own table.
     members: tuple[MemberSpec, ...] = ()
+    apps: dict[str, AppEngine] = {}
 
     def member(self, holder: str) -> MemberSpec | None:
         """The member whose claim-set id is `holder` (None: not a member, or static mode)."""
         return next((m for m in self.members if m.claim_set == holder), None)
+
+    def app(self, holder: str) -> AppEngine | None:
+        """`holder`'s inference engine (backend app): its member's, else `apps`' entry; None
+        for other backends."""
+        if self.backend != names.BACKEND_APP:
+            return None
+        m = self.member(holder)
+        return m.app if m is not None and m.app is not None else self.apps.get(holder)
 
     @field_validator("memory_headroom")
     @classmethod

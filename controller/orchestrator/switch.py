@@ -183,7 +183,7 @@ class SwitchCoordinator:
         op = new_operation_id()
         try:
             return await getattr(agent, step)(job, spec.backend, spec.id, spec.step_timeout_seconds, member,
-                                              operation_id=op)
+                                              operation_id=op, app=spec.app(job))
         except OutcomeUnknown as err:
             if not err.no_reply:
                 raise
@@ -199,7 +199,7 @@ class SwitchCoordinator:
                         job, agent.target, op, tries, lost)
             try:  # the pool's client now (replaced when the agent's certificate changed)
                 result: StepResult = await getattr(self._pool.get(agent.target), step)(
-                    job, spec.backend, spec.id, spec.step_timeout_seconds, member, operation_id=op)
+                    job, spec.backend, spec.id, spec.step_timeout_seconds, member, operation_id=op, app=spec.app(job))
             except OutcomeUnknown as err:
                 if not err.no_reply:
                     raise

@@ -144,7 +144,7 @@ class NodeAgent:
         backend = self._backends.get(name)
         if backend is None:
             try:
-                backend = self._backends[name] = make_backend(name, self.lock_timeout)
+                backend = self._backends[name] = make_backend(name, self.lock_timeout, self._memory_probe)
             except BackendError as err:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
@@ -186,7 +186,7 @@ class NodeAgent:
 
     async def _checkpoint(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
-        backend = self.backend(backend_name)
+        backend = self.backend(backend_name).bind(req.app)
         async with self._lock(job_id):
             t0 = time.monotonic()
             done = self.records.jobs.get(job_id)
@@ -208,7 +208,7 @@ class NodeAgent:
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
-                                              CHECKPOINTING, req.operation_id), "nothing was touched")
+                                              CHECKPOINTING, req.operation_id, req.app), "nothing was touched")
             step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
             try:
                 procs = await asyncio.shield(step)
@@ -222,7 +222,8 @@ class NodeAgent:
                 raise
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
-                               on_gpus or (prior.devices if prior else {}), operation=req.operation_id)
+                               on_gpus or (prior.devices if prior else {}), operation=req.operation_id,
+                               app=req.app or (prior.app if prior else None))
             try:
                 self._write(job_id, record, "the checkpoint was undone")
             except FailedPrecondition:
@@ -236,7 +237,8 @@ class NodeAgent:
 
     async def _restore(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
-        backend = self.backend(backend_name)
+        record = self.records.jobs.get(job_id)
+        backend = self.backend(backend_name).bind(req.app or (record.app if record else None))
         async with self._lock(job_id):
             t0 = time.monotonic()
             if req.operation_id and self.records.restored.get(req.operation_id) == job_id:
@@ -309,7 +311,7 @@ class NodeAgent:
             pids = [p for p in record.pids if _alive(p)]
             if record.phase != CHECKPOINTING:
                 try:
-                    states = await self.backend(record.backend).state(pids) if pids else []
+                    states = await self.backend(record.backend).bind(record.app).state(pids) if pids else []
                 except TimeSliceServerError as err:
                     log.warning("cannot check the processes of job=%s at start: %s (record kept)", job_id, err)
                     continue
@@ -321,7 +323,7 @@ class NodeAgent:
             log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
             try:
                 if pids:
-                    await self.backend(record.backend).restore(pids, self.default_timeout)
+                    await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
             except TimeSliceServerError as err:
                 log.error("could not undo the interrupted checkpoint of job=%s: %s (record kept)", job_id, err)
                 continue
@@ -373,5 +375,7 @@ class NodeAgent:
     async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
         record = self.records.jobs.get(job_id)
         backend = self.backend(backend_name or (record.backend if record else names.BACKEND_NONE))
+        if record is not None and record.app is not None:
+            backend = backend.bind(record.app)
         pids = list(record.pids) if record else await self.resolver.pids(job_id)
         return await backend.state(pids)

@@ -7,7 +7,7 @@ temp file, fsynced and renamed):
     {"apiVersion": "timeslice.dev/agent-records/v1",
      "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
                         "devices": {"<GPU uuid>": <bytes>}, "phase": "checkpointed",
-                        "operation": "<operation id>"}},
+                        "operation": "<operation id>", "app": {"engine": "vllm", "url": ...}}},
      "restored": {"<operation id>": "<job>"}}
 
 `devices` (optional): the checkpoint's bytes by GPU, for residency decisions. `phase`
@@ -19,6 +19,8 @@ that wrote the record, so that a resend of that step after a restart is answered
 the record instead of being run again. `restored` (optional): the operation ids of the
 last `MAX_RESTORED` restores that consumed a record, oldest first, written with the
 record's removal, so that a resend of such a restore after a restart is not run again.
+`app` (optional, backend `app` only): the job's engine (`AppEngine`), which a restore or
+the undo at start wakes.
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -31,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.atomic import write_atomic
 
 log = logging.getLogger("timeslice.agent")
@@ -48,6 +51,7 @@ class JobRecord:
     devices: dict[str, int] = field(default_factory=dict)
     phase: str = CHECKPOINTED
     operation: str = ""
+    app: AppEngine | None = None
 
     @property
     def bytes(self) -> int:
@@ -71,7 +75,8 @@ class JobRecords:
                 raise ValueError(f"apiVersion {data.get('apiVersion')!r}, want {API_VERSION}")
             self.jobs = {job: JobRecord(r["backend"], r["group"], {int(p): int(b) for p, b in r["pids"].items()},
                                         {str(d): int(b) for d, b in r.get("devices", {}).items()},
-                                        str(r.get("phase", CHECKPOINTED)), str(r.get("operation", "")))
+                                        str(r.get("phase", CHECKPOINTED)), str(r.get("operation", "")),
+                                        AppEngine.model_validate(r["app"]) if r.get("app") else None)
                          for job, r in data["jobs"].items()}
             self.restored = OrderedDict((str(op), str(job)) for op, job in data.get("restored", {}).items())
         except (ValueError, KeyError, TypeError) as err:
@@ -112,8 +117,16 @@ class JobRecords:
         if self._path is None:
             return
         data: dict[str, object] = {"apiVersion": API_VERSION,
-                                   "jobs": {j: {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
-                                            for j, r in self.jobs.items()}}
+                                   "jobs": {j: _record_json(r) for j, r in self.jobs.items()}}
         if self.restored:
             data["restored"] = dict(self.restored)
         write_atomic(self._path, json.dumps(data).encode())
+
+
+def _record_json(r: JobRecord) -> dict[str, object]:
+    out: dict[str, object] = {**asdict(r), "pids": {str(p): b for p, b in r.pids.items()}}
+    if r.app is None:
+        del out["app"]
+    else:
+        out["app"] = r.app.model_dump()
+    return out

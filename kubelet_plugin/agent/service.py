@@ -12,8 +12,10 @@ import math
 from typing import Any, Protocol
 
 import grpc.aio
+from pydantic import ValidationError
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.app_engine import DEFAULT_APP_TIMEOUT_SECONDS, AppEngine
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
@@ -52,7 +54,21 @@ def _step_request(request: apb.SwitchStepRequest, backend_required: bool = True)
     if not (op.isascii() and op.isprintable()):
         raise InvalidArgument(f"operation_id must be printable ASCII, got {op!r}")
     return StepRequest(JobRef(request.job_id, claims, list(request.pod_uids), request.claim_name), request.backend,
-                       request.group_id, t, op)
+                       request.group_id, t, op, _app(request))
+
+
+def _app(request: apb.SwitchStepRequest) -> AppEngine | None:
+    """The step's engine (None when absent); raises InvalidArgument naming the bad field
+    (a URL that is not loopback, an unknown engine, ...)."""
+    if not request.HasField("app"):
+        return None
+    a = request.app
+    try:
+        return AppEngine(engine=a.engine, url=a.url, level=a.level or 1,  # type: ignore[arg-type]
+                         timeoutSeconds=a.timeout_seconds or DEFAULT_APP_TIMEOUT_SECONDS)
+    except ValidationError as err:
+        problems = "; ".join(f"app.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise InvalidArgument(f"invalid app engine: {problems}") from None
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:

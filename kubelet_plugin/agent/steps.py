@@ -15,6 +15,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import InvalidArgument
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
 
@@ -36,14 +37,16 @@ class JobRef:
 @dataclass(frozen=True)
 class StepRequest:
     """One checkpoint or restore step: the job, the backend that moves it, the group it runs
-    for (logs and records), its bound in seconds (0: the agent's default) and the
-    orchestrator's operation id ("": none, each call runs the step)."""
+    for (logs and records), its bound in seconds (0: the agent's default), the
+    orchestrator's operation id ("": none, each call runs the step) and, for backend
+    `app`, the job's engine."""
 
     job: JobRef
     backend: str
     group_id: str = ""
     timeout: float = 0.0
     operation_id: str = ""
+    app: AppEngine | None = None
 
     @property
     def job_id(self) -> str:

@@ -59,7 +59,7 @@ class MemoryReport(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., host_available_bytes: _Optional[int] = ...) -> None: ...
 
 class SwitchStepRequest(_message.Message):
-    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name", "operation_id")
+    __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name", "operation_id", "app")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class SwitchStepRequest(_message.Message):
     POD_UIDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_NAME_FIELD_NUMBER: _ClassVar[int]
     OPERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    APP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend: str
     timeout_seconds: float
@@ -76,7 +77,20 @@ class SwitchStepRequest(_message.Message):
     pod_uids: _containers.RepeatedScalarFieldContainer[str]
     claim_name: str
     operation_id: str
-    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ..., claim_name: _Optional[str] = ..., operation_id: _Optional[str] = ...) -> None: ...
+    app: AppEngine
+    def __init__(self, job_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., group_id: _Optional[str] = ..., claims: _Optional[_Iterable[_Union[ClaimRef, _Mapping]]] = ..., pod_uids: _Optional[_Iterable[str]] = ..., claim_name: _Optional[str] = ..., operation_id: _Optional[str] = ..., app: _Optional[_Union[AppEngine, _Mapping]] = ...) -> None: ...
+
+class AppEngine(_message.Message):
+    __slots__ = ("engine", "url", "level", "timeout_seconds")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    url: str
+    level: int
+    timeout_seconds: float
+    def __init__(self, engine: _Optional[str] = ..., url: _Optional[str] = ..., level: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ClaimRef(_message.Message):
     __slots__ = ("namespace", "name")

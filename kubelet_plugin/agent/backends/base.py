@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import BackendError, ProcessGone, TimeSliceServerError
 
 log = logging.getLogger("timeslice.agent")
@@ -60,6 +61,12 @@ class Backend(ABC):
 
     @abstractmethod
     async def state(self, pids: Sequence[int]) -> list[ProcState]: ...
+
+    def bind(self, app: AppEngine | None) -> Backend:
+        """This backend for the steps of one job whose inference engine is `app` (the step's
+        `app`, from the claim's TimeSliceConfig). Backend `app` acts through the engine and
+        needs it (InvalidArgument without); the others act on processes and ignore it."""
+        return self
 
 
 async def run_step(what: str, pids: Sequence[int], forward: Step, inverse: Step) -> list[ProcState]:

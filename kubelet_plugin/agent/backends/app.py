@@ -1,0 +1,288 @@
+"""Backend `app`: the job's inference engine frees and re-takes its own GPU memory.
+
+Owned by the node agent (`NodeAgent.backend("app").bind(engine)` per step). vLLM and
+SGLang can drop their weights and KV cache and load them again much faster than a process
+checkpoint; a checkpoint here is the engine's sleep (vLLM `POST /sleep?level=N`, SGLang
+`POST /release_memory_occupation`), a restore its wake (`POST /wake_up`,
+`POST /resume_memory_occupation`). The calls, their bodies and answers are those of
+`driver/app_engine.py` (upstream files named there).
+
+A checkpoint is verified: NVML's per-process memory of the job's processes must drop by
+at least `MIN_FREED_FRACTION` of what they held before the sleep, else the engine is woken
+again and the step fails (BackendError). Without NVML (GPU-less nodes, the demo, tests
+without a probe) the check is skipped and a log line says so; the step then reports 0
+bytes (unknown). Each call is bounded by the engine's `timeoutSeconds` and the step's
+timeout (StepTimeout); a sleep that fails or times out is undone by a wake before the error
+is raised (the engines serialize these requests, so a wake sent after a sleep that is
+still running runs after it).
+
+Retries: only calls whose repetition cannot change the outcome are repeated, a bounded
+number of times within the call's bound: a connection that was refused (the request never
+reached the engine) and `GET /is_sleeping`. A sleep or wake the engine may have received is
+never sent again (SGLang's tag bookkeeping fails on a second resume); with vLLM its outcome
+is read from `/is_sleeping` instead.
+
+The engine is called on the URL from the agent's own network namespace: the job's
+processes must share it (hostNetwork pods, one-box mode), else the step fails with
+FailedPrecondition before anything is sent (another engine may listen on the node's
+loopback at that port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+from timeslice.driver.app_engine import ENGINE_VLLM, AppEngine
+from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument, StepTimeout
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, RUNNING, UNKNOWN, Backend, ProcState
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus
+
+log = logging.getLogger("timeslice.agent")
+
+# A sleep must free at least this share of the GPU memory the job's processes held (the
+# CUDA context and the allocator's own reserve stay: ~0.5 GB per process).
+MIN_FREED_FRACTION = 0.5
+# Connection attempts of one call when the engine refuses the connection (it never saw the
+# request), and the first wait between them, doubled after each, seconds.
+CONNECT_ATTEMPTS = 3
+CONNECT_BACKOFF_SECONDS = 0.05
+MAX_ERROR_TEXT = 300  # characters of an engine's error body quoted in a step's error
+
+
+class _Unsent(Exception):
+    """The engine refused the connection: the request never reached it."""
+
+
+class OutcomeLost(BackendError):
+    """A sleep or wake was sent and its answer lost (connection cut): it may have run."""
+
+
+class EngineClient:
+    """The sleep/wake API of one engine (`AppEngine`) over HTTP (aiohttp). Methods take
+    their bound in seconds and raise StepTimeout or BackendError."""
+
+    def __init__(self, engine: AppEngine) -> None:
+        self.engine = engine
+
+    async def sleep(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        e = self.engine
+        if e.engine == ENGINE_VLLM:
+            await self._post(session, "/sleep", timeout, params={"level": str(e.level)})
+        else:
+            await self._post(session, "/release_memory_occupation", timeout, body={})
+
+    async def wake(self, session: aiohttp.ClientSession, timeout: float) -> None:
+        if self.engine.engine == ENGINE_VLLM:
+            await self._post(session, "/wake_up", timeout)
+        else:
+            await self._post(session, "/resume_memory_occupation", timeout, body={})
+
+    async def sleeping(self, session: aiohttp.ClientSession, timeout: float) -> bool | None:
+        """vLLM's `GET /is_sleeping`; None for SGLang (no such endpoint)."""
+        if self.engine.engine != ENGINE_VLLM:
+            return None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        backoff = CONNECT_BACKOFF_SECONDS
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:  # a GET: repeated on any transport error
+                answer = await self._request(session, "GET", "/is_sleeping", max(0.001, until - loop.time()))
+                return bool(answer.get("is_sleeping")) if isinstance(answer, dict) else None
+            except (_Unsent, aiohttp.ClientError) as err:
+                if attempt == CONNECT_ATTEMPTS or loop.time() + backoff >= until:
+                    raise BackendError(f"{self.engine.describe()}: GET /is_sleeping failed: {err}") from err
+            await asyncio.sleep(backoff)
+            backoff *= 2
+        return None  # not reached
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, timeout: float,
+                    params: dict[str, str] | None = None, body: dict[str, Any] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        backoff = CONNECT_BACKOFF_SECONDS
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                await self._request(session, "POST", path, max(0.001, until - loop.time()), params, body)
+                return
+            except _Unsent as err:  # never reached the engine: safe to send again
+                if attempt == CONNECT_ATTEMPTS or loop.time() + backoff >= until:
+                    raise BackendError(f"{self.engine.describe()}: POST {path}: cannot connect after {attempt} "
+                                       f"attempt(s): {err}") from err
+                log.info("engine %s refused POST %s (%s): retry %d in %.2f s", self.engine.url, path, err, attempt,
+                         backoff)
+            except aiohttp.ClientError as err:  # it may have received it: not sent again
+                raise OutcomeLost(f"{self.engine.describe()}: POST {path} failed, outcome unknown: "
+                                   f"{type(err).__name__}: {err}") from err
+            await asyncio.sleep(backoff)
+            backoff *= 2
+
+    async def _request(self, session: aiohttp.ClientSession, method: str, path: str, timeout: float,
+                       params: dict[str, str] | None = None, body: dict[str, Any] | None = None) -> Any:
+        """The JSON answer (None when empty); raises _Unsent, aiohttp.ClientError, StepTimeout,
+        or BackendError for a status other than 200."""
+        url = self.engine.url + path
+        try:
+            async with asyncio.timeout(timeout):
+                async with session.request(method, url, params=params, json=body) as resp:
+                    text = await resp.text()
+        except TimeoutError:
+            raise StepTimeout(f"{self.engine.describe()}: {method} {path} got no answer within {timeout:.3g} s") \
+                from None
+        except aiohttp.ClientConnectorError as err:
+            raise _Unsent(str(err)) from err
+        if resp.status != 200:
+            hint = ""
+            if resp.status == 404:
+                hint = (" (serve vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode)" if
+                        self.engine.engine == ENGINE_VLLM else " (serve SGLang with --enable-memory-saver)")
+            raise BackendError(f"{self.engine.describe()}: {method} {path} answered HTTP {resp.status}: "
+                               f"{text[:MAX_ERROR_TEXT]}{hint}")
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            return None
+
+
+def _check_network_namespace(pids: Sequence[int], engine: AppEngine) -> None:
+    """Raise FailedPrecondition when a process of the job runs in another network namespace
+    than this agent (its loopback is not ours), or when that cannot be read."""
+    mine = os.stat("/proc/self/ns/net")
+    for pid in pids:
+        try:
+            theirs = os.stat(f"/proc/{pid}/ns/net")
+        except FileNotFoundError:
+            continue  # gone: nothing of it to move
+        except PermissionError as err:
+            raise FailedPrecondition(f"cannot read the network namespace of process {pid} ({err}): the agent "
+                                     f"cannot tell whether {engine.url} is the job's engine") from err
+        if (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino):
+            raise FailedPrecondition(
+                f"process {pid} of the job runs in another network namespace than the node agent, so the agent "
+                f"cannot reach its engine at {engine.url} (its loopback is the pod's); run the engine's pod with "
+                "hostNetwork: true, or the agent in the job's network namespace (one-box mode)")
+
+
+class AppBackend(Backend):
+    """`engine` None: the node's backend `app`, to `bind` per step; `memory_probe`: NVML
+    (`gpu_memory.gpus`; [] without NVML skips the memory check)."""
+
+    name = "app"
+
+    def __init__(self, engine: AppEngine | None = None, memory_probe: Callable[[], list[GpuInfo]] = gpus,
+                 asleep: set[tuple[str, tuple[int, ...]]] | None = None) -> None:
+        self.engine = engine
+        self._probe = memory_probe
+        # (URL, PIDs) of the engines this agent put to sleep and has not woken (shared by the
+        # bound copies): a repeated checkpoint of one (a rollback's) sends nothing; a restarted
+        # engine has other PIDs
+        self._asleep: set[tuple[str, tuple[int, ...]]] = set() if asleep is None else asleep
+
+    def bind(self, app: AppEngine | None) -> Backend:
+        if app is None:
+            raise InvalidArgument("backend app needs the job's engine (the step's `app`: TimeSliceConfig app "
+                                  "with engine and url)")
+        return AppBackend(app, self._probe, self._asleep)
+
+    def _client(self) -> EngineClient:
+        if self.engine is None:
+            raise InvalidArgument("backend app needs the job's engine (bind it first)")
+        return EngineClient(self.engine)
+
+    def _bound(self, timeout: float) -> float:
+        assert self.engine is not None
+        return min(timeout, self.engine.timeoutSeconds) if timeout > 0 else self.engine.timeoutSeconds
+
+    async def _bytes(self, pids: Sequence[int]) -> dict[int, int] | None:
+        """GPU bytes per PID now; None without NVML."""
+        found = await asyncio.to_thread(self._probe)
+        if not found:
+            return None
+        wanted = set(pids)
+        out = dict.fromkeys(pids, 0)
+        for g in found:
+            for pid, n in g.processes.items():
+                if pid in wanted:
+                    out[pid] += n
+        return out
+
+    async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        client = self._client()
+        engine = client.engine
+        _check_network_namespace(pids, engine)
+        bound = self._bound(timeout)
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            key = (engine.url, tuple(sorted(pids)))
+            if key in self._asleep or await client.sleeping(session, bound):
+                log.info("app sleep engine=%s pids=%s: asleep already, nothing sent", engine.url, list(pids))
+                return [ProcState(p, CHECKPOINTED) for p in pids]
+            before = await self._bytes(pids)
+            try:
+                await client.sleep(session, bound)
+            except (StepTimeout, BackendError) as err:
+                raise await self._undo(session, client, bound, f"sleep of {engine.describe()} failed", err) from err
+            after = await self._bytes(pids)
+            if before is None or after is None:
+                self._asleep.add(key)
+                log.info("app sleep engine=%s pids=%s seconds=%.3f: GPU memory not verified (NVML unavailable), "
+                         "bytes reported 0 (unknown)", engine.url, list(pids), time.monotonic() - t0)
+                return [ProcState(p, CHECKPOINTED) for p in pids]
+            held, left = sum(before.values()), sum(after.values())
+            if held == 0:
+                self._asleep.add(key)
+                log.info("app sleep engine=%s pids=%s: GPU memory not verified (NVML shows none held by these "
+                         "processes before the sleep)", engine.url, list(pids))
+                return [ProcState(p, CHECKPOINTED) for p in pids]
+            if held - left < MIN_FREED_FRACTION * held:
+                kept = BackendError(f"{engine.describe()} answered the sleep, but the GPU memory of the job's "
+                                    f"processes {list(pids)} did not drop: {held} bytes before, {left} after (NVML; "
+                                    f"at least {MIN_FREED_FRACTION:.0%} must be freed)")
+                raise await self._undo(session, client, bound, "checkpoint failed", kept)
+        self._asleep.add(key)
+        log.info("app sleep engine=%s pids=%s freed=%d of %d bytes seconds=%.3f", engine.url, list(pids),
+                 held - left, held, time.monotonic() - t0)
+        return [ProcState(p, CHECKPOINTED, max(0, before[p] - after.get(p, 0))) for p in pids]
+
+    async def _undo(self, session: aiohttp.ClientSession, client: EngineClient, bound: float, what: str,
+                    err: BackendError | StepTimeout) -> BackendError | StepTimeout:
+        """Wake the engine after a failed sleep (a vLLM engine that reports it is awake is
+        left alone); returns the error to raise, of `err`'s class, naming the undo's outcome."""
+        try:
+            if await client.sleeping(session, bound) is False:
+                return type(err)(f"{what}: {err}; the engine reports it is awake")
+            await client.wake(session, bound)
+        except (StepTimeout, BackendError) as undo:
+            log.error("app undo failed engine=%s: %s", client.engine.url, undo)
+            return type(err)(f"{what}: {err}; UNDO FAILED, the engine may stay asleep: {undo}")
+        return type(err)(f"{what}: {err}; woke it again")
+
+    async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        client = self._client()
+        _check_network_namespace(pids, client.engine)
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as session:
+            try:
+                await client.wake(session, self._bound(timeout))
+            except OutcomeLost:  # with vLLM, ask whether the wake whose answer was lost happened
+                if await client.sleeping(session, self._bound(timeout)) is not False:
+                    raise
+            self._asleep.discard((client.engine.url, tuple(sorted(pids))))
+        log.info("app wake engine=%s pids=%s seconds=%.3f", client.engine.url, list(pids), time.monotonic() - t0)
+        return [ProcState(p, RUNNING) for p in pids]
+
+    async def state(self, pids: Sequence[int]) -> list[ProcState]:
+        """vLLM: every PID `checkpointed` while the engine sleeps, else `running`; SGLang (no
+        such query) and an unbound backend: `unknown`."""
+        if self.engine is None:
+            return [ProcState(p, UNKNOWN) for p in pids]
+        async with aiohttp.ClientSession() as session:
+            asleep = await EngineClient(self.engine).sleeping(session, self.engine.timeoutSeconds)
+        st = UNKNOWN if asleep is None else (CHECKPOINTED if asleep else RUNNING)
+        return [ProcState(p, st) for p in pids]

@@ -1,0 +1,172 @@
+"""A fake inference engine on loopback with vLLM's or SGLang's sleep/wake API (backend `app`).
+
+Used by tests/test_app_backend.py and bench/app_switch.py as a real process (aiohttp
+server): `python -m tests.fake_engine --engine vllm|sglang --name a --log FILE
+--memory-dir DIR` prints `ready <port>` once it listens on 127.0.0.1. It answers as
+`driver/app_engine.py` documents the upstream servers:
+
+- vllm: `POST /sleep?level=N` (empty 200), `POST /wake_up` (empty 200), `GET /is_sleeping`
+  (`{"is_sleeping": bool}`); a failure is an HTTP 500, as FastAPI answers an exception.
+- sglang: `POST /release_memory_occupation`, `POST /resume_memory_occupation` (JSON body,
+  `tags` optional; 200 `null`, failure 400 `{"error": {"message": ...}}`). A second
+  release, or a resume while awake, fails (as SGLang's tag bookkeeping does).
+
+The GPU memory it "holds" (`AWAKE_BYTES`, `ASLEEP_BYTES` asleep: the CUDA context) is
+written to `<memory-dir>/<pid>.json` as `{"pid": pid, "bytes": n}` on each change: the
+tests' stand-in for NVML reads it. Each completed call appends `<name> <call>` to the
+log file (O_APPEND, one write per line), so tests see the order across engines.
+`nvml_stand_in(memory_dir)` is the agent's NVML stand-in over those files.
+Faults, set with `POST /fake/fault` and a JSON body: `{"wake": "fail"}` (every wake
+fails), `{"sleep": "hang"}` (a sleep never answers), `{"sleep": "keep-memory"}` (it
+answers but frees nothing); `"ok"` clears one. `--delay S`: each sleep and wake takes S
+seconds (the engine's own work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
+
+AWAKE_BYTES = 8 << 30
+ASLEEP_BYTES = 512 << 20
+GPU_BYTES = 141 << 30
+
+
+def nvml_stand_in(memory_dir: Path) -> Callable[[], list[GpuInfo]]:
+    """The node agent's `memory_probe` (NVML's stand-in): one fake GPU whose processes hold
+    what the fake engines wrote to `memory_dir`."""
+    def gpus() -> list[GpuInfo]:
+        procs: dict[int, int] = {}
+        for f in memory_dir.glob("*.json"):
+            try:
+                d = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            procs[int(d["pid"])] = int(d["bytes"])
+        return [GpuInfo("fake-0", 0, GPU_BYTES, GPU_BYTES - sum(procs.values()), procs)]
+    return gpus
+
+
+class FakeEngine:
+    def __init__(self, engine: str, name: str, log: Path | None, memory_dir: Path | None, delay: float) -> None:
+        self.engine = engine
+        self.name = name
+        self.log = log
+        self.memory_dir = memory_dir
+        self.delay = delay
+        self.sleeping = False
+        self.faults: dict[str, str] = {}
+        self._write_memory(AWAKE_BYTES)
+
+    def _write_memory(self, n: int) -> None:
+        if self.memory_dir is None:
+            return
+        path = self.memory_dir / f"{os.getpid()}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "bytes": n}))
+        tmp.replace(path)
+
+    def _record(self, line: str) -> None:
+        if self.log is not None:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, f"{self.name} {line}\n".encode())
+            finally:
+                os.close(fd)
+
+    def _failure(self, message: str) -> web.Response:
+        if self.engine == "vllm":
+            return web.Response(status=500, text="Internal Server Error")
+        return web.json_response({"error": {"message": message}}, status=400)
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        if self.engine == "sglang":
+            await request.json()  # FastAPI parses the body model
+        if self.faults.get("sleep") == "hang":
+            self._record("sleep-hung")
+            await asyncio.Event().wait()
+        if self.engine == "sglang" and self.sleeping:
+            return self._failure("memory is already released")
+        await asyncio.sleep(self.delay)
+        self.sleeping = True
+        if self.faults.get("sleep") != "keep-memory":
+            self._write_memory(ASLEEP_BYTES)
+        level = request.query.get("level", "")
+        self._record("sleep" + (f" level={level}" if level else ""))
+        return self._ok()
+
+    async def wake(self, request: web.Request) -> web.Response:
+        if self.engine == "sglang":
+            await request.json()
+        await asyncio.sleep(self.delay)
+        if self.faults.get("wake") == "fail":
+            self._record("wake-failed")
+            return self._failure("injected wake failure")
+        if self.engine == "sglang" and not self.sleeping:
+            return self._failure("memory is not released")
+        self.sleeping = False
+        self._write_memory(AWAKE_BYTES)
+        self._record("wake")
+        return self._ok()
+
+    def _ok(self) -> web.Response:
+        return web.Response(status=200) if self.engine == "vllm" else web.json_response(None)
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_sleeping": self.sleeping})
+
+    async def fault(self, request: web.Request) -> web.Response:
+        for k, v in (await request.json()).items():
+            if v == "ok":
+                self.faults.pop(k, None)
+            else:
+                self.faults[k] = v
+        return web.json_response(self.faults)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        if self.engine == "vllm":
+            app.router.add_post("/sleep", self.sleep)
+            app.router.add_post("/wake_up", self.wake)
+            app.router.add_get("/is_sleeping", self.is_sleeping)
+        else:
+            app.router.add_post("/release_memory_occupation", self.sleep)
+            app.router.add_post("/resume_memory_occupation", self.wake)
+        app.router.add_post("/fake/fault", self.fault)
+        return app
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = FakeEngine(args.engine, args.name, args.log, args.memory_dir, args.delay)
+    runner = web.AppRunner(engine.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"ready {port}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", choices=["vllm", "sglang"], required=True)
+    p.add_argument("--name", default="engine")
+    p.add_argument("--log", type=Path)
+    p.add_argument("--memory-dir", type=Path)
+    p.add_argument("--delay", type=float, default=0.0)
+    try:
+        asyncio.run(serve(p.parse_args()))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

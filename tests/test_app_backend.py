@@ -1,0 +1,285 @@
+"""Backend `app`: jobs switched by their inference engine's sleep and wake (vLLM, SGLang).
+
+The engines are real processes (`tests/fake_engine.py`, aiohttp on loopback) with the
+upstream APIs; the orchestrator and the node agents are real servers. The agents' NVML is
+the one stand-in (`memory_probe`): it reads the bytes each fake engine says it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import grpc
+import grpc.aio
+import pytest
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.driver import config as ts_config
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.app_engine import AppEngine
+from timeslice.driver.errors import BackendError, InvalidArgument
+from timeslice.errors import SwitchFailed
+from timeslice.kubelet_plugin.agent.backends import make_backend
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server
+
+from tests.conftest import eventually
+from tests.fake_engine import ASLEEP_BYTES, AWAKE_BYTES, nvml_stand_in
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def start_engine(children: list, kind: str, name: str, log: Path, memory_dir: Path,
+                       **app: object) -> tuple[subprocess.Popen[str], AppEngine]:
+    """A fake engine process; returns it and its `AppEngine` (more fields from `app`)."""
+    p = subprocess.Popen([sys.executable, "-m", "tests.fake_engine", "--engine", kind, "--name", name,  # noqa: ASYNC220
+                          "--log", str(log), "--memory-dir", str(memory_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                         text=True)
+    children.append(p)
+    line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
+    assert line.startswith("ready "), f"fake engine did not start: {line!r}"
+    return p, AppEngine(engine=kind, url=f"http://127.0.0.1:{line.split()[1]}", **app)  # type: ignore[arg-type]
+
+
+async def fault(engine: AppEngine, **faults: str) -> None:
+    async with aiohttp.ClientSession() as s, s.post(engine.url + "/fake/fault", json=faults) as r:
+        assert r.status == 200
+
+
+async def is_sleeping(engine: AppEngine) -> bool:
+    async with aiohttp.ClientSession() as s, s.get(engine.url + "/is_sleeping") as r:
+        return bool((await r.json())["is_sleeping"])
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture
+def engine_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "memory").mkdir()
+    return tmp_path / "calls.log", tmp_path / "memory"
+
+
+def test_config_refuses_an_engine_url_that_is_not_loopback() -> None:
+    base = {"apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "backend": "app"}
+    for url, why in [("http://10.0.0.7:8000", "not loopback"), ("http://example.com:8000", "not loopback"),
+                     ("https://127.0.0.1:8000", "scheme must be http"), ("http://127.0.0.1:8000/v1", "no path")]:
+        with pytest.raises(InvalidArgument, match=rf"app\.url: .*{why}"):
+            ts_config.parse({**base, "app": {"engine": "vllm", "url": url}}, "claim ns/c")
+    with pytest.raises(InvalidArgument, match="backend app needs the job's engine"):
+        ts_config.parse(base, "claim ns/c")
+    with pytest.raises(InvalidArgument, match="app is set, but backend is cuda"):
+        ts_config.parse({**base, "backend": "cuda", "app": {"engine": "vllm", "url": "http://127.0.0.1:1"}}, "x")
+    with pytest.raises(InvalidArgument, match=r"app\.level"):
+        ts_config.parse({**base, "app": {"engine": "vllm", "url": "http://127.0.0.1:1", "level": 3}}, "x")
+    ok = ts_config.parse({**base, "app": {"engine": "sglang", "url": "http://[::1]:30000"}}, "x")
+    assert ok.app == AppEngine(engine="sglang", url="http://[::1]:30000")
+    with pytest.raises(ValueError, match="not loopback"):  # the orchestrator's static config too
+        GroupSpec(id="g", backend="app", agents=("unix:///x",), apps={"a": {"engine": "vllm",  # type: ignore[dict-item]
+                                                                            "url": "http://10.1.1.1:80"}})
+
+
+async def test_agent_refuses_a_step_whose_engine_is_not_on_loopback(children, engine_dirs, short_tmp) -> None:
+    """The agent checks the URL itself: an orchestrator's word does not make it call another host."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["app"], memory_probe=nvml_stand_in(memory))
+    server, _ = await create_server(agent, f"unix://{short_tmp / 'agent.sock'}")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{short_tmp / 'agent.sock'}") as ch:
+            stub = apb_grpc.NodeAgentStub(ch)
+            for app, text in [(apb.AppEngine(engine="vllm", url="http://192.168.1.4:8000"), "not loopback"),
+                              (apb.AppEngine(engine="tgi", url=engine.url), "app.engine"),
+                              (None, "backend app needs the job's engine")]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="app", app=app))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details()
+            assert calls(log) == [] and not await is_sleeping(engine)  # nothing was sent
+            r = await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="app", app=apb.AppEngine(
+                engine="vllm", url=engine.url, level=2)))
+            assert r.bytes == AWAKE_BYTES - ASLEEP_BYTES and calls(log) == ["a sleep level=2"]
+            assert agent.records.jobs["a"].app == AppEngine(engine="vllm", url=engine.url, level=2)
+            # the restore needs no engine: the record names it
+            await stub.Restore(apb.SwitchStepRequest(job_id="a", backend="app"))
+            assert calls(log) == ["a sleep level=2", "a wake"] and "a" not in agent.records.jobs
+    finally:
+        await server.stop(0)
+
+
+async def test_two_jobs_alternate_by_sleep_and_wake_in_order(make_cluster, children, engine_dirs) -> None:
+    log, memory = engine_dirs
+    pa, a_engine = await start_engine(children, "vllm", "a", log, memory)
+    pb, b_engine = await start_engine(children, "sglang", "b", log, memory)
+    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
+                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    a, b = c.client("a"), c.client("b")
+    try:
+        for holder in (a, b, a, b):
+            await holder.acquire(timeout=10)
+            await holder.release()
+        assert calls(log) == ["a sleep level=1",  # b's first grant: a leaves (b never slept: nothing to wake)
+                              "b sleep", "a wake",  # a again
+                              "a sleep level=1", "b wake"]  # b again
+        status = await c.status()
+        assert status.failed_switches == 0 and status.switches == 3
+        assert await is_sleeping(a_engine) and "a" in c.agents["node-0"].records.jobs
+        assert c.agents["node-0"].records.jobs["a"].bytes == AWAKE_BYTES - ASLEEP_BYTES  # what NVML saw freed
+    finally:
+        for cl in (a, b):
+            await cl.close()
+
+
+async def test_a_failing_wake_is_reported_and_the_other_job_keeps_working(make_cluster, children,
+                                                                          engine_dirs) -> None:
+    log, memory = engine_dirs
+    pa, a_engine = await start_engine(children, "vllm", "a", log, memory)
+    pb, b_engine = await start_engine(children, "sglang", "b", log, memory)
+    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
+                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    a, b = c.client("a"), c.client("b")
+    try:
+        await a.acquire(timeout=10)
+        await a.release()
+        await b.acquire(timeout=10)  # a sleeps
+        await b.release()
+        await fault(a_engine, wake="fail")
+        with pytest.raises(SwitchFailed, match=r"restore of a failed .*wake_up answered HTTP 500.*rolled back"):
+            await a.acquire(timeout=10)
+        # rolled back: b was put to sleep for a, and woken again; a stays asleep (nothing sent to it again)
+        assert calls(log)[-3:] == ["b sleep", "a wake-failed", "b wake"]
+        assert await is_sleeping(a_engine)
+        await b.acquire(timeout=10)  # b works on, with no switch
+        await b.release()
+        status = await c.status()
+        assert status.failed_switches == 1
+        await fault(a_engine, wake="ok")  # the engine recovers: a's next acquire restores it
+        await a.acquire(timeout=10)
+        assert calls(log)[-2:] == ["b sleep", "a wake"] and not await is_sleeping(a_engine)
+        await a.release()
+    finally:
+        for cl in (a, b):
+            await cl.close()
+
+
+async def test_a_hung_sleep_times_out_and_the_switch_rolls_back(make_cluster, children, engine_dirs) -> None:
+    log, memory = engine_dirs
+    pa, a_engine = await start_engine(children, "vllm", "a", log, memory, timeoutSeconds=0.5)
+    pb, b_engine = await start_engine(children, "vllm", "b", log, memory)
+    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
+                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    a, b = c.client("a"), c.client("b")
+    try:
+        await a.acquire(timeout=10)
+        await fault(a_engine, sleep="hang")
+        await a.release()
+        with pytest.raises(SwitchFailed, match=r"checkpoint of a failed .*POST /sleep got no answer within 0.5 s"
+                                               r".*engine reports it is awake"):
+            await b.acquire(timeout=30)
+        assert calls(log) == ["a sleep-hung"] and not await is_sleeping(a_engine)
+        assert "a" not in c.agents["node-0"].records.jobs  # no record of a checkpoint that did not happen
+        await fault(a_engine, sleep="ok")
+        await a.acquire(timeout=10)  # a never left: granted with no switch
+        await a.release()
+        await b.acquire(timeout=10)
+        assert calls(log)[-1] == "a sleep level=1"
+        await b.release()
+    finally:
+        for cl in (a, b):
+            await cl.close()
+
+
+async def test_a_sleep_that_frees_no_memory_is_a_failed_checkpoint(children, engine_dirs) -> None:
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "sglang", "a", log, memory)
+    backend = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(engine)
+    await fault(engine, sleep="keep-memory")
+    with pytest.raises(BackendError, match=rf"did not drop: {AWAKE_BYTES} bytes before, {AWAKE_BYTES} after.*"
+                                           "woke it again"):
+        await backend.checkpoint([proc.pid], timeout=5)
+    assert calls(log) == ["a sleep", "a wake"]
+    await fault(engine, sleep="ok")
+    states = await backend.checkpoint([proc.pid], timeout=5)
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", AWAKE_BYTES - ASLEEP_BYTES)]
+    again = await backend.checkpoint([proc.pid], timeout=5)  # asleep already: nothing sent (SGLang would refuse)
+    assert [s.state for s in again] == ["checkpointed"] and calls(log) == ["a sleep", "a wake", "a sleep"]
+    await backend.restore([proc.pid], timeout=5)
+    assert calls(log)[-1] == "a wake"
+
+
+async def test_without_nvml_the_memory_check_is_skipped_and_said(children, engine_dirs, caplog) -> None:
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    backend = make_backend("app", memory_probe=list).bind(engine)
+    with caplog.at_level(logging.INFO, logger="timeslice.agent"):
+        states = await backend.checkpoint([proc.pid], timeout=5)
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", 0)]  # 0: unknown
+    assert "GPU memory not verified (NVML unavailable)" in caplog.text
+    assert [s.state for s in await backend.state([proc.pid])] == ["checkpointed"]  # /is_sleeping
+    await backend.restore([proc.pid], timeout=5)
+    assert [s.state for s in await backend.state([proc.pid])] == ["running"]
+
+
+async def test_an_engine_that_is_not_listening_fails_the_step_after_bounded_retries(children, engine_dirs) -> None:
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    proc.kill()
+    proc.wait()
+    await eventually(lambda: proc.poll() is not None)
+    backend = make_backend("app", memory_probe=list).bind(engine)
+    with pytest.raises(BackendError, match="cannot connect after 3 attempt"):
+        await backend.restore([proc.pid], timeout=5)
+    short = backend.bind(engine.model_copy(update={"timeoutSeconds": 0.01}))
+    with pytest.raises(BackendError, match=r"after 1 attempt\(s\)"):  # no time left for a retry
+        await short.restore([proc.pid], timeout=5)
+
+
+def test_kubelet_plugin_offers_backend_app(monkeypatch, capsys) -> None:
+    from timeslice.cli.main import main
+    from timeslice.driver import logs
+    from timeslice.kubelet_plugin import app
+
+    seen: list[app.KubeletPluginConfig] = []
+
+    async def run(cfg: app.KubeletPluginConfig) -> None:
+        seen.append(cfg)
+
+    monkeypatch.setattr(app, "run", run)
+    monkeypatch.setattr(logs, "setup", lambda level: None)  # keep pytest's log handlers
+    main(["kubelet-plugin", "--node-name", "n", "--backends", "app,freeze,none"])
+    assert seen[-1].backends == ("app", "freeze", "none")
+    assert NodeAgent(StaticProcessResolver(), backends=seen[-1].backends).backend("app").name == "app"
+    assert main(["kubelet-plugin", "--node-name", "n", "--backends", "app,tgi"]) == 2  # one line, no traceback
+    assert "unknown ['tgi']; known: cuda, cuda-checkpoint, freeze, app, none" in capsys.readouterr().err
+    assert "app (the job's inference engine" in " ".join(
+        subprocess.run([sys.executable, "-m", "timeslice.cli.main", "kubelet-plugin", "--help"], capture_output=True,
+                       text=True, check=True).stdout.split())
+
+
+async def test_each_claim_set_brings_its_own_engine_to_the_switch_steps() -> None:
+    """In a cluster the engine comes from each claim set's TimeSliceConfig, through the
+    group spec, to the step the agent gets."""
+    from timeslice.controller.grouping import ClaimSet, Group, JobConfig
+    from timeslice.controller.orchestrator.agents import AgentClient
+    from timeslice.controller.reconciler import group_spec
+
+    engines = {j: ts_config.parse({"apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig",
+                                   "backend": "app", "app": {"engine": "vllm", "url": f"http://127.0.0.1:{port}",
+                                                             "level": 2}}, j) for j, port in (("a", 8000), ("b", 8001))}
+    sets = tuple(ClaimSet(job=f"ns/{j}", name="gpu", claims=(), devices=(), gpus=("GPU-0",), nodes=("n1",),
+                          pods=(f"uid-{j}",), config=JobConfig.of(cfg)) for j, cfg in engines.items())
+    spec = group_spec(Group(id="g0", claim_sets=sets, nodes=("n1",), gpus=("GPU-0",), backend="app",
+                            lease_seconds=10), "cuda", lambda node: f"unix:///{node}.sock")
+    assert spec.backend == "app"
+    assert [spec.app(cs.id) for cs in sets] == [engines["a"].app, engines["b"].app]
+    client = AgentClient("unix:///n1.sock")
+    step = client._step_request(sets[1].id, "app", "g0", 5.0, spec.member(sets[1].id), "op", spec.app(sets[1].id))
+    await client.close()
+    assert (step.app.engine, step.app.url, step.app.level, step.app.timeout_seconds) == (
+        "vllm", "http://127.0.0.1:8001", 2, 120.0)
