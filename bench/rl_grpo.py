@@ -19,7 +19,12 @@ Prints (and writes to --out) one JSON object per shared run:
   moved memory), failed switches, the parameter hashes solo vs shared per seed
   (bitwise_equal), whether every job's extra tensor came through unchanged (extra_ok), and
   the mean seconds of each phase kind solo vs shared (a GPU phase that runs longer shared
-  than alone: contention outside the lock, e.g. for the CPUs that launch its kernels).
+  than alone: contention outside the lock, e.g. for the CPUs that launch its kernels), and
+  every shared job's phases (`job_phases`: job -> [{kind, step, acquire, granted, done,
+  released}], unix seconds). `--plot PNG` draws each shared run's timeline (one panel per
+  backend: waits, GPU phases, checkpoints and restores with their bytes; timeslice.cli.timeline,
+  the same as `timeslice demo --plot`; needs matplotlib: the `plot` extra); `timeslice plot
+  RESULT.json` draws a saved result.
   Solo runs may come from an earlier run (--solo-json, same model and steps): the extra
   tensor is made once at start and only read at the end, so it changes no solo time that
   matters and no parameter.
@@ -52,6 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from timeslice.cli import timeline  # noqa: E402
 from timeslice.cli.demo import percentile  # noqa: E402
 from timeslice.controller.orchestrator.config import GroupSpec  # noqa: E402
 from timeslice.controller.orchestrator.group import LockGroup  # noqa: E402
@@ -234,6 +240,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
         "phase_seconds_solo": phase_seconds(solo_runs), "phase_seconds_shared": phase_seconds(jobs),
         "memory_after": run["memory"], "switch_records": sw,
+        "job_phases": {f"job-{j['seed']}": j["phases"] for j in jobs},
     }
 
 
@@ -246,7 +253,8 @@ async def main_async(a: argparse.Namespace, solo_runs: list[dict[str, Any]] | No
         for backend in a.backends:
             run = await shared(a, backend, Path(tmp))
             result = {**summarize(a, solo_runs, run), "solo_source": a.solo_json or "measured in this run"}
-            print(json.dumps({k: v for k, v in result.items() if k not in ("switch_records", "memory_after")}),
+            print(json.dumps({k: v for k, v in result.items()
+                              if k not in ("switch_records", "memory_after", "job_phases")}),
                   file=sys.stderr)
             out.append(result)
     return out
@@ -278,7 +286,15 @@ def main() -> None:
     p.add_argument("--solo-json", help="reuse solo runs saved by --save-solo (same steps and model)")
     p.add_argument("--save-solo", help="write the solo runs here")
     p.add_argument("--out", help="write the JSON list of results here")
+    p.add_argument("--plot", metavar="PNG", help="draw the shared runs' timelines into this image (needs matplotlib)")
     a = p.parse_args()
+    if a.plot:
+        try:
+            timeline.require_matplotlib()  # before the runs, not after
+        except ModuleNotFoundError:
+            print(f"rl_grpo.py: error: --plot needs matplotlib, which is not installed: {timeline.INSTALL}",
+                  file=sys.stderr)
+            sys.exit(2)
     solo_runs = json.loads(Path(a.solo_json).read_text())[: a.jobs] if a.solo_json else None
     if solo_runs is not None and len(solo_runs) < a.jobs:
         p.error(f"--solo-json holds {len(solo_runs)} solo runs, --jobs is {a.jobs}")
@@ -290,6 +306,8 @@ def main() -> None:
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    if a.plot:
+        timeline.draw(timeline.timelines(results), a.plot)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,15 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from timeslice.cli import timeline
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupEvent
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
 from timeslice.driver import signals
@@ -78,6 +82,12 @@ class DemoRunner:
         self.resolver = StaticProcessResolver()
         self.orchestrator: Orchestrator | None = None
         self.target = ""
+        self.records: list[dict[str, Any]] = []  # the shared group's switches, all of them (status keeps 16)
+
+    def observe(self, group: LockGroup, event: GroupEvent) -> None:
+        """An orchestrator observer: keep the shared group's switch records."""
+        if event.group_id == "shared" and event.record is not None:
+            self.records.append({**vars(event.record), "seconds": event.record.seconds})
 
     async def run(self) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="timeslice-demo-") as tmp:
@@ -88,7 +98,7 @@ class DemoRunner:
             specs = [GroupSpec(id=g, backend=self.backend, agents=agents, lease_seconds=self.cfg.lease_seconds,
                                max_hold_seconds=self.cfg.max_hold_seconds)
                      for g in ("solo", "shared")]
-            self.orchestrator = Orchestrator(specs)
+            self.orchestrator = Orchestrator(specs, observer=self.observe)
             server, port = await create_orchestrator_server(self.orchestrator, "127.0.0.1:0")
             self.target = f"127.0.0.1:{port}"
             try:
@@ -156,9 +166,11 @@ class DemoRunner:
             "duty_cycle_solo": round(duty_cycle(solo), 4), "duty_cycle_shared": round(duty_cycle(shared), 4),
             "handoffs": len(handoffs),
             "handoff_ms_p50": round(percentile(handoffs, 50), 3), "handoff_ms_p99": round(percentile(handoffs, 99), 3),
-            "switch_seconds_mean": round(statistics.fmean(r.seconds for r in view.recent_switches), 4)
-            if view.recent_switches else 0.0,
-            "switch_records": [{**vars(r), "seconds": r.seconds} for r in view.recent_switches],
+            "switch_seconds_mean": round(statistics.fmean(r["seconds"] for r in self.records), 4)
+            if self.records else 0.0,
+            "switch_records": self.records,
+            # unix minus monotonic seconds: the switch records' `finished_at_unix` on the timeline's clock
+            "clock_offset_unix_seconds": time.time() - time.monotonic(),
             "data_ok": bool(shared) and all(e["check_ok"] for e in solo + shared)
             and len(shared) == self.cfg.jobs * self.cfg.rounds and len(solo) == self.cfg.rounds,
             "timeline": shared,
@@ -243,7 +255,9 @@ async def _until_stopped(runner: DemoRunner) -> dict[str, Any] | None:
     return None
 
 
-def run(cfg: DemoConfig, as_json: bool) -> int:
+def run(cfg: DemoConfig, as_json: bool, plot: str | None = None) -> int:
+    """Run the demo; print its result (JSON or the text timeline) and, with `plot`, draw
+    the timeline into that file (timeline.draw; needs the `plot` extra). Exit status."""
     try:
         result = asyncio.run(_until_stopped(DemoRunner(cfg)))
     except (RuntimeError, OSError) as err:
@@ -256,4 +270,6 @@ def run(cfg: DemoConfig, as_json: bool) -> int:
         print(json.dumps(result))
     else:
         print(render(result))
+    if plot:
+        timeline.draw(timeline.timelines(result), plot)
     return 0 if result["data_ok"] else 1

@@ -7,6 +7,7 @@ Subcommands parse flags, build one config object and start one component:
     timeslice status         groups, holders, queues and recent switches of an orchestrator
     timeslice kubelet-plugin the DRA kubelet plugin and node agent (DaemonSet on GPU nodes)
     timeslice controller     claims -> lock groups, with the orchestrator inside (Deployment)
+    timeslice plot           draw a demo or benchmark result's timeline (PNG; the `plot` extra)
 """
 
 from __future__ import annotations
@@ -27,11 +28,27 @@ def _demo(a: argparse.Namespace) -> int:
     from timeslice.cli.demo import DemoConfig, run
     from timeslice.driver import logs
 
+    if a.plot:
+        from timeslice.cli.timeline import require_matplotlib
+
+        require_matplotlib()  # before the demo runs, not after
+        if not Path(a.plot).resolve().parent.is_dir():
+            raise FileNotFoundError(f"--plot {a.plot}: the folder {Path(a.plot).resolve().parent} does not exist")
     logs.setup("WARNING" if not a.verbose else "INFO")
     cfg = DemoConfig(jobs=a.jobs, rounds=a.rounds, backend=a.backend, gen_seconds=a.gen_seconds,
                      reward_seconds=a.reward_seconds, state_mb=a.state_mb, state_gb=a.state_gb,
                      max_hold_seconds=a.max_hold_seconds)
-    return run(cfg, a.json)
+    return run(cfg, a.json, a.plot)
+
+
+def _plot(a: argparse.Namespace) -> int:
+    from timeslice.cli import timeline
+
+    timeline.require_matplotlib()
+    out = a.output or str(Path(a.result).with_suffix(".png"))
+    timeline.draw(timeline.load(a.result), out)
+    print(out)
+    return 0
 
 
 def _orchestrator(a: argparse.Namespace) -> int:
@@ -206,6 +223,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--max-hold-seconds", type=_at_least(0.001, float),
                    help="preempt a holder after this long while another job waits (default: no limit)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the timeline")
+    d.add_argument("--plot", metavar="PNG", help="also draw the shared jobs' timeline into this image file: GPU "
+                                                 "phases, waits, checkpoints and restores (needs the plot extra)")
     d.add_argument("-v", "--verbose", action="store_true", help="log orchestrator and agent activity")
     d.set_defaults(fn=_demo)
 
@@ -374,13 +393,23 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--group", help="one group only")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)
+
+    g = sub.add_parser("plot", help="draw the timeline of a demo or benchmark result (PNG)",
+                       description="Draw one row per job on one time axis: waits for the lock, holds, GPU phases, "
+                                   "checkpoints and restores (with the bytes moved). RESULT: the JSON of `timeslice "
+                                   "demo --json` or of bench/rl_grpo.py (a list: one panel each). Needs matplotlib: "
+                                   "pip install 'timeslice-dra[plot]'.")
+    g.add_argument("result", metavar="RESULT", help="a result JSON file")
+    g.add_argument("-o", "--output", metavar="PNG",
+                   help="the image (default: RESULT with .png; the suffix picks the format)")
+    g.set_defaults(fn=_plot)
     return p
 
 
 # A module a command imports -> the extra of this package that installs it (pyproject.toml).
 EXTRAS = {"yaml": "server", "pydantic": "server", "prometheus_client": "server", "aiohttp": "server",
           "cryptography": "server", "grpc_health": "server", "kubernetes": "kubernetes", "pynvml": "gpu",
-          "cuda": "gpu", "torch": "torch"}
+          "cuda": "gpu", "torch": "torch", "matplotlib": "plot"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -69,6 +69,7 @@ async def test_group_metrics_follow_grants_waits_switches_failures_and_preemptio
     s = await scrape(url)
     assert value(s, "timeslice_group_grants_total", group="g") == 0
     assert value(s, "timeslice_group_holder_held_seconds", group="h") == 0
+    assert value(s, "timeslice_group_info", group="g", backend="cuda", residency="auto") == 1
 
     ga = await c.stub.Acquire(acquire("a", "a1"))  # free lock, nothing resident: no switch
     task = asyncio.ensure_future(c.stub.Acquire(acquire("b", "b1")))

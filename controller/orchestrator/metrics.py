@@ -6,7 +6,8 @@ controller` with `--metrics-listen HOST:PORT`. Two kinds of series, all labelled
 
 - read from the groups at scrape time (`GroupCollector` over `Orchestrator.groups()`):
   `timeslice_group_waiters` (queue depth), `timeslice_group_holder_held_seconds` (the
-  current hold, 0 when none), `timeslice_group_epoch`, the counters
+  current hold, 0 when none), `timeslice_group_epoch`, `timeslice_group_info{backend,
+  residency}` (always 1: joined on `group` to break other series down by backend), the counters
   `timeslice_group_{grants,switches,failed_switches,lease_expiries,preemptions}_total`
   and `timeslice_group_held_seconds_total` (seconds a holder held the lock, the current
   hold included: `rate(timeslice_group_held_seconds_total[5m])` is the group's duty
@@ -63,6 +64,9 @@ class GroupCollector(Collector):
                                  "Seconds the current holder has held the lock (0 when none).", labels=["group"])
         epoch = GaugeMetricFamily("timeslice_group_epoch", "The group's fencing epoch (+1 per grant).",
                                   labels=["group"])
+        info = GaugeMetricFamily("timeslice_group_info", "Always 1; the group's checkpoint backend and residency "
+                                 "(join: * on(group) group_left(backend) timeslice_group_info).",
+                                 labels=["group", "backend", "residency"])
         counters = {
             "grants": CounterMetricFamily("timeslice_group_grants", "Grants of the group's lock.",
                                           labels=["group"]),
@@ -95,6 +99,7 @@ class GroupCollector(Collector):
             waiters.add_metric(labels, len(v.waiters))
             held.add_metric(labels, v.held_seconds)
             epoch.add_metric(labels, v.epoch)
+            info.add_metric([v.group_id, v.backend, v.residency], 1)
             for name, family in counters.items():
                 family.add_metric(labels, getattr(v.counters, name))
             held_total.add_metric(labels, v.counters.held_seconds + v.held_seconds)
@@ -107,7 +112,7 @@ class GroupCollector(Collector):
                 for device, mem in v.memory.devices.items():
                     device_free.add_metric([v.group_id, device], mem.free)
                     device_total.add_metric([v.group_id, device], mem.total)
-        yield from (waiters, held, epoch, *counters.values(), held_total, residents, job_bytes, device_free,
+        yield from (waiters, held, epoch, info, *counters.values(), held_total, residents, job_bytes, device_free,
                     device_total)
 
 
