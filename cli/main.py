@@ -78,6 +78,16 @@ def _serve(a: argparse.Namespace) -> int:
                             backend=a.backend, state_dir=Path(a.state_dir) if a.state_dir else None))
 
 
+def _node_agent(a: argparse.Namespace) -> int:
+    from timeslice.cli.node_agent import NodeAgentConfig, main
+    from timeslice.driver import logs
+
+    logs.setup(a.log_level)
+    return main(NodeAgentConfig(listen=a.listen, backends=_names(a.backends) or (), state_dir=Path(a.state_dir),
+                                token_file=a.token_file, tls=a.tls,
+                                certificate_file=Path(a.certificate_file) if a.certificate_file else None))
+
+
 def _at_least(low: float, kind: type) -> Any:
     """An argparse type: `kind(text)`, at least `low`."""
     def parse(text: str) -> Any:
@@ -231,7 +241,8 @@ def parser() -> argparse.ArgumentParser:
     o = sub.add_parser("orchestrator", help="serve the orchestrator with static groups")
     o.add_argument("--config", help="YAML: {listen: host:port, metrics_listen: host:port, pinned_pool: {path, bytes}, "
                                     "groups: [{id, backend, agents, lease_seconds, residency, memory_headroom, "
-                                    "max_hold_seconds}], state_file: path}")
+                                    "max_hold_seconds}], state_file: path, agent_token_file: path, "
+                                    "agent_certificates: {target: pem path}}")
     o.add_argument("--listen", help="override the config's listen address (default 127.0.0.1:50051)")
     o.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks one; overrides the "
@@ -266,6 +277,28 @@ def parser() -> argparse.ArgumentParser:
                                        "/var/lib/timeslice as root, else $XDG_STATE_HOME/timeslice)")
     v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     v.set_defaults(fn=_serve)
+
+    n = sub.add_parser("node-agent", help="a node agent outside Kubernetes, for `timeslice orchestrator`'s static "
+                                          "groups on several machines",
+                       description="Serve the node agent: checkpoint and restore jobs' processes on this machine "
+                                   "for a `timeslice orchestrator` whose groups list this address under `agents`. A "
+                                   "job's processes are those whose environment has TIMESLICE_JOB=<job> (start the "
+                                   "job with it; children inherit it), narrowed to those with a CUDA context (or, "
+                                   "without NVML, marked TIMESLICE_ACCELERATOR_PROCESS=1). Prints `ready listen=...` "
+                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM, 2 bad flags or address.")
+    n.add_argument("--listen", default="unix:///run/timeslice/agent.sock",
+                   help="unix:///path (mode 0600; default unix:///run/timeslice/agent.sock) or host:port (needs "
+                        "--token-file; port 0 picks one)")
+    n.add_argument("--backends", default="cuda,cuda-checkpoint,cooperative,freeze,none",
+                   help="comma-separated backends this node offers (default: all but app)")
+    n.add_argument("--token-file", help="callers must send this file's token (the orchestrator's agent_token_file)")
+    n.add_argument("--tls", action="store_true", help="serve TLS with a new self-signed certificate")
+    n.add_argument("--certificate-file", help="with --tls: write the certificate (PEM) here, for the orchestrator's "
+                                              "agent_certificates")
+    n.add_argument("--state-dir", default="/var/lib/timeslice/node-agent", help="checkpoint records, kept across "
+                                                                               "restarts")
+    n.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
+    n.set_defaults(fn=_node_agent)
 
     k = sub.add_parser("kubelet-plugin", help="serve the DRA kubelet plugin and the node agent on this node",
                        description="Publish this node's GPUs as ResourceSlices, prepare claims for the kubelet "

@@ -27,8 +27,8 @@ from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import names, signals
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
+from timeslice.kubelet_plugin.agent.host_processes import PeerProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
-from timeslice.kubelet_plugin.agent.peer_processes import PeerProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
 
 log = logging.getLogger("timeslice.serve")

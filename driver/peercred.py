@@ -2,7 +2,7 @@
 
 Owned by one-box mode (`timeslice serve`, `cli/serve.py`); read by the orchestrator's
 peer authenticator (`controller/peer_auth.py`) and the node agent's one-box process
-resolver (`kubelet_plugin/agent/peer_processes.py`).
+resolver (`kubelet_plugin/agent/host_processes.py`).
 
 gRPC does not hand a servicer the socket of a call, so the kernel's `SO_PEERCRED` (pid,
 uid, gid of the process that connected; socket(7), unix(7)) is read by `UnixFront`: it

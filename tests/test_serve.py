@@ -51,6 +51,22 @@ JOB = textwrap.dedent("""
 """)
 
 
+def check_hand_offs(out: Path, jobs: str) -> None:
+    """The JOB scripts' records in `out`: never two holders at once, and at every hand-off
+    the job that held was frozen (its worker wrote no tick) while the other held."""
+    spans = sorted((s for name in jobs for s in json.loads((out / f"{name}.spans").read_text())), key=lambda s: s[1])
+    assert len(spans) == 3 * len(jobs)
+    ticks = {name: [float(t) for t in (out / f"{name}.ticks").read_text().split()] for name in jobs}
+    switches = 0
+    for prev, cur in itertools.pairwise(spans):
+        assert cur[1] >= prev[2], spans  # never two holders at once
+        if prev[0] != cur[0]:  # a hand-off: the job that held is frozen while the other holds
+            switches += 1
+            ran = [t for t in ticks[prev[0]] if cur[1] <= t <= cur[2]]
+            assert not ran, f"{prev[0]}'s worker ran while {cur[0]} held: {ran[:3]}"
+    assert switches >= 1
+
+
 @pytest.fixture
 async def served(tmp_path) -> AsyncIterator[tuple[str, int]]:
     """A `timeslice serve` process with one freeze group `g`: (socket path, loopback port)."""
@@ -89,18 +105,7 @@ async def test_two_jobs_in_their_own_process_groups_share_the_group_and_the_othe
                                                  env=env_for(sock), start_new_session=True) for name in "ab"]
     for job in jobs:
         assert await asyncio.wait_for(job.wait(), 90) == 0
-    spans = sorted((s for name in "ab" for s in json.loads((tmp_path / f"{name}.spans").read_text())),
-                   key=lambda s: s[1])
-    assert len(spans) == 6
-    ticks = {name: [float(t) for t in (tmp_path / f"{name}.ticks").read_text().split()] for name in "ab"}
-    switches = 0
-    for prev, cur in itertools.pairwise(spans):
-        assert cur[1] >= prev[2], spans  # never two holders at once
-        if prev[0] != cur[0]:  # a hand-off: the job that held is frozen while the other holds
-            switches += 1
-            ran = [t for t in ticks[prev[0]] if cur[1] <= t <= cur[2]]
-            assert not ran, f"{prev[0]}'s worker ran while {cur[0]} held: {ran[:3]}"
-    assert switches >= 1
+    check_hand_offs(tmp_path, "ab")
     async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
         status = await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))
     assert status.switches >= 1 and status.failed_switches == 0

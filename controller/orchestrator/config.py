@@ -113,7 +113,11 @@ class OrchestratorConfig(BaseModel):
     """`listen` is `host:port` (port 0 picks one); bind to 127.0.0.1 outside a cluster.
     `metrics_listen`: `host:port` of the Prometheus `/metrics` endpoint (None: off).
     `pinned_pool`: the node's shared pinned pool for cooperative groups (one-box mode).
-    `state_file`: persisted epoch floors and placements (`state_file.py`)."""
+    `state_file`: persisted epoch floors and placements (`state_file.py`).
+    `agent_token_file`: a token sent to every node agent (standalone nodes run `timeslice
+    node-agent --token-file` with the same token); `agent_certificates`: node-agent target
+    -> its certificate (PEM file, written by `timeslice node-agent --tls`), pinned: a target
+    listed here is called over TLS, and only that certificate is accepted."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -122,6 +126,8 @@ class OrchestratorConfig(BaseModel):
     pinned_pool: PinnedPoolSpec | None = None
     # Where fencing-epoch floors persist across restarts (None: epochs restart at 0).
     state_file: Path | None = None
+    agent_token_file: Path | None = None
+    agent_certificates: dict[str, Path] = {}
     groups: list[GroupSpec] = []
 
     @model_validator(mode="after")

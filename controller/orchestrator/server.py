@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc.aio
+from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -19,6 +20,7 @@ from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.service import Authenticator, OrchestratorServicer
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver import grpc_server, signals
+from timeslice.driver.bearer import TokenFile
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -42,9 +44,12 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
     `metrics_listen`); yields (orchestrator, bound port), then stops with `grace` seconds
     for in-flight calls (short: what is in flight at a stop is mostly Acquires blocked in a
     queue, and clients retry those with the same request id against the next orchestrator).
-    Used by `serve` and by one-box mode (`timeslice serve`). Raises OSError (listen)."""
+    Used by `serve` and by one-box mode (`timeslice serve`). Raises OSError (listen, a
+    certificate file)."""
     pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
-    orchestrator = Orchestrator(config.groups, pinned_pool=pool, state=StateFile(config.state_file))
+    agents = AgentPool(TokenFile(config.agent_token_file) if config.agent_token_file else None)
+    agents.set_certificates({t: p.read_text() for t, p in config.agent_certificates.items()})
+    orchestrator = Orchestrator(config.groups, agents=agents, pinned_pool=pool, state=StateFile(config.state_file))
     metrics = server = None
     try:
         await orchestrator.adopt_agents()

@@ -1,4 +1,5 @@
-"""Who may call the node agent: the orchestrator's ServiceAccount, checked with TokenReview.
+"""Who may call the node agent: the orchestrator's ServiceAccount, checked with TokenReview,
+or, on a standalone node (`timeslice node-agent`), whoever has the node's shared token.
 
 Owned by the node agent; built by the kubelet plugin's wiring with `--agent-auth
 tokenreview` and handed to the servicer (`service.py`), which checks every NodeAgent call
@@ -12,11 +13,12 @@ does not identify the orchestrator: the user name does.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterable
 from typing import Any
 
-from timeslice.driver.bearer import bearer
-from timeslice.driver.errors import PermissionDenied
+from timeslice.driver.bearer import TokenFile, bearer
+from timeslice.driver.errors import PermissionDenied, Unauthenticated
 from timeslice.driver.names import AGENT_AUDIENCE
 from timeslice.driver.tokenreview import TokenReviewer
 
@@ -43,3 +45,25 @@ class AllowedCallers:
             raise PermissionDenied(f"{user.username} may not call the node agent (allowed: "
                                    f"{', '.join(sorted(self.allowed_users))}; see --agent-allowed-users)")
         return user.username
+
+
+class SharedToken:
+    """`timeslice node-agent --token-file`: a caller must send the file's token (the
+    standalone orchestrator's `agent_token_file`), compared in constant time; the file is
+    read again when it changes (`TokenFile`)."""
+
+    def __init__(self, path: str) -> None:
+        """Raises ValueError when the file cannot be read or is empty."""
+        self._file = TokenFile(path)
+        try:
+            self._file.token()
+        except Unauthenticated as err:
+            raise ValueError(f"--token-file {path}: {err}") from None
+
+    async def check(self, metadata: Any) -> str:
+        """Raises Unauthenticated (no token) or PermissionDenied (another token)."""
+        sent = bearer(metadata, hint="the node agent runs with --token-file: set agent_token_file in the "
+                                     "orchestrator's config to a file with the same token")
+        if not hmac.compare_digest(sent.encode(), self._file.token().encode()):
+            raise PermissionDenied("the token sent is not the node agent's (--token-file)")
+        return "token holder"

@@ -1,0 +1,105 @@
+"""Which host processes belong to a job outside Kubernetes.
+
+Owned by the node agent of one-box mode (`timeslice serve`: `PeerProcessResolver`) and
+of a standalone node (`timeslice node-agent`: `EnvironProcessResolver`). A job's
+candidates are the process groups or cgroups of the clients that acted for it
+(`PeerJobs`, bound by the orchestrator's peer authenticator), or the processes whose
+environment names it (`TIMESLICE_JOB=<job>`). As on a cluster node (`pod_processes.py`)
+they are narrowed to those with a CUDA context on this machine's GPUs (NVML) or, without
+NVML, to those marked TIMESLICE_ACCELERATOR_PROCESS=1 (so a CPU job's client process,
+which must keep running to ask for the lock again, is never frozen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from timeslice.driver.errors import NotFound
+from timeslice.driver.peercred import PeerJobs, members
+from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, marked
+
+log = logging.getLogger("timeslice.agent")
+JOB_ENV = b"TIMESLICE_JOB="
+
+
+def all_gpu_uuids() -> set[str]:
+    """UUIDs of every NVIDIA GPU here (NVML); empty without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return {str(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(int(pynvml.nvmlDeviceGetCount()))}
+    except Exception:
+        return set()
+
+
+class _HostResolver:
+    """`cuda_pids(gpu uuids)`: PIDs with a CUDA context on them, None without NVML."""
+
+    def __init__(self, proc: Path = Path("/proc"), cuda_pids: Callable[[set[str]], set[int] | None] = cuda_pids_on,
+                 gpu_uuids: Callable[[], set[str]] = all_gpu_uuids) -> None:
+        self._proc = proc
+        self._cuda_pids = cuda_pids
+        self._gpus = gpu_uuids
+
+    async def pids(self, job_id: str) -> list[int]:
+        """Raises NotFound when the job has no such process (a job with nothing to move is
+        a valid member: the agent then checkpoints and restores zero processes)."""
+        return await asyncio.to_thread(self._pids, job_id)
+
+    def _candidates(self, job_id: str) -> tuple[list[int], str]:
+        """(candidate PIDs, where they were looked for): the subclass's rule."""
+        raise NotImplementedError
+
+    def _pids(self, job_id: str) -> list[int]:
+        candidates, where = self._candidates(job_id)
+        gpus = self._gpus()
+        cuda = self._cuda_pids(gpus) if gpus else None
+        chosen = [p for p in candidates if p in cuda] if cuda is not None else \
+            [p for p in candidates if marked(p, "", self._proc)]
+        if not chosen:
+            raise NotFound(f"no accelerator processes of job {job_id!r} here ({len(candidates)} processes {where})")
+        log.debug("resolved job=%s pids=%s (%s)", job_id, chosen, where)
+        return chosen
+
+
+class PeerProcessResolver(_HostResolver):
+    """One-box mode: the job's scopes from `jobs`."""
+
+    def __init__(self, jobs: PeerJobs, proc: Path = Path("/proc"),
+                 cuda_pids: Callable[[set[str]], set[int] | None] = cuda_pids_on,
+                 gpu_uuids: Callable[[], set[str]] = all_gpu_uuids) -> None:
+        super().__init__(proc, cuda_pids, gpu_uuids)
+        self._jobs = jobs
+
+    def _candidates(self, job_id: str) -> tuple[list[int], str]:
+        scopes = self._jobs.scopes(job_id)
+        pids = sorted({p for scope, uid in scopes for p in members(scope, uid, self._proc)})
+        return pids, f"in {', '.join(str(s) for s, _ in scopes) or 'no scope yet'}"
+
+
+class EnvironProcessResolver(_HostResolver):
+    """A standalone node: the processes whose environment has TIMESLICE_JOB=<job> (set by
+    whoever starts the job; children inherit it), of any user (the agent runs as root to
+    move them), never this process."""
+
+    def _candidates(self, job_id: str) -> tuple[list[int], str]:
+        want = JOB_ENV + job_id.encode()
+        return [p for p in _pids(self._proc) if want in _environ(self._proc, p)], f"with {want.decode()}"
+
+
+def _pids(proc: Path) -> Iterable[int]:
+    me = os.getpid()
+    return (int(e.name) for e in proc.iterdir() if e.name.isdigit() and int(e.name) != me)
+
+
+def _environ(proc: Path, pid: int) -> list[bytes]:
+    try:
+        return (proc / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:  # gone meanwhile, or not ours to read
+        return []

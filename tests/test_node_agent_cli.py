@@ -1,0 +1,100 @@
+"""A standalone node (issue 13, item 1): `timeslice node-agent` and `timeslice orchestrator`
+as real processes, the agent on a TCP address with a shared token and a pinned self-signed
+certificate; jobs named by TIMESLICE_JOB in their environment (no PIDs given anywhere),
+moved by the `freeze` backend on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.names import AGENT_TLS_SERVER_NAME
+
+from tests.test_serve import JOB, check_hand_offs
+
+
+async def start(*args: str, ready: re.Pattern[bytes], stream: str) -> tuple[asyncio.subprocess.Process, re.Match]:
+    """A `timeslice` process and the first line of `stream` (stdout or stderr) that matches."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "timeslice.cli.main", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out = proc.stdout if stream == "stdout" else proc.stderr
+    assert out is not None
+    while True:
+        line = await asyncio.wait_for(out.readline(), 60)
+        assert line, f"timeslice {args[0]} ended before it was ready"
+        m = ready.search(line)
+        if m:
+            return proc, m
+
+
+async def stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(proc.wait(), 30)
+
+
+@pytest.fixture
+async def node(tmp_path) -> AsyncIterator[tuple[str, Path, Path]]:
+    """A node agent on 127.0.0.1 with a token and TLS: (address, token file, certificate file)."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-shared-token\n")
+    cert = tmp_path / "agent.pem"
+    agent, m = await start("node-agent", "--listen", "127.0.0.1:0", "--token-file", str(token), "--tls",
+                           "--certificate-file", str(cert), "--backends", "freeze,none", "--state-dir",
+                           str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout")
+    try:
+        yield m.group(1).decode(), token, cert
+    finally:
+        await stop(agent)
+    assert agent.returncode == 0
+
+
+async def test_jobs_named_in_their_environment_are_moved_by_a_standalone_node_agent(node, tmp_path) -> None:
+    address, token, cert = node
+    config = {"listen": "127.0.0.1:0", "agent_token_file": str(token), "agent_certificates": {address: str(cert)},
+              "groups": [{"id": "g", "backend": "freeze", "agents": [address], "lease_seconds": 10}]}
+    (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
+    orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
+                          ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+        env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
+        jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
+                                                     env={**env, "TIMESLICE_JOB": name}) for name in "ab"]
+        for job in jobs:
+            assert await asyncio.wait_for(job.wait(), 90) == 0
+    finally:
+        await stop(orch)
+    check_hand_offs(tmp_path, "ab")
+
+
+async def test_the_node_agent_wants_its_token_over_its_pinned_certificate(node) -> None:
+    address, _, cert = node
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    async with grpc.aio.secure_channel(address, creds,
+                                       options=(("grpc.ssl_target_name_override", AGENT_TLS_SERVER_NAME),)) as ch:
+        stub = apb_grpc.NodeAgentStub(ch)
+        for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED),
+                               ((("authorization", "Bearer wrong"),), grpc.StatusCode.PERMISSION_DENIED)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ListJobs(apb.ListJobsRequest(), metadata=metadata)
+            assert err.value.code() == code, err.value
+        await stub.ListJobs(apb.ListJobsRequest(), metadata=(("authorization", "Bearer s3cret-shared-token"),))
+
+
+async def test_a_network_address_without_a_token_is_refused_at_start(tmp_path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "node-agent", "--listen", "127.0.0.1:0", "--state-dir",
+        str(tmp_path), stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and b"needs --token-file" in err and b"Traceback" not in err
