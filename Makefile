@@ -3,6 +3,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# + the frameworks timeslice.integrations is tested with (extra `integrations-test`)
+INTEGRATIONS := $(VENV)/.installed-integrations
 ARGS ?=
 
 .PHONY: help demo test unit unit-all e2e lint protos wheels cluster-up cluster-down bench stress-test
@@ -16,16 +18,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+$(INTEGRATIONS): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,integrations-test]'
+	touch $@
+
 demo: $(STAMP) ## run the demo: orchestrator, node agent and 2 synthetic RL jobs (ARGS="--json ...")
 	$(BIN)/timeslice demo $(ARGS)
 
 test: lint unit-all e2e ## the whole suite: lint, unit + integration (slow ones too), e2e on a local cluster
 
-unit: $(STAMP) ## unit and integration tests without those marked slow (> 5 s each): the quick loop
+unit: $(STAMP) ## unit and integration tests without those marked slow (> 5 s each): the quick loop (integration tests of timeslice.integrations run once unit-all installed their frameworks)
 	$(BIN)/pytest -q -m "not slow" tests
 
-unit-all: $(STAMP) ## every unit and integration test (real gRPC servers and processes; GPU tests skip without a GPU)
-	$(BIN)/pytest -q tests
+unit-all: $(INTEGRATIONS) ## every unit and integration test (real gRPC servers and processes; GPU tests skip without a GPU)
+	TIMESLICE_TEST_INTEGRATIONS=required $(BIN)/pytest -q tests
 
 lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/
 	$(BIN)/ruff check .

@@ -212,13 +212,16 @@ def test_settings_come_from_the_environment(monkeypatch) -> None:
 
 
 def test_client_imports_with_only_grpcio_and_protobuf() -> None:
-    """Block every server-side dependency; `import timeslice` must still work."""
+    """Block every server-side dependency and the frameworks of `timeslice.integrations`;
+    `import timeslice` must still work, and so must the Ray decorator (it does not import Ray)."""
     code = (
         "import sys\n"
-        "for m in ('pydantic', 'yaml', 'kubernetes', 'cuda', 'pynvml', 'prometheus_client', 'grpc_health'):\n"
+        "for m in ('pydantic', 'yaml', 'kubernetes', 'cuda', 'pynvml', 'prometheus_client', 'grpc_health',\n"
+        "          'torch', 'transformers', 'ray'):\n"
         "    sys.modules[m] = None\n"
         "import timeslice\n"
         "from timeslice import TimeSliceOrchestratorClient, AsyncTimeSliceOrchestratorClient\n"
+        "import timeslice.integrations.ray\n"
         "assert not any(k.startswith(('timeslice.driver', 'timeslice.controller', 'timeslice.kubelet_plugin'))"
         " for k in sys.modules)\n"
     )
