@@ -32,7 +32,7 @@ from timeslice.driver.errors import (
     TimeSliceServerError,
 )
 from timeslice.kubelet_plugin.agent.backends import make_backend
-from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, RUNNING, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING, STOPPED, Backend, ProcState
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
@@ -220,6 +220,8 @@ class NodeAgent:
                 if prior is None:
                     self.records.pop(job_id)  # the backend put every process back
                 raise
+            if prior is None:
+                await self._undo_if_a_process_ended(job_id, backend, procs, timeout or self.default_timeout)
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
                                on_gpus or (prior.devices if prior else {}), operation=req.operation_id,
@@ -234,6 +236,28 @@ class NodeAgent:
             log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
                      group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
             return StepOutcome(job_id, procs, record.bytes, seconds)
+
+    async def _undo_if_a_process_ended(self, job_id: str, backend: Backend, procs: list[ProcState],
+                                       timeout: float) -> None:
+        """A process of a multi-process job that ended during its checkpoint (a rank that
+        crashed, or was killed) leaves a job that cannot go on as it was (its peers wait on
+        it in a collective): the job's other processes are put back and the step fails, so
+        that the switch rolls back for every rank and the job stays where it was, running,
+        for its launcher to end or restart (issue 14, item 3). Raises BackendError."""
+        gone = [p.pid for p in procs if p.state == GONE]
+        moved = [p.pid for p in procs if p.state != GONE]
+        if not gone or not moved:  # none ended, or all did (the job is gone: nothing to put back)
+            return
+        try:
+            await backend.restore(moved, timeout)
+            undone = f"its other processes {moved} were put back"
+        except TimeSliceServerError as err:
+            undone = f"putting back its other processes {moved} FAILED: {err}"
+            log.error("checkpoint job=%s: %s", job_id, undone)
+        finally:
+            self.records.pop(job_id)
+        raise BackendError(f"checkpoint of job {job_id}: process(es) {gone} ended during the step; {undone} (a "
+                           "job's processes move together, and one that lost a process cannot go on as it was)")
 
     async def _restore(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout

@@ -1,7 +1,7 @@
 """A node agent on the `freeze` backend that stops at one point of a step, for the fault
 suites (no hook in the product: the stalls are subclasses here).
 
-    python stalling_agent.py TARGET RECORDS MARKER GO POINT JOB=PID [JOB=PID ...]
+    python stalling_agent.py TARGET RECORDS MARKER GO POINT JOB=PID[,PID...] [JOB=PID[,PID...] ...]
 
 The first time it reaches POINT it writes the point's name to MARKER, then waits until the
 file GO exists (a test that kills it there never creates it). Points: in the backend,
@@ -84,7 +84,7 @@ def faulty_records(path: Path, stall: Stall) -> JobRecords:
 async def main(argv: list[str]) -> None:
     target, records, marker, go, point, *jobs = argv
     stall = Stall(point, Path(marker), Path(go))
-    table = {job: [int(pid)] for job, pid in (j.split("=", 1) for j in jobs)}
+    table = {job: [int(p) for p in pids.split(",")] for job, pids in (j.split("=", 1) for j in jobs)}
     agent = NodeAgent(StaticProcessResolver(table), backends=[faulty_backend(stall)], records_path=Path(records))
     agent.records = faulty_records(Path(records), stall)
     server, _ = await create_server(agent, target)  # kept: a collected server stops serving
