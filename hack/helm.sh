@@ -11,7 +11,8 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null  # KEY=VALUE lines
 . "$here/versions.env"
 version="${HELM_VERSION:?HELM_VERSION missing in hack/versions.env}"
-bin="${TIMESLICE_CACHE:-$HOME/.cache/timeslice-dra}/helm-$version/bin"
+home=~  # $HOME, or the passwd entry when HOME is unset (as Python's Path.home() in local_cluster.py)
+bin="${TIMESLICE_CACHE:-$home/.cache/timeslice-dra}/helm-$version/bin"
 helm="${HELM:-$bin/helm}"
 
 reports_version() {
