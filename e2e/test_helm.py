@@ -117,9 +117,9 @@ def test_helm_install_brings_up_the_driver_and_uninstall_removes_it(kube) -> Non
         plugin = wait(lambda: plugin_published(kube), 180,
                       "the plugin pod Ready, its certificate and its ResourceSlice")
         leader = wait(lambda: serving_leader(kube), 120, "a serving leader controller pod")
-        controllers = wait(lambda: [p for p in pods(kube, "timeslice-controller") if ready(p)], 120,
-                           "a Ready controller pod")
-        assert leader in [p["metadata"]["name"] for p in controllers]
+        # (its readiness probe runs every 5 s: Ready may come after its log says it serves)
+        wait(lambda: any(p["metadata"]["name"] == leader and ready(p) for p in pods(kube, "timeslice-controller")),
+             60, f"the leader controller pod {leader} Ready")
         # installed by helm, with the local settings: hostNetwork on 127.0.0.1, the image imported, a fake GPU
         ds = kube.json("get", "daemonset", "-n", SYSTEM, "timeslice-kubelet-plugin")
         assert ds["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "Helm", ds["metadata"]
