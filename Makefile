@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # + the frameworks timeslice.integrations is tested with (extra `integrations-test`)
 INTEGRATIONS := $(VENV)/.installed-integrations
 ARGS ?=
+CHART := manifests/helm/timeslice-dra
+K8S_VERSION := $(shell sed -n 's/^K8S_VERSION=//p' hack/versions.env)
 
 .PHONY: help demo test unit unit-all e2e lint protos wheels cluster-up cluster-down bench stress-test
 
@@ -33,14 +35,19 @@ unit: $(STAMP) ## unit and integration tests without those marked slow (> 5 s ea
 unit-all: $(INTEGRATIONS) ## every unit and integration test (real gRPC servers and processes; GPU tests skip without a GPU)
 	TIMESLICE_TEST_INTEGRATIONS=required $(BIN)/pytest -q tests
 
-lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/
+lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/, helm lint + template (builds helm)
 	$(BIN)/ruff check .
 	$(BIN)/python hack/typecheck.py
 	$(BIN)/python hack/gen_protos.py --check
 	@command -v shellcheck >/dev/null || apt-get install -y -q shellcheck >/dev/null
 	shellcheck hack/*.sh .ci/run
 	$(BIN)/python -c "import glob, yaml; [list(yaml.safe_load_all(open(f))) for f in \
-	  glob.glob('manifests/**/*.yaml', recursive=True) + glob.glob('hack/**/*.yaml', recursive=True)]"
+	  glob.glob('manifests/**/*.yaml', recursive=True) + glob.glob('hack/**/*.yaml', recursive=True) \
+	  if '/templates/' not in f]"
+	hack/helm.sh lint --strict $(CHART)
+	hack/helm.sh lint --strict $(CHART) --values hack/local-helm-values.yaml
+	hack/helm.sh template timeslice-dra $(CHART) --kube-version $(K8S_VERSION) >/dev/null
+	hack/helm.sh template timeslice-dra $(CHART) --kube-version $(K8S_VERSION) --values hack/local-helm-values.yaml >/dev/null
 
 protos: $(STAMP) ## regenerate the gRPC stubs from proto/
 	$(BIN)/python hack/gen_protos.py
