@@ -1,5 +1,6 @@
-"""Issue 14, item 3, on the CPU: a rank of a two-rank job (torch.distributed over gloo, an
-all-reduce in a loop) is SIGKILLed while the node agent checkpoints the job (`freeze`).
+"""Issue 14, item 3: a rank of a two-rank job (torch.distributed over gloo, an all-reduce in
+a loop) is SIGKILLed while the node agent checkpoints the job: on the CPU with `freeze`, and
+on a GPU (marked `gpu`) with `cuda`, each rank holding 1 GB on the GPU.
 The switch fails and rolls back for every rank: the surviving rank is running, not left
 stopped, and the waiting job is told the switch failed instead of being granted beside a
 job the agent could not move whole. Once the job's launcher ends it (here: the test kills
@@ -28,19 +29,30 @@ from timeslice.controller.orchestrator.server import create_server
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 
 from tests.integration_deps import need
+from tests.test_gpu import _gpu
 
 STALLING_AGENT = Path(__file__).parent / "faults" / "stalling_agent.py"
 
-# One rank: join the gloo group, then all-reduce forever, appending each sum to a file.
+# One rank: join the gloo group and all-reduce a few times (each sum to a file), then work
+# alone (on a GPU each rank keeps 1 GB there and computes on it), appending a count: with no
+# collective in flight, the survivor does not see its peer die (in a collective it would end
+# by itself, a connection reset: then the whole job is gone and the waiter is granted).
 RANK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    rank, init, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rank, init, out, device = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    x = torch.ones(2**28 if device == "cuda" else 1024, device=device)
     with open(out, "a") as f:
-        while True:
-            t = torch.ones(4) * (rank + 1)
+        for _ in range(4):
+            t = x[:4].cpu() * (rank + 1)
             dist.all_reduce(t)
             f.write(f"{t[0].item()}\\n")
+            f.flush()
+        n = 0
+        while True:
+            x.add_(1.0)
+            n += 1
+            f.write(f"{n}\\n")
             f.flush()
 """)
 
@@ -58,24 +70,29 @@ async def wait_for(check, what: str, seconds: float = 60) -> None:  # type: igno
 
 
 @pytest.mark.slow
-async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_every_rank(tmp_path, short_tmp) -> None:
+@pytest.mark.parametrize("backend", ["freeze", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _gpu(), reason="needs an NVIDIA GPU, PyTorch and root")])])
+async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_every_rank(backend, tmp_path,
+                                                                                       short_tmp) -> None:
     need("torch")
+    device = "cuda" if backend == "cuda" else "cpu"
     out = [tmp_path / f"rank{r}.sums" for r in range(2)]
     init = f"file://{tmp_path / 'rendezvous'}"
-    ranks = [spawn("-c", RANK, str(r), init, str(out[r])) for r in range(2)]
+    ranks = [spawn("-c", RANK, str(r), init, str(out[r]), device) for r in range(2)]
     other = spawn("-c", "import time\nwhile True: time.sleep(0.01)")
     marker, go = tmp_path / "marker", tmp_path / "go"
     target = f"unix://{short_tmp / 'agent.sock'}"
     agent = spawn(str(STALLING_AGENT), target, str(tmp_path / "records.json"), str(marker), str(go),
                   "checkpoint:before", f"a={ranks[0].pid},{ranks[1].pid}", f"b={other.pid}", stdout=subprocess.PIPE,
-                  text=True)
-    orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(target,), residency="exclusive")])
+                  text=True, env={**os.environ, "STALL_BACKEND": backend})
+    orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(target,), residency="exclusive")])
     server, port = await create_server(orch, "127.0.0.1:0")
     a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
     b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "serving"
-        await wait_for(lambda: all(p.exists() and p.read_text().count("\n") > 3 for p in out), "the all-reduces")
+        await wait_for(lambda: all(p.exists() and p.read_text().count("\n") > 3 for p in out), "the all-reduces",
+                       120)
         assert out[0].read_text().split()[0] == "3.0"  # 1 + 2: the two ranks are joined
         await a.acquire(timeout=30)
         waiting = asyncio.ensure_future(b.acquire(timeout=60))
@@ -87,6 +104,8 @@ async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_eve
         with pytest.raises(SwitchFailed, match=r"ended during the step.*put back"):
             await waiting
         assert proc_state(ranks[0].pid) in "RS"  # the surviving rank runs: not left stopped
+        count = out[0].read_text().count("\n")
+        await wait_for(lambda: out[0].read_text().count("\n") > count, "the surviving rank to go on")
         # the job's launcher ends the broken job; its client leaves; the waiter is then granted
         ranks[0].kill()
         ranks[0].wait()

@@ -1,5 +1,6 @@
-"""A node agent on the `freeze` backend that stops at one point of a step, for the fault
-suites (no hook in the product: the stalls are subclasses here).
+"""A node agent on the `freeze` backend (or, with STALL_BACKEND=cuda, the `cuda` one) that
+stops at one point of a step, for the fault suites (no hook in the product: the stalls are
+subclasses here).
 
     python stalling_agent.py TARGET RECORDS MARKER GO POINT JOB=PID[,PID...] [JOB=PID[,PID...] ...]
 
@@ -14,10 +15,12 @@ it serves.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
 
+from timeslice.kubelet_plugin.agent.backends.base import Backend
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -49,8 +52,14 @@ class Stall:
         await asyncio.to_thread(self.blocking_at, here)
 
 
-def faulty_backend(stall: Stall) -> FreezeBackend:
-    class Faulty(FreezeBackend):
+def faulty_backend(stall: Stall) -> Backend:
+    base: type[Backend] = FreezeBackend
+    if os.environ.get("STALL_BACKEND") == "cuda":
+        from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
+
+        base = CudaBackend
+
+    class Faulty(base):  # type: ignore[valid-type,misc]
         async def checkpoint(self, pids, timeout):  # type: ignore[no-untyped-def]
             await stall.at("checkpoint:before")
             states = await super().checkpoint(pids, timeout)
@@ -63,7 +72,7 @@ def faulty_backend(stall: Stall) -> FreezeBackend:
             await stall.at("restore:after")
             return states
 
-    return Faulty()
+    return Faulty(lock_timeout=10.0) if base is not FreezeBackend else Faulty()
 
 
 def faulty_records(path: Path, stall: Stall) -> JobRecords:
