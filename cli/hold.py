@@ -28,6 +28,15 @@ from timeslice.cli.run import EX_SOFTWARE, EX_TEMPFAIL, EX_UNAVAILABLE
 RELEASE_TIMEOUT = 60.0
 
 
+def default_job(job: str | None, target: str | None) -> str | None:
+    """The job a hold is for: `job`, else $TIMESLICE_JOB, else, in one-box mode (a `unix:`
+    target: `timeslice serve`), the caller's process group `pgid-<N>` (a script and the
+    commands it runs), named so that the holder, in the same group, acts for it."""
+    job = job or os.environ.get("TIMESLICE_JOB")
+    target = target or os.environ.get("TIMESLICE_ORCHESTRATOR") or ""
+    return job or (f"pgid-{os.getpgrp()}" if target.startswith("unix:") else None)
+
+
 def hold_file(group: str | None, job: str | None, path: str | None) -> Path:
     """`path`, else $XDG_RUNTIME_DIR (or /tmp)/timeslice-<uid>/hold-<job>@<group>.json."""
     if path:
@@ -52,7 +61,7 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
         return 2
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
-            "" if timeout is None else str(timeout), str(priority)]
+            "" if timeout is None else str(timeout), str(priority), str(os.getppid())]
     # its own log (next to the hold file): it must not keep the caller's terminal or pipes; it
     # stays in the caller's process group, so a Ctrl-C or hang-up of the script releases the hold
     with open(path.with_suffix(".log"), "ab") as log:
@@ -120,8 +129,10 @@ def _holder_gone(path: Path, pid: int) -> int:
     return EX_SOFTWARE
 
 
-def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority: str) -> int:
-    """The holder process: acquire, tell `acquire` on stdout, hold until SIGTERM, release."""
+def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority: str, owner: str) -> int:
+    """The holder process: acquire, tell `acquire` on stdout, hold until SIGTERM (or until
+    `owner`, the process that ran `acquire`, a script, ends: a script that was killed
+    cannot release), release."""
     from timeslice import TimeSliceOrchestratorClient
     from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
 
@@ -153,17 +164,41 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
             client.release(grant.group_id)
             return 0
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # `acquire` has read its line and gone
+        owner_ended = threading.Event()
+        threading.Thread(target=_when_ended, args=(int(owner), stop, owner_ended), daemon=True).start()
         stop.wait()
         try:
             client.release(grant.group_id)
             state["state"] = "released"
         except LeaseLost:
             state["state"] = "lost"
-        _write(path, state)
+        if owner_ended.is_set():  # nobody is left to `release`: no hold file either
+            path.unlink(missing_ok=True)
+            path.with_suffix(".log").unlink(missing_ok=True)
+        else:
+            _write(path, state)
         return 0
     finally:
         client.close()
 
 
+def _when_ended(pid: int, stop: threading.Event, ended: threading.Event) -> None:
+    """Set `ended` and `stop` once `pid` has ended (a pidfd, Linux >= 5.3)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1
+    if fd >= 0:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()
+        os.close(fd)
+    if not stop.is_set():
+        print(f"timeslice hold: process {pid}, which took the hold, ended without releasing it: released",
+              file=sys.stderr, flush=True)
+        ended.set()
+        stop.set()
+
+
 if __name__ == "__main__":
-    sys.exit(_hold(Path(sys.argv[1]), *sys.argv[2:7]))
+    sys.exit(_hold(Path(sys.argv[1]), *sys.argv[2:8]))

@@ -154,13 +154,14 @@ def _run(a: argparse.Namespace) -> int:
 def _acquire(a: argparse.Namespace) -> int:
     from timeslice.cli import hold
 
-    return hold.acquire(hold.hold_file(a.group, a.job, a.hold_file), a.target, a.job, a.group, a.timeout, a.priority)
+    job = hold.default_job(a.job, a.target)
+    return hold.acquire(hold.hold_file(a.group, job, a.hold_file), a.target, job, a.group, a.timeout, a.priority)
 
 
 def _release(a: argparse.Namespace) -> int:
     from timeslice.cli import hold
 
-    return hold.release(hold.hold_file(a.group, a.job, a.hold_file))
+    return hold.release(hold.hold_file(a.group, hold.default_job(a.job, None), a.hold_file))
 
 
 def _status(a: argparse.Namespace) -> int:
@@ -289,8 +290,9 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--listen", default="unix:///run/timeslice/agent.sock",
                    help="unix:///path (mode 0600; default unix:///run/timeslice/agent.sock) or host:port (needs "
                         "--token-file; port 0 picks one)")
-    n.add_argument("--backends", default="cuda,cuda-checkpoint,cooperative,freeze,none",
-                   help="comma-separated backends this node offers (default: all but app)")
+    n.add_argument("--backends", default="cuda,cuda-checkpoint,freeze,none",
+                   help="comma-separated backends this node offers (default cuda,cuda-checkpoint,freeze,none; "
+                        "add app for inference engines; cooperative jobs move themselves and need no agent backend)")
     n.add_argument("--token-file", help="callers must send this file's token (the orchestrator's agent_token_file)")
     n.add_argument("--tls", action="store_true", help="serve TLS with a new self-signed certificate")
     n.add_argument("--certificate-file", help="with --tls: write the certificate (PEM) here, for the orchestrator's "
@@ -404,10 +406,12 @@ def parser() -> argparse.ArgumentParser:
                  "0 released, 70 the hold was lost before release (its lease lapsed, or the holder was killed), "
                  "2 no hold file")
         h = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. A holder process keeps the "
-                           "lease alive in between; its hold file (JSON: pid, group, job, epoch) says where it is. "
-                           "A job's holds are shared: `timeslice run` or another acquire of the same job joins it. "
+                           "lease alive in between, and releases when the process that ran `acquire` (the script) "
+                           "ends without releasing; its hold file (JSON: pid, group, job, epoch) says where it is. "
+                           "`timeslice run` of the same job joins the hold; a second acquire of it is refused (2). "
                            f"Exit codes: {codes}.")
-        h.add_argument("--job", help="job id (default $TIMESLICE_JOB)")
+        h.add_argument("--job", help="job id (default $TIMESLICE_JOB; with a unix: target, timeslice serve, "
+                                     "pgid-<N>: this process group, the script's)")
         h.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
         h.add_argument("--hold-file", help="where the hold is recorded (default $XDG_RUNTIME_DIR or /tmp, "
                                            "timeslice-<uid>/hold-<job>@<group>.json)")

@@ -114,25 +114,30 @@ async def serve(cfg: ServeConfig, ready: Any = None) -> None:
     state_dir = cfg.state_dir or default_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = signals.stop_event()
-    with tempfile.TemporaryDirectory(prefix="timeslice-agent-") as private:  # mode 0700: the agent is ours
-        agent_target = f"unix://{Path(private) / 'agent.sock'}"
-        config = orchestrator_config(cfg, agent_target, state_dir)
-        backends = sorted({g.backend for g in config.groups} | {names.BACKEND_NONE})
-        jobs = PeerJobs()
-        agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
-        agent_server, _ = await create_agent_server(agent, agent_target)
-        front = UnixFront(cfg.socket, cfg.socket_mode)
-        try:
-            async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
-                await front.start(port)
-                groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
-                log.info("serving socket=%s scope=%s groups=%s", cfg.socket, cfg.scope, groups)
-                print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}", file=ready or sys.stdout,
-                      flush=True)
-                await stop.wait()
-        finally:
-            await front.close()
-            await agent_server.stop(1)
+    front = UnixFront(cfg.socket, cfg.socket_mode)
+    await front.bind()  # first: a second server on this socket stops here, touching nothing
+    try:
+        with tempfile.TemporaryDirectory(prefix="timeslice-agent-") as private:  # mode 0700: the agent is ours
+            agent_target = f"unix://{Path(private) / 'agent.sock'}"
+            config = orchestrator_config(cfg, agent_target, state_dir)
+            backends = sorted({g.backend for g in config.groups} | {names.BACKEND_NONE})
+            jobs = PeerJobs()
+            agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
+            agent_server, _ = await create_agent_server(agent, agent_target)
+            try:
+                async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
+                    front.splice_to(port)
+                    groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
+                    log.info("serving socket=%s scope=%s groups=%s", cfg.socket, cfg.scope, groups)
+                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}",
+                          file=ready or sys.stdout, flush=True)
+                    await stop.wait()
+            finally:
+                await agent_server.stop(1)
+                # the orchestrator is gone with it: no job may stay frozen or checkpointed for nobody
+                await agent.restore_all("timeslice serve stopped")
+    finally:
+        await front.close()
 
 
 def main(cfg: ServeConfig) -> int:

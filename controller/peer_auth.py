@@ -3,7 +3,9 @@
 Owned by `timeslice serve` (`cli/serve.py`); used by the orchestrator servicer in place of
 the cluster's TokenReview authenticator (`auth.py`). A call must arrive through the
 `UnixFront` (its `SO_PEERCRED`); the caller acts for the job it names, or, naming none,
-for the job of its process group or cgroup (`pgid-<N>`, `cgroup-<name>`). Binding the job
+for the job its process group or cgroup is bound to, else that scope's own (`pgid-<N>`,
+`cgroup-<name>`); a caller that names none in a process group led by a shell (a script,
+whose `&` jobs all share it) is refused with the way out (`setsid`, or a name). Binding the job
 makes the caller's scope part of it, so the node agent moves those processes with it
 (`PeerJobs`): nobody types PIDs, and nobody acts for another user's processes.
 """
@@ -13,22 +15,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from timeslice.driver.errors import ProcessGone, Unauthenticated
-from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, ScopeKind, UnixFront, scope_of
+from timeslice.driver.errors import PermissionDenied, ProcessGone, Unauthenticated
+from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, ScopeKind, UnixFront, led_by_a_shell, scope_of
 
 
 @dataclass(frozen=True)
 class PeerCaller:
-    """A local caller: its credentials and its scope. `job_id`: the job a call that names
-    none acts for; `pod_uid` is always "" (no pods here)."""
+    """A local caller: its credentials and its scope; `pod_uid` is always "" (no pods here).
+    `unnamed_job`: the job a call that names none acts for, or, when that is ambiguous,
+    `refusal` says why (read `job_id`)."""
 
     credentials: PeerCredentials
     scope: Scope
+    unnamed_job: str
+    refusal: str = ""
     pod_uid: str = ""
 
     @property
     def job_id(self) -> str:
-        return self.scope.job_name
+        """Raises PermissionDenied when a call from here must name its job."""
+        if self.refusal:
+            raise PermissionDenied(self.refusal)
+        return self.unnamed_job
 
 
 class PeerAuthenticator:
@@ -47,9 +55,17 @@ class PeerAuthenticator:
             raise Unauthenticated(f"call over {context.peer()}: in one-box mode, call through the unix socket "
                                   f"{self._front.path}")
         try:
-            return PeerCaller(creds, scope_of(creds.pid, self._scope))
+            scope = scope_of(creds.pid, self._scope)
         except ProcessGone:
             raise Unauthenticated(f"the calling process {creds.pid} is gone") from None
+        bound = self._jobs.job_of(scope)
+        if bound is None and led_by_a_shell(scope, creds.pid):
+            return PeerCaller(creds, scope, "", refusal=(
+                f"process {creds.pid} names no job and is in {scope}, whose leader is a shell: a script, whose "
+                "commands (jobs started with `&` among them) all share that group, so it cannot tell one job from "
+                "another. Start each job in its own process group (`setsid CMD &`), or name it (TIMESLICE_JOB, "
+                "--job)"))
+        return PeerCaller(creds, scope, bound or scope.job_name)
 
     async def authenticate(self, context: Any) -> str:
         """Status calls: any local caller that could connect (the socket's mode decides)."""

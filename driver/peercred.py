@@ -78,6 +78,20 @@ def scope_of(pid: int, kind: ScopeKind, proc: Path = Path("/proc")) -> Scope:
         raise ProcessGone(f"process {pid} is gone") from None
 
 
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", "csh", "busybox"})
+
+
+def led_by_a_shell(scope: Scope, caller: int, proc: Path = Path("/proc")) -> bool:
+    """True when `scope` is a process group whose leader is a shell other than `caller`: a
+    script, whose commands (jobs started with `&` among them) all share its group."""
+    if scope.kind != "process-group" or scope.key == str(caller):
+        return False
+    try:
+        return (proc / scope.key / "comm").read_text().strip() in SHELLS
+    except OSError:  # the leader is gone
+        return False
+
+
 def members(scope: Scope, uid: int, proc: Path = Path("/proc")) -> list[int]:
     """Live PIDs in `scope` whose real uid is `uid` (any uid when `uid` is 0), ascending,
     never this process itself (the server)."""
@@ -121,21 +135,23 @@ def _cgroup(pid: int, proc: Path) -> str:
 class UnixFront:
     """The public unix socket of one-box mode: accepts, reads `SO_PEERCRED`, splices each
     connection to the gRPC server's loopback port. `mode` is the socket file's permission
-    bits (0o600: only the owner's processes can connect). Use `start(port)` then `close()`."""
+    bits (0o600: only the owner's processes can connect). Use `bind()` (first: before
+    anything else of the server starts, so that a second server on the path stops there),
+    `splice_to(port)`, then `close()`."""
 
     def __init__(self, path: Path, mode: int = 0o600) -> None:
         self.path = path
         self._upstream = 0
+        self._spliced = asyncio.Event()
         self._mode = mode
         self._by_port: dict[int, PeerCredentials] = {}
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
 
-    async def start(self, upstream_port: int) -> None:
-        """Bind the socket (removing a stale socket file, never any other file) and splice
-        its connections to 127.0.0.1:`upstream_port`. Raises OSError (the directory cannot
-        be made; a live server holds the path; the path is not a socket)."""
-        self._upstream = upstream_port
+    async def bind(self) -> None:
+        """Bind the socket, removing a stale socket file (never any other file). Raises
+        OSError (the directory cannot be made; a live server holds the path; the path is not
+        a socket). Connections wait until `splice_to`."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
@@ -155,6 +171,11 @@ class UnixFront:
             os.umask(old)
         os.chmod(self.path, self._mode)
 
+    def splice_to(self, upstream_port: int) -> None:
+        """Splice connections to 127.0.0.1:`upstream_port` from now on."""
+        self._upstream = upstream_port
+        self._spliced.set()
+
     def credentials(self, peer: str) -> PeerCredentials | None:
         """The credentials behind a servicer's `context.peer()`; None for a call that did
         not come through this front."""
@@ -170,8 +191,9 @@ class UnixFront:
         for t in list(self._conns):
             t.cancel()
         await asyncio.gather(*self._conns, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._server is not None:  # ours: never the socket of a server that refused us the path
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -181,6 +203,7 @@ class UnixFront:
             sock = writer.get_extra_info("socket")
             pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                 struct.calcsize("3i")))
+            await self._spliced.wait()
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream, limit=_CHUNK)
             port = up_writer.get_extra_info("sockname")[1]
             self._by_port[port] = PeerCredentials(pid, uid, gid)
@@ -192,6 +215,8 @@ class UnixFront:
                 up_writer.close()
         except OSError as err:  # the gRPC server is gone (stopping), or the peer's socket broke
             log.warning("connection not spliced: %s", err)
+        except asyncio.CancelledError:  # close(): the server stops; this connection ends with it
+            pass
         finally:
             writer.close()
             self._conns.discard(task)
@@ -242,6 +267,10 @@ class PeerJobs:
         self._job_of[scope] = job
         self._owner.setdefault(job, caller.uid)
         log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
+
+    def job_of(self, scope: Scope) -> str | None:
+        """The job `scope` is bound to (None: none yet)."""
+        return self._job_of.get(scope)
 
     def scopes(self, job: str) -> list[tuple[Scope, int]]:
         """[(scope, owner uid)] of `job` ([] when none is bound). Scopes whose processes

@@ -106,6 +106,10 @@ def plugin_published(kube: Any) -> str | None:
 
 @pytest.mark.timeout(600)
 def test_helm_install_brings_up_the_driver_and_uninstall_removes_it(kube) -> None:
+    # earlier tests apply parts of manifests/base with kubectl (plugin_fixtures.apply_base) and
+    # leave them (later ones apply them again): helm cannot install over objects it does not own
+    kube.run("delete", "-k", str(BASE), "--ignore-not-found", "--wait=true", "--timeout=180s", check=False,
+             timeout=240)
     wait(lambda: not any(cluster_objects(kube).values()), 180,
          "no driver installed (an earlier test's objects deleted)")
     env = kube.env

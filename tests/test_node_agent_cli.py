@@ -98,3 +98,15 @@ async def test_a_network_address_without_a_token_is_refused_at_start(tmp_path) -
         str(tmp_path), stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"needs --token-file" in err and b"Traceback" not in err
+
+
+async def test_the_default_backends_serve_on_a_unix_socket(tmp_path, short_tmp) -> None:
+    """Found by a new-user try: the default --backends named one the agent refuses."""
+    agent, m = await start("node-agent", "--listen", f"unix://{short_tmp / 'a.sock'}", "--state-dir",
+                           str(tmp_path), ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout")
+    try:
+        assert m.group(1).decode() == f"unix://{short_tmp / 'a.sock'}"
+        assert (short_tmp / "a.sock").stat().st_mode & 0o777 == 0o600
+    finally:
+        await stop(agent)
+    assert agent.returncode == 0

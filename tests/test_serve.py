@@ -6,6 +6,7 @@ processes (the `freeze` backend on the CPU)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -67,29 +68,39 @@ def check_hand_offs(out: Path, jobs: str) -> None:
     assert switches >= 1
 
 
-@pytest.fixture
-async def served(tmp_path) -> AsyncIterator[tuple[str, int]]:
-    """A `timeslice serve` process with one freeze group `g`: (socket path, loopback port)."""
-    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: freeze, lease_seconds: 10}\n")
-    sock = tmp_path / "run" / "orchestrator.sock"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
-        "--socket", str(sock), "--state-dir", str(tmp_path / "state"), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
+@contextlib.asynccontextmanager
+async def serve_process(tmp_path: Path, lease_seconds: float = 10, name: str = "serve",
+                        sock: Path | None = None) -> AsyncIterator[tuple[str, int, asyncio.subprocess.Process]]:
+    """A `timeslice serve` process with one freeze group `g`, logging to tmp_path/<name>.log:
+    (socket path, loopback port, process); stopped with SIGTERM at the end unless the test
+    ended it."""
+    (tmp_path / "groups.yaml").write_text(f"groups:\n  - {{id: g, backend: freeze, lease_seconds: {lease_seconds}}}\n")
+    sock = sock or tmp_path / "run" / "orchestrator.sock"
+    log = tmp_path / f"{name}.log"
+    with log.open("ab") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+            "--socket", str(sock), "--state-dir", str(tmp_path / "state"), stdout=asyncio.subprocess.PIPE,
+            stderr=err)
+    assert proc.stdout is not None
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g(freeze)"), line
-        port = 0
-        while not port:  # the loopback port the front splices to, from the log line before `ready`
-            m = re.search(rb"orchestrator serving listen=127.0.0.1:0 port=(\d+)", await proc.stderr.readline())
-            port = int(m.group(1)) if m else 0
-        yield str(sock), port
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g(freeze)"), log.read_text()
+        ports = re.findall(r"orchestrator serving listen=127.0.0.1:0 port=(\d+)", log.read_text())
+        yield str(sock), int(ports[-1]), proc  # logged before `ready`
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
         await asyncio.wait_for(proc.wait(), 30)
+
+
+@pytest.fixture
+async def served(tmp_path) -> AsyncIterator[tuple[str, int]]:
+    """(socket path, loopback port) of a `serve_process`; it must stop cleanly."""
+    async with serve_process(tmp_path) as (sock, port, proc):
+        yield sock, port
     assert proc.returncode == 0
-    assert not sock.exists()
+    assert not await asyncio.to_thread(os.path.exists, sock)
 
 
 def env_for(sock: str, **extra: str) -> dict[str, str]:

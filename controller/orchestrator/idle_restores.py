@@ -90,7 +90,8 @@ class IdleRestores:
         for job in sorted(self._orphans - self._failed) + sorted(frozen - self._orphans - self._failed):
             why = "nobody owns it any more" if job in self._orphans else "nobody holds the group"
             log.info("restoring a checkpointed job group=%s job=%s: %s", g.id, job, why)
-            g.moves.start_switch([], job, restore=True, grant=False)
+            # a holder cut off by its lapsed lease may still compute: it is frozen first
+            g.moves.start_switch(g.moves.must_leave(job), job, restore=True, grant=False)
             return
 
     async def _refresh(self) -> None:

@@ -85,3 +85,4 @@ class Leases:
         g.moves.lapsed(h.job_id)
         g.record_placement()
         g.dispatch()
+        g.idle.refresh_memory()  # nobody waits: an idle freeze group thaws the jobs it froze

@@ -154,10 +154,12 @@ class Orchestrator:
     async def adopt_agents(self) -> None:
         """Standalone start: each group resumes from its persisted epoch floor and placement
         (`StateFile`) and the jobs its node agents report checkpointed (they are restored
-        before they are granted again): `takeover.adopt_standalone`."""
+        before they are granted again): `takeover.adopt_standalone`; an idle `freeze` group
+        then thaws them, as it would any frozen job while nobody holds."""
         for group in self.groups():
             checkpointed = await self.checkpointed_jobs(group) if group.spec.agents else set()
             takeover.adopt_standalone(group, self._state, checkpointed)
+            group.idle.refresh_memory()  # idle: a freeze group thaws what it adopted frozen (no one may ask)
 
     def drop_job(self, group_id: str, job: str, reason: str) -> None:
         """A job of the group is gone: its waiters fail, its hold ends, its cooperative

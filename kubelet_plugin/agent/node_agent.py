@@ -353,6 +353,22 @@ class NodeAgent:
                 continue
             self.records.pop(job_id)
 
+    async def restore_all(self, why: str) -> None:
+        """Restore every job this agent holds checkpointed or frozen and drop its record: for
+        one-box mode's stop (`timeslice serve`), where the orchestrator stops with the agent
+        and nobody would ask for those jobs, so that no process stays stopped. A restore that
+        fails is logged and its record kept (the next start tries the job again)."""
+        for job_id, record in list(self.records.jobs.items()):
+            pids = [p for p in record.pids if _alive(p)]
+            try:
+                if pids:
+                    await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
+            except TimeSliceServerError as err:
+                log.error("could not restore job=%s (%s): %s (record kept)", job_id, why, err)
+                continue
+            log.info("restored job=%s pids=%s: %s", job_id, pids, why)
+            self.records.pop(job_id)
+
     def _lock(self, job_id: str) -> asyncio.Lock:
         lock = self._job_locks.get(job_id)
         if lock is None:

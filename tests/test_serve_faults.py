@@ -1,0 +1,181 @@
+"""One-box mode when things go wrong, as a new user tried them (issue 13): each case left a
+job stopped for good or two jobs computing at once. `timeslice serve`, the jobs and their
+scripts are real processes; the `freeze` backend stops a job's marked processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+from timeslice.kubelet_plugin.agent.procfs import proc_state
+
+from tests.test_serve import env_for, serve_process
+
+# Job B: one marked process (so the agent stops its client too), which holds once, then
+# works on the CPU without asking again, then ends.
+JOB_B = textwrap.dedent("""
+    import time
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(group_id="g")
+    c.acquire(timeout=60)
+    print("held", flush=True)
+    c.release()
+    for _ in range(100):
+        time.sleep(0.01)
+    c.close()
+    print("done", flush=True)
+""")
+# Job A: holds the group until it is killed.
+JOB_A = textwrap.dedent("""
+    import time
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(group_id="g")
+    c.acquire(timeout=60)
+    print("granted", flush=True)
+    time.sleep(600)
+""")
+
+
+async def line(proc: asyncio.subprocess.Process, want: str, seconds: float = 60) -> None:
+    assert proc.stdout is not None
+    got = (await asyncio.wait_for(proc.stdout.readline(), seconds)).decode().strip()
+    assert got == want, got
+
+
+async def until(check, what: str, seconds: float = 60) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def running(pid: int) -> bool:
+    return proc_state(pid) not in ("T", "t")
+
+
+async def b_frozen_behind_a(sock: str) -> tuple[asyncio.subprocess.Process, asyncio.subprocess.Process]:
+    """B holds and releases; A, waiting, is granted: B is frozen (its client with it)."""
+    b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
+                                             env=env_for(sock, TIMESLICE_ACCELERATOR_PROCESS="1"),
+                                             start_new_session=True)
+    a = None
+    try:
+        await line(b, "held")
+        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
+                                                 env=env_for(sock), start_new_session=True)
+        await line(a, "granted")
+        assert not running(b.pid)
+        return a, b
+    except BaseException:
+        for p in (a, b):
+            if p is not None:
+                os.kill(p.pid, signal.SIGKILL)
+        raise
+
+
+async def finish(b: asyncio.subprocess.Process) -> None:
+    """B must be thawed and end by itself."""
+    await until(lambda: running(b.pid), "job B thawed")
+    await line(b, "done")
+    assert await asyncio.wait_for(b.wait(), 60) == 0
+
+
+async def test_a_holder_killed_while_another_job_is_frozen_lets_the_idle_group_thaw_it(tmp_path) -> None:
+    """Before: the lapsed holder's group went idle and left B stopped until someone acquired."""
+    async with serve_process(tmp_path, lease_seconds=2) as (sock, _, _):
+        a, b = await b_frozen_behind_a(sock)
+        os.killpg(a.pid, signal.SIGKILL)
+        await a.wait()
+        await finish(b)
+
+
+async def test_stopping_serve_thaws_a_frozen_job(tmp_path) -> None:
+    async with serve_process(tmp_path) as (sock, _, serve):
+        a, b = await b_frozen_behind_a(sock)
+        try:
+            serve.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(serve.wait(), 60) == 0
+            await until(lambda: running(b.pid), "job B thawed by the stop")
+        finally:
+            os.killpg(a.pid, signal.SIGKILL)
+            await a.wait()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    b.kill()  # its client has no orchestrator any more
+    await b.wait()
+
+
+async def test_a_restarted_serve_thaws_the_job_a_killed_serve_left_frozen(tmp_path) -> None:
+    async with serve_process(tmp_path) as (sock, _, serve):
+        a, b = await b_frozen_behind_a(sock)
+        serve.kill()
+        await serve.wait()
+    try:
+        assert not running(b.pid)  # nobody thawed it
+        os.killpg(a.pid, signal.SIGKILL)
+        async with serve_process(tmp_path, name="serve-again"):
+            await until(lambda: running(b.pid), "job B thawed by the restarted serve (its agent's records)")
+    finally:
+        for p in (a, b):
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
+async def test_a_second_serve_on_the_socket_is_refused_and_leaves_the_first_serving(tmp_path) -> None:
+    async with serve_process(tmp_path) as (sock, _, _):
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+            "--socket", sock, "--state-dir", str(tmp_path / "state2"), stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 2 and b"another server is listening" in err, err
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "status", "--target", f"unix://{sock}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(status.communicate(), 60)
+        assert status.returncode == 0 and b"group g" in out, err
+
+
+async def script(sock: str, body: str) -> asyncio.subprocess.Process:
+    """A non-interactive shell script in its own session, with the serve socket set."""
+    return await asyncio.create_subprocess_exec(
+        "bash", "-c", body, env=env_for(sock, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+
+
+async def test_unnamed_jobs_started_with_an_ampersand_from_one_script_are_refused_with_the_way_out(tmp_path) -> None:
+    """Before: both were one job, pgid-<the script's>, and held the group at the same time."""
+    client = tmp_path / "client.py"
+    client.write_text("from timeslice import TimeSliceOrchestratorClient, AccessDenied\n"
+                      "c = TimeSliceOrchestratorClient(group_id='g')\n"
+                      "try:\n  c.acquire(timeout=30); c.release(); print('held')\n"
+                      "except AccessDenied as e:\n  print('refused:', e)\nc.close()\n")
+    async with serve_process(tmp_path) as (sock, _, _):
+        together = await script(sock, f"python {client} & python {client} & wait")
+        out = (await asyncio.wait_for(together.communicate(), 90))[0].decode()
+        assert out.count("refused:") == 2 and "setsid" in out and "held" not in out, out
+        apart = await script(sock, f"setsid -w python {client} & setsid -w python {client} & wait")
+        out = (await asyncio.wait_for(apart.communicate(), 90))[0].decode()
+        assert out.split() == ["held", "held"], out
+
+
+async def test_a_script_killed_between_acquire_and_release_does_not_keep_the_group(tmp_path) -> None:
+    """Before: the holder process outlived the killed script and kept the lease alive."""
+    hold = tmp_path / "hold.json"
+    async with serve_process(tmp_path, lease_seconds=60) as (sock, _, _):
+        s = await script(sock, f"timeslice acquire --group g --hold-file {hold} && echo held && sleep 600")
+        await line(s, "held")
+        holder = json.loads(hold.read_text())
+        assert holder["job"] == f"pgid-{s.pid}"  # the script's process group, named
+        s.kill()  # the script only: its holder lives on, in the same process group
+        await s.wait()
+        await until(lambda: not Path(f"/proc/{holder['pid']}").exists() or proc_state(holder["pid"]) == "Z",
+                    "the holder to release and end")
+        assert not hold.exists()
+        run = await script(sock, "setsid -w timeslice run --group g --timeout 20 -- true")
+        assert await asyncio.wait_for(run.wait(), 60) == 0  # nobody holds g: not the 60 s lease
