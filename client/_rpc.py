@@ -196,7 +196,7 @@ class Retry:
             return None
         now = time.monotonic()
         self._since = self._since or now
-        if code not in RETRIED or now - self._since >= self._unavailable_timeout:
+        if code not in RETRIED or socket_refused(err) or now - self._since >= self._unavailable_timeout:
             raise translate(err, self.what) from err
         if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
@@ -254,4 +254,14 @@ def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
         grpc.StatusCode.UNAUTHENTICATED: AccessDenied,
         grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
     }
+    if socket_refused(err):
+        return AccessDenied(f"{message} (the orchestrator's unix socket does not let this user in: ask its owner, "
+                            "e.g. `timeslice serve --socket-mode 660` and a shared group)")
     return mapping.get(code, TimeSliceError)(message) if code else TimeSliceError(message)
+
+
+def socket_refused(err: grpc.RpcError) -> bool:
+    """A connection to a unix socket refused by its file permissions (EACCES): gRPC reports
+    it as UNAVAILABLE, but waiting cannot help."""
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    return code_of(err) == grpc.StatusCode.UNAVAILABLE and "Permission denied" in (details or "")

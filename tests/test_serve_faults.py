@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 
 from tests.test_serve import env_for, serve_process
@@ -179,3 +180,28 @@ async def test_a_script_killed_between_acquire_and_release_does_not_keep_the_gro
         assert not hold.exists()
         run = await script(sock, "setsid -w timeslice run --group g --timeout 20 -- true")
         assert await asyncio.wait_for(run.wait(), 60) == 0  # nobody holds g: not the 60 s lease
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+async def test_a_user_the_socket_refuses_is_told_at_once_not_retried(tmp_path) -> None:
+    """Before: `timeslice run` as another user retried the refused socket for 30 s, then exit
+    69 (or, with --timeout, 75 "no grant before the timeout")."""
+    probe = textwrap.dedent("""
+        import os, sys, time
+        from timeslice import TimeSliceOrchestratorClient, AccessDenied
+        c = TimeSliceOrchestratorClient(sys.argv[1], "x", "g")
+        os.setgid(65534)
+        os.setuid(65534)
+        t0 = time.monotonic()
+        try:
+            c.acquire(timeout=60)
+        except AccessDenied as e:
+            print(f"{time.monotonic() - t0:.1f}", e)
+    """)
+    async with serve_process(tmp_path) as (sock, _, _):
+        p = await asyncio.create_subprocess_exec(sys.executable, "-c", probe, f"unix://{sock}",
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(p.communicate(), 90)
+    seconds, _, message = out.decode().partition(" ")
+    assert "does not let this user in" in message, (out, err)
+    assert float(seconds) < 10  # no retrying for the unavailable timeout (30 s)
