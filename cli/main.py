@@ -294,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated backends this node offers (default cuda,cuda-checkpoint,freeze,none; "
                         "add app for inference engines; cooperative jobs move themselves and need no agent backend)")
     n.add_argument("--token-file", help="callers must send this file's token (the orchestrator's agent_token_file)")
-    n.add_argument("--tls", action="store_true", help="serve TLS with a new self-signed certificate")
+    n.add_argument("--tls", action="store_true", help="serve TLS with a self-signed certificate (made once, kept in "
+                                                       "--state-dir across restarts; renewed 30 days before expiry)")
     n.add_argument("--certificate-file", help="with --tls: write the certificate (PEM) here, for the orchestrator's "
                                               "agent_certificates")
     n.add_argument("--state-dir", default="/var/lib/timeslice/node-agent", help="checkpoint records, kept across "

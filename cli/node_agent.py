@@ -5,8 +5,9 @@ write-ahead records, operations), which finds a job's processes by their environ
 (`TIMESLICE_JOB=<job>`, `EnvironProcessResolver`), for a `timeslice orchestrator` whose
 static groups name this node's address under `agents`. A unix socket (default) is mode
 0600; a TCP address needs a shared token (`--token-file`; the orchestrator's
-`agent_token_file`) and should use TLS (`--tls`: a self-signed certificate whose PEM is
-written to `--certificate-file` for the orchestrator to pin, `agent_certificates`).
+`agent_token_file`) and should use TLS (`--tls`: a self-signed certificate, kept in the
+state directory across restarts, whose PEM is written to `--certificate-file` for the
+orchestrator to pin, `agent_certificates`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from timeslice.kubelet_plugin.agent.auth import SharedToken
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.server import create_server
-from timeslice.kubelet_plugin.agent.tls import self_signed
+from timeslice.kubelet_plugin.agent.tls import kept
 
 log = logging.getLogger("timeslice.agent")
 
@@ -59,7 +60,7 @@ async def serve(cfg: NodeAgentConfig) -> None:
     stop = signals.stop_event()
     cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     callers = SharedToken(cfg.token_file) if cfg.token_file else None
-    identity = self_signed(socket.gethostname()) if cfg.tls else None
+    identity = kept(cfg.state_dir, socket.gethostname()) if cfg.tls else None
     if identity is not None and cfg.certificate_file is not None:
         atomic.write_atomic(cfg.certificate_file, identity.certificate_pem)
     elif not cfg.listen.startswith("unix:"):

@@ -110,3 +110,20 @@ async def test_the_default_backends_serve_on_a_unix_socket(tmp_path, short_tmp) 
     finally:
         await stop(agent)
     assert agent.returncode == 0
+
+
+async def test_a_restarted_agent_keeps_the_certificate_the_orchestrator_pins(tmp_path) -> None:
+    """Found by a new-user try: each start made a new certificate, and the orchestrator's pin
+    then refused every call (a frozen job there could not be restored)."""
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    pems = []
+    for n in range(2):
+        cert = tmp_path / f"agent-{n}.pem"
+        agent, _ = await start("node-agent", "--listen", "127.0.0.1:0", "--token-file", str(token), "--tls",
+                               "--certificate-file", str(cert), "--backends", "freeze,none", "--state-dir",
+                               str(tmp_path / "state"), ready=re.compile(rb"^ready listen="), stream="stdout")
+        await stop(agent)
+        pems.append(cert.read_bytes())
+    assert pems[0] == pems[1] and pems[0].startswith(b"-----BEGIN CERTIFICATE-----")
+    assert (tmp_path / "state" / "agent-key.pem").stat().st_mode & 0o777 == 0o600

@@ -21,7 +21,9 @@ accepts such a self-signed end-entity certificate as the trust root it was given
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from cryptography import x509
@@ -82,3 +84,30 @@ def self_signed(node_name: str, days: int = VALID_DAYS, now: dt.datetime | None 
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
     return AgentIdentity(key_pem, certificate_pem, cert.not_valid_after_utc, fingerprint(certificate_pem.decode()))
+
+
+def kept(directory: Path, node_name: str, renew_before: dt.timedelta = dt.timedelta(days=30)) -> AgentIdentity:
+    """The identity stored in `directory` (`agent-key.pem`, mode 0600, and `agent-cert.pem`)
+    while its certificate has more than `renew_before` left, else a new one (`self_signed`),
+    stored there: a standalone node agent (`timeslice node-agent --tls`) keeps the
+    certificate an orchestrator pins across its restarts. Raises OSError, ValueError (files
+    that are not a key and its certificate)."""
+    key_file, cert_file = directory / "agent-key.pem", directory / "agent-cert.pem"
+    if key_file.exists() and cert_file.exists():
+        key_pem, cert_pem = key_file.read_bytes(), cert_file.read_bytes()
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
+                != cert.public_key().public_bytes(serialization.Encoding.DER,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo):
+            raise ValueError(f"{key_file} is not the key of {cert_file}")
+        if cert.not_valid_after_utc - dt.datetime.now(dt.timezone.utc) > renew_before:
+            return AgentIdentity(key_pem, cert_pem, cert.not_valid_after_utc, fingerprint(cert_pem.decode()))
+    identity = self_signed(node_name)
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(key_file.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(identity.key_pem)
+    os.replace(key_file.with_suffix(".tmp"), key_file)
+    cert_file.write_bytes(identity.certificate_pem)
+    return identity
