@@ -45,7 +45,7 @@ def _plot(a: argparse.Namespace) -> int:
     from timeslice.cli import timeline
 
     timeline.require_matplotlib()
-    out = a.output or str(Path(a.result).with_suffix(".png"))
+    out = a.output or Path(a.result).with_suffix(".png").name  # here: never over a file beside the result
     timeline.draw(timeline.load(a.result), out)
     print(out)
     return 0
@@ -439,7 +439,8 @@ def parser() -> argparse.ArgumentParser:
                                    "pip install 'timeslice-dra[plot]'.")
     g.add_argument("result", metavar="RESULT", help="a result JSON file")
     g.add_argument("-o", "--output", metavar="PNG",
-                   help="the image (default: RESULT with .png; the suffix picks the format)")
+                   help="the image (default: RESULT's name with .png, in the current directory; the suffix picks "
+                        "the format)")
     g.set_defaults(fn=_plot)
     return p
 
