@@ -283,3 +283,13 @@ async def test_each_claim_set_brings_its_own_engine_to_the_switch_steps() -> Non
     await client.close()
     assert (step.app.engine, step.app.url, step.app.level, step.app.timeout_seconds) == (
         "vllm", "http://127.0.0.1:8001", 2, 120.0)
+
+
+def test_a_static_group_names_engines_with_backend_app_only() -> None:
+    """Found by a new-user try: `backend: app` without `apps` failed only at the first switch
+    (naming the claim config), and `apps` with another backend was silently ignored."""
+    with pytest.raises(ValueError, match="backend app needs each job's engine: apps"):
+        GroupSpec(id="g", backend="app", agents=("unix:///a.sock",))
+    with pytest.raises(ValueError, match="apply to backend app only"):
+        GroupSpec(id="g", backend="freeze", agents=("unix:///a.sock",),
+                  apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:8000")})

@@ -96,6 +96,12 @@ class GroupSpec(BaseModel):
     def _agents_for_backend(self) -> GroupSpec:
         if self.backend != "none" and not self.agents:
             raise ValueError(f"group {self.id!r}: backend {self.backend!r} needs at least one agent")
+        if self.apps and self.backend != "app":
+            raise ValueError(f"group {self.id!r}: `apps` (inference engines) apply to backend app only, not "
+                             f"{self.backend!r}")
+        if self.backend == "app" and not self.apps and not self.members:
+            raise ValueError(f"group {self.id!r}: backend app needs each job's engine: apps: {{<job>: {{engine: "
+                             "vllm|sglang, url: http://127.0.0.1:PORT}}}} (name the jobs: TIMESLICE_JOB)")
         return self
 
 
