@@ -76,19 +76,24 @@ class AcceleratorScope:
 
     # -- decorator -----------------------------------------------------------
     def __call__(self, fn: F) -> F:
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def run_async(*args: Any, **kwargs: Any) -> Any:
-                async with self:
-                    return await fn(*args, **kwargs)
-            return run_async  # type: ignore[return-value]
-        if self._async_client:
+        if self._async_client and not inspect.iscoroutinefunction(fn):
             raise TypeError(f"{fn.__qualname__} is not `async def`; use TimeSliceOrchestratorClient")
+        return decorate(self, fn)
 
+
+def decorate(scope: Any, fn: F) -> F:
+    """`fn` run inside `scope`: `async with scope` for an `async def`, else `with scope`."""
+    if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return fn(*args, **kwargs)
-        return run  # type: ignore[return-value]
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            async with scope:
+                return await fn(*args, **kwargs)
+        return run_async  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with scope:
+            return fn(*args, **kwargs)
+    return run  # type: ignore[return-value]
 
 

@@ -189,3 +189,15 @@ def children() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
         if p.stdout:
             p.stdout.close()
+
+
+@pytest.fixture
+async def target() -> AsyncIterator[str]:
+    """A real orchestrator server with one static group `g` (backend none): its address."""
+    orch = Orchestrator([GroupSpec(id="g", backend="none")])
+    server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+        await orch.close()

@@ -12,14 +12,11 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from timeslice import AcquireTimeout, AsyncTimeSliceOrchestratorClient
-from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.orchestrator.server import create_server
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -34,17 +31,6 @@ def no_holder_left(tmp_path) -> Iterator[None]:
     yield
     with contextlib.suppress(OSError, ValueError, KeyError):
         os.kill(json.loads((tmp_path / "hold.json").read_text())["pid"], signal.SIGKILL)
-
-
-@pytest.fixture
-async def target() -> AsyncIterator[str]:
-    orch = Orchestrator([GroupSpec(id="g", backend="none")])
-    server, port = await create_server(orch, "127.0.0.1:0")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await orch.close()
 
 
 async def timeslice_run(target: str, job: str, *args: str) -> tuple[int, str]:

@@ -9,29 +9,15 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.orchestrator.server import create_server
 
 from tests.integration_deps import need
 
 ray = need("ray")
 pytestmark = pytest.mark.slow  # starting the local Ray instance: 5.6 s on the 2-core VM
-
-
-@pytest.fixture
-async def target() -> AsyncIterator[str]:
-    orch = Orchestrator([GroupSpec(id="g", backend="none")])
-    server, port = await create_server(orch, "127.0.0.1:0")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await orch.close()
 
 
 @pytest.fixture(scope="module")

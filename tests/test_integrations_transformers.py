@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,6 @@ from typing import Any
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.orchestrator.server import create_server
 
 from tests.integration_deps import need
 
@@ -37,17 +33,6 @@ class Span:
     start: float
     end: float
     held: bool  # the job's client held the group when the work began
-
-
-@pytest.fixture
-async def target() -> AsyncIterator[str]:
-    orch = Orchestrator([GroupSpec(id="g", backend="none")])
-    server, port = await create_server(orch, "127.0.0.1:0")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await orch.close()
 
 
 def tiny_trainer(out: Path, client: TimeSliceOrchestratorClient, hold: TimeSliceCallback, spans: list[Span],

@@ -8,14 +8,10 @@ holds it. Marked slow: about 10 s with TRL's import."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from timeslice import TimeSliceOrchestratorClient
-from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
-from timeslice.controller.orchestrator.server import create_server
 
 from tests.integration_deps import need
 
@@ -29,17 +25,6 @@ from timeslice.integrations.transformers import TimeSliceCallback  # noqa: E402 
 # TRL 1.16 / transformers 5.24 call transformers' own deprecated `gradient_checkpointing*` names
 # (FutureWarning, in their code, not ours).
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")]
-
-
-@pytest.fixture
-async def target() -> AsyncIterator[str]:
-    orch = Orchestrator([GroupSpec(id="g", backend="none")])
-    server, port = await create_server(orch, "127.0.0.1:0")
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-        await orch.close()
 
 
 async def test_grpo_scores_inside_the_hold_and_released_rewards_give_it_back(target, tmp_path) -> None:

@@ -47,8 +47,6 @@ methods' names change between TRL versions (read in huggingface/trl `trl/trainer
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -56,6 +54,7 @@ from typing import Any, Literal, TypeVar
 
 from timeslice.client import TimeSliceOrchestratorClient
 from timeslice.errors import LeaseLost
+from timeslice.scope import decorate
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 log = logging.getLogger("timeslice.integrations.transformers")
@@ -216,15 +215,4 @@ class _Released:
         await asyncio.to_thread(self._owner._take_back)
 
     def __call__(self, fn: F) -> F:
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def run_async(*args: Any, **kwargs: Any) -> Any:
-                async with self:
-                    return await fn(*args, **kwargs)
-            return run_async  # type: ignore[return-value]
-
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return fn(*args, **kwargs)
-        return run  # type: ignore[return-value]
+        return decorate(self, fn)
