@@ -12,7 +12,6 @@ config format; a group without `agents` uses this machine's agent) or are one pe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -107,8 +106,8 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
     return config.model_copy(update={"listen": "127.0.0.1:0"})
 
 
-async def serve(cfg: ServeConfig, ready: Any = None) -> None:
-    """Run until SIGINT/SIGTERM. Prints one line when ready (to `ready`, default stdout):
+async def serve(cfg: ServeConfig) -> None:
+    """Run until SIGINT/SIGTERM. Prints one line to stdout when ready:
     `ready TIMESLICE_ORCHESTRATOR=unix://<socket> groups=<id>(<backend>),...`. Raises
     ValueError (configuration) or OSError (the socket cannot be bound)."""
     state_dir = cfg.state_dir or default_state_dir()
@@ -129,8 +128,7 @@ async def serve(cfg: ServeConfig, ready: Any = None) -> None:
                     front.splice_to(port)
                     groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
                     log.info("serving socket=%s scope=%s groups=%s", cfg.socket, cfg.scope, groups)
-                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}",
-                          file=ready or sys.stdout, flush=True)
+                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}", flush=True)
                     await stop.wait()
             finally:
                 await agent_server.stop(1)
@@ -146,6 +144,4 @@ def main(cfg: ServeConfig) -> int:
     except (ValueError, OSError) as err:
         print(f"timeslice serve: {err}", file=sys.stderr)
         return 2
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
     return 0

@@ -35,7 +35,6 @@ from timeslice.driver.errors import PermissionDenied, ProcessGone
 log = logging.getLogger("timeslice.serve")
 
 ScopeKind = Literal["process-group", "cgroup"]
-SCOPE_KINDS: tuple[ScopeKind, ...] = ("process-group", "cgroup")
 _CHUNK = 256 * 1024
 
 
