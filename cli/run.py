@@ -14,6 +14,7 @@ it ends, and exits with CMD's status. Exit codes besides CMD's own (sysexits.h):
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,9 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
     from timeslice import TimeSliceOrchestratorClient
     from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
 
+    if shutil.which(cmd[0]) is None:  # before the grant: a command that cannot start holds nothing
+        print(f"timeslice run: cannot start {cmd[0]}: not an executable file (nor found in PATH)", file=sys.stderr)
+        return 127
     client = TimeSliceOrchestratorClient(target, job, group, priority=priority)
     try:
         try:

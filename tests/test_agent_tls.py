@@ -192,8 +192,9 @@ async def test_another_certificate_is_refused_before_the_token_is_sent(agent, to
     message = str(err.value)
     assert f"checkpoint of job a on agent {agent.target}: UNAVAILABLE:" in message
     assert "CERTIFICATE_VERIFY_FAILED" in message
-    assert (f"(TLS: the agent did not prove it holds the certificate its plugin pod publishes, {other.fingerprint}, "
-            f"annotation {AGENT_CERTIFICATE_ANNOTATION}, for the name {AGENT_TLS_SERVER_NAME};") in message
+    assert (f"(TLS: the agent did not prove it holds the certificate pinned for it, {other.fingerprint}, for the "
+            f"name {AGENT_TLS_SERVER_NAME}: in a cluster the one its plugin pod publishes, annotation "
+            f"{AGENT_CERTIFICATE_ANNOTATION}") in message and "agent_certificates" in message
     with pytest.raises(TimeSliceServerError, match="CERTIFICATE_VERIFY_FAILED"):
         await client.checkpointed_jobs()
     assert agent.calls == [] and agent.apiserver.reviews == []

@@ -55,8 +55,12 @@ async def test_commands_of_different_jobs_never_run_at_once(target, tmp_path) ->
 async def test_the_commands_status_is_the_exit_status(target) -> None:
     assert (await timeslice_run(target, "a", "--", "sh", "-c", "exit 3"))[0] == 3
     assert (await timeslice_run(target, "a", "--", "sh", "-c", "kill -TERM $$"))[0] == 128 + 15
-    rc, err = await timeslice_run(target, "a", "--", "/nonexistent/cmd")
-    assert rc == 127 and "cannot start /nonexistent/cmd" in err
+    async with grpc.aio.insecure_channel(target) as ch:
+        before = (await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))).grants
+        rc, err = await timeslice_run(target, "a", "--", "/nonexistent/cmd")
+        assert rc == 127 and "cannot start /nonexistent/cmd" in err
+        after = (await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))).grants
+    assert after == before  # a command that cannot start takes no grant (a new-user try found one taken)
 
 
 async def test_no_grant_within_the_timeout_exits_75(target) -> None:

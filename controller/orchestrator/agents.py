@@ -117,10 +117,11 @@ class AgentClient:
         message = f"{what} on agent {self.target}: {err.code().name}: {details}"
         if self.tls and err.code() == grpc.StatusCode.UNAVAILABLE and \
                 any(w in details.lower() for w in _TLS_FAILURE_WORDS):
-            message += (f" (TLS: the agent did not prove it holds the certificate its plugin pod publishes, "
-                        f"{self.fingerprint}, annotation {AGENT_CERTIFICATE_ANNOTATION}, for the name "
-                        f"{AGENT_TLS_SERVER_NAME}; a restarted plugin publishes a new one, which replaces this "
-                        f"channel)")
+            message += (f" (TLS: the agent did not prove it holds the certificate pinned for it, "
+                        f"{self.fingerprint}, for the name {AGENT_TLS_SERVER_NAME}: in a cluster the one its "
+                        f"plugin pod publishes, annotation {AGENT_CERTIFICATE_ANNOTATION} (a restarted plugin "
+                        f"publishes a new one, which replaces this channel); for `timeslice node-agent`, the file "
+                        f"agent_certificates names in the orchestrator's config)")
         return error_from_status(err.code(), message)
 
     async def checkpoint(self, job_id: str, backend: str, group_id: str, timeout: float,
