@@ -157,8 +157,10 @@ async def token_api() -> AsyncIterator[tuple[FakeApiServer, object]]:
     await server.stop()
 
 
-async def eventually(check: Callable[[], object], timeout: float = 5.0, interval: float = 0.01) -> None:
-    """Wait until `check()` is truthy (an async check is awaited); fail after `timeout` s."""
+async def eventually(check: Callable[[], object], timeout: float = 5.0, interval: float = 0.01,
+                     what: str = "condition") -> None:
+    """Wait until `check()` is truthy (an async check is awaited); fail after `timeout` s,
+    naming `what` waited for."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         result = check()
@@ -167,7 +169,7 @@ async def eventually(check: Callable[[], object], timeout: float = 5.0, interval
         if result:
             return
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"{what} not met within {timeout} s")
         await asyncio.sleep(interval)
 
 

@@ -47,6 +47,18 @@ async def start_engine(children: list, kind: str, name: str, log: Path, memory_d
     return p, AppEngine(engine=kind, url=f"http://127.0.0.1:{line.split()[1]}", **app)  # type: ignore[arg-type]
 
 
+async def two_jobs(make_cluster, children: list, engine_dirs: tuple[Path, Path],  # type: ignore[no-untyped-def]
+                   b_kind: str = "sglang", **a_app: object):
+    """Jobs a (a vLLM-like engine, more `AppEngine` fields from `a_app`) and b (`b_kind`), each
+    an engine process, in one group on backend app: (cluster, a's engine)."""
+    log, memory = engine_dirs
+    pa, a_engine = await start_engine(children, "vllm", "a", log, memory, **a_app)
+    pb, b_engine = await start_engine(children, b_kind, "b", log, memory)
+    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
+                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    return c, a_engine
+
+
 async def fault(engine: AppEngine, **faults: str) -> None:
     async with aiohttp.ClientSession() as s, s.post(engine.url + "/fake/fault", json=faults) as r:
         assert r.status == 200
@@ -114,11 +126,8 @@ async def test_agent_refuses_a_step_whose_engine_is_not_on_loopback(children, en
 
 
 async def test_two_jobs_alternate_by_sleep_and_wake_in_order(make_cluster, children, engine_dirs) -> None:
-    log, memory = engine_dirs
-    pa, a_engine = await start_engine(children, "vllm", "a", log, memory)
-    pb, b_engine = await start_engine(children, "sglang", "b", log, memory)
-    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
-                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs)
     a, b = c.client("a"), c.client("b")
     try:
         for holder in (a, b, a, b):
@@ -138,11 +147,8 @@ async def test_two_jobs_alternate_by_sleep_and_wake_in_order(make_cluster, child
 
 async def test_a_failing_wake_is_reported_and_the_other_job_keeps_working(make_cluster, children,
                                                                           engine_dirs) -> None:
-    log, memory = engine_dirs
-    pa, a_engine = await start_engine(children, "vllm", "a", log, memory)
-    pb, b_engine = await start_engine(children, "sglang", "b", log, memory)
-    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
-                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs)
     a, b = c.client("a"), c.client("b")
     try:
         await a.acquire(timeout=10)
@@ -169,11 +175,8 @@ async def test_a_failing_wake_is_reported_and_the_other_job_keeps_working(make_c
 
 
 async def test_a_hung_sleep_times_out_and_the_switch_rolls_back(make_cluster, children, engine_dirs) -> None:
-    log, memory = engine_dirs
-    pa, a_engine = await start_engine(children, "vllm", "a", log, memory, timeoutSeconds=0.5)
-    pb, b_engine = await start_engine(children, "vllm", "b", log, memory)
-    c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
-                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, "vllm", timeoutSeconds=0.5)
     a, b = c.client("a"), c.client("b")
     try:
         await a.acquire(timeout=10)

@@ -28,6 +28,7 @@ from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 
+from tests.conftest import eventually
 from tests.integration_deps import need
 from tests.test_gpu import _gpu
 
@@ -61,13 +62,6 @@ def spawn(*argv: str, **kw: object) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *argv], **kw)  # type: ignore[call-overload]
 
 
-async def wait_for(check, what: str, seconds: float = 60) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(seconds / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["freeze", pytest.param("cuda", marks=[
@@ -91,13 +85,13 @@ async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_eve
     b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "serving"
-        await wait_for(lambda: all(p.exists() and p.read_text().count("\n") > 3 for p in out), "the all-reduces",
-                       120)
+        await eventually(lambda: all(p.exists() and p.read_text().count("\n") > 3 for p in out), 120,
+                         what="the all-reduces")
         assert out[0].read_text().split()[0] == "3.0"  # 1 + 2: the two ranks are joined
         await a.acquire(timeout=30)
         waiting = asyncio.ensure_future(b.acquire(timeout=60))
         await a.release()  # the switch a -> b starts; the agent stops at the start of a's checkpoint
-        await wait_for(marker.exists, "the agent at checkpoint:before")
+        await eventually(marker.exists, 60, what="the agent at checkpoint:before")
         ranks[1].kill()
         ranks[1].wait()
         go.touch()
@@ -105,7 +99,7 @@ async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_eve
             await waiting
         assert proc_state(ranks[0].pid) in "RS"  # the surviving rank runs: not left stopped
         count = out[0].read_text().count("\n")
-        await wait_for(lambda: out[0].read_text().count("\n") > count, "the surviving rank to go on")
+        await eventually(lambda: out[0].read_text().count("\n") > count, 60, what="the surviving rank to go on")
         # the job's launcher ends the broken job; its client leaves; the waiter is then granted
         ranks[0].kill()
         ranks[0].wait()

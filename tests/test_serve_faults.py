@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 
+from tests.conftest import eventually
 from tests.test_serve import env_for, serve_process
 
 # Job B: one marked process (so the agent stops its client too), which holds once, then
@@ -31,14 +32,14 @@ JOB_B = textwrap.dedent("""
     c.close()
     print("done", flush=True)
 """)
-# Job A: holds the group until it is killed.
+# Job A: holds the group until a signal ends it (the test kills it).
 JOB_A = textwrap.dedent("""
-    import time
+    import signal
     from timeslice import TimeSliceOrchestratorClient
     c = TimeSliceOrchestratorClient(group_id="g")
     c.acquire(timeout=60)
     print("granted", flush=True)
-    time.sleep(600)
+    signal.pause()
 """)
 
 
@@ -47,13 +48,6 @@ async def line(proc: asyncio.subprocess.Process, want: str, seconds: float = 60)
     got = (await asyncio.wait_for(proc.stdout.readline(), seconds)).decode().strip()
     assert got == want, got
 
-
-async def until(check, what: str, seconds: float = 60) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(seconds / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def running(pid: int) -> bool:
@@ -82,7 +76,7 @@ async def b_frozen_behind_a(sock: str) -> tuple[asyncio.subprocess.Process, asyn
 
 async def finish(b: asyncio.subprocess.Process) -> None:
     """B must be thawed and end by itself."""
-    await until(lambda: running(b.pid), "job B thawed")
+    await eventually(lambda: running(b.pid), 60, what="job B thawed")
     await line(b, "done")
     assert await asyncio.wait_for(b.wait(), 60) == 0
 
@@ -102,7 +96,7 @@ async def test_stopping_serve_thaws_a_frozen_job(tmp_path) -> None:
         try:
             serve.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(serve.wait(), 60) == 0
-            await until(lambda: running(b.pid), "job B thawed by the stop")
+            await eventually(lambda: running(b.pid), 60, what="job B thawed by the stop")
         finally:
             os.killpg(a.pid, signal.SIGKILL)
             await a.wait()
@@ -120,7 +114,8 @@ async def test_a_restarted_serve_thaws_the_job_a_killed_serve_left_frozen(tmp_pa
         assert not running(b.pid)  # nobody thawed it
         os.killpg(a.pid, signal.SIGKILL)
         async with serve_process(tmp_path, name="serve-again"):
-            await until(lambda: running(b.pid), "job B thawed by the restarted serve (its agent's records)")
+            await eventually(lambda: running(b.pid), 60,
+                             what="job B thawed by the restarted serve (its agent's records)")
     finally:
         for p in (a, b):
             if p.returncode is None:
@@ -169,14 +164,14 @@ async def test_a_script_killed_between_acquire_and_release_does_not_keep_the_gro
     """Before: the holder process outlived the killed script and kept the lease alive."""
     hold = tmp_path / "hold.json"
     async with serve_process(tmp_path, lease_seconds=60) as (sock, _, _):
-        s = await script(sock, f"timeslice acquire --group g --hold-file {hold} && echo held && sleep 600")
+        s = await script(sock, f"timeslice acquire --group g --hold-file {hold} && echo held && exec tail -f /dev/null")
         await line(s, "held")
         holder = json.loads(hold.read_text())
         assert holder["job"] == f"pgid-{s.pid}"  # the script's process group, named
         s.kill()  # the script only: its holder lives on, in the same process group
         await s.wait()
-        await until(lambda: not Path(f"/proc/{holder['pid']}").exists() or proc_state(holder["pid"]) == "Z",
-                    "the holder to release and end")
+        await eventually(lambda: not Path(f"/proc/{holder['pid']}").exists() or proc_state(holder["pid"]) == "Z",
+                         60, what="the holder to release and end")
         assert not hold.exists()
         run = await script(sock, "setsid -w timeslice run --group g --timeout 20 -- true")
         assert await asyncio.wait_for(run.wait(), 60) == 0  # nobody holds g: not the 60 s lease
