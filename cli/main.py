@@ -69,23 +69,27 @@ def _orchestrator(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from timeslice.cli.serve import ServeConfig, default_socket, main
+    from timeslice.cli.serve import ServeConfig, default_socket, serve
     from timeslice.driver import logs
 
     logs.setup(a.log_level)
-    return main(ServeConfig(socket=Path(a.socket) if a.socket else default_socket(), socket_mode=a.socket_mode,
-                            scope=a.job_scope, groups_file=Path(a.config) if a.config else None,
-                            backend=a.backend, state_dir=Path(a.state_dir) if a.state_dir else None))
+    cfg = ServeConfig(socket=Path(a.socket) if a.socket else default_socket(), socket_mode=a.socket_mode,
+                      scope=a.job_scope, groups_file=Path(a.config) if a.config else None, backend=a.backend,
+                      state_dir=Path(a.state_dir) if a.state_dir else None)
+    asyncio.run(serve(cfg))
+    return 0
 
 
 def _node_agent(a: argparse.Namespace) -> int:
-    from timeslice.cli.node_agent import NodeAgentConfig, main
+    from timeslice.cli.node_agent import NodeAgentConfig, serve
     from timeslice.driver import logs
 
     logs.setup(a.log_level)
-    return main(NodeAgentConfig(listen=a.listen, backends=_names(a.backends) or (), state_dir=Path(a.state_dir),
-                                token_file=a.token_file, tls=a.tls,
-                                certificate_file=Path(a.certificate_file) if a.certificate_file else None))
+    cfg = NodeAgentConfig(listen=a.listen, backends=_names(a.backends) or (), state_dir=Path(a.state_dir),
+                          token_file=a.token_file, tls=a.tls,
+                          certificate_file=Path(a.certificate_file) if a.certificate_file else None)
+    asyncio.run(serve(cfg))
+    return 0
 
 
 def _at_least(low: float, kind: type) -> Any:

@@ -12,10 +12,8 @@ orchestrator to pin, `agent_certificates`).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,11 +76,3 @@ async def serve(cfg: NodeAgentConfig) -> None:
     finally:
         await server.stop(1)
 
-
-def main(cfg: NodeAgentConfig) -> int:
-    try:
-        asyncio.run(serve(cfg))
-    except (ValueError, OSError) as err:
-        print(f"timeslice node-agent: {err}", file=sys.stderr)
-        return 2
-    return 0

@@ -11,10 +11,8 @@ config format; a group without `agents` uses this machine's agent) or are one pe
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,11 +135,3 @@ async def serve(cfg: ServeConfig) -> None:
     finally:
         await front.close()
 
-
-def main(cfg: ServeConfig) -> int:
-    try:
-        asyncio.run(serve(cfg))
-    except (ValueError, OSError) as err:
-        print(f"timeslice serve: {err}", file=sys.stderr)
-        return 2
-    return 0
