@@ -239,8 +239,7 @@ class PeerJobs:
     caller's scope to the job it acts for; the node agent's resolver reads them.
     Bounded: scopes whose processes are all gone are forgotten at the next bind."""
 
-    def __init__(self, proc: Path = Path("/proc")) -> None:
-        self._proc = proc
+    def __init__(self) -> None:
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from timeslice.driver.errors import NotFound
 from timeslice.driver.peercred import PeerJobs, members
-from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, marked
+from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, environ, marked
 
 log = logging.getLogger("timeslice.agent")
 JOB_ENV = b"TIMESLICE_JOB="
@@ -90,16 +90,9 @@ class EnvironProcessResolver(_HostResolver):
 
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         want = JOB_ENV + job_id.encode()
-        return [p for p in _pids(self._proc) if want in _environ(self._proc, p)], f"with {want.decode()}"
+        return [p for p in _pids(self._proc) if want in environ(p, self._proc)], f"with {want.decode()}"
 
 
 def _pids(proc: Path) -> Iterable[int]:
     me = os.getpid()
     return (int(e.name) for e in proc.iterdir() if e.name.isdigit() and int(e.name) != me)
-
-
-def _environ(proc: Path, pid: int) -> list[bytes]:
-    try:
-        return (proc / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:  # gone meanwhile, or not ours to read
-        return []

@@ -43,14 +43,18 @@ def pod_pids(pod_uids: Iterable[str], proc: Path = Path("/proc")) -> dict[str, l
     return {uid: sorted(pids) for uid, pids in found.items()}
 
 
+def environ(pid: int, proc: Path = Path("/proc")) -> list[bytes]:
+    """`pid`'s environment entries (`NAME=value`); [] when it is gone or not ours to read."""
+    try:
+        return (proc / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
 def marked(pid: int, claim_name: str = "", proc: Path = Path("/proc")) -> bool:
     """True when `pid` is marked TIMESLICE_ACCELERATOR_PROCESS=1, or =<claim_name>."""
-    try:
-        entries = (proc / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
     wanted = {MARKER + b"1"} | ({MARKER + claim_name.encode()} if claim_name else set())
-    return any(e in wanted for e in entries)
+    return any(e in wanted for e in environ(pid, proc))
 
 
 def cuda_pids_on(gpu_uuids: set[str]) -> set[int] | None:
