@@ -102,9 +102,7 @@ def release(path: Path) -> int:
         return _holder_gone(path, pid)
     try:
         os.kill(pid, signal.SIGTERM)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(RELEASE_TIMEOUT * 1000):
+        if not _ended(fd, RELEASE_TIMEOUT):
             print(f"timeslice release: the holder (pid {pid}) did not end within {RELEASE_TIMEOUT:g} s",
                   file=sys.stderr)
             return EX_UNAVAILABLE
@@ -182,6 +180,14 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
         client.close()
 
 
+def _ended(pidfd: int, timeout: float | None = None) -> bool:
+    """True once the process of `pidfd` has ended, waiting at most `timeout` seconds (None:
+    until it ends)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else timeout * 1000))
+
+
 def _when_ended(pid: int, stop: threading.Event, ended: threading.Event) -> None:
     """Set `ended` and `stop` once `pid` has ended (a pidfd, Linux >= 5.3)."""
     try:
@@ -189,9 +195,7 @@ def _when_ended(pid: int, stop: threading.Event, ended: threading.Event) -> None
     except ProcessLookupError:
         fd = -1
     if fd >= 0:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        poller.poll()
+        _ended(fd)
         os.close(fd)
     if not stop.is_set():
         print(f"timeslice hold: process {pid}, which took the hold, ended without releasing it: released",
