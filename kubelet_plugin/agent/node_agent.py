@@ -345,13 +345,7 @@ class NodeAgent:
                     self.records.pop(job_id)
                 continue
             log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
-            try:
-                if pids:
-                    await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
-            except TimeSliceServerError as err:
-                log.error("could not undo the interrupted checkpoint of job=%s: %s (record kept)", job_id, err)
-                continue
-            self.records.pop(job_id)
+            await self._put_back(job_id, record, "undoing an interrupted checkpoint")
 
     async def restore_all(self, why: str) -> None:
         """Restore every job this agent holds checkpointed or frozen and drop its record: for
@@ -359,15 +353,21 @@ class NodeAgent:
         and nobody would ask for those jobs, so that no process stays stopped. A restore that
         fails is logged and its record kept (the next start tries the job again)."""
         for job_id, record in list(self.records.jobs.items()):
-            pids = [p for p in record.pids if _alive(p)]
-            try:
-                if pids:
-                    await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
-            except TimeSliceServerError as err:
-                log.error("could not restore job=%s (%s): %s (record kept)", job_id, why, err)
-                continue
-            log.info("restored job=%s pids=%s: %s", job_id, pids, why)
-            self.records.pop(job_id)
+            if await self._put_back(job_id, record, why):
+                log.info("restored job=%s pids=%s: %s", job_id, list(record.pids), why)
+
+    async def _put_back(self, job_id: str, record: JobRecord, why: str) -> bool:
+        """Restore the live processes of `record` and drop it; False (logged, record kept)
+        when the restore fails."""
+        pids = [p for p in record.pids if _alive(p)]
+        try:
+            if pids:
+                await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
+        except TimeSliceServerError as err:
+            log.error("could not restore job=%s (%s): %s (record kept)", job_id, why, err)
+            return False
+        self.records.pop(job_id)
+        return True
 
     def _lock(self, job_id: str) -> asyncio.Lock:
         lock = self._job_locks.get(job_id)
