@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from timeslice.driver import atomic, names, signals
+from timeslice.driver import atomic, signals
 from timeslice.kubelet_plugin.agent.auth import SharedToken
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -40,15 +40,13 @@ class NodeAgentConfig:
     certificate_file: Path | None = None
 
     def check(self) -> None:
-        """Raises ValueError: a TCP address without a token, TLS without a certificate file."""
+        """Raises ValueError: a TCP address without a token, TLS without a certificate file
+        (unknown backends: NodeAgent's own check)."""
         if not self.listen.startswith("unix:") and not self.token_file:
             raise ValueError(f"--listen {self.listen}: a node agent on a network address needs --token-file (any "
                              "local or remote caller could freeze processes); or listen on a unix socket")
         if self.tls and self.certificate_file is None:
             raise ValueError("--tls needs --certificate-file: the orchestrator pins the certificate written there")
-        unknown = [b for b in self.backends if b not in names.BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown backends {', '.join(unknown)}; known: {', '.join(names.BACKENDS)}")
 
 
 async def serve(cfg: NodeAgentConfig) -> None:

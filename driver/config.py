@@ -74,7 +74,7 @@ class TimeSliceConfig(BaseModel):
         return self
 
 
-DEFAULT = TimeSliceConfig(apiVersion=names.CONFIG_API_VERSION, kind=names.CONFIG_KIND)
+DEFAULT = TimeSliceConfig.model_validate({"apiVersion": names.CONFIG_API_VERSION, "kind": names.CONFIG_KIND})
 
 
 def parse(parameters: Any, where: str) -> TimeSliceConfig:
@@ -83,9 +83,13 @@ def parse(parameters: Any, where: str) -> TimeSliceConfig:
     try:
         return TimeSliceConfig.model_validate(parameters)
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(object)'}: {e['msg']}" for e in err.errors())
-        raise InvalidArgument(f"invalid TimeSliceConfig in {where}: {problems}") from None
+        raise InvalidArgument(f"invalid TimeSliceConfig in {where}: {problems(err)}") from None
+
+
+def problems(err: ValidationError, prefix: str = "") -> str:
+    """Every bad field of `err`, `<prefix><field path>: <message>`, joined by "; "."""
+    return "; ".join(f"{prefix}{'.'.join(str(p) for p in e['loc']) or '(object)'}: {e['msg']}"
+                     for e in err.errors())
 
 
 def resolve(config_entries: Iterable[Mapping[str, Any]], requests: Iterable[str]) -> dict[str, TimeSliceConfig]:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.app_engine import DEFAULT_APP_TIMEOUT_SECONDS, AppEngine
+from timeslice.driver.config import problems
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.grpc_server import rpc_method
 from timeslice.kubelet_plugin.agent.backends.base import ProcState
@@ -67,8 +68,7 @@ def _app(request: apb.SwitchStepRequest) -> AppEngine | None:
         return AppEngine(engine=a.engine, url=a.url, level=a.level or 1,  # type: ignore[arg-type]
                          timeoutSeconds=a.timeout_seconds or DEFAULT_APP_TIMEOUT_SECONDS)
     except ValidationError as err:
-        problems = "; ".join(f"app.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
-        raise InvalidArgument(f"invalid app engine: {problems}") from None
+        raise InvalidArgument(f"invalid app engine: {problems(err, 'app.')}") from None
 
 
 def _outcome(o: StepOutcome) -> apb.SwitchStepResponse:
