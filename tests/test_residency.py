@@ -41,7 +41,7 @@ class FakeGpu:
             self.calls.append(("restore", incoming))
         return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
 
-    async def memory(self, spec, jobs) -> MemorySnapshot:
+    async def memory(self, spec, jobs, **watch) -> MemorySnapshot:
         self.reports += 1
         free = self.total - sum(self.on.values())
         return MemorySnapshot(devices={DEV: DeviceMemory(self.total, free)},
@@ -50,13 +50,23 @@ class FakeGpu:
                               host_available={"agent-0": self.host})
 
 
-def group(gpu: FakeGpu, **kw: object) -> LockGroup:
-    return LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), **kw), gpu)  # type: ignore[arg-type]
+def group(gpu: FakeGpu, declare: bool = True, **kw: object) -> LockGroup:
+    """A group on `gpu` whose jobs declared what the fake says they hold (`declare`), so the
+    tests below are about placement of known needs; the tests of unsettled jobs pass False."""
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), **kw), gpu)  # type: ignore[arg-type]
+    if declare:
+        acquire = g.acquire
+
+        async def declaring(job, priority, request_id, timeout, memory=0):  # as a client with TIMESLICE_MEMORY
+            return await acquire(job, priority, request_id, timeout,
+                                 memory or max(gpu.on.get(job, 0), gpu.off.get(job, 0)))
+        g.acquire = declaring  # type: ignore[method-assign]
+    return g
 
 
-async def hold(g: LockGroup, job: str, then=None) -> GrantInfo:
-    """Acquire, run `then()` (what the job does on the GPU), release."""
-    grant = await g.acquire(job, 0, f"{job}-{g.epoch}", timeout=None)
+async def hold(g: LockGroup, job: str, then=None, memory: int = 0) -> GrantInfo:
+    """Acquire (declaring `memory` bytes), run `then()` (what the job does on the GPU), release."""
+    grant = await g.acquire(job, 0, f"{job}-{g.epoch}", timeout=None, memory=memory)
     if then is not None:
         then()
     g.release(job, grant.lease_id, grant.epoch)
@@ -103,10 +113,11 @@ def test_headroom_decides_between_fit_and_eviction() -> None:
     assert plan_room("c", ["a"], s, {}, parse_headroom("6G")) == ["a"]
 
 
-def test_a_newcomer_is_sized_like_the_largest_peak_of_the_others() -> None:
-    s = snap(free=20, a=40, b=40)
-    assert plan_room("n", ["a", "b"], s, {"a": {DEV: 40 * GB}}, parse_headroom("10%")) == ["a"]
-    assert plan_room("n", ["a", "b"], s, {}, parse_headroom("10%")) == []  # nothing known: nothing moves
+def test_a_newcomer_that_declared_nothing_is_placed_alone() -> None:
+    s = snap(free=60, a=20, b=20)
+    assert plan_room("n", ["a", "b"], s, {"a": {DEV: 20 * GB}}, parse_headroom("10%"), alone=True) == ["a", "b"]
+    assert plan_room("n", ["a", "b"], s, {"a": {DEV: 20 * GB}}, parse_headroom("10%"), declared={"n": 30 * GB}) == []
+    assert plan_room("n", ["a", "b"], s, {}, parse_headroom("10%"), declared={"n": 55 * GB}) == ["a"]
 
 
 def test_no_room_even_after_evicting_everyone() -> None:

@@ -71,18 +71,20 @@ class MemoryCommandAckResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "priority", "request_id", "timeout_seconds")
+    __slots__ = ("job_id", "group_id", "priority", "request_id", "timeout_seconds", "memory_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     priority: int
     request_id: str
     timeout_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "epoch", "lease_seconds", "waited_seconds", "restored", "switch_seconds")
@@ -279,18 +281,24 @@ class GroupStatus(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., backend: _Optional[str] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., waiters: _Optional[_Iterable[_Union[Waiter, _Mapping]]] = ..., resident_job_id: _Optional[str] = ..., checkpointed_job_ids: _Optional[_Iterable[str]] = ..., phase: _Optional[str] = ..., epoch: _Optional[int] = ..., grants: _Optional[int] = ..., switches: _Optional[int] = ..., failed_switches: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., recent_switches: _Optional[_Iterable[_Union[SwitchRecord, _Mapping]]] = ..., agent_targets: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., residency: _Optional[str] = ..., resident_job_ids: _Optional[_Iterable[str]] = ..., jobs: _Optional[_Iterable[_Union[JobResidency, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[DeviceMemory, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobResidency(_message.Message):
-    __slots__ = ("job_id", "state", "device_bytes", "peak_bytes", "checkpointed_bytes")
+    __slots__ = ("job_id", "state", "device_bytes", "peak_bytes", "checkpointed_bytes", "declared_bytes", "reserved_bytes", "settled")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     device_bytes: int
     peak_bytes: int
     checkpointed_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., device_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., checkpointed_bytes: _Optional[int] = ...) -> None: ...
+    declared_bytes: int
+    reserved_bytes: int
+    settled: bool
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., device_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., checkpointed_bytes: _Optional[int] = ..., declared_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class DeviceMemory(_message.Message):
     __slots__ = ("device", "total_bytes", "free_bytes", "age_seconds")

@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -80,6 +80,7 @@ class AgentMemory:
     device_bytes: dict[str, dict[str, int]]
     checkpointed_bytes: dict[str, dict[str, int]]
     host_available: int
+    peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch (`memory(watch=...)`)
 
 
 class AgentClient:
@@ -164,18 +165,23 @@ class AgentClient:
             raise known from err
         return StepResult(int(resp.bytes), float(resp.seconds))
 
-    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:
-        """This node's memory report for `jobs` ((job, member) pairs). Raises a
+    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]], watch: float = 0.0,
+                     low_free: int = 0) -> AgentMemory:
+        """This node's memory report for `jobs` ((job, member) pairs). `watch` > 0 seconds:
+        the agent samples its GPUs for that long, or until one has less than `low_free`
+        bytes free, and reports each job's peak over the samples. Raises a
         `TimeSliceServerError` subclass."""
-        req = apb.GetMemoryRequest(jobs=[self._step_request(job, "", "", 0.0, member) for job, member in jobs])
+        req = apb.GetMemoryRequest(jobs=[self._step_request(job, "", "", 0.0, member) for job, member in jobs],
+                                   watch_seconds=watch, low_free_bytes=low_free)
         try:
-            resp = await self._stub.GetMemory(req, timeout=RPC_SLACK_SECONDS, metadata=self._metadata())
+            resp = await self._stub.GetMemory(req, timeout=watch + RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise self._error(err, "memory report") from err
         return AgentMemory({g.uuid: (int(g.total_bytes), int(g.free_bytes)) for g in resp.gpus},
                            {j.job_id: dict(j.device_bytes) for j in resp.jobs},
                            {j.job_id: dict(j.checkpointed_bytes) for j in resp.jobs if j.checkpointed_bytes},
-                           int(resp.host_available_bytes))
+                           int(resp.host_available_bytes),
+                           {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes})
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",
@@ -228,7 +234,8 @@ class UnusableAgent(AgentClient):
     async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
         raise self._refused("list jobs")
 
-    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> AgentMemory:
+    async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]], watch: float = 0.0,
+                     low_free: int = 0) -> AgentMemory:
         raise self._refused("memory report")
 
     def _refused(self, what: str) -> Unavailable:

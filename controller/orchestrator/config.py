@@ -26,8 +26,9 @@ class MemberSpec(BaseModel):
     holder id (`job_id` on the wire) its clients' handles resolve to (`Orchestrator.group_for`);
     for each node agent the claim set's claims on that node (namespace, name),
     and the job's pods. The agent finds the processes from these (claim -> pods -> PIDs).
-    `priority` and `max_hold_seconds` come from the claim set's TimeSliceConfig and
-    override what its client asks for; `app` (backend app) its inference engine, which the
+    `priority`, `max_hold_seconds` and `memory` (bytes per GPU) come from the claim set's
+    TimeSliceConfig (`memory` also from a consumable-capacity request) and override what
+    its client asks for; `app` (backend app) its inference engine, which the
     agents sleep and wake. (In static mode a group has no members and a holder id is a job
     name from the agents' job tables.)"""
 
@@ -40,6 +41,9 @@ class MemberSpec(BaseModel):
     priority: int = 0
     max_hold_seconds: float | None = Field(default=None, gt=0)
     app: AppEngine | None = None
+    # bytes per GPU the claim set declared (TimeSliceConfig `memory`, or its claims'
+    # consumable-capacity `memory` request); 0: none
+    memory: int = Field(default=0, ge=0)
 
 
 class GroupSpec(BaseModel):

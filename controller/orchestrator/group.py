@@ -116,9 +116,15 @@ class LockGroup:
 
     # -- RPC entry points ------------------------------------------------------
     async def acquire(self, job_id: str, priority: int, request_id: str,
-                      timeout: float | None) -> GrantInfo:
-        """Wait for a grant; `timeout` seconds or None. Raises AcquireTimeout, SwitchFailed,
-        or CancelledError when the caller goes away (the entry is withdrawn first)."""
+                      timeout: float | None, memory: int = 0) -> GrantInfo:
+        """Wait for a grant; `timeout` seconds or None. `memory`: bytes per GPU the job
+        declares it needs (0: none; a claim set's configured value wins). Raises
+        AcquireTimeout, SwitchFailed, or CancelledError when the caller goes away (the entry
+        is withdrawn first)."""
+        member = self.spec.member(job_id)
+        memory = member.memory if member is not None and member.memory else memory
+        if memory:
+            self.residency.declare(job_id, memory)
         h = self.holder
         if h is not None and h.job_id == job_id:
             h.request_ids.add(request_id)
@@ -126,7 +132,6 @@ class LockGroup:
         if job_id in self.failed_jobs:
             raise SwitchFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
                                "retried: restart the job, which drops it)")
-        member = self.spec.member(job_id)
         if member is not None:
             priority = member.priority
         w = self.queue.by_request(job_id, request_id)
@@ -259,6 +264,7 @@ class LockGroup:
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
                  h.epoch, held, why)
         self.holder = None
+        self.residency.hold_ended(h.job_id)
         self.leases.stop()
         self.preemption.stop_clock()
 
@@ -332,6 +338,7 @@ class LockGroup:
         self.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
         self.leases.arm()
         self.preemption.arm()
+        self.moves.watch_holder()
         self.moves.stage_next()
 
     def _grant_info(self, h: Hold, waited: float) -> GrantInfo:

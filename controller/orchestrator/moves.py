@@ -55,6 +55,10 @@ MAX_RESTORE_FAILURES = 3
 # While a resident's processes are departing (see `SwitchCoordinator.departing`), a plan that
 # finds no room asks for a fresh memory report this often, seconds.
 DEPARTING_POLL_SECONDS = 0.25
+# While a job holds (memory-aware groups), its node agents sample the GPUs every 100 ms
+# (`AgentClient.memory(watch=...)`), answering at least this often (seconds) with the
+# holder's peak, and at once when a GPU's free memory falls under the headroom.
+HOLDER_WATCH_SECONDS = 2.0
 
 
 class MemoryMoves:
@@ -71,6 +75,7 @@ class MemoryMoves:
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
+        self._watch_task: asyncio.Task[None] | None = None
 
     @property
     def memory_aware(self) -> bool:
@@ -182,8 +187,9 @@ class MemoryMoves:
             return
         incoming = next_job(g, head)
         if incoming == h.job_id or incoming not in g.residency.checkpointed or self.must_leave(incoming) \
-                or self._unstaged == (h.epoch, incoming) or incoming in g.failed_jobs:
-            return
+                or self._unstaged == (h.epoch, incoming) or incoming in g.failed_jobs \
+                or not (g.residency.known(incoming) and g.residency.known(h.job_id)):
+            return  # an unsettled job runs alone: nothing is staged beside it, nor it beside others
         self.switching, self._beside = (None, incoming), h.job_id
         self._switch_task = asyncio.get_running_loop().create_task(
             self._switch(None, incoming, restore=True, grant=False, beside=h.job_id), name=f"stage-{g.id}")
@@ -202,6 +208,87 @@ class MemoryMoves:
         if w is not None and w.priority >= head.priority:
             log.debug("granted beside a staging group=%s job=%s", g.id, job)
             g.grant(job, restored=False, switch_seconds=0.0)
+
+    # -- the holder's growth ------------------------------------------------------------------
+    def watch_holder(self) -> None:
+        """While a job holds (memory-aware groups): learn its peak as it grows, and when a
+        GPU's free memory falls under the headroom (the holder outgrew its reservation),
+        checkpoint idle residents there, least recently held first, never the holder, before
+        the holder runs out."""
+        if self.memory_aware and (self._watch_task is None or self._watch_task.done()):
+            self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name=f"watch-{self._g.id}")
+
+    async def _watch(self) -> None:
+        g = self._g
+        while g.holder is not None:
+            h, r = g.holder, g.residency
+            fraction, fixed = parse_headroom(g.spec.memory_headroom)
+            totals = [d.total for d in r.snapshot.devices.values()] if r.snapshot else []
+            low = int(fraction * min(totals)) + fixed if totals else 0
+            jobs = sorted({*r.residents, *r.checkpointed})
+            started = time.monotonic()
+            try:
+                snap = await g.switcher.memory(g.spec, jobs, watch=HOLDER_WATCH_SECONDS,  # type: ignore[attr-defined]
+                                               low_free=low)
+            except Exception as err:  # an agent that does not answer: the next grant plans afresh
+                log.warning("memory watch failed group=%s holder=%s: %s", g.id, h.job_id, err)
+                await asyncio.sleep(HOLDER_WATCH_SECONDS)
+                continue
+            if g.holder is h and snap is not None and snap.devices:
+                r.observe(snap)
+                if await self._room_for_holder(snap, h.job_id):
+                    continue
+            # an agent that answers at once (low memory and nothing to move, a test double) is asked again later
+            await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
+
+    async def _room_for_holder(self, snap: MemorySnapshot, holder: str) -> bool:
+        """Checkpoint idle residents on the GPUs where `snap` shows less free than the
+        headroom; True when it did."""
+        g, r = self._g, self._g.residency
+        fraction, fixed = parse_headroom(g.spec.memory_headroom)
+        short = {dev: int(fraction * m.total) + fixed - m.free for dev, m in snap.devices.items()
+                 if m.free < int(fraction * m.total) + fixed}
+        if not short or self.switching is not None:
+            return False
+        evict = []
+        for job in r.lru(excluding=[holder]):
+            held = snap.movable_bytes.get(job, snap.on_device(job))
+            if any(held.get(dev, 0) > 0 for dev in short):
+                evict.append(job)
+                for dev in short:
+                    short[dev] -= held.get(dev, 0)
+                if all(v <= 0 for v in short.values()):
+                    break
+        if not evict:
+            return False
+        log.warning("holder %s outgrew its reservation group=%s (free %s): checkpointing idle %s", holder,
+                    g.id, {d: m.free for d, m in snap.devices.items()}, evict)
+        await self._make_room_now(evict, holder)
+        return True
+
+    async def _make_room_now(self, evict: list[str], holder: str) -> None:
+        """Checkpoint idle residents `evict` beside the holder (no restore, no grant)."""
+        g = self._g
+        self.switching = (evict[0], holder)
+        self._evicting = frozenset(evict)
+        try:
+            record = await g.switcher(g.spec, tuple(evict), holder, False)
+        except SwitchError as err:
+            record = err.record
+            g.counters.failed_switches += 1
+            for job in err.off_gpu:
+                g.residency.moved_out(job)
+            log.warning("room for the holder not made group=%s evict=%s: %s", g.id, evict, err)
+        else:
+            for job in evict:
+                g.residency.moved_out(job)
+            g.counters.switches += 1
+        finally:
+            self.switching, self._evicting = None, frozenset()
+        record.finished_at_unix = time.time()
+        g.recent.append(record)
+        g.notify("switched" if record.ok else "switch-failed", holder, record=record)
+        g.dispatch()
 
     # -- the switch ------------------------------------------------------------------------
     def start_switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
@@ -248,10 +335,14 @@ class MemoryMoves:
                 if dev in snap.devices:
                     m = snap.devices[dev]
                     snap.devices[dev] = type(m)(m.total, m.free + b)
+            r = g.residency
+            if beside is not None and not (r.known(incoming) and r.known(beside)):
+                raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
+                             f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")
             try:
-                plan = plan_room(incoming, residents, snap, g.residency.peaks,
-                                 parse_headroom(g.spec.memory_headroom),
-                                 host_checked=g.spec.backend != "cooperative")
+                plan = plan_room(incoming, residents, snap, r.peaks, parse_headroom(g.spec.memory_headroom),
+                                 host_checked=g.spec.backend != "cooperative", declared=r.declared,
+                                 alone=not r.known(incoming))
             except NoRoom:
                 departing = g.switcher.departing(g.spec, g.residency.residents) \
                     if hasattr(g.switcher, "departing") else []
@@ -353,6 +444,10 @@ class MemoryMoves:
         g.notify("job-failed", job, record=record)
 
     async def close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
         if self._switch_task is not None:
             self._switch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -385,7 +480,9 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     headroom (the holder that just released may have grown since that report): grant at
     once. Otherwise the grant waits for a fresh report and a plan."""
     r = g.residency
+    if not r.known(incoming) and r.lru(excluding=[incoming]):
+        return False  # unsettled: granted alone, after a plan
     if r.snapshot is None:
         return True
     fraction, fixed = parse_headroom(g.spec.memory_headroom)
-    return not lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed))
+    return not lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed), r.declared)

@@ -6,15 +6,26 @@ the lock orders compute, memory moves only when the incoming job does not fit.
 
 Terms. A *device* is one GPU of one node, keyed `"<agent target>/<GPU uuid>"`. A
 `MemorySnapshot` merges the node agents' reports (`GetMemory`, NVML): per device its
-total and free bytes, per job its bytes on each device and the size of its checkpoint.
-A job's *need* on a device is what it will hold there while it computes: the most it
-held while holding (its peak), at least its checkpoint's size; a job never seen holding
-is estimated at the largest peak of the group's other jobs (jobs of one group are
-usually alike). The *room* it lacks is need - what it holds now + headroom - free.
-Residents are checkpointed least recently held first until no device lacks room; a
-checkpoint also needs host memory for its bytes on that node. Without room for what the
-job must add, the plan raises `NoRoom` naming the device and the numbers, and nothing is
-attempted; a resident job that only finds the headroom thin is granted anyway.
+total and free bytes, per job its bytes on each device (and the most it held since the
+last report, sampled by the agent every 100 ms) and the size of its checkpoint.
+
+A job's *need* on a device (its reservation) is max(what it declared, the most it held
+while holding (its peak), its checkpoint's size). It declares with the claim's
+consumable-capacity `memory` request or `TimeSliceConfig.memory` (cluster), or
+`TIMESLICE_MEMORY` / `acquire(memory=)` (its client; bytes per GPU). A job that declared
+nothing is *unsettled* until one of its holds, after its first two, ended without raising
+its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their first hold
+(the model is built inside it, optimizer state appears at the first train step, the KV
+cache in generate; measured on the H200: a GRPO job held 36 GB at its first hold and 47 GB
+after its first train step, bench/results/rl-grpo-*.json), so its peak so far is no bound
+yet. An unsettled job is never placed beside others on a guess: it is granted *alone*
+(every idle resident on its GPUs is checkpointed first), nothing is staged or restored
+beside it while it holds, and its grant waits until it is alone. The *room* a job lacks
+is need - what it holds now + headroom - free. Residents are checkpointed least recently
+held first until no device lacks room; a checkpoint also needs host memory for its bytes
+on that node. Without room for what the job must add, the plan raises `NoRoom` naming the
+device and the numbers, and nothing is attempted; a resident job that only finds the
+headroom thin is granted anyway.
 """
 
 from __future__ import annotations
@@ -28,6 +39,12 @@ from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.headroom import parse_headroom
 
 __all__ = ["MemorySnapshot", "NoRoom", "Residency", "lacking_room", "parse_headroom", "plan_room"]
+
+# A hold ends *settled* (its job's memory is known) when its peak grew by at most this
+# fraction of the device's memory (allocator rounding, a longer batch), after at least
+# `SETTLE_MIN_HOLDS` holds (the first builds the job, the next ones add its phases' state).
+SETTLE_GROWTH = 0.01
+SETTLE_MIN_HOLDS = 2
 
 class NoRoom(FailedPrecondition):
     """No plan makes room: the job stays where it is (checkpointed or not granted)."""
@@ -51,6 +68,10 @@ class MemorySnapshot:
     # only the registered state leaves; the CUDA context and the rest stay)
     movable_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available: dict[str, int] = field(default_factory=dict)
+    # job -> device -> the most it held since the agent's previous report (sampled every
+    # 100 ms while the orchestrator watches a hold); at least device_bytes
+    peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    unseen: set[str] = field(default_factory=set)  # jobs whose device bytes are what they registered, not NVML's
     taken_at: float = field(default_factory=time.monotonic)
 
     def on_device(self, job: str) -> dict[str, int]:
@@ -66,30 +87,31 @@ def agent_of(device: str) -> str:
     return device.rsplit("/", 1)[0]
 
 
-def need_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
-    """Bytes `job` will hold on each device while it computes (see the module docstring)."""
+def devices_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]]) -> set[str]:
+    """The devices `job` uses: where it holds, held, or has a checkpoint; a job never seen
+    anywhere uses every device of the group's report (static groups have one GPU each)."""
+    devs = set(peaks.get(job, {})) | set(snap.checkpointed_bytes.get(job, {})) | set(snap.on_device(job))
+    return devs or set(snap.devices)
+
+
+def need_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
+            declared: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes `job` will hold on each device while it computes (its reservation): see the
+    module docstring. `declared`: job -> bytes per GPU it declared."""
     own = peaks.get(job, {})
     ckpt = snap.checkpointed_bytes.get(job, {})
-    need: dict[str, int] = {}
-    if own or ckpt:
-        for dev in set(own) | set(ckpt):
-            need[dev] = max(own.get(dev, 0), ckpt.get(dev, 0))
-        return need
-    for other, per_dev in peaks.items():  # never seen holding: like the largest of the others
-        if other != job:
-            for dev, b in per_dev.items():
-                need[dev] = max(need.get(dev, 0), b)
-    return need
+    d = (declared or {}).get(job, 0)
+    return {dev: max(own.get(dev, 0), ckpt.get(dev, 0), d) for dev in devices_of(job, snap, peaks)}
 
 
 def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-                 headroom: tuple[float, int]) -> dict[str, tuple[int, bool]]:
+                 headroom: tuple[float, int], declared: Mapping[str, int] | None = None) -> dict[str, tuple[int, bool]]:
     """Per device of `incoming` where free memory is short of (growth + headroom): the bytes
     missing, and whether the job must grow there (restore, a newcomer, a peak above what it
     holds: then the bytes must be found) or only the headroom is thin (found if idle residents
     can give it, else the job is granted anyway: what it needs is already on the device)."""
     have = snap.on_device(incoming)
-    need = need_of(incoming, snap, peaks)
+    need = need_of(incoming, snap, peaks, declared)
     out: dict[str, tuple[int, bool]] = {}
     for dev in set(need) | set(have):
         mem = snap.devices.get(dev)
@@ -104,24 +126,29 @@ def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mappin
 
 def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
               peaks: Mapping[str, Mapping[str, int]], headroom: tuple[float, int],
-              host_checked: bool = True) -> list[str]:
+              host_checked: bool = True, declared: Mapping[str, int] | None = None,
+              alone: bool = False) -> list[str]:
     """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
 
     `residents_lru`: the idle resident jobs, least recently held first (never the incoming
     job). `headroom`: (fraction of device total, bytes), from `parse_headroom`: kept free on
     each device of `incoming` (a resident job's next phase may grow past its peak so far).
     `host_checked`: each checkpoint must fit in its node's available host memory (the
-    backends that copy device memory to host memory). Raises NoRoom when the job must grow
-    and cannot, or when a checkpoint it needs has no host memory.
+    backends that copy device memory to host memory). `declared`: job -> bytes per GPU it
+    declared. `alone`: `incoming` is unsettled (module docstring): every resident that
+    holds memory on its devices is checkpointed, whether or not it seems to fit. Raises
+    NoRoom when the job must grow and cannot, or when a checkpoint it needs has no host
+    memory.
     """
-    lacking = lacking_room(incoming, snap, peaks, headroom)
+    lacking = lacking_room(incoming, snap, peaks, headroom, declared)
+    mine = devices_of(incoming, snap, peaks)
     evict: list[str] = []
     host = dict(snap.host_available)
     for job in residents_lru:
-        if not lacking:
+        if not lacking and not alone:
             break
         held = snap.movable_bytes.get(job, snap.on_device(job))
-        if not any(held.get(dev, 0) > 0 for dev in lacking):
+        if not any(held.get(dev, 0) > 0 for dev in (mine if alone else lacking)):
             continue
         if host_checked:
             for agent, n in _per_agent(held).items():
@@ -142,7 +169,8 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     if strict:
         dev, short = next(iter(strict.items()))
         mem = snap.devices[dev]
-        raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need_of(incoming, snap, peaks)[dev])} plus "
+        need = need_of(incoming, snap, peaks, declared)[dev]
+        raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
                      f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "
                      f"would leave it {_gb(short)} short; {incoming} stays where it is")
     return evict
@@ -157,13 +185,19 @@ def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
 
 class Residency:
     """Where each job of a group is: resident (least recently held first) or checkpointed,
-    the last `MemorySnapshot`, and each job's peak bytes per device seen while resident
-    (a resident's footprint grows only while it holds)."""
+    the last `MemorySnapshot`, each job's peak bytes per device seen while resident (a
+    resident's footprint grows only while it holds), what it declared (bytes per GPU), and
+    which jobs are settled (module docstring)."""
 
     def __init__(self) -> None:
         self.residents: OrderedDict[str, None] = OrderedDict()
         self.checkpointed: set[str] = set()
         self.peaks: dict[str, dict[str, int]] = {}
+        self.declared: dict[str, int] = {}
+        self.settled: set[str] = set()
+        self.holds: dict[str, int] = {}  # job -> holds ended
+        self._peak_at_grant: dict[str, dict[str, int]] = {}  # the holder's peak at its grant
+        self._ended: dict[str, dict[str, int]] = {}  # holds ended since the last snapshot: peak at grant
         self.snapshot: MemorySnapshot | None = None
 
     def held(self, job: str) -> None:
@@ -171,6 +205,37 @@ class Residency:
         self.checkpointed.discard(job)
         self.residents[job] = None
         self.residents.move_to_end(job)
+        self._peak_at_grant[job] = dict(self.peaks.get(job, {}))
+
+    def hold_ended(self, job: str) -> None:
+        """`job`'s hold ended: the next snapshot (which carries the most it held) decides
+        whether it settled: this hold, after its first `SETTLE_MIN_HOLDS`, raised its peak
+        by at most `SETTLE_GROWTH` of each device."""
+        if job in self._peak_at_grant:
+            self._ended[job] = self._peak_at_grant.pop(job)
+
+    def _settle(self, snap: MemorySnapshot) -> None:
+        for job, before in self._ended.items():
+            n = self.holds[job] = self.holds.get(job, 0) + 1
+            peak = self.peaks.get(job, {})
+            if n <= SETTLE_MIN_HOLDS or job in self.settled or not peak:
+                continue
+            if all(b - before.get(dev, 0) <= SETTLE_GROWTH * snap.devices[dev].total
+                   for dev, b in peak.items() if dev in snap.devices):
+                self.settled.add(job)
+        self._ended.clear()
+
+    def declare(self, job: str, nbytes: int) -> None:
+        """`job` declared it needs `nbytes` per GPU (0: nothing declared; a later
+        declaration replaces an earlier one)."""
+        if nbytes > 0:
+            self.declared[job] = nbytes
+        else:
+            self.declared.pop(job, None)
+
+    def known(self, job: str) -> bool:
+        """Whether `job`'s need is known: declared, or settled."""
+        return job in self.declared or job in self.settled
 
     def moved_out(self, job: str) -> None:
         self.residents.pop(job, None)
@@ -188,6 +253,11 @@ class Residency:
         self.residents.pop(job, None)
         self.checkpointed.discard(job)
         self.peaks.pop(job, None)
+        self.declared.pop(job, None)
+        self.settled.discard(job)
+        self.holds.pop(job, None)
+        self._peak_at_grant.pop(job, None)
+        self._ended.pop(job, None)
 
     def lru(self, excluding: Iterable[str] = ()) -> list[str]:
         skip = set(excluding)
@@ -197,11 +267,20 @@ class Residency:
     def most_recent(self) -> str | None:
         return next(reversed(self.residents), None)
 
+    def need(self, job: str) -> dict[str, int]:
+        """`job`'s reservation per device by the last snapshot (empty without one)."""
+        return need_of(job, self.snapshot, self.peaks, self.declared) if self.snapshot else {}
+
     def observe(self, snap: MemorySnapshot) -> None:
-        """Take a new snapshot: residents' peaks grow to what they hold now."""
+        """Take a new snapshot: residents' peaks grow to the most they held (`peak_bytes`,
+        else what they hold now)."""
         self.snapshot = snap
         for job in self.residents:
             peak = self.peaks.setdefault(job, {})
-            for dev, b in snap.on_device(job).items():
+            seen = dict(snap.on_device(job))
+            for dev, b in snap.peak_bytes.get(job, {}).items():
+                seen[dev] = max(seen.get(dev, 0), b)
+            for dev, b in seen.items():
                 if b > peak.get(dev, 0):
                     peak[dev] = b
+        self._settle(snap)

@@ -135,7 +135,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         if len(request_id) > 128 or request_id.startswith("*"):
             raise InvalidArgument("request_id must be at most 128 characters and not start with '*' "
                                   "(reserved for the orchestrator's own queue entries)")
-        grant = await group.acquire(job, request.priority, request_id, t or None)
+        grant = await group.acquire(job, request.priority, request_id, t or None, request.memory_bytes)
         return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch, lease_seconds=grant.lease_seconds,
                                   waited_seconds=grant.waited_seconds, restored=grant.restored,
                                   switch_seconds=grant.switch_seconds)

@@ -42,6 +42,13 @@ RESEND_WINDOW_SECONDS = 30.0
 # Backoff between resends: the first wait, doubled after each resend, and its cap (seconds).
 RESEND_BACKOFF_SECONDS = 0.1
 RESEND_BACKOFF_MAX_SECONDS = 1.0
+# A cooperative checkpoint counts once NVML shows this fraction of its acknowledged bytes
+# freed (the rest: allocator rounding), checked every FREED_POLL_SECONDS for at most
+# FREED_TIMEOUT_SECONDS; otherwise the switch rolls back (nothing is placed on memory
+# that is not free).
+FREED_FRACTION = 0.9
+FREED_POLL_SECONDS = 0.05
+FREED_TIMEOUT_SECONDS = 10.0
 
 
 class SwitchCoordinator:
@@ -62,6 +69,7 @@ class SwitchCoordinator:
                 rec.ok, rec.error = False, f"restore of {incoming} cannot start: {err}; nothing moved"
                 raise SwitchError(rec.error, rec) from err
         t0 = time.monotonic()
+        before = await self.memory(spec, evict) if evict and spec.backend == names.BACKEND_COOPERATIVE else None
         out: list[str] = []
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
@@ -75,6 +83,14 @@ class SwitchCoordinator:
                 raise self._failed(rec, f"checkpoint of {job} failed", failures, back and not stuck,
                                    stuck + ([] if back else [job]))
             out.append(job)
+        if before is not None and rec.bytes_checkpointed and not await self._freed(spec, out, before, rec):
+            rec.checkpoint_seconds = time.monotonic() - t0
+            stuck = await self._restore_all(spec, out)
+            rec.ok = False
+            rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes) but the GPU "
+                         f"memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
+                         + ("rolled back" if not stuck else "ROLLBACK INCOMPLETE"))
+            raise SwitchError(rec.error, rec, stuck)
         rec.checkpoint_seconds = time.monotonic() - t0
         if restore:
             t0 = time.monotonic()
@@ -100,11 +116,15 @@ class SwitchCoordinator:
         found = await asyncio.gather(*(a.checkpointed_jobs(group) for a in agents))
         return not any(job in jobs for jobs in found)
 
-    async def memory(self, spec: GroupSpec, jobs: Sequence[str]) -> MemorySnapshot:
+    async def memory(self, spec: GroupSpec, jobs: Sequence[str], watch: float = 0.0,
+                     low_free: int = 0) -> MemorySnapshot:
         """One snapshot of the group's memory from all its node agents (in parallel). An
-        agent that does not answer is left out (logged); its devices are then unknown."""
+        agent that does not answer is left out (logged); its devices are then unknown.
+        `watch` > 0 seconds: each agent samples its GPUs for that long or until one has less
+        than `low_free` bytes free (`AgentClient.memory`), and the snapshot carries each
+        job's peak over the samples."""
         targets = list(spec.agents)
-        reports = await asyncio.gather(*(self._pool.get(t).memory([(j, spec.member(j)) for j in jobs])
+        reports = await asyncio.gather(*(self._pool.get(t).memory([(j, spec.member(j)) for j in jobs], watch, low_free)
                                          for t in targets), return_exceptions=True)
         snap = MemorySnapshot()
         for target, rep in zip(targets, reports):
@@ -117,6 +137,8 @@ class SwitchCoordinator:
                 snap.device_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             for job, per in rep.checkpointed_bytes.items():
                 snap.checkpointed_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
+            for job, per in rep.peak_bytes.items():
+                snap.peak_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             snap.host_available[target] = rep.host_available
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
             (dev,) = snap.devices
@@ -131,7 +153,35 @@ class SwitchCoordinator:
                     snap.movable_bytes[job] = {dev: n}  # only what it registered leaves the GPU
                     if n and not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
                         snap.device_bytes[job] = {dev: n}
+                        snap.unseen.add(job)
         return snap
+
+    async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot,
+                     rec: SwitchRecord) -> bool:
+        """Whether NVML shows the memory that `jobs`' acknowledged checkpoints freed (a
+        cooperative process answers once it dropped its tensors; the CUDA caching allocator
+        or a late stream may still hold them): per job by its processes' bytes where NVML
+        sees them, else by the devices' free bytes. Polled every `FREED_POLL_SECONDS` for at
+        most `FREED_TIMEOUT_SECONDS`."""
+        if not before.devices:
+            return True  # no GPU report (no NVML): nothing to check against
+        seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
+        want = int(FREED_FRACTION * rec.bytes_checkpointed)
+        free0 = sum(d.free for d in before.devices.values())
+        deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
+        while True:
+            now = await self.memory(spec, jobs)
+            if seen:
+                dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
+            else:
+                dropped = sum(d.free for d in now.devices.values()) - free0
+            if dropped >= want or not now.devices:
+                return True
+            if time.monotonic() >= deadline:
+                log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed", spec.id,
+                          list(jobs), dropped, rec.bytes_checkpointed)
+                return False
+            await asyncio.sleep(FREED_POLL_SECONDS)
 
     def departing(self, spec: GroupSpec, jobs: Iterable[str]) -> list[str]:
         """Those of `jobs` whose processes just closed their cooperative command streams with

@@ -45,6 +45,10 @@ __all__ = ["JobRef", "MemoryView", "NodeAgent", "StepOutcome", "StepRequest", "j
 log = logging.getLogger("timeslice.agent")
 # Host memory a checkpoint must leave to the node's other processes, bytes.
 HOST_RESERVE_BYTES = 2 << 30
+# A memory watch (`memory(watch_seconds=...)`) samples NVML this often, seconds: a job that
+# grows faster than idle residents can leave is not saved by sampling more often.
+WATCH_INTERVAL_SECONDS = 0.1
+MAX_WATCH_SECONDS = 30.0  # bound on one watch (the orchestrator's call deadline is set from it)
 # Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
 
@@ -58,6 +62,7 @@ class MemoryView:
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available: int = 0
+    peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -393,24 +398,37 @@ class NodeAgent:
                 f"the node has {available / 1e9:.2f} GB available and keeps {HOST_RESERVE_BYTES / 1e9:.2f} GB "
                 "for its other processes; nothing was touched, the job stays on the GPUs")
 
-    async def memory(self, jobs: Sequence[JobRef]) -> MemoryView:
+    async def memory(self, jobs: Sequence[JobRef], watch_seconds: float = 0.0, low_free: int = 0) -> MemoryView:
         """The node's GPUs and host memory, and where each job's memory is. A job whose
-        processes cannot be resolved (gone, not started) has no device bytes."""
+        processes cannot be resolved (gone, not started) has no device bytes.
+        `watch_seconds` > 0: sample the GPUs every `WATCH_INTERVAL_SECONDS` for that long
+        (bounded by `MAX_WATCH_SECONDS`), or until a GPU has less than `low_free` bytes free,
+        then answer with the last sample; `peak_bytes` is the most each job held over the
+        samples (the orchestrator watches a holder's growth this way)."""
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
         view = MemoryView(gpu_list, host_available=host)
+        pids_of: dict[str, list[int]] = {}
         for job in jobs:
             record = self.records.jobs.get(job.job_id)
             if record is not None:
                 view.checkpointed_bytes[job.job_id] = dict(record.devices) or (
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
-                pids = await self._pids(job)
+                pids_of[job.job_id] = list(await self._pids(job))
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
-                continue
-            view.device_bytes[job.job_id] = _per_device(gpu_list, pids)
-        return view
+        deadline = time.monotonic() + min(max(0.0, watch_seconds), MAX_WATCH_SECONDS)
+        while True:
+            for job_id, pids in pids_of.items():
+                now = view.device_bytes[job_id] = _per_device(view.gpus, pids)
+                peak = view.peak_bytes.setdefault(job_id, {})
+                for uuid, b in now.items():
+                    peak[uuid] = max(peak.get(uuid, 0), b)
+            if time.monotonic() >= deadline or any(g.free < low_free for g in view.gpus):
+                return view
+            await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+            view.gpus = await asyncio.to_thread(self._memory_probe)
 
     async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
         record = self.records.jobs.get(job_id)

@@ -7,10 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetMemoryRequest(_message.Message):
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "watch_seconds", "low_free_bytes")
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    WATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOW_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[SwitchStepRequest]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ...) -> None: ...
+    watch_seconds: float
+    low_free_bytes: int
+    def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ..., watch_seconds: _Optional[float] = ..., low_free_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuMemory(_message.Message):
     __slots__ = ("uuid", "index", "total_bytes", "free_bytes")
@@ -25,7 +29,7 @@ class GpuMemory(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
 class JobMemory(_message.Message):
-    __slots__ = ("job_id", "device_bytes", "checkpointed_bytes")
+    __slots__ = ("job_id", "device_bytes", "checkpointed_bytes", "peak_device_bytes")
     class DeviceBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,13 +44,22 @@ class JobMemory(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PeakDeviceBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     device_bytes: _containers.ScalarMap[str, int]
     checkpointed_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    peak_device_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ..., peak_device_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
     __slots__ = ("gpus", "jobs", "host_available_bytes")
