@@ -203,8 +203,10 @@ def _status(a: argparse.Namespace) -> int:
             print(f"  device {d.device}: {_size(d.free_bytes)} of {_size(d.total_bytes)} free "
                   f"({d.age_seconds:.1f}s ago)")
         for j in g.jobs if g.devices else ():  # footprints need a memory report
+            reserved = f"reserved {_size(j.reserved_bytes)}" if j.settled else "unsettled: runs alone"
+            declared = f"  declared {_size(j.declared_bytes)}" if j.declared_bytes else ""
             print(f"  job {j.job_id}: {j.state}  on GPU {_size(j.device_bytes)}  peak {_size(j.peak_bytes)}  "
-                  f"checkpointed {_size(j.checkpointed_bytes)}")
+                  f"checkpointed {_size(j.checkpointed_bytes)}  {reserved}{declared}")
         for w in g.waiters:
             print(f"  waiting #{w.position}: {w.job_id} priority={w.priority} for {w.waiting_seconds:.1f}s")
         for line in g.warnings:

@@ -23,6 +23,7 @@ from timeslice.errors import (
     SwitchFailed,
     TimeSliceError,
 )
+from timeslice.quantity import parse_bytes
 from timeslice.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("timeslice.client")
@@ -31,6 +32,7 @@ ENV_TARGET = "TIMESLICE_ORCHESTRATOR"
 ENV_JOB = "TIMESLICE_JOB"
 ENV_GROUP = "TIMESLICE_GROUP"
 ENV_TOKEN_FILE = "TIMESLICE_TOKEN_FILE"
+ENV_MEMORY = "TIMESLICE_MEMORY"
 # Where the example manifests mount the projected ServiceAccount token (audience timeslice.dev).
 DEFAULT_TOKEN_FILE = "/var/run/secrets/timeslice.dev/token"
 
@@ -85,18 +87,29 @@ class Settings:
     group_id: str | None
     priority: int
     unavailable_timeout: float
+    memory: int = 0  # bytes per GPU this job declares it holds at most while it computes; 0: none
+
+
+def memory_bytes(memory: str | int | None) -> int:
+    """Bytes per GPU of a `memory=` argument (a quantity such as "57Gi", or bytes), else of
+    $TIMESLICE_MEMORY; 0 when neither is set. Raises ValueError for a malformed value."""
+    if memory is None:
+        env = os.environ.get(ENV_MEMORY)
+        return parse_bytes(env, f"${ENV_MEMORY}") if env else 0
+    return parse_bytes(memory)
 
 
 def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,
-             unavailable_timeout: float) -> Settings:
-    """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP.
+             unavailable_timeout: float, memory: str | int | None = None) -> Settings:
+    """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP /
+    TIMESLICE_MEMORY (`memory_bytes`).
     Without a job id, a client that has a token (`call_metadata`: in a cluster pod) sends
     none and the orchestrator takes the job from the pod the token is bound to; so does a
     client of a `unix:` target (one-box mode, `timeslice serve`: the job of the calling
     process's process group, from the socket's peer credentials).
 
-    Raises ValueError when the target is set nowhere, or the job id is set nowhere and
-    there is no token.
+    Raises ValueError when the target is set nowhere, the job id is set nowhere and there
+    is no token, or the memory is malformed.
     """
     target = target or os.environ.get(ENV_TARGET)
     job_id = job_id or os.environ.get(ENV_JOB)
@@ -109,7 +122,7 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
                          "orchestrator then takes the job from the pod)")
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
-    return Settings(target, job_id or "", group_id, priority, unavailable_timeout)
+    return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory))
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
@@ -132,10 +145,11 @@ def group_of(s: Settings, group_id: str | None) -> str:
 
 
 def acquire_request(s: Settings, group: str, priority: int | None, remaining: float | None,
-                    request_id: str) -> pb.AcquireRequest:
+                    request_id: str, memory: str | int | None = None) -> pb.AcquireRequest:
     return pb.AcquireRequest(job_id=s.job_id, group_id=group,
                              priority=s.priority if priority is None else priority,
-                             request_id=request_id, timeout_seconds=remaining or 0.0)
+                             request_id=request_id, timeout_seconds=remaining or 0.0,
+                             memory_bytes=s.memory if memory is None else parse_bytes(memory))
 
 
 def new_request_id() -> str:

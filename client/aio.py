@@ -8,6 +8,7 @@ Settings, requests and error translation are shared with the sync client (`_rpc`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,9 +42,9 @@ class AsyncTimeSliceOrchestratorClient:
 
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
-                 unavailable_timeout: float = 30.0,
+                 unavailable_timeout: float = 30.0, memory: str | int | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory)
         self._channel = (grpc.aio.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -56,8 +57,18 @@ class AsyncTimeSliceOrchestratorClient:
     def job_id(self) -> str:
         return self._s.job_id
 
+    @property
+    def memory(self) -> int:
+        """Bytes per GPU this job declares with every acquire (0: none; then the orchestrator
+        runs it alone until it has seen its memory stop growing)."""
+        return self._s.memory
+
+    @memory.setter
+    def memory(self, value: str | int) -> None:
+        self._s = dataclasses.replace(self._s, memory=_rpc.memory_bytes(value))
+
     async def acquire(self, group_id: str | None = None, *, timeout: float | None = None,
-                      priority: int | None = None) -> _rpc.Grant:
+                      priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
         """See `TimeSliceOrchestratorClient.acquire`."""
         group = _rpc.group_of(self._s, group_id)
         hold = self._holds.get(group)
@@ -70,7 +81,7 @@ class AsyncTimeSliceOrchestratorClient:
             resp = await self._retrying(
                 f"acquire {group}", deadline,
                 lambda remaining: self._stub.Acquire(
-                    _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                    _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
                     metadata=_rpc.call_metadata()))
         except BaseException as err:  # gave up (timeout, lost reply, cancelled): leave no grant behind
             if not _rpc.may_be_granted(err):
@@ -115,7 +126,7 @@ class AsyncTimeSliceOrchestratorClient:
         return None if hold is None or hold.lost else hold.grant
 
     def on_accelerators(self, group_id: str | None = None, *, timeout: float | None = None,
-                        priority: int | None = None) -> AcceleratorScope:
+                        priority: int | None = None, memory: str | int | None = None) -> AcceleratorScope:
         """`async with` / decorator for `async def` functions; see the sync client."""
         group = _rpc.group_of(self._s, group_id)
 
@@ -124,7 +135,7 @@ class AsyncTimeSliceOrchestratorClient:
             return hold is not None and hold.lost
 
         return AcceleratorScope(
-            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority),
+            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority, memory=memory),
             release=lambda: self.release(group), lost=lost, is_async_client=True)
 
     async def _retrying(self, what: str, deadline: float | None,

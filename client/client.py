@@ -7,6 +7,7 @@ Thread-safe: several threads may acquire different groups through one client.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -45,16 +46,21 @@ class TimeSliceOrchestratorClient:
         priority: queue priority, higher first, FIFO among equals.
         unavailable_timeout: seconds to keep retrying (same request id) while the
             orchestrator answers UNAVAILABLE before raising `OrchestratorUnavailable`.
+        memory: the most GPU memory this job holds while it computes, per GPU, in bytes or
+            as a quantity ("57Gi", "60G"); default `$TIMESLICE_MEMORY`; sent with every
+            acquire (`acquire(memory=)` overrides it once). The orchestrator reserves
+            max(this, what it saw the job use) beside other jobs; a job that declares
+            nothing runs alone until its memory stopped growing.
         credentials: TLS channel credentials; plaintext when None.
 
-    Raises ValueError when the target or job id is set nowhere.
+    Raises ValueError when the target or job id is set nowhere, or the memory is malformed.
     """
 
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
-                 unavailable_timeout: float = 30.0,
+                 unavailable_timeout: float = 30.0, memory: str | int | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout)
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory)
         self._channel = (grpc.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -68,8 +74,18 @@ class TimeSliceOrchestratorClient:
     def job_id(self) -> str:
         return self._s.job_id
 
+    @property
+    def memory(self) -> int:
+        """Bytes per GPU this job declares with every acquire (0: none; then the orchestrator
+        runs it alone until it has seen its memory stop growing)."""
+        return self._s.memory
+
+    @memory.setter
+    def memory(self, value: str | int) -> None:
+        self._s = dataclasses.replace(self._s, memory=_rpc.memory_bytes(value))
+
     def acquire(self, group_id: str | None = None, *, timeout: float | None = None,
-                priority: int | None = None) -> _rpc.Grant:
+                priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
         """Block until this job holds the group and its state is on the GPUs.
 
         `timeout` is in seconds (None waits without bound). Nested acquires of a
@@ -89,7 +105,7 @@ class TimeSliceOrchestratorClient:
             resp = self._retrying(
                 f"acquire {group}", deadline,
                 lambda remaining: self._stub.Acquire(
-                    _rpc.acquire_request(self._s, group, priority, remaining, request_id), timeout=remaining,
+                    _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
                     metadata=_rpc.call_metadata()))
         except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
             if _rpc.may_be_granted(err):
@@ -159,7 +175,7 @@ class TimeSliceOrchestratorClient:
         return None if hold is None or hold.lost.is_set() else hold.grant
 
     def on_accelerators(self, group_id: str | None = None, *, timeout: float | None = None,
-                        priority: int | None = None) -> AcceleratorScope:
+                        priority: int | None = None, memory: str | int | None = None) -> AcceleratorScope:
         """Decorator and context manager: hold `group_id` around a call or a block.
 
         Works on plain and `async def` functions, with `with` and `async with`.
@@ -168,7 +184,7 @@ class TimeSliceOrchestratorClient:
         """
         group = _rpc.group_of(self._s, group_id)
         return AcceleratorScope(
-            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority),
+            acquire=lambda: self.acquire(group, timeout=timeout, priority=priority, memory=memory),
             release=lambda: self.release(group),
             lost=lambda: self._is_lost(group), is_async_client=False)
 

@@ -204,12 +204,17 @@ class TorchState:
         return self._own
 
 
-def register(client: Any, *objects: Any, group_id: str | None = None) -> TorchState:
+def register(client: Any, *objects: Any, group_id: str | None = None,
+             memory: str | int | None = None) -> TorchState:
     """Let `objects` (modules, optimizers, CUDA tensors) leave the GPU while this job does
     not hold `group_id` (a group whose backend is `cooperative`). `client` is a
     `TimeSliceOrchestratorClient`; returns the `TorchState` (`.add(...)` registers more)
     once the orchestrator's command stream is open (at most 30 s; a warning after that).
-    Raises TypeError for an object it cannot move."""
+    `memory`: the most GPU memory this job holds while it computes, per GPU (bytes or a
+    quantity such as "57Gi"): declared with its acquires from now on (`client.memory`).
+    Raises TypeError for an object it cannot move, ValueError for a malformed memory."""
+    if memory is not None:
+        client.memory = memory
     state = TorchState(objects)
     state.nbytes()  # raises TypeError now rather than at the first checkpoint
     loop: MemoryCommandLoop = client.serve_memory_commands(state, group_id)

@@ -61,6 +61,7 @@ from timeslice.driver import config as ts_config
 from timeslice.driver import names
 from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import InvalidArgument
+from timeslice.quantity import parse_bytes
 
 DeviceRef = tuple[str, str]  # (pool, device) of an allocation result
 FINISHED_PHASES = ("Succeeded", "Failed")
@@ -109,17 +110,19 @@ class JobConfig:
     memory_headroom: str = names.DEFAULT_MEMORY_HEADROOM
     resident_first_seconds: float = names.DEFAULT_RESIDENT_FIRST_SECONDS
     app: AppEngine | None = None  # backend app: the claim set's own engine
+    memory: int = 0  # bytes per GPU it declared (TimeSliceConfig.memory or its consumed `memory` capacity)
 
     @classmethod
-    def of(cls, cfg: ts_config.TimeSliceConfig) -> JobConfig:
+    def of(cls, cfg: ts_config.TimeSliceConfig, consumed_memory: int = 0) -> JobConfig:
         return cls(cfg.priority, cfg.backend, cfg.maxHoldSeconds, cfg.leaseSeconds, cfg.residency,
-                   cfg.memoryHeadroom, cfg.residentFirstSeconds, cfg.app)
+                   cfg.memoryHeadroom, cfg.residentFirstSeconds, cfg.app, max(cfg.memory_bytes(), consumed_memory))
 
     def describe(self) -> str:
         return (f"priority={self.priority} backend={self.backend} maxHoldSeconds={self.max_hold_seconds} "
                 f"leaseSeconds={self.lease_seconds:g} residency={self.residency} "
                 f"memoryHeadroom={self.memory_headroom} residentFirstSeconds={self.resident_first_seconds:g}"
-                + (f" app={self.app.describe()}" if self.app else ""))
+                + (f" app={self.app.describe()}" if self.app else "")
+                + (f" memory={self.memory}" if self.memory else ""))
 
 
 def claim_set_id(job: str, source: str) -> str:
@@ -292,8 +295,23 @@ def _parse_claim(claim: Mapping[str, Any], warnings: list[GroupingWarning]) -> _
             f"request {requests[0]!r} decides for the claim: {JobConfig.of(cfg).describe()} job={cfg.job}"))
     reserved = {c.get("uid") for c in (claim.get("status") or {}).get("reservedFor") or ()
                 if c.get("resource", "pods") == "pods" and c.get("uid")}
-    return _Claim(ref, sorted({(r.get("pool", ""), r.get("device", "")) for r in results}), JobConfig.of(cfg),
-                  cfg.job, reserved)
+    return _Claim(ref, sorted({(r.get("pool", ""), r.get("device", "")) for r in results}),
+                  JobConfig.of(cfg, _consumed_memory(ref, results, warnings)), cfg.job, reserved)
+
+
+def _consumed_memory(ref: ClaimRef, results: Iterable[Mapping[str, Any]], warnings: list[GroupingWarning]) -> int:
+    """The most `memory` capacity one allocation result consumed (KEP-5075
+    `consumedCapacity`, bytes; a device shared with `allowMultipleAllocations`); 0: none."""
+    most = 0
+    for r in results:
+        value = (r.get("consumedCapacity") or {}).get("memory")
+        if value is not None:
+            try:
+                most = max(most, parse_bytes(str(value)))
+            except ValueError as err:
+                warnings.append(GroupingWarning(ref, INVALID_CONFIG, f"allocation result {r.get('pool')}/"
+                                                f"{r.get('device')}: consumedCapacity {err}; not counted"))
+    return most
 
 
 def pod_claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str, str]]:

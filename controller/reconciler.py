@@ -46,7 +46,8 @@ def group_spec(group: Group, default_backend: str, agent: Callable[[str], str]) 
         claims = tuple((c.namespace, c.name) for c in cs.claims)
         members.append(MemberSpec(claim_set=cs.id, claims_by_agent={agent(n): claims for n in cs.nodes},
                                   pod_uids=cs.pods, claim_name=cs.name, priority=cs.config.priority,
-                                  max_hold_seconds=cs.config.max_hold_seconds, app=cs.config.app))
+                                  max_hold_seconds=cs.config.max_hold_seconds, app=cs.config.app,
+                                  memory=cs.config.memory))
     backend = default_backend if group.backend == "auto" else group.backend
     agents = () if backend == "none" else tuple(agent(n) for n in group.nodes)
     return GroupSpec(id=group.id, backend=backend, agents=agents, lease_seconds=group.lease_seconds,

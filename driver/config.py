@@ -36,6 +36,7 @@ from timeslice.driver import names
 from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import InvalidArgument
 from timeslice.driver.headroom import parse_headroom
+from timeslice.quantity import parse_bytes
 
 
 class TimeSliceConfig(BaseModel):
@@ -56,12 +57,27 @@ class TimeSliceConfig(BaseModel):
     # False: the claim's containers get NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 (CDI env), so
     # that backends cuda and cuda-checkpoint can move a multi-GPU NCCL job (issue 14)
     ncclPeerTransports: bool = True
+    # the most GPU memory the job holds while it computes, per GPU ("57Gi", "60G"): the
+    # orchestrator reserves max(this, what it saw the job use); unset: the job runs alone
+    # until its memory stopped growing (a consumable-capacity `memory` request counts too)
+    memory: str | None = None
 
     @field_validator("memoryHeadroom")
     @classmethod
     def _headroom(cls, v: str) -> str:
         parse_headroom(v)
         return v
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_bytes(v)
+        return v
+
+    def memory_bytes(self) -> int:
+        """`memory` in bytes per GPU; 0 when unset."""
+        return parse_bytes(self.memory) if self.memory else 0
 
     @model_validator(mode="after")
     def _app_with_backend_app(self) -> TimeSliceConfig:

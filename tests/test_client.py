@@ -275,3 +275,41 @@ async def test_the_pods_of_one_unit_share_a_hold_until_the_last_releases(make_cl
     await other.release("g")
     for cl in (pod0, pod1, other):
         await cl.close()
+
+
+async def test_a_job_declares_its_memory_from_the_environment_the_client_or_one_acquire(make_cluster,
+                                                                                         monkeypatch) -> None:
+    """Issue 21, item 1: `TIMESLICE_MEMORY`, `memory=` on the client and on one acquire (bytes
+    per GPU, Kubernetes quantities) reach the orchestrator, which reserves it for the job."""
+    c = await make_cluster()
+    declared = c.orchestrator.group("g").residency.declared
+    monkeypatch.setenv("TIMESLICE_MEMORY", "57Gi")
+    env = c.client("env")
+    assert env.memory == 57 * 2**30
+    await env.acquire()
+    assert declared["env"] == 57 * 2**30
+    await env.release()
+    monkeypatch.delenv("TIMESLICE_MEMORY")
+    own = c.client("own", memory="60G")
+    await own.acquire(memory=1024)  # one acquire overrides it
+    assert declared["own"] == 1024
+    await own.release()
+    await own.acquire()
+    assert declared["own"] == 60 * 10**9
+    await own.release()
+    status = {j.job_id: j for j in (await c.status()).jobs}
+    assert status["own"].declared_bytes == 60 * 10**9 and status["own"].settled
+    for client in (env, own):
+        await client.close()
+
+
+def test_a_malformed_memory_is_refused_where_it_is_set(monkeypatch) -> None:
+    monkeypatch.setenv("TIMESLICE_MEMORY", "lots")
+    with pytest.raises(ValueError, match=r"\$TIMESLICE_MEMORY 'lots': use a quantity"):
+        TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g")
+    monkeypatch.delenv("TIMESLICE_MEMORY")
+    client = TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g", memory="8Gi")
+    with pytest.raises(ValueError, match="memory -1"):
+        client.memory = -1
+    assert client.memory == 8 * 2**30
+    client.close()

@@ -50,10 +50,12 @@ class FakeGpu:
                               host_available={"agent-0": self.host})
 
 
-def group(gpu: FakeGpu, declare: bool = True, **kw: object) -> LockGroup:
-    """A group on `gpu` whose jobs declared what the fake says they hold (`declare`), so the
-    tests below are about placement of known needs; the tests of unsettled jobs pass False."""
-    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), **kw), gpu)  # type: ignore[arg-type]
+def group(gpu: FakeGpu, declare: bool = True, clock=None, **kw: object) -> LockGroup:
+    """A group on `gpu` whose jobs declare what the fake says they hold when they acquire
+    (`declare`), so the tests below are about placement of known needs; a job the fake
+    holds nothing of yet declares nothing (it runs alone)."""
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), **kw), gpu,  # type: ignore[arg-type]
+                  **({"clock": clock} if clock else {}))
     if declare:
         acquire = g.acquire
 
@@ -158,7 +160,7 @@ async def test_a_job_that_does_not_fit_evicts_the_least_recently_held_residents(
     gpu.on["b"] = 45 * GB  # b loads its model
     await hold(g, "b")
     assert gpu.calls == []  # 90 of 100 GB: both fit
-    grant = await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # c needs ~45 GB: a must go
+    grant = await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)  # a must go
     assert gpu.calls == [("checkpoint", "a")] and not grant.restored
     grant = await hold(g, "a")  # a back: b is now the least recently held
     assert gpu.calls[1:] == [("checkpoint", "b"), ("restore", "a")] and grant.restored
@@ -303,13 +305,13 @@ async def test_real_agents_report_memory_and_status_shows_residents(make_cluster
     a, b, cc = c.client("a"), c.client("b"), c.client("c")
     for job, client in (("a", a), ("b", b)):
         started.add(job)
-        await client.acquire()
+        await client.acquire(memory=6 * GB)
         await client.release()
     status = await c.status()
     assert c.calls == [] and list(status.resident_job_ids) == ["a", "b"] and status.residency == "auto"
     started.add("c")  # c loads 6 GB: 15 - 18 < 0 in truth, so a (least recently held) must go first
     sizes["c"] = 0  # ... c is not loaded yet; it will be after its grant
-    await cc.acquire()
+    await cc.acquire(memory=6 * GB)  # declared: placed beside b (a job that declared nothing runs alone)
     sizes["c"] = 6 * GB
     await cc.release()
     assert [(step, pids) for _, step, pids in c.calls] == [("checkpoint", tuple(c.resolvers["node-0"]._jobs["a"]))]
@@ -461,7 +463,7 @@ async def test_the_next_job_is_restored_behind_the_holder_and_granted_without_a_
     await hold(g, "a")
     gpu.on["b"] = 45 * GB
     await hold(g, "b")
-    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # a checkpointed for c
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)  # a checkpointed for c
     grant_b = await g.acquire("b", 0, "b-1", timeout=None)
     a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
     await eventually(lambda: "a" in g.residency.residents and g.switching is None)
@@ -497,7 +499,7 @@ async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> 
     await hold(g, "a")
     gpu.on["b"] = 45 * GB
     await hold(g, "b")
-    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))  # a checkpointed for c
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)  # a checkpointed for c
     gpu.go.clear()
     grant_b = await g.acquire("b", 0, "b-1", timeout=None)
     a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
@@ -528,7 +530,7 @@ async def test_a_max_hold_limit_reached_during_a_staging_preempts_when_it_ends()
     await hold(g, "a")
     gpu.on["b"] = 45 * GB
     await hold(g, "b")
-    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)
     gpu.go.clear()
     await g.acquire("b", 0, "b-1", timeout=None)
     a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))  # a contender: b's clock starts
@@ -548,11 +550,11 @@ async def test_no_staging_without_room_beside_the_holders_peak_then_resident_wai
     a, which would need a switch (resident_first_seconds); a is staged behind c."""
     now = [0.0]
     gpu = FakeGpu(total=140 * GB, a=60)
-    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), gpu,
-                  clock=lambda: now[0])
+    g = group(gpu, clock=lambda: now[0], resident_first_seconds=30)
     await hold(g, "a")
     gpu.on["b"] = 80 * GB
-    await hold(g, "b")  # no headroom left beside a: a is checkpointed; then c's grant checkpoints b
+    await hold(g, "b")  # no headroom left beside a: a is checkpointed
+    # c declared nothing: it runs alone (b is checkpointed); from its next acquire it declares 45 GB
     await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB))
     await eventually(lambda: g.residency.peaks.get("b"))
     assert gpu.calls == [("checkpoint", "a"), ("checkpoint", "b")]
@@ -655,4 +657,87 @@ async def test_a_checkpointed_waiter_whose_call_is_cancelled_keeps_its_place_oth
     await eventually(lambda: a_waits.done())
     assert len(g.queue) == 1 and g.cancel("a", "a-4") == "queued" and len(g.queue) == 0
     g.release("b", grant_b.lease_id, grant_b.epoch)
+    await g.close()
+
+
+# -- reservations: declared, learned, unsettled (issue 21) -----------------------------------
+
+
+async def test_a_job_that_declared_nothing_runs_alone_until_a_hold_ends_without_growth() -> None:
+    """GRPO-shaped: a builds its model in its first hold (20 GB), its optimizer state appears
+    in its second (30 GB), the third adds nothing. Until then each of its grants moves the
+    idle b out (b declared 20 GB); once settled, a is placed beside b like any known job."""
+    gpu = FakeGpu(b=20)
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=20 * GB)
+    sizes = iter([20, 30, 30])
+    for _ in range(3):
+        await hold(g, "a", then=lambda: gpu.on.__setitem__("a", next(sizes) * GB))
+        assert gpu.calls[-1] == ("checkpoint", "b") and "a" not in g.residency.settled
+        await hold(g, "b", memory=20 * GB)  # restored beside the idle a (b's need is known)
+        assert gpu.calls[-1] == ("restore", "b")
+    assert "a" in g.residency.settled and g.residency.need("a") == {DEV: 30 * GB}
+    before = len(gpu.calls)
+    await hold(g, "a")
+    await hold(g, "b", memory=20 * GB)
+    assert gpu.calls[before:] == []  # 30 + 20 of 100 GB: nothing moves any more
+    await g.close()
+
+
+async def test_growth_inside_a_hold_is_learned_from_the_agents_peak_not_the_last_sample() -> None:
+    """The agent samples every 100 ms and reports the most each job held since its last
+    report: a job that peaked at 70 GB and freed its cache before the report needs 70."""
+    gpu = FakeGpu(a=10)
+    g = group(gpu)
+    await hold(g, "a")
+    snap = await gpu.memory(g.spec, ["a"])
+    snap.peak_bytes = {"a": {DEV: 70 * GB}}  # a peaked at 70 GB between two samples, holds 10 now
+    g.residency.observe(snap)
+    assert g.residency.peaks["a"][DEV] == 70 * GB and g.residency.need("a") == {DEV: 70 * GB}
+    g.residency.observe(await gpu.memory(g.spec, ["a"]))  # the peak stays
+    assert g.residency.need("a") == {DEV: 70 * GB}
+    await g.close()
+
+
+class WatchedGpu(FakeGpu):
+    """A FakeGpu whose memory report, asked with `watch`, waits until free memory falls under
+    `low_free` or `watch` seconds pass (the node agent's long poll)."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.changed = asyncio.Event()
+        self.watches = 0
+
+    def grow(self, job: str, nbytes: int) -> None:
+        self.on[job] = nbytes
+        self.changed.set()
+
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
+        if watch:
+            self.watches += 1
+            while self.total - sum(self.on.values()) >= low_free:
+                self.changed.clear()
+                try:
+                    await asyncio.wait_for(self.changed.wait(), watch)
+                except TimeoutError:
+                    break
+        return await super().memory(spec, jobs)
+
+
+async def test_a_holder_that_outgrows_its_reservation_makes_idle_residents_leave_never_itself() -> None:
+    """Item 2: while a holds, its agent watches free memory; when a grows past its
+    reservation and the headroom runs thin, idle residents are checkpointed (least recently
+    held first) before a runs out, and a's learned need rises."""
+    gpu = WatchedGpu(a=30, b=25, c=25)
+    g = group(gpu)
+    for job in ("b", "c", "a"):
+        await hold(g, job)
+    grant = await g.acquire("a", 0, "a-2", timeout=None)
+    await eventually(lambda: gpu.watches > 0)
+    gpu.grow("a", 42 * GB)  # 92 of 100 GB: under the 10% headroom
+    await eventually(lambda: ("checkpoint", "b") in gpu.calls)
+    assert ("checkpoint", "a") not in gpu.calls and ("checkpoint", "c") not in gpu.calls
+    assert g.holder is not None and g.holder.job_id == "a"
+    await eventually(lambda: g.residency.peaks["a"][DEV] == 42 * GB)
+    g.release("a", grant.lease_id, grant.epoch)
     await g.close()

@@ -151,6 +151,10 @@ class GroupView:
     peaks: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
     memory: MemorySnapshot | None = None
     warnings: list[str] = field(default_factory=list)
+    declared: dict[str, int] = field(default_factory=dict)  # job -> bytes per GPU it declared
+    # job -> device -> its reservation (jobs that declared or settled; the others run alone)
+    reserved: dict[str, dict[str, int]] = field(default_factory=dict)
+    settled: list[str] = field(default_factory=list)  # jobs whose memory stopped growing
 
 
 
@@ -170,4 +174,6 @@ def group_view(g: LockGroup) -> GroupView:
         residency=g.spec.residency if g.memory_aware else "exclusive",
         resident_jobs=list(g.residency.residents),
         peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot,
-        warnings=list(g.warnings))
+        warnings=list(g.warnings), declared=dict(g.residency.declared),
+        reserved={j: g.residency.need(j) for j in g.residency.known_jobs() if g.residency.known(j)},
+        settled=sorted(g.residency.settled))

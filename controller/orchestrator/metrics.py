@@ -84,7 +84,9 @@ class GroupCollector(Collector):
         residents = GaugeMetricFamily("timeslice_group_resident_jobs", "Jobs whose GPU state is on the GPUs.",
                                       labels=["group"])
         job_bytes = GaugeMetricFamily("timeslice_job_device_bytes", "Bytes a job holds on the group's GPUs "
-                                      "(last node-agent report); kind now | peak (the most seen while resident).",
+                                      "(last node-agent report); kind now | peak (the most seen while resident) | "
+                                      "declared (what it declared, per GPU) | reserved (what placement keeps for it; "
+                                      "only once declared or settled).",
                                       labels=["group", "job", "kind"])
         device_free = GaugeMetricFamily("timeslice_device_free_bytes", "Free memory of a GPU of the group (last "
                                         "node-agent report, NVML).", labels=["group", "device"])
@@ -106,6 +108,10 @@ class GroupCollector(Collector):
             residents.add_metric(labels, len(v.resident_jobs))
             for job, peak in v.peaks.items():
                 job_bytes.add_metric([v.group_id, job, "peak"], sum(peak.values()))
+            for job, declared in v.declared.items():
+                job_bytes.add_metric([v.group_id, job, "declared"], declared)
+            for job, reserved in v.reserved.items():
+                job_bytes.add_metric([v.group_id, job, "reserved"], sum(reserved.values()))
             if v.memory is not None:
                 for job, per_device in v.memory.device_bytes.items():
                     job_bytes.add_metric([v.group_id, job, "now"], sum(per_device.values()))

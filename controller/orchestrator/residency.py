@@ -267,6 +267,10 @@ class Residency:
     def most_recent(self) -> str | None:
         return next(reversed(self.residents), None)
 
+    def known_jobs(self) -> list[str]:
+        """Every job this residency has a record of (resident, checkpointed, seen or declared)."""
+        return sorted({*self.residents, *self.checkpointed, *self.peaks, *self.declared})
+
     def need(self, job: str) -> dict[str, int]:
         """`job`'s reservation per device by the last snapshot (empty without one)."""
         return need_of(job, self.snapshot, self.peaks, self.declared) if self.snapshot else {}

@@ -40,12 +40,14 @@ def _check_id(field: str, value: str) -> str:
 def _jobs(v: GroupView) -> list[pb.JobResidency]:
     snap = v.memory
     out = []
-    for job in sorted({*v.resident_jobs, *v.checkpointed_jobs, *v.peaks}):
+    for job in sorted({*v.resident_jobs, *v.checkpointed_jobs, *v.peaks, *v.declared}):
         state = "resident" if job in v.resident_jobs else ("checkpointed" if job in v.checkpointed_jobs else "unknown")
         out.append(pb.JobResidency(
             job_id=job, state=state, peak_bytes=sum(v.peaks.get(job, {}).values()),
             device_bytes=sum(snap.on_device(job).values()) if snap else 0,
-            checkpointed_bytes=sum(snap.checkpointed_bytes.get(job, {}).values()) if snap else 0))
+            checkpointed_bytes=sum(snap.checkpointed_bytes.get(job, {}).values()) if snap else 0,
+            declared_bytes=v.declared.get(job, 0),
+            reserved_bytes=sum(v.reserved.get(job, {}).values()), settled=job in v.reserved))
     return out
 
 
