@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from timeslice.controller.orchestrator.pinned_pool import NO_GPU_BYTES, default_size
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -220,3 +222,18 @@ async def test_node_agent_and_orchestrator_serve_jobs_without_kubernetes(no_kube
         await stop(agent)
     assert agent.returncode == 0 and orch.returncode == 0
     check_hand_offs(tmp_path, "ab")
+
+
+def test_the_default_pool_is_the_gpus_memory_within_half_the_host_and_the_free_space(tmp_path) -> None:
+    half_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    free = shutil.disk_usage(tmp_path).free
+    assert default_size(0, tmp_path) == min(NO_GPU_BYTES, half_host, free)  # no GPU: 1 GB
+    assert default_size(1 << 60, tmp_path) == min(half_host, free)
+    assert default_size(4096, tmp_path) == 4096
+
+
+def test_copies_through_the_pool_never_cross_a_registration_chunk() -> None:
+    torch_state = pytest.importorskip("timeslice.torch")
+    c = torch_state.REGISTER_CHUNK_BYTES
+    assert torch_state.chunked([(c - 100, 0, 300), (5 * c, 300, 2 * c + 7), (0, 9, 10)]) == [
+        (c - 100, 0, 100), (c, 100, 200), (5 * c, 300, c), (6 * c, 300 + c, c), (7 * c, 300 + 2 * c, 7), (0, 9, 10)]
