@@ -272,7 +272,8 @@ def parser() -> argparse.ArgumentParser:
                         "machine's agent; any backend, cooperative too; pinned_pool, state_file, metrics_listen "
                         "apply; listen does not). Default: one group per GPU, gpu0, gpu1, ...")
     v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
-                   help="backend of the default per-GPU groups (default cuda)")
+                   help="backend of the default per-GPU groups (default cuda; cooperative: jobs move the state they "
+                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb)")
     v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
                                                     "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/...)")
     v.add_argument("--socket-mode", type=lambda t: int(t, 8), default=0o600, metavar="OCTAL",
