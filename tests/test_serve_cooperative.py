@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator, Awaitable
@@ -242,3 +243,15 @@ def test_copies_through_the_pool_never_cross_a_registration_chunk() -> None:
     c = torch_state.REGISTER_CHUNK_BYTES
     assert torch_state.chunked([(c - 100, 0, 300), (5 * c, 300, 2 * c + 7), (0, 9, 10)]) == [
         (c - 100, 0, 100), (c, 100, 200), (5 * c, 300, c), (6 * c, 300 + c, c), (7 * c, 300 + 2 * c, 7), (0, 9, 10)]
+
+
+def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_tmp) -> None:
+    (tmp_path / "groups.yaml").write_text(yaml.safe_dump({
+        "pinned_pool": {"path": str(tmp_path / "pool"), "bytes": 4096},
+        "groups": [{"id": "g", "backend": "cooperative"}]}))
+    before = _pool_dirs()
+    serve = [sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml")]
+    out = subprocess.run([*serve, "--socket", str(short_tmp / "o.sock"), "--state-dir", str(tmp_path / "state"),
+                          "--pinned-pool-gb", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--pinned-pool-gb and the config's pinned_pool" in out.stderr, out
+    assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
