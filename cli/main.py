@@ -75,7 +75,8 @@ def _serve(a: argparse.Namespace) -> int:
     logs.setup(a.log_level)
     cfg = ServeConfig(socket=Path(a.socket) if a.socket else default_socket(), socket_mode=a.socket_mode,
                       scope=a.job_scope, groups_file=Path(a.config) if a.config else None, backend=a.backend,
-                      state_dir=Path(a.state_dir) if a.state_dir else None)
+                      state_dir=Path(a.state_dir) if a.state_dir else None,
+                      pinned_pool_bytes=None if a.pinned_pool_gb is None else int(a.pinned_pool_gb * 1e9))
     asyncio.run(serve(cfg))
     return 0
 
@@ -270,10 +271,11 @@ def parser() -> argparse.ArgumentParser:
                                    "socket.")
     v.add_argument("--config", metavar="FILE",
                    help="YAML groups, as for `timeslice orchestrator --config` (a group without `agents` uses this "
-                        "machine's agent; pinned_pool, state_file, metrics_listen apply; listen does not). Default: "
-                        "one group per GPU, gpu0, gpu1, ...")
+                        "machine's agent; any backend, cooperative too; pinned_pool, state_file, metrics_listen "
+                        "apply; listen does not). Default: one group per GPU, gpu0, gpu1, ...")
     v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
-                   help="backend of the default per-GPU groups (default cuda)")
+                   help="backend of the default per-GPU groups (default cuda; cooperative: jobs move the state they "
+                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb)")
     v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
                                                     "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/...)")
     v.add_argument("--socket-mode", type=lambda t: int(t, 8), default=0o600, metavar="OCTAL",
@@ -282,6 +284,12 @@ def parser() -> argparse.ArgumentParser:
                    help="a job's processes: the caller's process group (default) or its cgroup")
     v.add_argument("--state-dir", help="agent records and epoch floors, kept across restarts (default "
                                        "/var/lib/timeslice as root, else $XDG_STATE_HOME/timeslice)")
+    v.add_argument("--pinned-pool-gb", type=_at_least(0, float), metavar="GB",
+                   help="size of the pinned host pool that cooperative groups checkpoint into (GB, 1e9 bytes; 0: "
+                        "none, each job keeps its own host copy, slower). Made at start in a private directory "
+                        "(mode 0700) under /dev/shm and removed on stop; only with a cooperative group. Default: "
+                        "the GPUs' total memory, at most half the host's memory and the free space of /dev/shm "
+                        "(1 GB without a GPU)")
     v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     v.set_defaults(fn=_serve)
 

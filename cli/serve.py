@@ -7,23 +7,30 @@ can connect); each call is identified by its socket's peer credentials and acts 
 job of the caller's process group (or cgroup), whose processes the node agent moves
 (`PeerJobs`, `PeerProcessResolver`). Groups come from a YAML file (the orchestrator's
 config format; a group without `agents` uses this machine's agent) or are one per GPU.
+Cooperative groups get the node's pinned pool (`PinnedPool`, built by the orchestrator's
+`running` as for `timeslice orchestrator`): a file in a private directory (mode 0700)
+under /dev/shm, sized by `--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator import pinned_pool
+from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import names, signals
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
+from timeslice.kubelet_plugin.agent.gpu_memory import gpus
 from timeslice.kubelet_plugin.agent.host_processes import PeerProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
@@ -51,7 +58,9 @@ class ServeConfig:
     """`socket`: the public unix socket and `socket_mode` its permission bits; `scope`: what
     makes a job ("process-group" or "cgroup"); `groups_file`: YAML groups (None: one group
     per GPU, `gpu<index>`, with `backend`); `state_dir`: the agent's checkpoint records and
-    the orchestrator's epoch floors, kept across restarts."""
+    the orchestrator's epoch floors, kept across restarts; `pinned_pool_bytes`: the size of
+    the cooperative groups' pinned pool (None: `pinned_pool.default_size`; 0: none, each
+    cooperative job keeps its own host copy)."""
 
     socket: Path
     socket_mode: int = 0o600
@@ -59,17 +68,12 @@ class ServeConfig:
     groups_file: Path | None = None
     backend: str = names.BACKEND_CUDA
     state_dir: Path | None = None
+    pinned_pool_bytes: int | None = None
 
 
 def gpu_count() -> int:
     """NVIDIA GPUs here (NVML); 0 without NVML or GPUs."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
+    return len(gpus())
 
 
 def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) -> OrchestratorConfig:
@@ -104,6 +108,32 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
     return config.model_copy(update={"listen": "127.0.0.1:0"})
 
 
+@contextlib.contextmanager
+def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinned_pool.SHM
+                 ) -> Iterator[OrchestratorConfig]:
+    """`config` with a pinned pool for its cooperative groups: a file in a new directory
+    under `shm` (mode 0700, the serving user's: no other user's job can map it), `size`
+    bytes (None: `pinned_pool.default_size` of this machine's GPUs; 0: no pool); the
+    directory and everything in it is removed on exit. `config` as it is when no group is
+    cooperative or it names its own `pinned_pool`. Raises ValueError (a size and a
+    `pinned_pool` both given), OSError (`shm` unusable)."""
+    if config.pinned_pool is not None and size is not None:
+        raise ValueError("--pinned-pool-gb and the config's pinned_pool both size the pool: keep one")
+    if config.pinned_pool is not None or not any(g.backend == names.BACKEND_COOPERATIVE for g in config.groups):
+        yield config
+        return
+    if size is None:
+        size = pinned_pool.default_size(sum(g.total for g in gpus()), shm)
+        if size == 0:
+            log.warning("no pinned pool: %s has no free space; cooperative jobs keep their own host copies "
+                        "(slower)", shm)
+    if size == 0:
+        yield config
+        return
+    with tempfile.TemporaryDirectory(prefix="timeslice-pool-", dir=shm) as folder:  # mkdtemp: mode 0700
+        yield config.model_copy(update={"pinned_pool": PinnedPoolSpec(path=Path(folder) / "pool", bytes=size)})
+
+
 async def serve(cfg: ServeConfig) -> None:
     """Run until SIGINT/SIGTERM. Prints one line to stdout when ready:
     `ready TIMESLICE_ORCHESTRATOR=unix://<socket> groups=<id>(<backend>),...`. Raises
@@ -114,10 +144,13 @@ async def serve(cfg: ServeConfig) -> None:
     front = UnixFront(cfg.socket, cfg.socket_mode)
     await front.bind()  # first: a second server on this socket stops here, touching nothing
     try:
-        with tempfile.TemporaryDirectory(prefix="timeslice-agent-") as private:  # mode 0700: the agent is ours
+        with contextlib.ExitStack() as stack:
+            private = stack.enter_context(tempfile.TemporaryDirectory(prefix="timeslice-agent-"))  # 0700: ours
             agent_target = f"unix://{Path(private) / 'agent.sock'}"
-            config = orchestrator_config(cfg, agent_target, state_dir)
-            backends = sorted({g.backend for g in config.groups} | {names.BACKEND_NONE})
+            config = stack.enter_context(private_pool(orchestrator_config(cfg, agent_target, state_dir),
+                                                      cfg.pinned_pool_bytes))
+            # cooperative jobs move their own state: their agent only reports memory
+            backends = sorted({g.backend for g in config.groups} - {names.BACKEND_COOPERATIVE} | {names.BACKEND_NONE})
             jobs = PeerJobs()
             agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
             agent_server, _ = await create_agent_server(agent, agent_target)
@@ -125,7 +158,9 @@ async def serve(cfg: ServeConfig) -> None:
                 async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
                     front.splice_to(port)
                     groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
-                    log.info("serving socket=%s scope=%s groups=%s", cfg.socket, cfg.scope, groups)
+                    pool = config.pinned_pool
+                    log.info("serving socket=%s scope=%s groups=%s pinned_pool=%s", cfg.socket, cfg.scope, groups,
+                             f"{pool.path}({pool.bytes})" if pool else "-")
                     print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}", flush=True)
                     await stop.wait()
             finally:

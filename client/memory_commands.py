@@ -129,6 +129,7 @@ class MemoryCommandLoop:
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
         self._attaching: threading.Thread | None = None  # maps and registers the pool offered by "hello"
+        self.pool_attached = threading.Event()  # the pool offered is mapped and registered, or unusable
         self.connected = threading.Event()
         self.ready = threading.Event()  # connected once, or refused for good (`error`)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
@@ -223,6 +224,8 @@ class MemoryCommandLoop:
             log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
         except Exception as err:  # no pool: checkpoints go to the store's own memory
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
+        finally:
+            self.pool_attached.set()
 
     def ensure_restored(self) -> int:
         """Bring the state back if it is still out (the client calls this when a grant

@@ -22,7 +22,9 @@ move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file
 mapped here and registered with `cudaHostRegister`, CUDA Runtime API, in a background
-thread as soon as the command stream opens, so that no switch waits for the pinning), else a pinned buffer of
+thread as soon as the command stream opens, so that no switch waits for the pinning; in
+chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own
+threads and its lease keep-alive run while tens of GB pin), else a pinned buffer of
 this process allocated on the first checkpoint and reused (pageable when the host cannot
 pin that much). Copies run on a side stream made at registration, each direction at the
 link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -34,6 +36,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +46,12 @@ from timeslice.memory_commands import MemoryCommandLoop, Ranges, pieces
 log = logging.getLogger("timeslice.torch")
 ALIGN = 4096  # bytes: each storage starts on a page in host memory (DMA-friendly)
 CONNECT_TIMEOUT_SECONDS = 30.0
+# The pool is registered with CUDA this many bytes per call. Pinning takes the process's
+# memory-map lock for the whole call: on the H200 host one call for a 60 GB pool held it
+# for seconds, and every thread that mapped memory meanwhile (the lease keep-alive among
+# them) stopped until the lease lapsed (issue 21). A copy never spans two chunks: CUDA
+# pins per registration, and a copy across two would not run at the pinned speed.
+REGISTER_CHUNK_BYTES = 256 << 20
 
 
 def _align(n: int) -> int:
@@ -57,6 +66,18 @@ def _prefix(ranges: Ranges, n: int) -> Ranges:
             break
         out.append((off, min(length, n)))
         n -= length
+    return out
+
+
+def chunked(places: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """`places` ((pool offset, source offset, length), from `pieces`) cut where they cross a
+    `REGISTER_CHUNK_BYTES` boundary of the pool, so that each copy lies in one registration."""
+    out = []
+    for off, src, k in places:
+        while k > 0:
+            n = min(k, REGISTER_CHUNK_BYTES - off % REGISTER_CHUNK_BYTES)
+            out.append((off, src, n))
+            off, src, k = off + n, src + n, k - n
     return out
 
 
@@ -119,10 +140,19 @@ class TorchState:
             return sum(s.nbytes() for s in self._storages())
 
     def attach_pool(self, pool: mmap.mmap) -> None:
+        """Register `pool` with CUDA, `REGISTER_CHUNK_BYTES` per call, letting the other
+        threads run between calls. Raises RuntimeError (a registration failed: the chunks
+        registered before it are unregistered)."""
         host = torch.frombuffer(pool, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the pinned pool failed: error {int(err)}")
+        cudart, base, done = torch.cuda.cudart(), host.data_ptr(), list[int]()
+        for start in range(0, host.numel(), REGISTER_CHUNK_BYTES):
+            err = cudart.cudaHostRegister(base + start, min(REGISTER_CHUNK_BYTES, host.numel() - start), 0)
+            if int(err) != 0:
+                for ptr in done:
+                    cudart.cudaHostUnregister(ptr)
+                raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
+            done.append(base + start)
+            time.sleep(0)  # let the other threads take the GIL between chunks
         with self._lock:
             self._pool = host
 
@@ -184,7 +214,7 @@ class TorchState:
         if own is not None:
             return [(own[start:start + n], 0, n)]
         return [(self._pool[off:off + k], src, k)  # type: ignore[index]
-                for off, src, k in pieces(ranges, start, n)]
+                for off, src, k in chunked(pieces(ranges, start, n))]
 
     def _own_buffer(self, total: int) -> torch.Tensor:
         """This process's host buffer (reused): pinned, else pageable when pinning fails (host

@@ -17,7 +17,11 @@ it reconnects, its job is forgotten (`forget`), or a restore finds it gone for l
 than `RECONNECT_GRACE_SECONDS` (its state went with it). A checkpoint of a job whose last
 stream ended with its state on the GPU (`departing`: exiting, or reconnecting) waits for
 a reconnect until the grace has passed; past it, the job exited and nothing is left to
-move. A command that times out leaves the process's state unknown: it is not moved again
+move. A process whose stream closes while a checkpoint command waits for its answer (it
+ended right after its release, or was killed) is departing the same way: the checkpoint
+waits for it, and a job whose processes all left has nothing to move (the waiter is
+granted; it never fails on a job that ended). A command that times out leaves the
+process's state unknown: it is not moved again
 until it answers, and its late answer is recorded (a late checkpoint is rolled back at
 once); its client also restores by itself when a grant finds its state out.
 """
@@ -45,6 +49,11 @@ RECONNECT_GRACE_SECONDS = 10.0
 DEPARTING_POLL_SECONDS = 0.1
 # Bound on rolling back a checkpoint that answered after its switch gave up, seconds.
 LATE_ROLLBACK_TIMEOUT_SECONDS = 60.0
+
+
+class _Departed(ProcessGone):
+    """The process's command stream closed before it answered a checkpoint, its state on
+    the GPU: it is exiting (its memory is freed with it) or reconnecting."""
 
 
 @dataclass
@@ -106,7 +115,8 @@ class CooperativeJobs:
                 p.connected, p.disconnected_at = False, time.monotonic()
                 for c in list(self._pending.values()):
                     if c.process is p and not c.future.done():
-                        c.future.set_exception(ProcessGone(f"process {p.pid} of job {job} closed its command stream"))
+                        gone = _Departed if c.kind == "checkpoint" and not p.checkpointed else ProcessGone
+                        c.future.set_exception(gone(f"process {p.pid} of job {job} closed its command stream"))
                 if not p.checkpointed and not p.unanswered:
                     procs.pop(stream_id, None)
                 if not p.checkpointed and not any(q.connected for q in procs.values()):
@@ -169,12 +179,27 @@ class CooperativeJobs:
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory, all at
         once. All or nothing: on a failure the processes that succeeded restore. A job whose streams just
-        closed (`departing`) is waited for until it reconnects or the grace has passed.
-        Raises NotFound (no process of the job is connected: nothing to move, e.g. it exited),
-        BackendError (a process refused, or has not answered an earlier command: its state
-        is unknown), StepTimeout (also: a departing job neither came back nor passed the
-        grace within `timeout` seconds)."""
-        t0 = time.monotonic()
+        closed (`departing`), also while they were being checkpointed, is waited for until it
+        reconnects (then it is checkpointed) or the grace has passed (it left: nothing of it
+        to move). Raises NotFound (no process of the job is connected: nothing to move, e.g.
+        it exited), BackendError (a process refused, or has not answered an earlier command:
+        its state is unknown), StepTimeout (also: a departing job neither came back nor
+        passed the grace within `timeout` seconds)."""
+        t0, moved = time.monotonic(), 0
+        while True:
+            try:
+                n, departed = await self._checkpoint_live(group, job, t0, timeout)
+            except NotFound:
+                if moved:  # the rest left while the first were checkpointed
+                    return StepResult(moved, time.monotonic() - t0)
+                raise
+            moved += n
+            if not departed:  # else some left mid-command: wait for them as for any departing job
+                return StepResult(moved, time.monotonic() - t0)
+
+    async def _checkpoint_live(self, group: str, job: str, t0: float, timeout: float) -> tuple[int, bool]:
+        """One round of `checkpoint` over the job's connected processes: (bytes moved,
+        whether a process closed its stream mid-command while the others succeeded)."""
         while not self.connected(group, job) and self.departing(group, job):
             if time.monotonic() - t0 > timeout:
                 raise StepTimeout(f"job {job}'s processes closed their memory command streams with their state on "
@@ -190,12 +215,15 @@ class CooperativeJobs:
         # all at once: a job's ranks hold their state on different GPUs, each moving over its own link
         results = await asyncio.gather(*(self._command(p, "checkpoint", o, timeout) for p, o in zip(procs, offers)),
                                        return_exceptions=True)
-        done, moved, failed = [], 0, None
+        done, moved, failed, departed = [], 0, None, None
         for p, offered, ack in zip(procs, offers, results):
             if isinstance(ack, BaseException):
                 if offered and not isinstance(ack, StepTimeout):  # after a timeout they wait for its answer
                     self.pool.keep(offered, 0)  # type: ignore[union-attr]
-                failed = failed or ack
+                if isinstance(ack, _Departed):
+                    departed = departed or ack
+                else:
+                    failed = failed or ack
                 continue
             self._checkpointed(p, offered, ack)
             if not ack.pinned and self.pool is not None:
@@ -211,7 +239,10 @@ class CooperativeJobs:
             if isinstance(failed, BackendError | StepTimeout | ProcessGone):
                 raise type(failed)(f"{failed}{note}") from failed
             raise failed
-        return StepResult(moved, time.monotonic() - t0)
+        if departed is not None:
+            log.info("cooperative process left while checkpointed for a switch group=%s job=%s: %s", group, job,
+                     departed)
+        return moved, departed is not None
 
     def check_restore(self, group: str, job: str) -> None:
         """Raise before anything moves when the job's checkpoint cannot be restored now: a

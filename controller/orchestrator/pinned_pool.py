@@ -11,7 +11,8 @@ its own pageable memory (slower, with a warning), it does not fail.
 
 This class only hands out byte ranges (free ranges merged when given back); a job's
 state may span several ranges, so fragmentation never refuses a state that fits in the
-free total. The bytes are written by the job processes.
+free total. The bytes are written by the job processes. `default_size` is the size a node gets unless
+told (`timeslice serve`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,23 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# The pool of a node without a GPU (tests, demos), bytes.
+NO_GPU_BYTES = 10**9
+SHM = Path("/dev/shm")
+
+
+def default_size(gpu_bytes: int, shm: Path = SHM) -> int:
+    """Bytes of a pool nobody sized: the GPUs' total memory (`gpu_bytes`, bytes; 0: no GPU,
+    then `NO_GPU_BYTES`), capped by half the host's memory (what is checkpointed is what
+    does not fit on the GPUs: the host keeps the other half for the jobs) and by the free
+    space of the memory filesystem `shm`. Raises OSError when `shm` cannot be read."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0, min(gpu_bytes or NO_GPU_BYTES, host // 2, shutil.disk_usage(shm).free))
 
 
 @dataclass

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from timeslice.driver.bearer import TokenFile, bearer
 from timeslice.driver.errors import PermissionDenied, Unauthenticated
 from timeslice.driver.names import AGENT_AUDIENCE
-from timeslice.driver.tokenreview import TokenReviewer
+
+if TYPE_CHECKING:  # the reviewer needs the `kubernetes` extra; a standalone node (SharedToken) does not
+    from timeslice.driver.tokenreview import TokenReviewer
 
 _HINT = (f"the node agent runs with --agent-auth tokenreview: give the orchestrator a projected "
          f"ServiceAccount token with audience {AGENT_AUDIENCE} (timeslice controller --agent-token-file)")

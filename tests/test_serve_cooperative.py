@@ -1,0 +1,257 @@
+"""The cooperative path on the user's own commands (issue 21, item 3), all as real processes:
+`timeslice serve` with a `backend: cooperative` group makes its pinned pool itself (a
+private directory under /dev/shm, removed on stop), and two job processes that name
+neither a job nor a PID move their own state through it at each hand-off (the fake store
+of `test_cooperative`: "device" state in a bytearray), bit for bit. `timeslice serve`,
+`timeslice node-agent` and `timeslice orchestrator` run with the `kubernetes` package
+unimportable (a PYTHONPATH folder whose `kubernetes` raises ModuleNotFoundError, as an
+install without the extra does)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from timeslice.controller.orchestrator.pinned_pool import NO_GPU_BYTES, default_size
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+from tests.conftest import eventually
+from tests.test_node_agent_cli import start, stop
+from tests.test_serve import JOB, check_hand_offs, env_for
+
+ROOT = Path(__file__).resolve().parent.parent
+STATE_BYTES = 256 * 1024
+
+# A cooperative job: registers a fake store of STATE_BYTES with the client (its own
+# process group is the job), then holds the group `rounds` times; inside each hold the
+# state must be what it was at the last release, then it changes it. Ends with close()
+# right after its last release, while the other job may be waiting.
+COOP_JOB = textwrap.dedent("""
+    import hashlib, json, sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    from tests.test_cooperative import FakeStore
+    name, out, rounds, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    class Store(FakeStore):
+        pooled = 0  # checkpoints that went to the node's pool
+        def checkpoint(self, ranges):
+            n, in_pool = super().checkpoint(ranges)
+            self.pooled += in_pool
+            return n, in_pool
+    client = TimeSliceOrchestratorClient(group_id="g")
+    store = Store(name, size=size)
+    loop = client.serve_memory_commands(store)
+    assert loop.ready.wait(30) and loop.error is None, loop.error
+    expected, spans = bytes(store.device), []
+    for i in range(rounds):
+        with client.on_accelerators():
+            t0 = time.time()
+            assert store.device is not None and bytes(store.device) == expected, (name, i)
+            store.device[:] = hashlib.sha256(expected).digest() * (size // 32)  # this phase's work
+            expected = bytes(store.device)
+            time.sleep(0.15)
+            spans.append([name, t0, time.time()])
+        time.sleep(0.05)
+    client.close()
+    json.dump({"spans": spans, "commands": store.commands, "pooled": store.pooled,
+               "sha": hashlib.sha256(expected).hexdigest()}, open(f"{out}/{name}.json", "w"))
+""")
+
+
+@pytest.fixture
+def no_kubernetes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Child processes find a `kubernetes` package that is not there (ModuleNotFoundError)."""
+    shim = tmp_path / "no-kubernetes" / "kubernetes"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'kubernetes'\", "
+                                      "name='kubernetes')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shim.parent), str(ROOT),
+                                                                  os.environ.get("PYTHONPATH")])))
+
+
+def _pool_dirs() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("timeslice-pool-*")}
+
+
+# A job whose state never finishes leaving: its checkpoint says so (a file) and hangs there.
+HUNG_JOB = textwrap.dedent("""
+    import pathlib, sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    from tests.test_cooperative import FakeStore
+    class Hung(FakeStore):
+        def checkpoint(self, ranges):
+            pathlib.Path(sys.argv[1], "in-checkpoint").touch()
+            time.sleep(3600)
+    client = TimeSliceOrchestratorClient(group_id="g")
+    loop = client.serve_memory_commands(Hung("hung"))
+    assert loop.ready.wait(30) and loop.error is None, loop.error
+    client.acquire()
+    print("holding", flush=True)
+    sys.stdin.readline()
+    client.release()
+    time.sleep(3600)
+""")
+
+
+@contextlib.asynccontextmanager
+async def cooperative_serve(tmp_path: Path, sock: Path, *flags: str) -> AsyncIterator[tuple[Path, Path]]:
+    """`timeslice serve` with one cooperative group `g` (residency exclusive: every hand-off
+    moves state), logging to tmp_path/serve.log: yields (pool file, log); must stop cleanly
+    (SIGTERM) and take its pool's folder with it."""
+    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: cooperative, residency: exclusive}\n")
+    log = tmp_path / "serve.log"
+    with log.open("ab") as err:
+        serve = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+            "--socket", str(sock), "--state-dir", str(tmp_path / "state"), *flags,
+            stdout=asyncio.subprocess.PIPE, stderr=err)
+    assert serve.stdout is not None
+    try:
+        line = (await asyncio.wait_for(serve.stdout.readline(), 60)).decode()
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g(cooperative)"), log.read_text()
+        pool = Path(re.findall(r"pinned_pool=(\S+)\(\d+\)", log.read_text())[-1])
+        yield pool, log
+    finally:
+        if serve.returncode is None:
+            serve.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(serve.wait(), 30)
+    assert serve.returncode == 0, log.read_text()[-4000:]
+    assert not pool.parent.exists(), "the pool's folder outlived serve"
+
+
+async def group_status(sock: Path) -> pb.GroupStatus:
+    async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+        return await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))
+
+
+async def waiting(sock: Path) -> bool:
+    return bool((await group_status(sock)).waiters)
+
+
+def coop_job(sock: Path, tmp_path: Path, name: str, rounds: int) -> Awaitable[asyncio.subprocess.Process]:
+    return asyncio.create_subprocess_exec(sys.executable, "-c", COOP_JOB, name, str(tmp_path), str(rounds),
+                                          str(STATE_BYTES), env=env_for(str(sock)), cwd=ROOT, start_new_session=True)
+
+
+@pytest.mark.timeout(180)
+async def test_a_cooperative_group_on_serve_moves_each_jobs_state_through_its_private_pool(no_kubernetes, tmp_path,
+                                                                                         short_tmp) -> None:
+    sock = short_tmp / "orchestrator.sock"
+    before = _pool_dirs()
+    async with cooperative_serve(tmp_path, sock, "--pinned-pool-gb", "0.004") as (pool, log):
+        assert pool.parent.parent == Path("/dev/shm") and pool.parent.name not in before
+        folder, made = os.stat(pool.parent), os.stat(pool)
+        assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.geteuid()
+        assert stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.geteuid() and made.st_size == 4_000_000
+        jobs = [await coop_job(sock, tmp_path, name, 4) for name in "ab"]
+        for job in jobs:
+            assert await asyncio.wait_for(job.wait(), 120) == 0, log.read_text()[-4000:]
+        status = await group_status(sock)
+    results = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab"}
+    spans = sorted((s for r in results.values() for s in r["spans"]), key=lambda s: s[1])
+    assert all(cur[1] >= prev[2] for prev, cur in itertools.pairwise(spans)), spans  # one holder at a time
+    hand_offs = sum(prev[0] != cur[0] for prev, cur in itertools.pairwise(spans))
+    assert hand_offs >= 2, spans
+    # every hand-off moved the outgoing job's state out and the incoming one's back, via the pool
+    assert status.failed_switches == 0, status
+    moved = [r for r in status.recent_switches if r.bytes_checkpointed]
+    assert len(moved) >= hand_offs and all(r.ok and r.bytes_checkpointed == STATE_BYTES for r in moved), status
+    for r in results.values():  # each job's state left and came back, always through the pool
+        assert "restore" in r["commands"] and 0 < r["pooled"] == r["commands"].count("checkpoint"), results
+
+
+@pytest.mark.timeout(180)
+async def test_a_job_killed_while_its_state_leaves_for_a_waiter_costs_the_waiter_nothing(tmp_path, short_tmp) -> None:
+    """The waiter must be granted when the job checkpointed for it leaves mid-command: here
+    killed (-9) inside its checkpoint; the same path as a job whose client closes right
+    after its release (its stream closes with the checkpoint unanswered). It used to fail
+    the waiter's acquire with SwitchFailed ("closed its command stream")."""
+    sock = short_tmp / "orchestrator.sock"
+    async with cooperative_serve(tmp_path, sock, "--pinned-pool-gb", "0.004") as (_, log):
+        hung = await asyncio.create_subprocess_exec(sys.executable, "-c", HUNG_JOB, str(tmp_path),
+                                                    env=env_for(str(sock)), cwd=ROOT, start_new_session=True,
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert hung.stdin is not None and hung.stdout is not None
+        try:
+            assert await asyncio.wait_for(hung.stdout.readline(), 60) == b"holding\n", log.read_text()[-4000:]
+            waiter = await coop_job(sock, tmp_path, "b", 2)
+            await eventually(lambda: waiting(sock), timeout=60, interval=0.05, what="b waiting")
+            hung.stdin.write(b"release\n")
+            marker = tmp_path / "in-checkpoint"
+            await eventually(marker.exists, timeout=60, interval=0.05, what="the holder's checkpoint")
+            os.killpg(hung.pid, signal.SIGKILL)
+            assert await asyncio.wait_for(waiter.wait(), 90) == 0, log.read_text()[-4000:]
+        finally:
+            if hung.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(hung.pid, signal.SIGKILL)
+            await hung.wait()
+        status = await group_status(sock)
+    assert status.failed_switches == 0, status
+    assert json.loads((tmp_path / "b.json").read_text())["spans"], "b never held"
+
+
+async def test_node_agent_and_orchestrator_serve_jobs_without_kubernetes(no_kubernetes, tmp_path, short_tmp) -> None:
+    agent_sock = f"unix://{short_tmp / 'agent.sock'}"
+    agent, _ = await start("node-agent", "--listen", agent_sock, "--backends", "freeze,none", "--state-dir",
+                           str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen="), stream="stdout")
+    try:
+        config = {"listen": "127.0.0.1:0", "groups": [{"id": "g", "backend": "freeze", "agents": [agent_sock]}]}
+        (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
+        orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
+                              ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+            env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
+            jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
+                                                         env={**env, "TIMESLICE_JOB": name}) for name in "ab"]
+            for job in jobs:
+                assert await asyncio.wait_for(job.wait(), 90) == 0
+        finally:
+            await stop(orch)
+    finally:
+        await stop(agent)
+    assert agent.returncode == 0 and orch.returncode == 0
+    check_hand_offs(tmp_path, "ab")
+
+
+def test_the_default_pool_is_the_gpus_memory_within_half_the_host_and_the_free_space(tmp_path) -> None:
+    half_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    free = shutil.disk_usage(tmp_path).free
+    assert default_size(0, tmp_path) == min(NO_GPU_BYTES, half_host, free)  # no GPU: 1 GB
+    assert default_size(1 << 60, tmp_path) == min(half_host, free)
+    assert default_size(4096, tmp_path) == 4096
+
+
+def test_copies_through_the_pool_never_cross_a_registration_chunk() -> None:
+    torch_state = pytest.importorskip("timeslice.torch")
+    c = torch_state.REGISTER_CHUNK_BYTES
+    assert torch_state.chunked([(c - 100, 0, 300), (5 * c, 300, 2 * c + 7), (0, 9, 10)]) == [
+        (c - 100, 0, 100), (c, 100, 200), (5 * c, 300, c), (6 * c, 300 + c, c), (7 * c, 300 + 2 * c, 7), (0, 9, 10)]
+
+
+def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_tmp) -> None:
+    (tmp_path / "groups.yaml").write_text(yaml.safe_dump({
+        "pinned_pool": {"path": str(tmp_path / "pool"), "bytes": 4096},
+        "groups": [{"id": "g", "backend": "cooperative"}]}))
+    before = _pool_dirs()
+    serve = [sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml")]
+    out = subprocess.run([*serve, "--socket", str(short_tmp / "o.sock"), "--state-dir", str(tmp_path / "state"),
+                          "--pinned-pool-gb", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--pinned-pool-gb and the config's pinned_pool" in out.stderr, out
+    assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
