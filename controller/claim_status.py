@@ -198,6 +198,9 @@ class ClaimStatusWriter:
             data = {"groupId": v.group_id, "holder": v.holder.job_id if v.holder else "",
                     "epoch": v.epoch, "residency": v.residency, "residents": v.resident_jobs,
                     "peakBytes": sum(v.peaks.get(member.claim_set, {}).values()),
+                    "declaredBytes": v.declared.get(member.claim_set, 0),
+                    # 0 while unsettled (declared nothing, still growing): it runs alone
+                    "reservedBytes": sum(v.reserved.get(member.claim_set, {}).values()),
                     "deviceBytes": sum(v.memory.on_device(member.claim_set).values()) if v.memory else 0,
                     "freeBytes": min((m.free for m in v.memory.devices.values()), default=0) if v.memory else 0,
                     "queuePosition": positions.get(member.claim_set, -1),
