@@ -203,7 +203,7 @@ class MemoryCommandLoop:
             ack.bytes, ack.pinned = self.store.checkpoint(ranges if self._pool is not None else [])
         elif command.kind == "restore":
             ack.bytes = self.store.restore(ranges)
-        else:
+        elif command.kind != "report":  # report: only `registered_bytes`, filled for every ack
             raise ValueError(f"unknown memory command {command.kind!r}")
 
     def _attach(self, path: str, size: int) -> None:

@@ -615,3 +615,29 @@ async def test_the_processes_of_a_job_are_checkpointed_at_once_each_into_its_own
     finally:
         for c in (*a_ranks, b):
             await asyncio.to_thread(c.close)
+
+
+async def test_a_plan_asks_the_processes_for_what_they_registered_now(coop) -> None:
+    """Issue 21: a process registers before its model and optimizer exist; the size it sent
+    when its stream opened said 0, so a resident looked empty and was never moved out. A
+    plan asks for a "report" first: the fresh size stands."""
+    orch, target = await coop()
+
+    class Growing(FakeStore):
+        size = 0
+
+        def nbytes(self) -> int:
+            return self.size
+
+    store = Growing("a")
+    a = job(target, "a", store)
+    await connected(a)
+    try:
+        coop_jobs = orch.cooperative
+        assert coop_jobs.registered_bytes("g", "a") == 0
+        store.size = 5 * 2**20  # its model and optimizer are on the GPU now
+        g = orch.group("g")
+        await g.switcher.memory(g.spec, ["a"])  # type: ignore[attr-defined]
+        assert coop_jobs.registered_bytes("g", "a") == 5 * 2**20
+    finally:
+        await asyncio.to_thread(a.close)

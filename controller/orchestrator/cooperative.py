@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from timeslice.controller.orchestrator.agents import StepResult
@@ -49,6 +49,9 @@ RECONNECT_GRACE_SECONDS = 10.0
 DEPARTING_POLL_SECONDS = 0.1
 # Bound on rolling back a checkpoint that answered after its switch gave up, seconds.
 LATE_ROLLBACK_TIMEOUT_SECONDS = 60.0
+# Seconds a plan waits for the processes' "report" of their registered bytes (a process
+# busy in a long command answers later; its last known size stands meanwhile).
+REPORT_TIMEOUT_SECONDS = 1.0
 
 
 class _Departed(ProcessGone):
@@ -161,6 +164,20 @@ class CooperativeJobs:
     # -- the switch side -----------------------------------------------------------
     def registered_bytes(self, group: str, job: str) -> int:
         return sum(p.registered for p in self._procs.get((group, job), {}).values())
+
+    async def refresh(self, group: str, jobs: Sequence[str]) -> None:
+        """Ask every connected, resident process of `jobs` for its registered bytes now (a
+        "report" command): a process registers before its model and optimizer exist, so
+        the size it sent when its stream opened says too little (issue 21: residents that
+        looked empty were never moved out). No answer within `REPORT_TIMEOUT_SECONDS`
+        leaves the last known size; nothing is raised."""
+        procs = [p for job in jobs for p in self._procs.get((group, job), {}).values()
+                 if p.connected and not p.checkpointed and not p.unanswered]
+        results = await asyncio.gather(*(self._command(p, "report", [], REPORT_TIMEOUT_SECONDS) for p in procs),
+                                       return_exceptions=True)
+        for p, r in zip(procs, results):
+            if isinstance(r, BaseException):
+                log.debug("no report group=%s job=%s pid=%d: %s", group, p.job, p.pid, r)
 
     def checkpointed(self, group: str, job: str) -> bool:
         return any(p.checkpointed for p in self._procs.get((group, job), {}).values())
@@ -343,6 +360,9 @@ class CooperativeJobs:
         try:
             ack = await asyncio.wait_for(asyncio.shield(c.future), timeout)
         except TimeoutError:
+            if kind == "report":  # moves nothing: a late answer is dropped
+                raise StepTimeout(f"cooperative report of job {p.job} pid {p.pid}: no answer within {timeout:g} s") \
+                    from None
             self._late[op] = c  # its answer still counts when it comes
             p.unanswered.add(op)
             raise StepTimeout(f"cooperative {kind} of job {p.job} pid {p.pid}: no answer within {timeout:g} s "

@@ -140,6 +140,8 @@ class SwitchCoordinator:
             for job, per in rep.peak_bytes.items():
                 snap.peak_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             snap.host_available[target] = rep.host_available
+        if spec.backend == names.BACKEND_COOPERATIVE and not watch:
+            await self.cooperative.refresh(spec.id, jobs)  # a plan: sizes as the processes see them now
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
             (dev,) = snap.devices
             for job in jobs:  # what the job's processes registered is what they hold when restored
