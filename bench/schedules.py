@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,6 +142,13 @@ def make_schedule(seed: int) -> Schedule:
     return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)))
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the harness's worker dies (no orphans)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class Proc:
     """One restartable process: its command, and what happened to it."""
@@ -162,7 +169,7 @@ class Proc:
         try:
             self.p = await asyncio.create_subprocess_exec(
                 *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE if self.ready else out, stderr=out,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             os.close(out)
         if self.ready is None:
@@ -360,7 +367,7 @@ def analyze(run: Run) -> tuple[list[dict[str, str]], dict[str, Any]]:
             last = e
             if e["ev"] == "begin":
                 open_[e["pid"]] = e
-            elif e["ev"] == "end" and e["pid"] in open_:
+            elif e["ev"] in ("end", "released") and e["pid"] in open_:  # released: a phase cut short (SIGTERM)
                 b = open_.pop(e["pid"])
                 intervals.append((b["t"], e["t"], spec.name, e["pid"], b["kind"], b["step"]))
             elif e["ev"] == "altered":
@@ -455,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=20, help="schedules to run (default 20)")
     ap.add_argument("--seed", type=int, default=1, help="first seed; schedule i has seed SEED+i (default 1)")
-    ap.add_argument("--workers", type=int, default=2, help="schedules run at once (default 2)")
+    ap.add_argument("--workers", type=int, default=4, help="schedules run at once (default 4: a schedule mostly waits)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--keep", action="store_true", help="keep every work directory (logs), not only failing ones")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each schedule's result as it ends")
@@ -464,10 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as ex:
-        for r in ex.map(run_one, seeds, [args.keep] * len(seeds)):
+        for future in as_completed([ex.submit(run_one, seed, args.keep) for seed in seeds]):
+            r = future.result()
             results.append(r)
             if args.verbose or r["failures"]:
                 print(json.dumps(r), file=sys.stderr, flush=True)
+            if len(results) % 25 == 0:
+                print(f"# {len(results)}/{len(seeds)} schedules, {sum(1 for x in results if x['failures'])} failed, "
+                      f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    results.sort(key=lambda r: r["seed"])
     summary = summarize(results, args, time.monotonic() - t0)
     machine.emit(summary, args.out)
     return 1 if summary["schedules_failed"] else 0

@@ -108,9 +108,13 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
     logs = {a: [{"ev": "begin", "kind": "train", "step": 0, "t": 1.0, "pid": 11},
                 {"ev": "end", "kind": "train", "step": 0, "t": 2.0, "pid": 11},
                 {"ev": "altered", "why": "state bytes differ at the start of generate (step 1)", "t": 2.5, "pid": 11},
+                {"ev": "begin", "kind": "generate", "step": 1, "t": 2.6, "pid": 11},
+                {"ev": "released", "kind": "generate", "step": 1, "t": 2.7, "pid": 11},  # cut short by SIGTERM
                 {"ev": "done", "t": 3.0, "pid": 11}],
             b: [{"ev": "begin", "kind": "generate", "step": 0, "t": 1.5, "pid": 12},
                 {"ev": "end", "kind": "generate", "step": 0, "t": 1.7, "pid": 12},
+                {"ev": "begin", "kind": "train", "step": 0, "t": 2.8, "pid": 12},
+                {"ev": "end", "kind": "train", "step": 0, "t": 2.9, "pid": 12},
                 {"ev": "done", "t": 3.0, "pid": 12}]}
     for name, events in logs.items():
         (short_tmp / f"{name}.events").write_text("".join(json.dumps(e) + "\n" for e in events))
