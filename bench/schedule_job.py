@@ -23,7 +23,8 @@ client retries it itself). SIGTERM ends the job cleanly (`client.close()`).
 
 Spec keys: job, group, target, ledger, log, seed, steps, ctx, model, optim, kv (bytes),
 gen_s, reward_s, train_s (seconds), declare (bytes, 0: none; exported as
-`TIMESLICE_MEMORY` by the harness).
+`TIMESLICE_MEMORY` by the harness), register_late (open the memory-command stream after
+the first hold, when the model is on the GPU, rather than at start).
 """
 
 from __future__ import annotations
@@ -203,16 +204,25 @@ class Job:
                 s.device, s.size = bytearray(content(spec["seed"], self.step + 1, n)), n
             self.step += 1
 
-    def run(self) -> None:
-        spec = self.spec
-        self.log("start", job=spec["job"])
-        loop = self.client.serve_memory_commands(self.store, spec["group"])
+    def register(self) -> None:
+        """Open the memory-command stream (`timeslice.torch.register`'s path)."""
+        loop = self.client.serve_memory_commands(self.store, self.spec["group"])
         if not loop.ready.wait(60) or loop.error:
             self.log("error", error=f"memory commands not connected: {loop.error}")
             sys.exit(1)
+
+    def run(self) -> None:
+        spec = self.spec
+        self.log("start", job=spec["job"])
+        late = spec.get("register_late", False)
+        if not late:  # registered before the model is on the GPU (0 bytes when the stream opens)
+            self.register()
         try:
             while self.step < spec["steps"]:
                 self.hold("generate", lambda: self.phase("generate", spec["gen_s"], spec["kv"]))
+                if late and self.step == 0:  # registered once the model is on the GPU, as the README shows
+                    late = False
+                    self.register()
                 time.sleep(spec["reward_s"])  # the reward, on the CPU, outside any hold
                 self.hold("train", lambda: self.phase("train", spec["train_s"]))
             self.log("done", steps=self.step)

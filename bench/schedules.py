@@ -81,6 +81,7 @@ class JobSpec:
     train_s: float
     declare: int
     start_s: float
+    register_late: bool = False
 
     @property
     def peak(self) -> int:
@@ -107,8 +108,10 @@ class Schedule:
     faults: tuple[Fault, ...]
 
 
-def make_schedule(seed: int) -> Schedule:
-    """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed)."""
+def make_schedule(seed: int, register_late: bool = False) -> Schedule:
+    """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
+    `register_late`: about half the jobs open their memory-command stream after their first
+    hold (drawn apart, so that the rest of the schedule stays that of the seed)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(rng.randint(2, 4)):
@@ -125,6 +128,8 @@ def make_schedule(seed: int) -> Schedule:
                        start_s=rng.uniform(0, 0.6))
         if rng.random() < 0.5:
             spec = JobSpec(**{**asdict(spec), "declare": spec.peak})
+        if register_late and random.Random(f"{seed}:{i}:register").random() < 0.5:
+            spec = JobSpec(**{**asdict(spec), "register_late": True})
         jobs.append(spec)
     targets = ["orchestrator", "agent", *(j.name for j in jobs)]
     faults: list[Fault] = []
@@ -230,7 +235,7 @@ class Run:
             spec = {"job": j.name, "group": "g", "target": self.target, "ledger": str(self.ledger.path),
                     "log": str(workdir / f"{j.name}.events"), "seed": j.seed, "steps": j.steps, "ctx": j.ctx,
                     "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
-                    "train_s": j.train_s}
+                    "train_s": j.train_s, "register_late": j.register_late}
             env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
                    **({"TIMESLICE_MEMORY": str(j.declare)} if j.declare else {})}
             self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
@@ -414,10 +419,10 @@ def _fault_text(f: Fault) -> str:
     return f"{f.kind} {who} at {f.at:.2f}" + (f" for {f.pause_s:.2f}" if f.kind == "stop" else "")
 
 
-def run_one(seed: int, keep: bool = False) -> dict[str, Any]:
+def run_one(seed: int, keep: bool = False, register_late: bool = False) -> dict[str, Any]:
     """Run the schedule of `seed`; its result (the work directory is removed unless it
     failed or `keep`)."""
-    sched = make_schedule(seed)
+    sched = make_schedule(seed, register_late)
     workdir = Path(tempfile.mkdtemp(prefix=f"tss{seed}-", dir="/tmp"))
     t0 = time.monotonic()
     run = Run(sched, workdir)
@@ -465,13 +470,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="schedules run at once (default 4: a schedule mostly waits)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--keep", action="store_true", help="keep every work directory (logs), not only failing ones")
+    ap.add_argument("--register-late", action="store_true",
+                    help="about half the jobs register their state after their first hold (model on the GPU), not "
+                         "before it (default: all before, when it is 0 bytes)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each schedule's result as it ends")
     args = ap.parse_args(argv)
     seeds = list(range(args.seed, args.seed + args.count))
     t0 = time.monotonic()
     results: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as ex:
-        for future in as_completed([ex.submit(run_one, seed, args.keep) for seed in seeds]):
+        for future in as_completed([ex.submit(run_one, seed, args.keep, args.register_late) for seed in seeds]):
             r = future.result()
             results.append(r)
             if args.verbose or r["failures"]:
