@@ -1,7 +1,8 @@
 """GPU memory per GPU and per process, from NVML (`nvidia-ml-py`); host memory from /proc.
 
 Owned by the node agent; used to report the bytes a checkpoint moves and the memory
-report (`GetMemory`) that residency decisions rest on. NVML lists only processes with
+report (`GetMemory`) that residency decisions rest on. Tests replace NVML with a model
+GPU (`model_gpu.py`, selected by `$TIMESLICE_MODEL_GPU`). NVML lists only processes with
 a live CUDA context: a checkpointed process is absent (reference/checkpoint-h200.md),
 so the agent records the size at checkpoint time.
 """
@@ -65,7 +66,13 @@ class GpuInfo:
 
 
 def gpus() -> list[GpuInfo]:
-    """Every GPU of the node; empty without NVML."""
+    """Every GPU of the node; empty without NVML. With `$TIMESLICE_MODEL_GPU` (tests only),
+    the one model GPU of that ledger instead (`model_gpu.py`)."""
+    from timeslice.kubelet_plugin.agent import model_gpu
+
+    model = model_gpu.from_env()
+    if model is not None:
+        return [model.read()]
     nv = _nvml()
     if nv is None:
         return []

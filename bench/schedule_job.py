@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""One cooperative job process of a randomized schedule (`bench/schedules.py`), on a model GPU.
+
+Started (and restarted after a kill) by bench/schedules.py as
+`python bench/schedule_job.py SPEC_JSON`. It uses the real client
+(`TimeSliceOrchestratorClient`: `acquire`/`release`, and `serve_memory_commands`, the
+path `timeslice.torch.register` takes) with a store whose "device" state is a bytearray
+accounted in the model GPU's ledger (`model_gpu.ModelGpu`, `$TIMESLICE_MODEL_GPU`). Its
+memory grows after its first hold as a real RL job's does: the first hold builds the
+model (`ctx` + `model` bytes; the context never leaves the GPU), each generate holds a KV
+cache (`kv` bytes) for its phase, the first train adds the optimizer state (`optim` bytes,
+registered and moved with the model). An allocation past the GPU's total is an OOM:
+logged, and the process exits with code 99 (inside a restore command the command fails
+instead, as a CUDA OOM inside `resize_` would).
+
+The state is deterministic: after train step s its bytes are `content(seed, s + 1, n)`
+(a SHA-256 tiled over n bytes), so a state altered anywhere (a restore from the wrong or a
+rewritten pool range, a checkpoint under a running phase) is found bitwise at the next
+phase. Every GPU phase logs `begin` and `end` (monotonic seconds, comparable across
+processes) to the job's event log (JSON lines, `log` in the spec), from which the harness
+finds two jobs computing at once. A `SwitchFailed` is retried here and counted (until the
+client retries it itself). SIGTERM ends the job cleanly (`client.close()`).
+
+Spec keys: job, group, target, ledger, log, seed, steps, ctx, model, optim, kv (bytes),
+gen_s, reward_s, train_s (seconds), declare (bytes, 0: none; exported as
+`TIMESLICE_MEMORY` by the harness), register_late (open the memory-command stream after
+the first hold, when the model is on the GPU, rather than at start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from timeslice import TimeSliceOrchestratorClient
+from timeslice.errors import SwitchFailed
+from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu, ModelGpuOom
+from timeslice.memory_commands import Ranges, pieces
+
+OOM_EXIT = 99
+ACQUIRE_TIMEOUT_SECONDS = 300.0
+
+
+def content(seed: int, step: int, n: int) -> bytes:
+    """The job's state after `step` train steps: n bytes, a pure function of (seed, step)."""
+    digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
+    return (digest * (n // len(digest) + 1))[:n]
+
+
+class EventLog:
+    """Appends one JSON line per event (O_APPEND: whole lines even if the process dies)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def __call__(self, ev: str, **fields: Any) -> None:
+        os.write(self._fd, (json.dumps({"ev": ev, "t": time.monotonic(), "pid": os.getpid(), **fields}) + "\n")
+                 .encode())
+
+
+class ModelStore:
+    """The registered state (model, then optimizer) on the model GPU: `device` is its bytes
+    while on the GPU, None before the first hold and while checkpointed."""
+
+    def __init__(self, gpu: ModelGpu, log: EventLog) -> None:
+        self.gpu, self.log, self.pid = gpu, log, os.getpid()
+        self.lock = threading.Lock()
+        self.device: bytearray | None = None
+        self.moved = False
+        self.computing = ""  # the phase running now ("" between phases)
+        self.pool: mmap.mmap | None = None
+        self.own: bytes | None = None
+        self.ranges: Ranges = []
+        self.size = 0  # registered bytes
+
+    def nbytes(self) -> int:
+        return self.size
+
+    def attach_pool(self, pool: mmap.mmap) -> None:
+        self.pool = pool
+
+    def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
+        with self.lock:
+            if self.computing:  # the client's own check should have refused it
+                self.log("altered", why=f"checkpoint command during the {self.computing} phase")
+                raise RuntimeError(f"checkpoint during the {self.computing} phase")
+            if self.moved or self.device is None:
+                return (self.size if self.moved else 0), self.own is None and self.moved
+            n = len(self.device)
+            in_pool = self.pool is not None and n <= sum(k for _, k in ranges)
+            if in_pool:
+                for off, src, k in pieces(ranges, 0, n):
+                    self.pool[off:off + k] = self.device[src:src + k]  # type: ignore[index]
+                self.ranges, self.own = ranges, None
+            else:
+                self.own = bytes(self.device)
+            self.device, self.moved = None, True
+            self.gpu.free(self.pid, n)
+            self.log("checkpointed", bytes=n, pool=in_pool)
+            return n, in_pool
+
+    def restore(self, ranges: Ranges) -> int:
+        with self.lock:
+            if not self.moved:
+                return 0
+            n = self.size
+            try:
+                self.gpu.alloc(self.pid, n, "restore")
+            except ModelGpuOom as err:
+                self.log("oom", what="restore", want=n, record=err.record)
+                raise
+            if self.own is not None:
+                self.device = bytearray(self.own)
+            else:
+                ranges = ranges or self.ranges
+                dev = bytearray(n)
+                for off, src, k in pieces(ranges, 0, n):
+                    dev[src:src + k] = self.pool[off:off + k]  # type: ignore[index]
+                self.device = dev
+            self.moved, self.own = False, None
+            self.log("restored", bytes=n)
+            return n
+
+
+class Job:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.log = EventLog(spec["log"])
+        self.gpu = ModelGpu(spec["ledger"])
+        self.store = ModelStore(self.gpu, self.log)
+        self.client = TimeSliceOrchestratorClient(spec["target"], spec["job"], spec["group"])
+        self.step = 0  # train steps done
+        self.loaded = False
+
+    def alloc(self, n: int, what: str) -> None:
+        try:
+            self.gpu.alloc(os.getpid(), n, what)
+        except ModelGpuOom as err:
+            self.log("oom", what=what, want=n, record=err.record)
+            os._exit(OOM_EXIT)  # a CUDA OOM: the job dies inside its phase
+
+    def hold(self, kind: str, work: Any) -> None:
+        group = self.spec["group"]
+        retries = 0
+        while True:
+            self.log("acquire", kind=kind, step=self.step)
+            try:
+                self.client.acquire(group, timeout=ACQUIRE_TIMEOUT_SECONDS)
+                break
+            except SwitchFailed as err:  # until the client retries it itself (helper `client-retry`)
+                retries += 1
+                self.log("switch_failed", kind=kind, step=self.step, error=str(err))
+                time.sleep(min(0.05 * retries, 0.5))
+        self.log("granted", kind=kind, step=self.step)
+        try:
+            work()
+        finally:
+            self.client.release(group)
+            self.log("released", kind=kind, step=self.step)
+
+    def _check(self, where: str) -> None:
+        """The state must be on the GPU and equal to what the steps done make (under the lock)."""
+        s = self.store
+        if s.device is None:
+            self.log("altered", why=f"state not on the GPU {where} (step {self.step})")
+            return
+        if bytes(s.device) != content(self.spec["seed"], self.step, len(s.device)):
+            zero = not any(s.device)
+            self.log("altered", why=f"state bytes differ {where} (step {self.step}){' (all zero)' if zero else ''}",
+                     zero=zero)
+
+    def phase(self, kind: str, seconds: float, extra: int = 0) -> None:
+        spec, s = self.spec, self.store
+        if not self.loaded:  # the model is built on the GPU inside the first hold
+            self.alloc(spec["ctx"] + spec["model"], "model")
+            with s.lock:
+                s.device, s.size = bytearray(content(spec["seed"], 0, spec["model"])), spec["model"]
+            self.loaded = True
+        if extra:
+            self.alloc(extra, kind)
+        with s.lock:
+            self._check(f"at the start of {kind}")
+            s.computing = kind
+        self.log("begin", kind=kind, step=self.step)
+        time.sleep(seconds)  # the compute
+        self.log("end", kind=kind, step=self.step)
+        with s.lock:
+            s.computing = ""
+            self._check(f"at the end of {kind}")
+        if extra:
+            self.gpu.free(os.getpid(), extra)
+        if kind == "train":
+            if self.step == 0 and spec["optim"]:
+                self.alloc(spec["optim"], "optimizer")  # optimizer state appears at the first step
+            n = spec["model"] + spec["optim"]
+            with s.lock:
+                s.device, s.size = bytearray(content(spec["seed"], self.step + 1, n)), n
+            self.step += 1
+
+    def register(self) -> None:
+        """Open the memory-command stream (`timeslice.torch.register`'s path)."""
+        loop = self.client.serve_memory_commands(self.store, self.spec["group"])
+        if not loop.ready.wait(60) or loop.error:
+            self.log("error", error=f"memory commands not connected: {loop.error}")
+            sys.exit(1)
+
+    def run(self) -> None:
+        spec = self.spec
+        self.log("start", job=spec["job"])
+        late = spec.get("register_late", False)
+        if not late:  # registered before the model is on the GPU (0 bytes when the stream opens)
+            self.register()
+        try:
+            while self.step < spec["steps"]:
+                self.hold("generate", lambda: self.phase("generate", spec["gen_s"], spec["kv"]))
+                if late and self.step == 0:  # registered once the model is on the GPU, as the README shows
+                    late = False
+                    self.register()
+                time.sleep(spec["reward_s"])  # the reward, on the CPU, outside any hold
+                self.hold("train", lambda: self.phase("train", spec["train_s"]))
+            self.log("done", steps=self.step)
+        finally:
+            self.client.close()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a clean end: close() runs
+    job = Job(spec)
+    try:
+        job.run()
+    except SystemExit:
+        raise
+    except BaseException as err:
+        job.log("error", error=f"{type(err).__name__}: {err}")
+        raise
+
+
+if __name__ == "__main__":
+    main()

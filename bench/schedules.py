@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Randomized schedules of the real orchestrator, node agent and cooperative job processes on a
+model GPU, with kills and pauses of each (issue 21, item 6).
+
+Each schedule (a pure function of its seed) runs, as real processes through the product's
+commands with default settings: `timeslice node-agent` (its GPU a model GPU: the ledger of
+`kubelet_plugin/agent/model_gpu.py`, `$TIMESLICE_MODEL_GPU`), `timeslice orchestrator
+--config` (one `cooperative` group on that agent, a pinned pool in /dev/shm, a state file),
+and 2-4 job processes (`bench/schedule_job.py`: the real client, generate -> reward ->
+train, memory growing after the first hold: model, then optimizer state, a KV cache per
+generate; random sizes; half declare their memory with `TIMESLICE_MEMORY`). Fault events
+at random times: kill -9, SIGTERM, or SIGSTOP then SIGCONT of a job process (a killed job
+is restarted and must be granted again), of the node agent or of the orchestrator (each
+restarted with the same config and state). Sizes are in model GB of 10**6 bytes: the model
+GPU is "100 GB" (100 MB), so that the states the jobs copy stay small; the orchestrator's
+headroom is relative (10%), and each job's peak fits the GPU alone with that headroom, so
+every OOM is caused by placement.
+
+Found per schedule: OOMs (an allocation past the model GPU's total), altered states (a
+job's state bytes differ from the pure function of its seed and step at a phase's start
+or end, or are not on the GPU inside a hold; "(all zero)" marks a rewritten pool), double
+computes (two jobs' GPU phases overlapping in time), jobs never granted again (still
+waiting at the schedule's deadline), job errors (a job process that raised), and
+orchestrator or agent crashes (an exit nobody asked for).
+
+    python bench/schedules.py --count 1000 --seed 1 --workers 3 --out bench/results/schedules-cpu.json
+    python bench/schedules.py --count 1 --seed 123 --keep -v     # one schedule again, logs kept
+
+Writes counts and, per failing schedule, its seed and a one-line reason per failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from timeslice.kubelet_plugin.agent.model_gpu import ENV as MODEL_GPU_ENV
+from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
+
+from bench import machine
+
+GB = 10**6  # one model GB (see the module docstring)
+TOTAL = 100 * GB
+HEADROOM = 0.10  # the orchestrator's default memory_headroom
+POOL_BYTES = 200 * GB
+JOB_SCRIPT = Path(__file__).resolve().parent / "schedule_job.py"
+OOM_EXIT = 99
+SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
+READY_SECONDS = 60.0
+CLASSES = ("oom_placement", "altered_states", "double_computes", "jobs_never_granted_again", "job_errors",
+           "component_crashes")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job: sizes in bytes, times in seconds; `declare`: bytes it declares (0: none)."""
+
+    name: str
+    seed: int
+    steps: int
+    ctx: int
+    model: int
+    optim: int
+    kv: int
+    gen_s: float
+    reward_s: float
+    train_s: float
+    declare: int
+    start_s: float
+    register_late: bool = False
+
+    @property
+    def peak(self) -> int:
+        return self.ctx + self.model + self.optim + self.kv
+
+
+@dataclass(frozen=True)
+class Fault:
+    """At `at` seconds: `kind` (kill: SIGKILL, term: SIGTERM, stop: SIGSTOP for `pause_s`,
+    then SIGCONT) to `target` ("orchestrator", "agent", or a job's name); a process that
+    ended is started again `restart_s` later."""
+
+    at: float
+    target: str
+    kind: str
+    pause_s: float
+    restart_s: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    seed: int
+    jobs: tuple[JobSpec, ...]
+    faults: tuple[Fault, ...]
+
+
+def make_schedule(seed: int, register_late: bool = False) -> Schedule:
+    """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
+    `register_late`: about half the jobs open their memory-command stream after their first
+    hold (drawn apart, so that the rest of the schedule stays that of the seed)."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(rng.randint(2, 4)):
+        ctx = rng.randint(3, 8) * GB // 10
+        model = rng.randint(4, 35) * GB
+        kv = rng.randint(1, 15) * GB
+        room = int(TOTAL * (1 - HEADROOM)) - ctx - model - kv
+        optim = min(room, int(model * rng.uniform(0.3, 1.5))) if room > 0 else 0
+        if room < 0:
+            model += room
+        spec = JobSpec(name=f"s{seed:07d}j{i}", seed=rng.randrange(1 << 30), steps=rng.randint(2, 4), ctx=ctx,
+                       model=model, optim=max(optim, 0), kv=kv, gen_s=rng.uniform(0.03, 0.3),
+                       reward_s=rng.uniform(0.02, 0.3), train_s=rng.uniform(0.03, 0.3), declare=0,
+                       start_s=rng.uniform(0, 0.6))
+        if rng.random() < 0.5:
+            spec = JobSpec(**{**asdict(spec), "declare": spec.peak})
+        if register_late and random.Random(f"{seed}:{i}:register").random() < 0.5:
+            spec = JobSpec(**{**asdict(spec), "register_late": True})
+        jobs.append(spec)
+    targets = ["orchestrator", "agent", *(j.name for j in jobs)]
+    faults: list[Fault] = []
+    busy: dict[str, float] = {}
+    for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4])):
+        target = rng.choice(targets)
+        kind = rng.choice(["kill", "term", "stop"])
+        at = rng.uniform(0.2, 4.0)
+        if at < busy.get(target, -1.0):
+            continue
+        f = Fault(at=at, target=target, kind=kind, pause_s=rng.uniform(0.1, 2.5) if kind == "stop" else 0.0,
+                  restart_s=rng.uniform(0.0, 0.5))
+        busy[target] = at + f.pause_s + f.restart_s + 1.0
+        faults.append(f)
+    return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)))
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the harness's worker dies (no orphans)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Proc:
+    """One restartable process: its command, and what happened to it."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    ready: str | None = None  # a line it prints when it serves
+    p: asyncio.subprocess.Process | None = None
+    signalled: bool = False  # the last exit was asked for (a fault)
+    exits: list[tuple[float, int | None, bool]] = field(default_factory=list)  # (monotonic, code, asked)
+    stopped: bool = False
+
+    async def start(self) -> None:
+        self.signalled = False
+        out = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # handed to the child
+        try:
+            self.p = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.env, stdout=asyncio.subprocess.PIPE if self.ready else out, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            os.close(out)
+        if self.ready is None:
+            return
+        assert self.p.stdout is not None
+        try:
+            async with asyncio.timeout(READY_SECONDS):
+                while True:
+                    line = await self.p.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"{self.name} exited before it was ready (see {self.log})")
+                    if self.ready in line.decode():
+                        break
+        except TimeoutError:
+            raise RuntimeError(f"{self.name} not ready within {READY_SECONDS:g} s (see {self.log})") from None
+
+    def send(self, sig: int) -> None:
+        if self.p is not None and self.p.returncode is None:
+            try:
+                os.kill(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def wait(self) -> int | None:
+        assert self.p is not None
+        code = await self.p.wait()
+        self.exits.append((time.monotonic(), code, self.signalled))
+        return code
+
+    @property
+    def alive(self) -> bool:
+        return self.p is not None and self.p.returncode is None
+
+
+class Run:
+    """One schedule, run in `workdir`."""
+
+    def __init__(self, sched: Schedule, workdir: Path) -> None:
+        self.s = sched
+        self.dir = workdir
+        self.ledger = ModelGpu.create(workdir / "gpu.json", TOTAL)
+        self.pool = Path(f"/dev/shm/timeslice-schedules-{sched.seed}-{os.getpid()}")
+        base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+        self.target = f"unix://{workdir / 'orch.sock'}"
+        agent_target = f"unix://{workdir / 'agent.sock'}"
+        config = {"listen": self.target, "state_file": str(workdir / "orch-state.json"),
+                  "pinned_pool": {"path": str(self.pool), "bytes": POOL_BYTES},
+                  "groups": [{"id": "g", "backend": "cooperative", "agents": [agent_target]}]}
+        (workdir / "config.json").write_text(json.dumps(config))  # YAML is a superset of JSON
+        cli = [sys.executable, "-m", "timeslice.cli.main"]
+        self.agent = Proc("agent", [*cli, "node-agent", "--listen", agent_target, "--state-dir",
+                                    str(workdir / "agent")], {**base, MODEL_GPU_ENV: str(self.ledger.path)},
+                          workdir / "agent.log", ready="ready listen=")
+        self.orch = Proc("orchestrator", [*cli, "orchestrator", "--config", str(workdir / "config.json")], base,
+                         workdir / "orchestrator.log")
+        self.jobs: dict[str, Proc] = {}
+        for j in sched.jobs:
+            spec = {"job": j.name, "group": "g", "target": self.target, "ledger": str(self.ledger.path),
+                    "log": str(workdir / f"{j.name}.events"), "seed": j.seed, "steps": j.steps, "ctx": j.ctx,
+                    "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
+                    "train_s": j.train_s, "register_late": j.register_late}
+            env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
+                   **({"TIMESLICE_MEMORY": str(j.declare)} if j.declare else {})}
+            self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
+                                     workdir / f"{j.name}.log")
+        self.outcome: dict[str, str] = {}  # job -> done | oom | error (exit code) | running
+        self.crashes: list[str] = []
+        self.t0 = 0.0
+
+    async def _orch_ready(self) -> None:
+        """The orchestrator serves once its socket accepts a health check (it prints nothing)."""
+        import grpc.aio
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + READY_SECONDS
+        async with grpc.aio.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if not self.orch.alive:
+                    raise RuntimeError(f"orchestrator exited before it was ready (see {self.orch.log})")
+                try:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=2, wait_for_ready=True)
+                    return
+                except grpc.aio.AioRpcError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"orchestrator not ready within {READY_SECONDS:g} s") from None
+                    await asyncio.sleep(0.05)
+
+    async def _component(self, proc: Proc, done: asyncio.Event) -> None:
+        """Keep a server running: restart it after each exit (a crash is recorded)."""
+        while not done.is_set():
+            code = await proc.wait()
+            if done.is_set():
+                return
+            if not proc.signalled:
+                self.crashes.append(f"{proc.name} exited by itself with code {code} at "
+                                    f"{time.monotonic() - self.t0:.2f} s (see its log)")
+            await asyncio.sleep(self._restart_delay.get(proc.name, 0.0))
+            await proc.start()
+
+    async def _job(self, spec: JobSpec) -> None:
+        proc = self.jobs[spec.name]
+        await asyncio.sleep(spec.start_s)
+        while True:
+            await proc.start()
+            code = await proc.wait()
+            if proc.signalled:  # killed by a fault: started again, it must be granted again
+                await asyncio.sleep(self._restart_delay.pop(spec.name, 0.0))
+                continue
+            self.outcome[spec.name] = "done" if code == 0 else "oom" if code == OOM_EXIT else f"exit {code}"
+            return
+
+    async def _fault(self, f: Fault) -> None:
+        await asyncio.sleep(max(0.0, self.t0 + f.at - time.monotonic()))
+        proc = self.orch if f.target == "orchestrator" else self.agent if f.target == "agent" else self.jobs[f.target]
+        if not proc.alive:
+            return
+        self.applied.append(f)
+        if f.kind == "stop":
+            proc.send(signal.SIGSTOP)
+            proc.stopped = True
+            await asyncio.sleep(f.pause_s)
+            proc.stopped = False
+            proc.send(signal.SIGCONT)
+            return
+        self._restart_delay[proc.name] = f.restart_s
+        proc.signalled = True
+        proc.send(signal.SIGKILL if f.kind == "kill" else signal.SIGTERM)
+
+    async def run(self) -> None:
+        self._restart_delay: dict[str, float] = {}
+        self.applied: list[Fault] = []
+        done = asyncio.Event()
+        await self.agent.start()
+        await self.orch.start()
+        await self._orch_ready()
+        self.orch.ready = None  # a restart is not waited for: clients retry while it starts
+        self.t0 = time.monotonic()
+        comps = [asyncio.create_task(self._component(p, done)) for p in (self.agent, self.orch)]
+        faults = [asyncio.create_task(self._fault(f)) for f in self.s.faults]
+        jobs = [asyncio.create_task(self._job(j)) for j in self.s.jobs]
+        last = max([f.at + f.pause_s + f.restart_s for f in self.s.faults] + [j.start_s for j in self.s.jobs])
+        try:
+            await asyncio.wait_for(asyncio.gather(*jobs), timeout=last + SETTLE_SECONDS)
+        except TimeoutError:
+            pass
+        finally:
+            done.set()
+            for t in faults:
+                t.cancel()
+            for p in [*self.jobs.values(), self.agent, self.orch]:
+                p.send(signal.SIGCONT)
+            for j in self.s.jobs:
+                if j.name not in self.outcome:
+                    self.outcome[j.name] = "running"
+                    self.jobs[j.name].send(signal.SIGKILL)
+            for p in (self.orch, self.agent):
+                p.send(signal.SIGTERM)
+            await asyncio.gather(*comps, return_exceptions=True)
+            for p in [*self.jobs.values(), self.agent, self.orch]:
+                if p.alive:
+                    try:
+                        await asyncio.wait_for(p.p.wait(), 10)  # type: ignore[union-attr]
+                    except TimeoutError:
+                        p.send(signal.SIGKILL)
+                        await p.p.wait()  # type: ignore[union-attr]
+            self.pool.unlink(missing_ok=True)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def analyze(run: Run) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """[(class, reason)] of one finished run, and its counters."""
+    failures: list[dict[str, str]] = []
+    info: Counter[str] = Counter()
+    owner: dict[int, str] = {}
+    intervals: list[tuple[float, float, str, int, str, int]] = []  # (begin, end, job, pid, kind, step)
+    exits = {name: [t for t, _, _ in p.exits] for name, p in run.jobs.items()}
+    restarted_orch = any(f.target == "orchestrator" and f.kind != "stop" for f in run.applied)
+
+    def add(cls: str, reason: str) -> None:
+        failures.append({"class": cls, "reason": reason})
+
+    for spec in run.s.jobs:
+        events = _events(run.dir / f"{spec.name}.events")
+        open_: dict[int, dict[str, Any]] = {}
+        last: dict[str, Any] | None = None
+        for e in events:
+            owner[e["pid"]] = spec.name
+            last = e
+            if e["ev"] == "begin":
+                open_[e["pid"]] = e
+            elif e["ev"] in ("end", "released") and e["pid"] in open_:  # released: a phase cut short (SIGTERM)
+                b = open_.pop(e["pid"])
+                intervals.append((b["t"], e["t"], spec.name, e["pid"], b["kind"], b["step"]))
+            elif e["ev"] == "altered":
+                why = e["why"] + (" after an orchestrator restart" if restarted_orch and e.get("zero") else "")
+                add("altered_states", f"{spec.name} pid {e['pid']}: {why}")
+            elif e["ev"] == "switch_failed":
+                info["switch_failed_retries"] += 1
+            elif e["ev"] == "error":
+                add("job_errors", f"{spec.name} pid {e['pid']}: {e['error']}")
+        for pid, b in open_.items():  # a phase its process did not end (killed in it): until the process ended
+            end = next((t for t in exits[spec.name] if t >= b["t"]), time.monotonic())
+            intervals.append((b["t"], end, spec.name, pid, b["kind"], b["step"]))
+        outcome = run.outcome.get(spec.name, "running")
+        if outcome == "running":
+            where = f"last event {last['ev']} {last.get('kind', '')} step {last.get('step', '')}" if last else \
+                "no event"
+            add("jobs_never_granted_again", f"{spec.name}: not done at the deadline ({where}; "
+                                            f"{len(exits[spec.name])} exits before)")
+        elif outcome.startswith("exit") and not any(f["reason"].startswith(spec.name) and f["class"] == "job_errors"
+                                                     for f in failures):
+            add("job_errors", f"{spec.name}: {outcome} (see {spec.name}.log)")
+    for o in run.ledger.ooms():
+        held = ", ".join(f"{owner.get(int(p), 'pid ' + p)}={b / GB:.1f}" for p, b in o["held"].items())
+        add("oom_placement", f"{owner.get(o['pid'], o['pid'])} asked {o['want'] / GB:.1f} GB for {o['what']} with "
+                             f"{o['free'] / GB:.1f} GB free (held: {held})")
+    intervals.sort()
+    for i, a in enumerate(intervals):
+        for b in intervals[i + 1:]:
+            if b[0] >= a[1]:
+                break
+            if b[2] != a[2]:
+                add("double_computes", f"{a[2]} {a[4]} step {a[5]} [{a[0] - run.t0:.3f}, {a[1] - run.t0:.3f}] "
+                                       f"overlaps {b[2]} {b[4]} step {b[5]} [{b[0] - run.t0:.3f}, "
+                                       f"{b[1] - run.t0:.3f}] s")
+    for c in run.crashes:
+        add("component_crashes", c)
+    info["phases"] = len(intervals)
+    return failures, dict(info)
+
+
+def _fault_text(f: Fault) -> str:
+    """"kill job1 at 1.23", "stop orchestrator at 0.50 for 1.20" (seconds)."""
+    who = f"job{f.target.rpartition('j')[2]}" if f.target.startswith("s") else f.target
+    return f"{f.kind} {who} at {f.at:.2f}" + (f" for {f.pause_s:.2f}" if f.kind == "stop" else "")
+
+
+def run_one(seed: int, keep: bool = False, register_late: bool = False) -> dict[str, Any]:
+    """Run the schedule of `seed`; its result (the work directory is removed unless it
+    failed or `keep`)."""
+    sched = make_schedule(seed, register_late)
+    workdir = Path(tempfile.mkdtemp(prefix=f"tss{seed}-", dir="/tmp"))
+    t0 = time.monotonic()
+    run = Run(sched, workdir)
+    try:
+        asyncio.run(run.run())
+        failures, info = analyze(run)
+    except Exception as err:  # the harness itself failed: that schedule counts as failed
+        failures, info = [{"class": "harness", "reason": f"{type(err).__name__}: {err}"}], {}
+    result = {"seed": seed, "jobs": len(sched.jobs), "faults": [_fault_text(f) for f in getattr(run, "applied", [])],
+              "seconds": round(time.monotonic() - t0, 2), "failures": failures, **info}
+    if failures or keep:
+        result["workdir"] = str(workdir)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return result
+
+
+def summarize(results: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
+    counts = Counter(f["class"] for r in results for f in r["failures"])
+    with_class = Counter(c for r in results for c in {f["class"] for f in r["failures"]})
+    faults = Counter(" ".join(f.split()[:2]).rstrip("0123456789") for r in results for f in r["faults"])
+    return {
+        "what": "randomized schedules: timeslice orchestrator + node-agent + cooperative job processes on a model "
+                "GPU of 100 model GB (10**6 bytes each), default settings, with kills and pauses of each",
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "schedules": len(results),
+        "schedules_failed": sum(1 for r in results if r["failures"]),
+        "counts": {c: counts.get(c, 0) for c in (*CLASSES, *(k for k in counts if k not in CLASSES))},
+        "schedules_with": {c: with_class.get(c, 0) for c in (*CLASSES, *(k for k in with_class if k not in CLASSES))},
+        "faults_applied": dict(sorted(faults.items())),
+        "switch_failed_retries": sum(r.get("switch_failed_retries", 0) for r in results),
+        "phases": sum(r.get("phases", 0) for r in results),
+        "seconds": round(seconds, 1),
+        "schedule_seconds_p50": sorted(r["seconds"] for r in results)[len(results) // 2] if results else 0,
+        "failing": [{"seed": r["seed"], "faults": r["faults"], "reasons": [f"{f['class']}: {f['reason']}"
+                                                                          for f in r["failures"]]}
+                    for r in results if r["failures"]],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=20, help="schedules to run (default 20)")
+    ap.add_argument("--seed", type=int, default=1, help="first seed; schedule i has seed SEED+i (default 1)")
+    ap.add_argument("--workers", type=int, default=4, help="schedules run at once (default 4: a schedule mostly waits)")
+    ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--keep", action="store_true", help="keep every work directory (logs), not only failing ones")
+    ap.add_argument("--register-late", action="store_true",
+                    help="about half the jobs register their state after their first hold (model on the GPU), not "
+                         "before it (default: all before, when it is 0 bytes)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print each schedule's result as it ends")
+    args = ap.parse_args(argv)
+    seeds = list(range(args.seed, args.seed + args.count))
+    t0 = time.monotonic()
+    results: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.workers) as ex:
+        for future in as_completed([ex.submit(run_one, seed, args.keep, args.register_late) for seed in seeds]):
+            r = future.result()
+            results.append(r)
+            if args.verbose or r["failures"]:
+                print(json.dumps(r), file=sys.stderr, flush=True)
+            if len(results) % 25 == 0:
+                print(f"# {len(results)}/{len(seeds)} schedules, {sum(1 for x in results if x['failures'])} failed, "
+                      f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    results.sort(key=lambda r: r["seed"])
+    summary = summarize(results, args, time.monotonic() - t0)
+    machine.emit(summary, args.out)
+    return 1 if summary["schedules_failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The model GPU (`kubelet_plugin/agent/model_gpu.py`) and the randomized schedules of issue 21
+(`bench/schedules.py`): the real orchestrator, node agent and cooperative job processes on a
+model GPU, with kills and pauses of each.
+
+The ledger: allocations past the total are OOMs (logged, nothing changed), a process that
+ended holds nothing, and `timeslice node-agent` reports it in place of NVML when
+`$TIMESLICE_MODEL_GPU` names it. The harness's findings are checked on hand-made event
+logs (two overlapping phases, a state that differs). The slow test runs 20 fixed seeds and
+asserts that none of them OOMs, alters a state, computes twice at once, loses a job or
+crashes a server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import grpc.aio
+import pytest
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.kubelet_plugin.agent.model_gpu import ENV, ModelGpu, ModelGpuOom
+
+from bench import schedules
+from tests.test_node_agent_cli import start, stop
+
+MB = 10**6
+
+
+@pytest.fixture
+def sleeper():
+    """A real process to hold model GPU memory: (Popen)."""
+    p = subprocess.Popen(["sleep", "600"],
+                         env={**os.environ, "TIMESLICE_JOB": "mj", "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_an_allocation_past_the_total_is_an_oom_that_changes_nothing(short_tmp: Path, sleeper) -> None:
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    gpu.alloc(sleeper.pid, 60 * MB, "model")
+    gpu.alloc(os.getpid(), 30 * MB, "model")
+    with pytest.raises(ModelGpuOom, match="asked for 20000000 bytes"):
+        gpu.alloc(os.getpid(), 20 * MB, "optimizer")
+    info = gpu.read()
+    assert (info.total, info.free, info.processes) == (100 * MB, 10 * MB, {sleeper.pid: 60 * MB, os.getpid(): 30 * MB})
+    (oom,) = gpu.ooms()
+    assert (oom["pid"], oom["want"], oom["what"], oom["free"]) == (os.getpid(), 20 * MB, "optimizer", 10 * MB)
+    assert oom["held"] == {str(sleeper.pid): 60 * MB, str(os.getpid()): 30 * MB}
+    gpu.free(os.getpid(), 30 * MB)
+    assert gpu.read().processes == {sleeper.pid: 60 * MB}
+    with pytest.raises(ValueError, match="-1 bytes"):
+        gpu.alloc(os.getpid(), -1)
+
+
+def test_a_process_that_ended_holds_nothing(short_tmp: Path, sleeper) -> None:
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    gpu.alloc(sleeper.pid, 90 * MB)
+    sleeper.kill()
+    os.waitid(os.P_PID, sleeper.pid, os.WEXITED | os.WNOWAIT)  # a zombie now: the driver has freed its memory
+    assert gpu.read().free == 100 * MB
+    sleeper.wait()
+    with pytest.raises(ValueError, match="is gone"):
+        gpu.alloc(sleeper.pid, 1)
+    gpu.alloc(os.getpid(), 100 * MB)  # all of it, now
+
+
+async def test_the_node_agent_reports_the_model_gpu_in_place_of_nvml(short_tmp: Path, sleeper) -> None:
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    gpu.alloc(sleeper.pid, 42 * MB)
+    os.environ[ENV] = str(gpu.path)  # inherited by the agent only
+    try:
+        agent, m = await start("node-agent", "--listen", f"unix://{short_tmp / 'agent.sock'}", "--state-dir",
+                               str(short_tmp / "state"), ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout")
+    finally:
+        del os.environ[ENV]
+    try:
+        async with grpc.aio.insecure_channel(m.group(1).decode()) as ch:
+            rep = await apb_grpc.NodeAgentStub(ch).GetMemory(
+                apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="mj")]), timeout=30)
+    finally:
+        await stop(agent)
+    assert [(g.uuid, g.total_bytes, g.free_bytes) for g in rep.gpus] == [("GPU-model-0", 100 * MB, 58 * MB)]
+    assert dict(rep.jobs[0].device_bytes) == {"GPU-model-0": 42 * MB}
+
+
+def test_the_schedule_of_a_seed_is_always_the_same_and_every_job_fits_alone() -> None:
+    for seed in range(200):
+        s = schedules.make_schedule(seed)
+        assert s == schedules.make_schedule(seed)
+        assert 2 <= len(s.jobs) <= 4
+        assert all(j.peak <= schedules.TOTAL * (1 - schedules.HEADROOM) for j in s.jobs)  # so an OOM is placement's
+        assert {f.kind for f in s.faults} <= {"kill", "term", "stop"}
+
+
+def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> None:
+    """The analysis on hand-written event logs: it can fail."""
+    sched = schedules.make_schedule(3)
+    run = schedules.Run(sched, short_tmp)
+    run.t0, run.applied = 0.0, []
+    a, b = sched.jobs[0].name, sched.jobs[1].name
+    logs = {a: [{"ev": "begin", "kind": "train", "step": 0, "t": 1.0, "pid": 11},
+                {"ev": "end", "kind": "train", "step": 0, "t": 2.0, "pid": 11},
+                {"ev": "altered", "why": "state bytes differ at the start of generate (step 1)", "t": 2.5, "pid": 11},
+                {"ev": "begin", "kind": "generate", "step": 1, "t": 2.6, "pid": 11},
+                {"ev": "released", "kind": "generate", "step": 1, "t": 2.7, "pid": 11},  # cut short by SIGTERM
+                {"ev": "done", "t": 3.0, "pid": 11}],
+            b: [{"ev": "begin", "kind": "generate", "step": 0, "t": 1.5, "pid": 12},
+                {"ev": "end", "kind": "generate", "step": 0, "t": 1.7, "pid": 12},
+                {"ev": "begin", "kind": "train", "step": 0, "t": 2.8, "pid": 12},
+                {"ev": "end", "kind": "train", "step": 0, "t": 2.9, "pid": 12},
+                {"ev": "done", "t": 3.0, "pid": 12}]}
+    for name, events in logs.items():
+        (short_tmp / f"{name}.events").write_text("".join(json.dumps(e) + "\n" for e in events))
+        run.outcome[name] = "done"
+    failures, _ = schedules.analyze(run)
+    assert sorted(f["class"] for f in failures) == ["altered_states", "double_computes"]
+    assert "overlaps" in next(f["reason"] for f in failures if f["class"] == "double_computes")
+
+
+SEEDS = range(1, 21)
+
+
+@pytest.mark.slow  # about 2 minutes on a loaded 2-core machine
+@pytest.mark.timeout(1200)
+def test_random_schedules_with_kills_and_pauses_keep_every_job_whole() -> None:
+    with ProcessPoolExecutor(max_workers=2) as ex:
+        results = list(ex.map(schedules.run_one, SEEDS))
+    failing = [f"seed {r['seed']} ({', '.join(r['faults']) or 'no fault'}): {f['class']}: {f['reason']}"
+               for r in results for f in r["failures"]]
+    assert not failing, f"{len(failing)} failures (bench/schedules.py --count 1 --seed SEED --keep -v):\n" + \
+        "\n".join(failing)
+
+
+def test_the_harness_runs_as_a_script_with_its_help() -> None:
+    out = subprocess.run([sys.executable, str(Path(schedules.__file__)), "--help"], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert "--count" in out.stdout and "--seed" in out.stdout
