@@ -77,6 +77,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -551,7 +552,10 @@ def ok(result: dict[str, Any]) -> bool:
     return "error" not in result and not result["jobs_lost"] and result["bitwise_equal"] and result["extra_ok"]
 
 
-async def main_async(a: argparse.Namespace, solo_runs: list[dict[str, Any]] | None, logs: Path) -> list[dict[str, Any]]:
+async def main_async(a: argparse.Namespace, solo_runs: list[dict[str, Any]] | None, logs: Path,
+                     save: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """The solo runs (unless given), then one shared run per mode and backend; `save` gets the results so far
+    after each run (a bench stopped midway keeps the runs it finished)."""
     if solo_runs is None:
         (logs / "solo").mkdir(parents=True, exist_ok=True)
         solo_runs = await solo(a, logs / "solo")
@@ -567,10 +571,12 @@ async def main_async(a: argparse.Namespace, solo_runs: list[dict[str, Any]] | No
             except BenchError as err:
                 result = failed(a, mode, backend, err, run_logs)
             result["solo_source"] = a.solo_json or "measured in this run"
+            result["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             brief = {k: v for k, v in result.items() if k not in (
                 "switch_records", "job_phases", "status", "commands", "logs", "servers", "group_config", "job_ids")}
             print(json.dumps(brief), file=sys.stderr)
             out.append(result)
+            save(out)
     return out
 
 
@@ -580,9 +586,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--modes", "--mode", dest="modes", nargs="+", choices=["serve", "agent"], default=["serve"],
                    help="serve: `timeslice serve`; agent: `timeslice node-agent` + `timeslice orchestrator`")
-    p.add_argument("--backends", nargs="+", default=["cuda", "cooperative"],
+    p.add_argument("--backends", nargs="*", default=["cuda", "cooperative"],
                    choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
-                   help="the group's backend, one shared run each (freeze or none for --device cpu)")
+                   help="the group's backend, one shared run each per mode (freeze or none for --device cpu; none "
+                        "given: the solo runs only, with --save-solo)")
     p.add_argument("--timeslice", help="the timeslice command (default: beside this Python, else on PATH, else "
                                        "python -m timeslice.cli.main)")
     g = p.add_argument_group("group settings (left out of GROUPS.yaml, hence the product's default, unless given)")
@@ -640,18 +647,21 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(a.logs) if a.logs else Path(tempfile.mkdtemp(prefix="rl-grpo-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"logs in {logs}", file=sys.stderr)
+    described = machine.describe()
+
+    def stamped(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "machine": described} for r in results]
+
+    def save(results: list[dict[str, Any]]) -> None:
+        if a.out:
+            Path(a.out).write_text(json.dumps(stamped(results), indent=1) + "\n")
+
     try:
-        results = asyncio.run(main_async(a, solo_runs, logs))
+        results = stamped(asyncio.run(main_async(a, solo_runs, logs, save)))
     except BenchError as err:  # a solo run failed: nothing to compare with
         print(f"rl_grpo.py: error: {err}", file=sys.stderr)
         return 1
-    described = machine.describe()
-    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    results = [{**r, "machine": described, "measured_at": at} for r in results]
-    text = json.dumps(results, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    print(json.dumps(results, indent=1))
     if a.plot and any("error" not in r for r in results):
         timeline.draw(timeline.timelines([r for r in results if "error" not in r]), a.plot)
     return 0 if all(ok(r) for r in results) else 1
