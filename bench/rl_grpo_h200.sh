@@ -1,23 +1,85 @@
 #!/usr/bin/env bash
-# The committed H200 runs of bench/rl_grpo.py (README "Measured results"), by configuration:
-#   bench/rl_grpo_h200.sh OUTDIR probe|solo|a|a-cooperative|b|b-fifo|b-cuda|c ...
-# solo: 4 jobs alone, one after the other (saved; the shared runs compare with them)
-# a: 2 jobs x ~18 GB, residency auto, backends cuda and cooperative (a-cooperative: the latter alone)
-# c: 4 jobs x ~30 GB, residency auto (all fit with headroom), backend cuda
-# b: 3 jobs x ~49 GB (at most two resident on 150 GB with 10% headroom), cooperative (95 GB pinned pool), cuda;
-#    b-fifo: the same in strict queue order (residentFirstSeconds 0); b-cuda: backend cuda with
-#    residentFirstSeconds 300 (its switches take ~35 s, more than the default 30 s bound: every
-#    waiter passed it and the three jobs rotated, one switch per phase: 10 of 24 phases in 545 s)
-# STEPS (default 8) must match the solo runs'; SOLO: the solo runs' JSON (bench/results/rl-grpo-solo-h200.json)
-# On the lent machine the project and its server dependencies come as wheels in .whl/.
+# The committed H200 runs of bench/rl_grpo.py (README "Measured results"): GRPO-shaped jobs through the
+# product's own commands, default settings, solo vs shared. One call runs the stages it is given, in order:
+#   bench/rl_grpo_h200.sh OUTDIR STAGE ...
+# STAGE:
+#   wheels          HERE, not on the GPU machine: download into .whl/ the server dependencies the GPU image lacks
+#                   (pinned to this machine's .venv); the device tool carries them (`carry: [".whl"]`)
+#   probe           the GPU, shared memory, CPUs, CPU contention, and whether the installed product imports
+#   solo-a|solo-b|solo-c      the shape's jobs alone, one after the other -> OUTDIR/solo-<shape>.json
+#   a|b|c[-MODE[-BACKEND]]    the shape shared, MODE serve|agent (default both), BACKEND cuda|cooperative (default
+#                   both) -> OUTDIR/rl-grpo-<stage>[-declared]-h200.json; solo runs from OUTDIR/solo-<shape>.json
+#                   (or SOLO=file), else measured first and saved there
+# Shapes (1b model, bf16; --extra-gb sizes each job's peak; the H200 has 150.7 GB, 10% headroom by default):
+#   a: 2 jobs x ~18 GB (fit)       b: 3 jobs x ~57 GB (two fit)       c: 4 jobs x ~30 GB (fit)
+# Environment: STEPS (default 6; must match the solo runs'), REWARD_SECONDS (3), DECLARE=1 (each job declares its
+# solo peak in TIMESLICE_MEMORY: --declare-memory), POOL_GB (cooperative: a pinned_pool of that many GB in the
+# config; default none, the product's default), JOB_TIMEOUT (seconds for one shared run's jobs, default 480),
+# LOGS (default /tmp/rl-grpo-logs; packed into OUTDIR/logs.tgz at the end), BENCH_FLAGS (appended to every
+# bench/rl_grpo.py call, last: they win; a dry run on a CPU machine: BENCH_FLAGS='--size tiny --device cpu
+# --extra-gb 0 --reward-seconds 0.2' and a stage such as a-serve-freeze), SITE (/tmp/site), WHL_DIR (.whl).
+# A device call runs at most 10 minutes and brings back at most 8 files: split the stages over calls, e.g.
+#   `probe solo-a a`, `solo-c c-serve`, `c-agent`, `solo-b b-serve-cooperative`, `b-agent-cooperative`,
+#   `b-serve-cuda`, `b-agent-cuda` (a solo job of 6 steps takes ~50 s, a shared run of a ~60 s, of c ~90 s, of b
+#   ~2-3 min at a gain near 1).
+# On the lent machine the project is installed from this tree and its server dependencies from .whl/ into
+# /tmp/site (README of the device tool), once per call: `carry: [".whl"]`.
 set -uo pipefail
 out="$1"
 shift
 export TIMESLICE_MACHINE="${TIMESLICE_MACHINE:-lent NVIDIA H200 host (device tool, nvidia-h200)}"
 export PYTHONUNBUFFERED=1
-run() { python3 bench/rl_grpo.py --steps "${STEPS:-8}" "$@" || echo "stage failed: $*" >&2; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device/KINDS.md
+steps="${STEPS:-6}"
+logs="${LOGS:-/tmp/rl-grpo-logs}"
+status=0
+
+# Server dependencies the GPU image lacks (its package list: device/KINDS.md), at this machine's versions.
+WHEELS="grpcio protobuf grpcio-health-checking pydantic pydantic-core annotated-types typing-inspection
+typing-extensions cryptography cffi pycparser kubernetes durationpy websocket-client requests-oauthlib oauthlib
+aiohttp-retry urllib3"
+
+wheels() {
+  local py="${PY_HERE:-.venv/bin/python}" dir="${WHL_DIR:-.whl}" pins
+  pins=$("$py" -c "import sys
+from importlib.metadata import version
+print(' '.join(f'{n}=={version(n)}' for n in sys.argv[1:]))" $WHEELS) || return 1
+  mkdir -p "$dir"
+  # shellcheck disable=SC2086
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux1_x86_64 \
+    -d "$dir" $pins && ls -la "$dir" && du -sh "$dir"
+}
+
+install() {  # the server dependencies from .whl/, then the project from this tree, into $SITE
+  local deps=() site="${SITE:-/tmp/site}"
+  for w in "${WHL_DIR:-.whl}"/*.whl; do [[ -e "$w" && "$(basename "$w")" != timeslice_dra-* ]] && deps+=("$w"); done
+  if ((${#deps[@]})); then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${deps[@]}" \
+      || return 1
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+    --target "$site" . || return 1
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+}
+
+extra_of() { case "$1" in a) echo 7 ;; b) echo 45 ;; c) echo 19 ;; esac; }
+jobs_of() { case "$1" in a) echo 2 ;; b) echo 3 ;; c) echo 4 ;; esac; }
+
+run() {  # bench/rl_grpo.py with the common flags; a failed run (a lost job, states that differ) fails the call
+  python3 bench/rl_grpo.py --steps "$steps" --reward-seconds "${REWARD_SECONDS:-3}" \
+    --job-timeout "${JOB_TIMEOUT:-480}" ${POOL_GB:+--pool-gb "$POOL_GB"} "$@" ${BENCH_FLAGS:-} \
+    || { echo "stage failed: $*" >&2; status=1; }
+}
+
+trap '[ -d "$logs" ] && [ "$out" != - ] && tar czf "$out/logs.tgz" -C "$(dirname "$logs")" "$(basename "$logs")"' EXIT
+if [ "${1:-}" != wheels ]; then
+  install || { echo "installing the project into ${SITE:-/tmp/site} failed" >&2; exit 1; }
+fi
 for stage in "$@"; do
   case "$stage" in
+    wheels) wheels || exit 1 ;;
     probe)
       nvidia-smi --query-gpu=name,memory.total,memory.free,driver_version --format=csv
       df -h /dev/shm /tmp || true
@@ -39,19 +101,30 @@ for k in (1, 2, 4, 8):  # Python busy loops at once: the rate of each vs. one al
     q = mp.Queue(); ps = [mp.Process(target=spin, args=(q,)) for _ in range(k)]
     [p.start() for p in ps]; rates = [q.get() for _ in ps]; [p.join() for p in ps]
     print('busy loops', k, 'mean rate', sum(rates) // k)"
+      python3 -c "
+import google.protobuf, grpc, pydantic, torch, transformers, timeslice.cli.main, timeslice.controller.orchestrator.server
+print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'pydantic', pydantic.VERSION,
+      'torch', torch.__version__, 'transformers', transformers.__version__, 'timeslice from', timeslice.__file__)"
+      command -v timeslice
       ;;
-    solo) run --jobs 4 --backends --save-solo "${SOLO:-$out/solo.json}" ;;
-    a) run --jobs 2 --extra-gb 7 --backends cuda cooperative --pool-gb 20 --solo-json "${SOLO:-$out/solo.json}" \
-         --out "$out/rl-grpo-a-h200.json" ;;
-    a-cooperative) run --jobs 2 --extra-gb 7 --backends cooperative --pool-gb 20 --solo-json "${SOLO:-$out/solo.json}" \
-         --out "$out/rl-grpo-a-cooperative-h200.json" ;;
-    c) run --jobs 4 --extra-gb 19 --backends cuda --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-c-h200.json" ;;
-    b) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --solo-json "${SOLO:-$out/solo.json}" \
-         --out "$out/rl-grpo-b-h200.json" ;;
-    b-fifo) run --jobs 3 --extra-gb 40 --init-hold --backends cooperative --pool-gb 95 --resident-first 0 \
-         --solo-json "${SOLO:-$out/solo.json}" --out "$out/rl-grpo-b-fifo-h200.json" ;;
-    b-cuda) run --jobs 3 --extra-gb 40 --init-hold --backends cuda --resident-first 300 --solo-json "${SOLO:-$out/solo.json}" \
-         --out "$out/rl-grpo-b-cuda-h200.json" ;;
+    solo-a|solo-b|solo-c)
+      shape="${stage#solo-}"
+      mkdir -p "$logs/$stage"
+      run --jobs "$(jobs_of "$shape")" --extra-gb "$(extra_of "$shape")" --backends \
+        --save-solo "$out/solo-$shape.json" --logs "$logs/$stage" ;;
+    a|a-*|b|b-*|c|c-*)
+      IFS=- read -r shape mode backend <<<"$stage"
+      modes=(${mode:-serve agent})
+      backends=(${backend:-cuda cooperative})
+      solo="${SOLO:-$out/solo-$shape.json}"
+      if [ -f "$solo" ]; then solo_flag=(--solo-json "$solo"); else solo_flag=(--save-solo "$solo"); fi
+      declared=(); suffix=""
+      if [ -n "${DECLARE:-}" ]; then declared=(--declare-memory); suffix="-declared"; fi
+      mkdir -p "$logs/$stage$suffix"
+      run --jobs "$(jobs_of "$shape")" --extra-gb "$(extra_of "$shape")" --modes "${modes[@]}" \
+        --backends "${backends[@]}" "${solo_flag[@]}" "${declared[@]}" --logs "$logs/$stage$suffix" \
+        --out "$out/rl-grpo-$stage$suffix-h200.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
+exit "$status"

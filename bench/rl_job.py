@@ -18,8 +18,13 @@ Each step, with B = --batch, P = --prompt-len, N = --new-tokens, V = vocab:
   train     one policy-gradient step: A = (r - group mean) / (group std + 1e-4) over groups of 4 (sample std),
             loss = -mean(A * sum of the completion's token log-probs) over the B rows; one AdamW step (lr 1e-5).
 
-Every GPU phase (generate, train, and the final hash) runs inside `client.on_accelerators(--group)` and ends
-with `torch.cuda.synchronize()`; with --no-orchestrator the holds are no-ops. Everything that decides the math
+The job is written as a user's job (README, "Using the client library"): the client comes from the environment
+(`TimeSliceOrchestratorClient()`: $TIMESLICE_ORCHESTRATOR, $TIMESLICE_GROUP, $TIMESLICE_JOB when set, and
+whatever else the client reads from it, such as a declared memory), and its GPU memory grows after its first
+hold as a real job's does: the first hold ("init") builds the model on the GPU and the --extra-gb tensor; AdamW's
+state appears at the first train step, activations and the KV cache in each phase. Every GPU phase (init,
+generate, train, and the final hash) runs inside `client.on_accelerators(--group)` and ends with
+`torch.cuda.synchronize()`; with --no-orchestrator the holds are no-ops. Everything that decides the math
 is seeded and shapes are fixed, and `torch.use_deterministic_algorithms(True)` is on, so the final parameters
 are bitwise equal between a solo and a shared run of the same --seed.
 
@@ -34,6 +39,8 @@ use `time.time()` (unix seconds, comparable across processes): `acquire` (acquir
 returned), `done` (GPU work synchronised), `released` (release returned). `param_hash` is the sha256 of the
 bytes of every parameter in `named_parameters()` order (copied to the host in the final hold, hashed after it);
 `extra_ok` says the --extra-gb tensor's device checksum at the end equals the one taken when it was made.
+Memory (bytes, cuda only, else 0): `peak_allocated_bytes` and `peak_reserved_bytes` (PyTorch's allocator),
+`process_gpu_bytes` (NVML's count for this process at the end, its CUDA context included; null when unknown).
 
     python bench/rl_job.py --seed 1 --size tiny --device cpu --no-orchestrator --steps 2 --reward-seconds 0.1
 """
@@ -83,10 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-gb", type=float, default=0.0,
                    help="extra resident device tensor of this many GB (1e9 bytes), never changed, hashed at the end")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="bf16 on cuda, float32 on cpu")
-    p.add_argument("--group", default="gpu", help="the lock group (claim-set name) every GPU phase holds")
-    p.add_argument("--init-hold", action="store_true",
-                   help="make the model, optimizer and extra tensor inside a hold (a GPU too full for every job's "
-                        "state at once: the orchestrator makes room first)")
+    p.add_argument("--group", help="the lock group every GPU phase holds (default: the client's, $TIMESLICE_GROUP)")
     p.add_argument("--no-orchestrator", action="store_true",
                    help="run alone without the time-slicing client (solo baseline)")
     p.add_argument("--register", choices=["none", "all"], default="all",
@@ -162,6 +166,25 @@ def rewards_for(prompts: list[list[int]], completions: list[list[int]], seconds:
     return rewards
 
 
+def process_gpu_bytes() -> int | None:
+    """GPU memory NVML counts for this process (its CUDA context and PyTorch's cache, summed over GPUs), or None
+    without NVML or when NVML does not list this PID (a container's own PID namespace). PyTorch's cache never
+    shrinks unless emptied, so at the end of a run alone it is the process's peak as the node agent sees it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            used = [p.usedGpuMemory for i in range(pynvml.nvmlDeviceGetCount())
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i))
+                    if p.pid == os.getpid() and p.usedGpuMemory is not None]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver: not known
+        return None
+    return sum(used) if used else None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
@@ -216,9 +239,10 @@ def main(argv: list[str] | None = None) -> None:
                 weighted += (piece * weights).sum()
             return [int(plain.item()), int(weighted.item())]
 
-    # The job's device state is made inside a hold too: a GPU shared with jobs that fill it has room for a new
-    # job's state only once the orchestrator has made it (idle residents checkpointed).
-    with holds.phase("init", -1) if args.init_hold else contextlib.nullcontext():
+    # The first hold makes the model and the extra tensor on the device, as a user's job does (a GPU shared with
+    # jobs that fill it has room for a new job's state only once the orchestrator has made it); the optimizer's
+    # state appears at the first train step, in a later hold.
+    with holds.phase("init", -1):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)  # initialise in the run dtype: no float32 copy on the device
         try:
@@ -347,6 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         "total_seconds": time.time() - T_START,
         "phases": holds.phases,
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else 0,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if on_cuda else 0,
+        "process_gpu_bytes": process_gpu_bytes() if on_cuda else 0,
         "ranks": world,
         "allreduce_ok": allreduce_ok,
         "rewards": mean_rewards,

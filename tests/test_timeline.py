@@ -130,7 +130,7 @@ def test_rl_grpo_results_carry_job_phases_that_draw() -> None:
     compute spans labelled by phase kind, and the switch's bytes."""
     a = argparse.Namespace(residency="auto", headroom="10%", resident_first=30.0, jobs=2, size="tiny", steps=2,
                            batch=4, new_tokens=8, reward_seconds=0.1, extra_gb=0.0, pool_gb=0.0, nproc=1,
-                           nccl_transparent=False)
+                           nccl_transparent=False, device="cpu")
     jobs = [rl_job(0, 1000.0, 1.0), rl_job(1, 1002.0, 1.0)]
     # job-0 out, job-1 in before job-1's first grant; job-0 back in (job-1 stays) before job-0's second
     switches = [{"from_job": "job-0", "to_job": "job-1", "ok": True, "error": "", "checkpoint_seconds": 0.3,
@@ -139,8 +139,11 @@ def test_rl_grpo_results_carry_job_phases_that_draw() -> None:
                 {"from_job": None, "to_job": "job-0", "ok": True, "error": "", "checkpoint_seconds": 0.0,
                  "restore_seconds": 0.3, "bytes_checkpointed": 0, "bytes_restored": 5 * 10**9,
                  "finished_at_unix": 1004.9, "evicted": [], "unreachable": False, "seconds": 0.3}]
-    run = {"backend": "cooperative", "seconds": 20.0, "jobs": jobs, "switches": switches, "pool_setup": 0.0,
-           "failed_switches": 0, "peaks": {}, "memory": {}}
+    run = {"mode": "serve", "backend": "cooperative", "seconds": 20.0, "servers_ready_seconds": 1.0,
+           "jobs": [rl_grpo.JobRun(f"job-{j['seed']}", j["seed"], 100 + j["seed"], 0, j, Path("/dev/null"))
+                    for j in jobs],
+           "switches": switches, "status": [], "status_read_errors": 0, "group_config": {}, "declared_memory": {},
+           "commands": [], "job_ids": {}, "servers": [], "logs": {}}
     result = rl_grpo.summarize(a, [rl_job(0, 0, 1.0), rl_job(1, 0, 1.0)], run)
     assert list(result["job_phases"]) == ["job-0", "job-1"]
     [t] = timeline.timelines(json.loads(json.dumps([result])))  # as written to --out
