@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import mmap
 import os
 import queue
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -25,12 +27,19 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc.aio
 import pytest
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.orchestrator import Orchestrator
+from timeslice.controller.orchestrator.pinned_pool import PinnedPool, PoolRefused
+from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
+from timeslice.memory_commands import _check_private, pieces, pool_checksum
 
 from tests.conftest import eventually
+from tests.test_cooperative import FakeStore, connected, job
 
 POOL_BYTES = 4 << 20
 DEADLINE = 60.0  # seconds any one step may take on a loaded machine
@@ -224,7 +233,7 @@ async def _checkpointed_a(box: Box) -> tuple[Child, Child, str]:
     await b.expect("granted")
     b.send("release")
     await b.expect("released")
-    assert box.checkpoints()["a"]["bytes"] and box.checkpoints()["a"]["checksum"] is not None
+    assert box.checkpoints()["a"]["bytes"]  # recorded before the orchestrator goes down
     return a, b, before
 
 
@@ -300,3 +309,100 @@ async def test_a_planted_symlink_or_a_pool_open_to_others_stops_the_orchestrator
     box.pool.chmod(0o600)  # private and of the configured size: reopened as it is
     await _serving(box.orchestrator())
     assert box.pool.stat().st_size == POOL_BYTES
+
+
+# -- in one process: what the orchestrator learns without a state file, and the pool file ---------------------------
+
+async def test_without_a_state_file_a_restart_learns_each_checkpoint_from_its_process(short_tmp: Path) -> None:
+    """The job a process reports checkpointed is restored by the orchestrator before it
+    computes, bit for bit, from the reopened pool; its range is held meanwhile."""
+    agent_target, target = f"unix://{short_tmp / 'agent.sock'}", f"unix://{short_tmp / 'orch.sock'}"
+    agent_server, _ = await create_agent_server(NodeAgent(StaticProcessResolver()), agent_target)
+    spec = GroupSpec(id="g", backend="cooperative", agents=(agent_target,), lease_seconds=3)
+
+    async def start() -> tuple[Orchestrator, grpc.aio.Server]:
+        orch = Orchestrator([spec], pinned_pool=PinnedPool(short_tmp / "pool", 1 << 20))
+        await orch.adopt_agents()
+        server, _ = await create_orchestrator_server(orch, target)
+        return orch, server
+
+    orch, server = await start()
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = job(target, "a", sa), job(target, "b", sb)
+    try:
+        await connected(a)
+        await connected(b)
+        for client in (a, b):  # a leaves through the pool for b
+            await asyncio.to_thread(client.acquire)
+            await asyncio.to_thread(client.release)
+        assert sa.device is None and sa.own is None and sa.ranges
+        orch.cooperative.keep_pool_if_in_use()
+        await server.stop(0)
+        await orch.close()
+        assert (short_tmp / "pool").exists()  # kept: a is checkpointed in it
+        orch, server = await start()
+        assert orch.cooperative.pool is not None and orch.cooperative.pool.reopened
+        await eventually(lambda: orch.cooperative.checkpointed("g", "a"), timeout=30, what="a's report")
+        assert "a" in orch.group("g").residency.checkpointed and orch.cooperative.pool.used_bytes == len(sa.original)
+        await asyncio.to_thread(a.acquire)
+        assert sa.device == bytearray(sa.original) and sa.commands[-1] == "restore"
+        assert orch.cooperative.pool.used_bytes == 0
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+        await server.stop(0)
+        await orch.close()
+        await agent_server.stop(0)
+
+
+def test_the_pool_is_created_private_and_reopened_only_as_it_was(short_tmp: Path) -> None:
+    old = os.umask(0)
+    try:
+        pool = PinnedPool(short_tmp / "pool", 8192)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o600 and not pool.reopened
+    pool.path.write_bytes(b"x" * 8192)  # "a checkpoint"
+    again = PinnedPool(pool.path, 8192, populate=True)
+    assert again.reopened and pool.path.read_bytes() == b"x" * 8192  # not truncated, not zeroed
+    with pytest.raises(PoolRefused, match="holds 8192 bytes, the configuration says 4096"):
+        PinnedPool(pool.path, 4096)
+    assert pool.path.read_bytes() == b"x" * 8192
+
+
+def test_reserve_takes_exactly_free_ranges_or_nothing(short_tmp: Path) -> None:
+    pool = PinnedPool(short_tmp / "pool", 100)
+    pool.reserve([(10, 20), (50, 10)])
+    assert pool.used_bytes == 30 and pool.take_all() == [(60, 40), (30, 20), (0, 10)]
+    pool.release([(0, 10)])
+    with pytest.raises(ValueError, match=r"\[5, 15\) is not free"):
+        pool.reserve([(0, 5), (5, 10)])  # the second overlaps a range held
+    assert pool.used_bytes == 90  # nothing reserved
+    with pytest.raises(ValueError, match="not free"):
+        pool.reserve([(95, 10)])  # beyond the pool
+
+
+def test_the_client_maps_only_a_pool_of_its_own_user_with_mode_0600(short_tmp: Path) -> None:
+    path = short_tmp / "pool"
+    path.write_bytes(bytes(4096))
+    path.chmod(0o640)
+    with pytest.raises(PermissionError, match="mode 0640"):
+        _check_private(str(path), os.stat(path), 4096)
+    path.chmod(0o600)
+    _check_private(str(path), os.stat(path), 4096)
+    link = short_tmp / "link"
+    link.symlink_to(path)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        os.open(link, os.O_RDWR | os.O_NOFOLLOW)  # as the client opens it
+
+
+def test_the_checksum_sees_one_flipped_byte_whatever_the_ranges(short_tmp: Path) -> None:
+    data = os.urandom(3 * 4096 + 7)
+    ranges = [(20000, 5000), (0, 8000)]
+    buf = mmap.mmap(-1, 32768)
+    for off, src, k in pieces(ranges, 0, len(data)):
+        buf[off:off + k] = data[src:src + k]
+    crc = pool_checksum(buf, ranges, len(data))
+    assert crc == pool_checksum(buf, ranges, len(data))
+    buf[3] ^= 1
+    assert pool_checksum(buf, ranges, len(data)) != crc

@@ -57,7 +57,7 @@ class PoolRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class MemoryCommandAck(_message.Message):
-    __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes", "checksum", "lost")
+    __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes", "lost")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -67,7 +67,6 @@ class MemoryCommandAck(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
@@ -78,9 +77,8 @@ class MemoryCommandAck(_message.Message):
     seconds: float
     pinned: bool
     registered_bytes: int
-    checksum: int
     lost: bool
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., registered_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., lost: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., registered_bytes: _Optional[int] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class MemoryCommandAckResponse(_message.Message):
     __slots__ = ()

@@ -26,8 +26,8 @@ until it answers, and its late answer is recorded (a late checkpoint is rolled b
 once); its client also restores by itself when a grant finds its state out.
 
 Restarts (`adopt`): every checkpoint into the pool is written to the state file (the ranges
-offered before the command is sent, then the bytes and checksum its process
-acknowledged), so a restarted orchestrator, which reopens the pool file untouched
+offered before the command is sent, then the bytes its process acknowledged, and the
+checksum it reports), so a restarted orchestrator, which reopens the pool file untouched
 (`PinnedPool`), knows which jobs are checkpointed and which ranges nobody else may have.
 Each process reports its checkpoint (ranges, bytes, checksum) when its stream
 (re)connects: a report that matches the record confirms it; one the orchestrator has no
@@ -88,7 +88,7 @@ class _Process:
     unanswered: set[str] = field(default_factory=set)  # commands it has not answered in time (state unknown)
     offered: Ranges = field(default_factory=list)  # reserved for a checkpoint command not answered yet
     nbytes: int = 0  # of its checkpoint, from the start of `pool_ranges` (or in its own memory)
-    checksum: int = 0  # of those bytes in the pool
+    checksum: int | None = None  # of those bytes in the pool, as its process reported it at a (re)connect
     adopted: bool = False  # learned from the state file, not yet confirmed by its reconnect
 
 
@@ -139,6 +139,9 @@ class CooperativeJobs:
             p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
             if p.adopted:
                 self._confirm(p, report)
+            elif p.checkpointed and report is not None and p.checksum is None:
+                p.checksum = report.checksum
+                self._persist()
         log.info("cooperative process connected group=%s job=%s pid=%d registered_bytes=%d checkpointed=%s",
                  group, job, pid, registered, p.checkpointed)
         mine = p.commands
@@ -330,15 +333,21 @@ class CooperativeJobs:
 
     # -- restarts ------------------------------------------------------------------
     def adopt(self) -> dict[str, set[str]]:
-        """Standalone start: take back the checkpoints the state file records for this pool
-        (their ranges are handed to nobody else; each process confirms its own when it
-        reconnects, or is taken as gone after `RECONNECT_GRACE_SECONDS`). Returns group ->
+        """Standalone start: take back the checkpoints the state file records (their ranges
+        are handed to nobody else; each process confirms its own when it reconnects, or is
+        taken as gone after `RECONNECT_GRACE_SECONDS`). Returns group ->
         its jobs checkpointed (restored before they compute again). A record whose ranges
         do not fit the pool is reported lost (`on_lost`). A reopened pool the state file
         knows nothing of offers no range for the grace (see the module docstring)."""
         if self.pool is None:
             return {}
-        records = self._state.pool_checkpoints(self.pool.path, self.pool.size) if self._state is not None else None
+        recorded = self._state.pool_checkpoints() if self._state is not None else None
+        records = recorded[1] if recorded is not None else None
+        if recorded is not None and recorded[0] != self.pool.path and records:
+            # e.g. `timeslice serve` makes a new private pool at each start: those processes still map the old
+            # file and restore from it; their ranges are held here too until then (one bookkeeping for both)
+            log.warning("the state file's checkpoints are in pinned pool %s, this orchestrator's is %s: their "
+                        "processes restore from the file they map", recorded[0], self.pool.path)
         if records is None and self.pool.reopened:
             self._quiet_until = time.monotonic() + RECONNECT_GRACE_SECONDS
             log.warning("pinned pool %s reopened with no record of its checkpoints: no range is offered for %g s, "
@@ -357,8 +366,7 @@ class CooperativeJobs:
             if rec.nbytes is None:  # a checkpoint command was out: its process says what it did
                 p.offered = list(rec.ranges)
             else:
-                p.checkpointed, p.pool_ranges, p.nbytes, p.checksum = True, list(rec.ranges), rec.nbytes, \
-                    rec.checksum or 0
+                p.checkpointed, p.pool_ranges, p.nbytes, p.checksum = True, list(rec.ranges), rec.nbytes, rec.checksum
                 found.setdefault(rec.group, set()).add(rec.job)
             log.info("cooperative checkpoint adopted group=%s job=%s pid=%d ranges=%d bytes=%s", rec.group, rec.job,
                      rec.pid, len(rec.ranges), rec.nbytes)
@@ -413,10 +421,13 @@ class CooperativeJobs:
                         "group=%s job=%s pid=%d: its pool ranges are freed", p.group, p.job, p.pid)
             self._restored(p)
             return
-        elif (ranges, report.bytes, report.checksum) != (p.pool_ranges, p.nbytes, p.checksum):
+        elif (ranges, report.bytes) != (p.pool_ranges, p.nbytes) or \
+                (p.checksum is not None and report.checksum != p.checksum):
             self._lost(p, f"it reports {report.bytes} bytes in ranges {ranges} with checksum {report.checksum:#010x}, "
-                          f"the state file {p.nbytes} bytes in {p.pool_ranges} with {p.checksum:#010x}")
+                          f"the state file {p.nbytes} bytes in {p.pool_ranges} with {p.checksum or 0:#010x}")
             return
+        else:
+            p.checksum = report.checksum
         log.info("cooperative checkpoint confirmed group=%s job=%s pid=%d checkpointed=%s", p.group, p.job, p.pid,
                  p.checkpointed)
         self._persist()
@@ -493,14 +504,13 @@ class CooperativeJobs:
     def _checkpointed(self, p: _Process, offered: Ranges, ack: pb.MemoryCommandAck) -> None:
         if offered and self.pool is not None:
             p.pool_ranges = self.pool.keep(offered, ack.bytes if ack.pinned else 0)
-        p.offered, p.checkpointed, p.nbytes = [], True, ack.bytes
-        p.checksum = ack.checksum if ack.pinned else 0
+        p.offered, p.checkpointed, p.nbytes, p.checksum = [], True, ack.bytes, None  # reported at a reconnect
         self._persist()
 
     def _restored(self, p: _Process) -> None:
         if self.pool is not None:
             self.pool.release(p.pool_ranges)
-        p.pool_ranges, p.nbytes, p.checksum = [], 0, 0
+        p.pool_ranges, p.nbytes, p.checksum = [], 0, None
         p.checkpointed = False
         self._persist()
 

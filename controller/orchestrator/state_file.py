@@ -180,12 +180,11 @@ class StateFile:
         """Whether anything written here survives a restart (a path was given)."""
         return self._path is not None
 
-    def pool_checkpoints(self, path: Path, size: int) -> tuple[PoolCheckpoint, ...] | None:
-        """The checkpoints last written for the pool at `path` of `size` bytes (None: this
-        file recorded nothing of that pool, e.g. it is new, or it records another one)."""
-        if self._pool is None or self._pool[0] != str(path) or self._pool[1] != size:
+    def pool_checkpoints(self) -> tuple[Path, tuple[PoolCheckpoint, ...]] | None:
+        """(the pool file, its checkpoints) as last written (None: this file recorded no pool)."""
+        if self._pool is None:
             return None
-        return self._pool[2]
+        return Path(self._pool[0]), self._pool[2]
 
     def record_pool(self, path: Path, size: int, checkpoints: Iterable[PoolCheckpoint]) -> None:
         """Persist the pool's checkpoints when they changed. Raises OSError."""
