@@ -18,6 +18,7 @@ from timeslice.client import TimeSliceOrchestratorClient
 from timeslice.errors import (
     AccessDenied,
     AcquireTimeout,
+    CheckpointLost,
     GroupNotFound,
     InvalidRequest,
     LeaseLost,
@@ -33,6 +34,7 @@ __all__ = [
     "AccessDenied",
     "AcquireTimeout",
     "AsyncTimeSliceOrchestratorClient",
+    "CheckpointLost",
     "Grant",
     "GroupNotFound",
     "InvalidRequest",

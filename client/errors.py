@@ -4,6 +4,7 @@
     ├── OrchestratorUnavailable   the orchestrator could not be reached (retryable)
     ├── AcquireTimeout            no grant before the acquire timeout (retryable)
     ├── SwitchFailed              the switch to this job failed and was rolled back (retryable)
+    ├── CheckpointLost            this process's checkpointed state is not intact: the job must restart
     ├── LeaseLost                 the lease lapsed or was taken over; the hold is gone
     ├── NotHolding                release() without a hold on that group
     ├── GroupNotFound             the orchestrator does not know the group
@@ -40,6 +41,12 @@ class SwitchFailed(TimeSliceError):
     """The checkpoint/restore switch to this job failed and was rolled back (gRPC ABORTED)."""
 
     retryable = True
+
+
+class CheckpointLost(TimeSliceError):
+    """This process's state, checkpointed into the node's pinned pool, no longer matches its
+    checksum (the pool was rewritten or corrupted): nothing was restored, and the job must
+    restart. The orchestrator fails the job with the reason "checkpoint lost"."""
 
 
 class LeaseLost(TimeSliceError):

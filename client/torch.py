@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from timeslice.memory_commands import MemoryCommandLoop, Ranges, pieces
+from timeslice.memory_commands import MemoryCommandLoop, Ranges, pieces, prefix
 
 log = logging.getLogger("timeslice.torch")
 ALIGN = 4096  # bytes: each storage starts on a page in host memory (DMA-friendly)
@@ -56,17 +56,6 @@ REGISTER_CHUNK_BYTES = 256 << 20
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _prefix(ranges: Ranges, n: int) -> Ranges:
-    """The first `n` bytes of `ranges`, as ranges."""
-    out = []
-    for off, length in ranges:
-        if n <= 0:
-            break
-        out.append((off, min(length, n)))
-        n -= length
-    return out
 
 
 def chunked(places: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -178,7 +167,7 @@ class TorchState:
                 s.resize_(0)
             torch.cuda.empty_cache()
             self._moved, self._in_pool = layout, in_pool
-            self._ranges = _prefix(ranges, total) if in_pool else []
+            self._ranges = prefix(ranges, total) if in_pool else []
             return total, in_pool
 
     def restore(self, ranges: Ranges) -> int:

@@ -7,18 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MemoryCommandsRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "registered_bytes", "pid", "stream_id")
+    __slots__ = ("job_id", "group_id", "registered_bytes", "pid", "stream_id", "checkpoint")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     registered_bytes: int
     pid: int
     stream_id: str
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    checkpoint: PoolCheckpoint
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., stream_id: _Optional[str] = ..., checkpoint: _Optional[_Union[PoolCheckpoint, _Mapping]] = ...) -> None: ...
+
+class PoolCheckpoint(_message.Message):
+    __slots__ = ("ranges", "bytes", "checksum")
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ranges: _containers.RepeatedCompositeFieldContainer[PoolRange]
+    bytes: int
+    checksum: int
+    def __init__(self, ranges: _Optional[_Iterable[_Union[PoolRange, _Mapping]]] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class MemoryCommand(_message.Message):
     __slots__ = ("op_id", "kind", "pool_path", "pool_bytes", "timeout_seconds", "ranges")
@@ -45,7 +57,7 @@ class PoolRange(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class MemoryCommandAck(_message.Message):
-    __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes")
+    __slots__ = ("job_id", "group_id", "op_id", "ok", "error", "bytes", "seconds", "pinned", "registered_bytes", "lost")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     OP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +67,7 @@ class MemoryCommandAck(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     op_id: str
@@ -64,7 +77,8 @@ class MemoryCommandAck(_message.Message):
     seconds: float
     pinned: bool
     registered_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+    lost: bool
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., registered_bytes: _Optional[int] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class MemoryCommandAckResponse(_message.Message):
     __slots__ = ()

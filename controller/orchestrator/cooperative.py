@@ -24,6 +24,18 @@ granted; it never fails on a job that ended). A command that times out leaves th
 process's state unknown: it is not moved again
 until it answers, and its late answer is recorded (a late checkpoint is rolled back at
 once); its client also restores by itself when a grant finds its state out.
+
+Restarts (`adopt`): every checkpoint into the pool is written to the state file (the ranges
+offered before the command is sent, then the bytes its process acknowledged, and the
+checksum it reports), so a restarted orchestrator, which reopens the pool file untouched
+(`PinnedPool`), knows which jobs are checkpointed and which ranges nobody else may have.
+Each process reports its checkpoint (ranges, bytes, checksum) when its stream
+(re)connects: a report that matches the record confirms it; one the orchestrator has no
+record of is adopted when its ranges are free; anything else (another place or checksum,
+ranges taken by another job) cannot be proven intact, and the job fails with the reason
+"checkpoint lost" (`on_lost`), as it does when its client finds the pool bytes no longer
+match the checksum at a restore. A reopened pool with no records (no state file) offers
+no range for `RECONNECT_GRACE_SECONDS`, while its processes reconnect and report.
 """
 
 from __future__ import annotations
@@ -33,11 +45,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from timeslice.controller.orchestrator.agents import StepResult
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
+from timeslice.controller.orchestrator.state_file import PoolCheckpoint, StateFile
 from timeslice.driver.errors import BackendError, NotFound, ProcessGone, StepTimeout
 from timeslice.v1 import orchestrator_pb2 as pb
 
@@ -52,6 +65,10 @@ LATE_ROLLBACK_TIMEOUT_SECONDS = 60.0
 # Seconds a plan waits for the processes' "report" of their registered bytes (a process
 # busy in a long command answers later; its last known size stands meanwhile).
 REPORT_TIMEOUT_SECONDS = 1.0
+# The reason a job whose checkpoint cannot be proven intact fails with (`on_lost`).
+LOST_REASON = "checkpoint lost"
+
+Ranges = list[tuple[int, int]]
 
 
 class _Departed(ProcessGone):
@@ -70,8 +87,12 @@ class _Process:
     connected: bool = True
     disconnected_at: float = 0.0  # monotonic seconds
     checkpointed: bool = False
-    pool_ranges: list[tuple[int, int]] = field(default_factory=list)  # where its checkpoint is in the pool
+    pool_ranges: Ranges = field(default_factory=list)  # where its checkpoint is in the pool
     unanswered: set[str] = field(default_factory=set)  # commands it has not answered in time (state unknown)
+    offered: Ranges = field(default_factory=list)  # reserved for a checkpoint command not answered yet
+    nbytes: int = 0  # of its checkpoint, from the start of `pool_ranges` (or in its own memory)
+    checksum: int | None = None  # of those bytes in the pool, as its process reported it at a (re)connect
+    adopted: bool = False  # learned from the state file, not yet confirmed by its reconnect
 
 
 @dataclass
@@ -85,8 +106,19 @@ class _Command:
 class CooperativeJobs:
     """The connected cooperative processes by (group, job), and their pending commands."""
 
-    def __init__(self, pool: PinnedPool | None = None) -> None:
+    def __init__(self, pool: PinnedPool | None = None, state: StateFile | None = None,
+                 on_lost: Callable[[str, str, str], None] | None = None,
+                 on_learned: Callable[[str, str], None] | None = None) -> None:
+        """`state`: where checkpoints into `pool` persist (`adopt` reads them back);
+        `on_lost(group, job, reason)`: a job's checkpoint cannot be proven intact (it must
+        fail); `on_learned(group, job)`: a checkpoint the orchestrator had no record of,
+        reported by its process (the group must restore the job before it computes)."""
         self.pool = pool
+        self._state = state
+        self._on_lost = on_lost
+        self._on_learned = on_learned
+        self._quiet_until = 0.0  # monotonic: until then the pool offers nothing (reopened, records unknown)
+        self._keep_pool = False
         self._procs: dict[tuple[str, str], dict[str, _Process]] = {}
         self._pending: dict[str, _Command] = {}
         self._late: dict[str, _Command] = {}  # timed out, still expecting an answer
@@ -95,16 +127,24 @@ class CooperativeJobs:
         self._left: dict[tuple[str, str], float] = {}
 
     # -- the process side (RPCs) -------------------------------------------------
-    async def stream(self, group: str, job: str, stream_id: str, pid: int,
-                     registered: int) -> AsyncIterator[pb.MemoryCommand]:
-        """Commands for one process, starting with "hello"; runs until the caller goes away."""
+    async def stream(self, group: str, job: str, stream_id: str, pid: int, registered: int,
+                     report: pb.PoolCheckpoint | None = None) -> AsyncIterator[pb.MemoryCommand]:
+        """Commands for one process, starting with "hello"; runs until the caller goes away.
+        `report`: the process's checkpoint as it says (None: its state is on the GPU)."""
         procs = self._procs.setdefault((group, job), {})
         self._left.pop((group, job), None)
         p = procs.get(stream_id)
         if p is None:
             p = procs[stream_id] = _Process(group, job, stream_id, pid, registered)
+            if report is not None:
+                self._learn(p, report)
         else:  # a reconnect: keep its checkpoint, drop commands queued for the old stream
             p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
+            if p.adopted:
+                self._confirm(p, report)
+            elif p.checkpointed and report is not None and p.checksum is None:
+                p.checksum = report.checksum
+                self._persist()
         log.info("cooperative process connected group=%s job=%s pid=%d registered_bytes=%d checkpointed=%s",
                  group, job, pid, registered, p.checkpointed)
         mine = p.commands
@@ -147,13 +187,18 @@ class CooperativeJobs:
         if c.kind == "restore":
             if ack.ok:
                 self._restored(p)
+            elif ack.lost:
+                self._lost(p, ack.error)
         elif ack.ok:  # a checkpoint its switch gave up on: the switch rolled back, so this one is too
             self._checkpointed(p, c.ranges, ack)
             task = asyncio.get_running_loop().create_task(self._roll_back_late(p))
             self._rollbacks.add(task)
             task.add_done_callback(self._rollbacks.discard)
-        elif c.ranges and self.pool is not None:
-            self.pool.keep(c.ranges, 0)
+        else:
+            if c.ranges and self.pool is not None:
+                self.pool.keep(c.ranges, 0)
+            p.offered = []
+            self._persist()
 
     async def _roll_back_late(self, p: _Process) -> None:
         try:
@@ -237,6 +282,7 @@ class CooperativeJobs:
             if isinstance(ack, BaseException):
                 if offered and not isinstance(ack, StepTimeout):  # after a timeout they wait for its answer
                     self.pool.keep(offered, 0)  # type: ignore[union-attr]
+                    p.offered = []
                 if isinstance(ack, _Departed):
                     departed = departed or ack
                 else:
@@ -249,6 +295,7 @@ class CooperativeJobs:
                             group, job, p.pid, sum(n for _, n in offered), p.registered)
             done.append(p)
             moved += ack.bytes or p.registered
+        self._persist()
         if failed is not None:
             undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
             stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
@@ -299,16 +346,158 @@ class CooperativeJobs:
         self._left.pop((group, job), None)
         for p in self._procs.pop((group, job), {}).values():
             self._forget(p)
+        self._persist()
+
+    # -- restarts ------------------------------------------------------------------
+    def adopt(self) -> dict[str, set[str]]:
+        """Standalone start: take back the checkpoints the state file records (their ranges
+        are handed to nobody else; each process confirms its own when it reconnects, or is
+        taken as gone after `RECONNECT_GRACE_SECONDS`). Returns group ->
+        its jobs checkpointed (restored before they compute again). A record whose ranges
+        do not fit the pool is reported lost (`on_lost`). A reopened pool the state file
+        knows nothing of offers no range for the grace (see the module docstring)."""
+        if self.pool is None:
+            return {}
+        recorded = self._state.pool_checkpoints() if self._state is not None else None
+        records = recorded[1] if recorded is not None else None
+        if recorded is not None and recorded[0] != self.pool.path and records:
+            # e.g. `timeslice serve` makes a new private pool at each start: those processes still map the old
+            # file and restore from it; their ranges are held here too until then (one bookkeeping for both)
+            log.warning("the state file's checkpoints are in pinned pool %s, this orchestrator's is %s: their "
+                        "processes restore from the file they map", recorded[0], self.pool.path)
+        if records is None and self.pool.reopened:
+            self._quiet_until = time.monotonic() + RECONNECT_GRACE_SECONDS
+            log.warning("pinned pool %s reopened with no record of its checkpoints: no range is offered for %g s, "
+                        "while their processes reconnect and report them", self.pool.path, RECONNECT_GRACE_SECONDS)
+        found: dict[str, set[str]] = {}
+        now = time.monotonic()
+        for rec in records or ():
+            p = _Process(rec.group, rec.job, rec.stream, rec.pid, rec.nbytes or 0, connected=False,
+                         disconnected_at=now, adopted=True)
+            try:
+                self.pool.reserve(list(rec.ranges))
+            except ValueError as err:
+                self._lost(p, f"its record in the state file does not fit the pool ({err})")
+                continue
+            self._procs.setdefault((rec.group, rec.job), {})[rec.stream] = p
+            if rec.nbytes is None:  # a checkpoint command was out: its process says what it did
+                p.offered = list(rec.ranges)
+            else:
+                p.checkpointed, p.pool_ranges, p.nbytes, p.checksum = True, list(rec.ranges), rec.nbytes, rec.checksum
+                found.setdefault(rec.group, set()).add(rec.job)
+            log.info("cooperative checkpoint adopted group=%s job=%s pid=%d ranges=%d bytes=%s", rec.group, rec.job,
+                     rec.pid, len(rec.ranges), rec.nbytes)
+        self._persist()
+        return found
+
+    def keep_pool_if_in_use(self) -> None:
+        """Before the server stops: keep the pool file at `close` when a process maps it or
+        is checkpointed in it (a restarted orchestrator reopens it); else it is removed."""
+        self._keep_pool = any(p.connected or p.checkpointed or p.offered
+                              for procs in self._procs.values() for p in procs.values())
+
+    def _learn(self, p: _Process, report: pb.PoolCheckpoint) -> None:
+        """A checkpoint this orchestrator has no record of, reported by its process."""
+        ranges = [(r.offset, r.length) for r in report.ranges]
+        if ranges:
+            if self.pool is None:
+                self._lost(p, "it reports a pinned-pool checkpoint and this orchestrator has no pool")
+                return
+            try:
+                self.pool.reserve(ranges)
+            except ValueError as err:  # another job may have written there since
+                self._lost(p, f"its pool ranges are not free ({err})")
+                return
+        p.checkpointed, p.pool_ranges, p.nbytes, p.checksum = True, ranges, report.bytes, report.checksum
+        log.warning("cooperative checkpoint learned from its process group=%s job=%s pid=%d ranges=%d bytes=%d",
+                    p.group, p.job, p.pid, len(ranges), report.bytes)
+        self._persist()
+        if self._on_learned is not None:
+            self._on_learned(p.group, p.job)
+
+    def _confirm(self, p: _Process, report: pb.PoolCheckpoint | None) -> None:
+        """An adopted process reconnected with its `report`: it confirms the record, or the
+        state is lost."""
+        p.adopted = False
+        ranges = [(r.offset, r.length) for r in report.ranges] if report is not None else []
+        if p.offered:  # the command's answer was never seen: the process says what it did
+            offered, p.offered = p.offered, []
+            if report is None:
+                self.pool.keep(offered, 0)  # type: ignore[union-attr]
+            elif ranges == _prefix(offered, report.bytes) or not ranges:
+                p.checkpointed, p.nbytes, p.checksum = True, report.bytes, report.checksum
+                p.pool_ranges = self.pool.keep(offered, report.bytes if ranges else 0)  # type: ignore[union-attr]
+                if self._on_learned is not None:
+                    self._on_learned(p.group, p.job)
+            else:
+                self.pool.keep(offered, 0)  # type: ignore[union-attr]
+                self._lost(p, f"it reports ranges {ranges} outside those it was offered")
+                return
+        elif report is None:
+            log.warning("cooperative process reconnected with its state on the GPU, recorded as checkpointed "
+                        "group=%s job=%s pid=%d: its pool ranges are freed", p.group, p.job, p.pid)
+            self._restored(p)
+            return
+        elif (ranges, report.bytes) != (p.pool_ranges, p.nbytes) or \
+                (p.checksum is not None and report.checksum != p.checksum):
+            self._lost(p, f"it reports {report.bytes} bytes in ranges {ranges} with checksum {report.checksum:#010x}, "
+                          f"the state file {p.nbytes} bytes in {p.pool_ranges} with {p.checksum or 0:#010x}")
+            return
+        else:
+            p.checksum = report.checksum
+        log.info("cooperative checkpoint confirmed group=%s job=%s pid=%d checkpointed=%s", p.group, p.job, p.pid,
+                 p.checkpointed)
+        self._persist()
+
+    def _lost(self, p: _Process, why: str) -> None:
+        """`p`'s checkpoint cannot be proven intact: its ranges are freed, its job fails."""
+        reason = f"{LOST_REASON}: process {p.pid} of job {p.job}: {why}"
+        log.error("cooperative %s group=%s", reason, p.group)
+        if self.pool is not None:
+            self.pool.release(p.pool_ranges)
+            self.pool.keep(p.offered, 0)
+        p.pool_ranges, p.offered, p.checkpointed, p.adopted = [], [], False, False
+        self._persist()
+        if self._on_lost is not None:
+            self._on_lost(p.group, p.job, reason)
+
+    def _persist(self) -> None:
+        """Write where every checkpoint into the pool is (write-ahead for offers). A failed
+        write is logged: the processes' reports still tell a restarted orchestrator."""
+        if self._state is None or not self._state.persistent or self.pool is None:
+            return
+        records = [PoolCheckpoint(p.group, p.job, p.stream_id, p.pid,
+                                  tuple(p.pool_ranges if p.checkpointed else p.offered),
+                                  p.nbytes if p.checkpointed else None, p.checksum if p.checkpointed else None)
+                   for procs in self._procs.values() for p in procs.values() if p.checkpointed or p.offered]
+        try:
+            self._state.record_pool(self.pool.path, self.pool.size, records)
+        except OSError as err:
+            log.error("pinned pool checkpoints not persisted: %s", err)
+
+    def _reap(self) -> None:
+        """Forget the processes gone for longer than the grace while holding pool ranges
+        (their state went with them), so that their ranges serve others."""
+        now = time.monotonic()
+        for procs in self._procs.values():
+            for stream_id, p in list(procs.items()):
+                if not p.connected and now - p.disconnected_at > RECONNECT_GRACE_SECONDS and \
+                        (p.pool_ranges or p.offered) and not p.unanswered:
+                    log.warning("cooperative process gone while checkpointed group=%s job=%s pid=%d: its pool ranges "
+                                "are freed", p.group, p.job, p.pid)
+                    self._forget(p)
+                    del procs[stream_id]
 
     # -- internals -----------------------------------------------------------------
     def _forget(self, p: _Process) -> None:
         if self.pool is not None:
             self.pool.release(p.pool_ranges)
+            self.pool.keep(p.offered, 0)
         for op in [op for op, c in self._late.items() if c.process is p]:
             if self.pool is not None:
                 self.pool.release(self._late[op].ranges)
             del self._late[op]
-        p.pool_ranges, p.unanswered = [], set()
+        p.pool_ranges, p.offered, p.unanswered, p.checkpointed, p.adopted = [], [], set(), False, False
 
     @staticmethod
     def _check_answered(p: _Process) -> None:
@@ -320,22 +509,27 @@ class CooperativeJobs:
         """Pool ranges for each process about to checkpoint: one process gets every free
         range (its state may have grown since it registered); several at once get room for
         their registered bytes each, while it lasts ([]: it keeps its own host copy)."""
-        if self.pool is None:
+        if self.pool is None or time.monotonic() < self._quiet_until:
             return [[] for _ in procs]
-        if len(procs) == 1:
-            return [self.pool.take_all()]
-        return [self.pool.take(p.registered) for p in procs]
+        self._reap()
+        offers = [self.pool.take_all()] if len(procs) == 1 else [self.pool.take(p.registered) for p in procs]
+        for p, offered in zip(procs, offers):
+            p.offered = offered
+        self._persist()  # before any command goes: a restart hands these ranges to nobody else
+        return offers
 
-    def _checkpointed(self, p: _Process, offered: list[tuple[int, int]], ack: pb.MemoryCommandAck) -> None:
+    def _checkpointed(self, p: _Process, offered: Ranges, ack: pb.MemoryCommandAck) -> None:
         if offered and self.pool is not None:
             p.pool_ranges = self.pool.keep(offered, ack.bytes if ack.pinned else 0)
-        p.checkpointed = True
+        p.offered, p.checkpointed, p.nbytes, p.checksum = [], True, ack.bytes, None  # reported at a reconnect
+        self._persist()
 
     def _restored(self, p: _Process) -> None:
         if self.pool is not None:
             self.pool.release(p.pool_ranges)
-        p.pool_ranges = []
+        p.pool_ranges, p.nbytes, p.checksum = [], 0, None
         p.checkpointed = False
+        self._persist()
 
     def _live(self, group: str, job: str) -> list[_Process]:
         procs = [p for p in self._procs.get((group, job), {}).values() if p.connected]
@@ -370,6 +564,8 @@ class CooperativeJobs:
         finally:
             self._pending.pop(op, None)
         if not ack.ok:
+            if ack.lost:
+                self._lost(p, ack.error)
             raise BackendError(f"cooperative {kind} of job {p.job} pid {p.pid} failed: {ack.error}")
         return ack
 
@@ -380,6 +576,21 @@ class CooperativeJobs:
         self._pending.clear()
         for task in list(self._rollbacks):
             task.cancel()
-        with contextlib.suppress(Exception):
-            if self.pool is not None:
+        if self.pool is not None and self._keep_pool:
+            log.warning("pinned pool kept path=%s: cooperative processes map it or are checkpointed in it (an "
+                        "orchestrator started with the same configuration reopens it; remove it once they are gone)",
+                        self.pool.path)
+        elif self.pool is not None:
+            with contextlib.suppress(Exception):
                 self.pool.close()
+
+
+def _prefix(ranges: Ranges, n: int) -> Ranges:
+    """The first `n` bytes of `ranges`, as ranges."""
+    out = []
+    for off, length in ranges:
+        if n <= 0:
+            break
+        out.append((off, min(length, n)))
+        n -= length
+    return out

@@ -21,7 +21,7 @@ from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.controller.orchestrator.switch import SwitchCoordinator
-from timeslice.driver.errors import FailedPrecondition, NotFound, TimeSliceServerError
+from timeslice.driver.errors import FailedPrecondition, NotFound, SwitchFailed, TimeSliceServerError
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -44,7 +44,8 @@ class Orchestrator:
         self._pool = agents or AgentPool()
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
-        self.cooperative = CooperativeJobs(pinned_pool)
+        self.cooperative = CooperativeJobs(pinned_pool, state, on_lost=self._checkpoint_lost,
+                                           on_learned=self._checkpoint_learned)
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool, self.cooperative)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
@@ -155,11 +156,33 @@ class Orchestrator:
         """Standalone start: each group resumes from its persisted epoch floor and placement
         (`StateFile`) and the jobs its node agents report checkpointed (they are restored
         before they are granted again): `takeover.adopt_standalone`; an idle `freeze` group
-        then thaws them, as it would any frozen job while nobody holds."""
+        then thaws them, as it would any frozen job while nobody holds. The cooperative
+        jobs checkpointed into the pinned pool come from the state file
+        (`CooperativeJobs.adopt`)."""
+        cooperative = self.cooperative.adopt()
         for group in self.groups():
             checkpointed = await self.checkpointed_jobs(group) if group.spec.agents else set()
+            checkpointed |= cooperative.get(group.id, set())
             takeover.adopt_standalone(group, self._state, checkpointed)
             group.idle.refresh_memory()  # idle: a freeze group thaws what it adopted frozen (no one may ask)
+
+    def _checkpoint_lost(self, group_id: str, job: str, reason: str) -> None:
+        """A cooperative job's checkpoint cannot be proven intact: the job fails with
+        `reason` (its acquires are refused until it restarts, which drops it)."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        group.failed_jobs[job] = reason
+        group.fail_job(job, SwitchFailed(f"group {group_id}: job {job} failed: {reason} (it is not retried: restart "
+                                         "the job, which drops it)"))
+        group.notify("job-failed", job)
+
+    def _checkpoint_learned(self, group_id: str, job: str) -> None:
+        """A cooperative job reported a checkpoint this orchestrator had no record of: it is
+        restored before it computes again (unless it holds)."""
+        group = self._groups.get(group_id)
+        if group is not None and (group.holder is None or group.holder.job_id != job):
+            group.residency.moved_out(job)
 
     def drop_job(self, group_id: str, job: str, reason: str) -> None:
         """A job of the group is gone: its waiters fail, its hold ends, its cooperative

@@ -11,20 +11,35 @@ its own pageable memory (slower, with a warning), it does not fail.
 
 This class only hands out byte ranges (free ranges merged when given back); a job's
 state may span several ranges, so fragmentation never refuses a state that fits in the
-free total. The bytes are written by the job processes. `default_size` is the size a node gets unless
+free total. The bytes are written by the job processes; the orchestrator writes them
+only when it creates the file (`populate`). `default_size` is the size a node gets unless
 told (`timeslice serve`).
+
+Creation and reopening (an orchestrator restart must not rewrite what clients still map):
+the file is created exclusively (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600). A file that
+already exists is reopened as it is, never truncated nor written (`reopened`), once it is
+proven private: a regular file (a symbolic link is refused, not followed), owned by this
+user, with no group or other access, of the configured size; anything else raises
+`PoolRefused` and the orchestrator does not start. Only processes of the same user can
+open it (the clients check the same owner and mode before they map it), so no job of
+another user can read or write a state in it. The caller decides at `close` whether to
+remove it (not while processes map it or are checkpointed in it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import mmap
 import os
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger("timeslice.cooperative")
 # The pool of a node without a GPU (tests, demos), bytes.
 NO_GPU_BYTES = 10**9
 SHM = Path("/dev/shm")
@@ -39,17 +54,25 @@ def default_size(gpu_bytes: int, shm: Path = SHM) -> int:
     return max(0, min(gpu_bytes or NO_GPU_BYTES, host // 2, shutil.disk_usage(shm).free))
 
 
+class PoolRefused(OSError):
+    """The pool file exists but is not one this orchestrator may reopen (a symbolic link,
+    not a regular file, another owner, group or other access, another size)."""
+
+
 @dataclass
 class PinnedPool:
     """`path`: the pool file (mode 0600); `size` in bytes; `populate`: allocate its memory now
     (`posix_fallocate`; raises OSError when the filesystem lacks the room) and write it once
     (tmpfs leaves fallocated pages to be cleared at their first fault: on the H200 host the
     first process to register a 95 GB pool took 43 s doing that, the next ones 8-9 s), in
-    parallel threads, rather than page by page inside the first checkpoints."""
+    parallel threads, rather than page by page inside the first checkpoints. An existing
+    file is reopened untouched (`reopened` True; see the module docstring). Raises
+    PoolRefused (an existing file that is not private to this user), OSError."""
 
     path: Path
     size: int
     populate: bool = False
+    reopened: bool = False  # the file existed: it may hold checkpoints of processes that map it
     _free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted, disjoint
     _used: dict[int, int] = field(default_factory=dict)  # offset -> length
 
@@ -58,18 +81,69 @@ class PinnedPool:
             raise ValueError(f"pinned pool size must be > 0 bytes, got {self.size}")
         self.path = Path(self.path)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                os.ftruncate(fd, self.size)
-                if self.populate:
-                    os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
-                    _write_zeros(fd, self.size)
-            finally:
-                os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            self.reopened = True
+            self._reopen()
         except OSError as err:
-            self.close()
             raise OSError(err.errno, f"pinned pool {self.path} ({self.size / 1e9:.1f} GB): {err.strerror}") from err
+        else:
+            try:
+                try:
+                    os.fchmod(fd, 0o600)
+                    os.ftruncate(fd, self.size)
+                    if self.populate:
+                        os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
+                        _write_zeros(fd, self.size)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                self.close()
+                raise OSError(err.errno, f"pinned pool {self.path} ({self.size / 1e9:.1f} GB): {err.strerror}") \
+                    from err
         self._free = [(0, self.size)]
+
+    def _reopen(self) -> None:
+        """Check the existing file without writing it. Raises PoolRefused."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            why = "it is a symbolic link (not followed)" if err.errno == errno.ELOOP else err.strerror
+            raise PoolRefused(err.errno, f"pinned pool {self.path} exists and cannot be reopened: {why}; remove it "
+                                         "(or name another path) to start") from None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        problems = []
+        if not stat.S_ISREG(st.st_mode):
+            problems.append("it is not a regular file")
+        if st.st_uid != os.geteuid():
+            problems.append(f"it is owned by uid {st.st_uid}, not this orchestrator's uid {os.geteuid()}")
+        if st.st_mode & 0o077:
+            problems.append(f"its mode {stat.S_IMODE(st.st_mode):04o} gives group or other users access (0600 "
+                            "needed: checkpointed states must stay private to their user)")
+        if not problems and st.st_size != self.size:
+            problems.append(f"it holds {st.st_size} bytes, the configuration says {self.size} (jobs may still map "
+                            "it: remove it once none does, or configure its size)")
+        if problems:
+            raise PoolRefused(errno.EPERM, f"pinned pool {self.path} exists and is refused: {'; '.join(problems)}")
+        log.warning("pinned pool reopened path=%s bytes=%d: its content is kept (checkpointed jobs are learned from "
+                    "the state file and from their processes as they reconnect)", self.path, self.size)
+
+    def reserve(self, ranges: list[tuple[int, int]]) -> None:
+        """Mark `ranges` used (a checkpoint learned after a restart). Raises ValueError,
+        reserving nothing, when one is outside the pool, empty, or not wholly free."""
+        free = list(self._free)
+        for off, length in ranges:
+            hit = next((i for i, (f, n) in enumerate(free) if f <= off and off + length <= f + n), None)
+            if length <= 0 or hit is None:
+                raise ValueError(f"pool range [{off}, {off + length}) is not free in the {self.size}-byte pool")
+            f, n = free.pop(hit)
+            free[hit:hit] = [r for r in ((f, off - f), (off + length, f + n - off - length)) if r[1] > 0]
+        self._free = sorted(free)
+        for off, length in ranges:
+            self._used[off] = length
 
     def take_all(self) -> list[tuple[int, int]]:
         """Reserve every free range, largest first; [(offset, length)], [] when full. A
@@ -137,7 +211,8 @@ class PinnedPool:
         self._free = merged
 
     def close(self) -> None:
-        """Remove the pool file (job processes that mapped it keep their mapping)."""
+        """Remove the pool file (job processes that mapped it keep their mapping; a restarted
+        orchestrator creates a new one)."""
         try:
             self.path.unlink()
         except FileNotFoundError:

@@ -61,6 +61,7 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
         yield orchestrator, port
     finally:
         log.info("orchestrator stopping grace=%gs", grace)
+        orchestrator.cooperative.keep_pool_if_in_use()  # before the streams close: do processes map the pool?
         if server is not None:
             await server.stop(grace)
         if metrics is not None:

@@ -180,8 +180,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                 raise InvalidArgument("stream_id is required (at most 128 characters)")
         except TimeSliceServerError as err:
             await context.abort(err.code, str(err))
+        report = request.checkpoint if request.HasField("checkpoint") else None
         async for command in self._orch.cooperative.stream(group.id, job, request.stream_id, request.pid,
-                                                           request.registered_bytes):
+                                                           request.registered_bytes, report):
             yield command
 
     @rpc_method

@@ -11,14 +11,24 @@ Owned by the orchestrator (`timeslice orchestrator --state-file`). Per group:
   switch: an agent finishes a restore whose caller died). Written before each grant and
   each switch, and whenever a job must leave; the agents' records say which jobs are
   checkpointed, so these are adopted only for jobs they do not hold.
+And, per node pinned pool (cooperative backend), where each process's checkpoint is: the
+ranges offered to a checkpoint command before it is sent (write-ahead: after a restart
+they are handed to nobody else until that process reconnects and says what it did, or
+the reconnect grace has passed), then its bytes and checksum once acknowledged; dropped
+once restored or forgotten. Written by `CooperativeJobs`.
 Every write is `write_atomic` (fsync'd). File format (JSON):
 
     {"apiVersion": "timeslice.dev/orchestrator-state/v1",
      "epochs": {"<group>": <end of block>},
      "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...],
-                            "residents": ["<job>", ...]}}}
+                            "residents": ["<job>", ...]}},
+     "pool": {"path": "<file>", "bytes": <size>,
+              "checkpoints": [{"group": "<group>", "job": "<job>", "stream": "<stream id>", "pid": <pid>,
+                               "ranges": [[<offset>, <length>], ...],
+                               "bytes": <bytes used> | null, "checksum": <crc> | null}]}}
 
-("groups" is optional: files written before it existed still load.) In a cluster the
+("groups" and "pool" are optional: files written before they existed still load; a
+checkpoint whose "bytes" is null was offered, not yet acknowledged.) In a cluster the
 controller adopts epochs and the holder from claim status instead.
 """
 
@@ -57,6 +67,41 @@ class _GroupPlacement(BaseModel):
     residents: list[str] = []
 
 
+@dataclass(frozen=True)
+class PoolCheckpoint:
+    """One process's place in the pinned pool: `ranges` [(offset, length)] in bytes, filled
+    in order; `nbytes` used from their start and `checksum` (see
+    `timeslice.memory_commands.pool_checksum`), both None while the checkpoint command is out."""
+
+    group: str
+    job: str
+    stream: str
+    pid: int
+    ranges: tuple[tuple[int, int], ...]
+    nbytes: int | None = None
+    checksum: int | None = None
+
+
+class _PoolCheckpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    group: str
+    job: str
+    stream: str
+    pid: int
+    ranges: list[tuple[NonNegativeInt, NonNegativeInt]]
+    bytes: NonNegativeInt | None = None
+    checksum: NonNegativeInt | None = None
+
+
+class _Pool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str
+    bytes: NonNegativeInt
+    checkpoints: list[_PoolCheckpoint] = []
+
+
 class _File(BaseModel):
     """The file's schema (`strict`: an epoch is an integer >= 0, a job id a string)."""
 
@@ -65,6 +110,7 @@ class _File(BaseModel):
     apiVersion: Literal["timeslice.dev/orchestrator-state/v1"]
     epochs: dict[str, NonNegativeInt]
     groups: dict[str, _GroupPlacement] = {}
+    pool: _Pool | None = None
 
 
 class StateFile:
@@ -77,6 +123,7 @@ class StateFile:
         self._path = path
         self._ends: dict[str, int] = {}
         self._placements: dict[str, Placement] = {}
+        self._pool: tuple[str, int, tuple[PoolCheckpoint, ...]] | None = None  # (path, bytes, checkpoints)
         if path is None:
             return
         if path.exists():
@@ -93,6 +140,10 @@ class StateFile:
             self._ends = dict(data.epochs)
             self._placements = {g: Placement(p.holder, tuple(p.mustLeave), tuple(p.residents))
                                 for g, p in data.groups.items()}
+            if data.pool is not None:
+                self._pool = (data.pool.path, data.pool.bytes, tuple(
+                    PoolCheckpoint(c.group, c.job, c.stream, c.pid, tuple((o, n) for o, n in c.ranges), c.bytes,
+                                   c.checksum) for c in data.pool.checkpoints))
         try:
             self._write()
         except OSError as err:
@@ -124,9 +175,34 @@ class StateFile:
         self._placements[group_id] = p
         self._write()
 
+    @property
+    def persistent(self) -> bool:
+        """Whether anything written here survives a restart (a path was given)."""
+        return self._path is not None
+
+    def pool_checkpoints(self) -> tuple[Path, tuple[PoolCheckpoint, ...]] | None:
+        """(the pool file, its checkpoints) as last written (None: this file recorded no pool)."""
+        if self._pool is None:
+            return None
+        return Path(self._pool[0]), self._pool[2]
+
+    def record_pool(self, path: Path, size: int, checkpoints: Iterable[PoolCheckpoint]) -> None:
+        """Persist the pool's checkpoints when they changed. Raises OSError."""
+        pool = (str(path), size, tuple(sorted(checkpoints, key=lambda c: (c.group, c.job, c.stream))))
+        if self._path is None or self._pool == pool:
+            return
+        self._pool = pool
+        self._write()
+
     def _write(self) -> None:
         assert self._path is not None
         groups = {g: {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents)}
                   for g, p in self._placements.items()}
-        write_atomic(self._path, json.dumps({"apiVersion": API_VERSION, "epochs": self._ends,
-                                             "groups": groups}).encode())
+        data: dict[str, object] = {"apiVersion": API_VERSION, "epochs": self._ends, "groups": groups}
+        if self._pool is not None:
+            path, size, checkpoints = self._pool
+            data["pool"] = {"path": path, "bytes": size, "checkpoints": [
+                {"group": c.group, "job": c.job, "stream": c.stream, "pid": c.pid,
+                 "ranges": [list(r) for r in c.ranges],
+                 "bytes": c.nbytes, "checksum": c.checksum} for c in checkpoints]}
+        write_atomic(self._path, json.dumps(data).encode())
