@@ -417,7 +417,8 @@ async def sized_jobs(coop, monkeypatch, grace: float) -> tuple[Orchestrator, Gpu
     stores: dict[str, FakeStore] = {}
     gpu = GpuModel(stores, {"a": 60 * GB, "c": 60 * GB}, {"a": 101, "c": 103})
     stores["c"] = SizedStore("c", 60 * GB, gpu)
-    agent = NodeAgent(StaticProcessResolver({"a": [101], "c": [103]}), memory_probe=gpu.probe)
+    agent = NodeAgent(StaticProcessResolver({"a": [101], "c": [103]}), memory_probe=gpu.probe,
+                      host_probe=lambda: 1000 * GB)  # the host holds any checkpoint: the GPU is the limit here
     orch, target = await coop(agent=agent)
     c = job(target, "c", stores["c"])
     await connected(c)
@@ -641,3 +642,20 @@ async def test_a_plan_asks_the_processes_for_what_they_registered_now(coop) -> N
         assert coop_jobs.registered_bytes("g", "a") == 5 * 2**20
     finally:
         await asyncio.to_thread(a.close)
+
+
+async def test_a_cooperative_plan_counts_the_pools_free_bytes_and_the_hosts_not_more(coop) -> None:
+    """H200, 3 x 57 GB, `serve`'s 67 GB pool: a second job's checkpoint did not fit in the pool,
+    went to its process's own host memory, and the kernel killed the job (SIGKILL). A plan
+    now checks each checkpoint against the pool's free bytes plus the node's available host
+    memory, as it does for the other backends."""
+    agent = NodeAgent(StaticProcessResolver(), memory_probe=lambda: [GpuInfo("GPU-0", 0, 100 * 2**20, 100 * 2**20, {})],
+                      host_probe=lambda: 5)
+    orch, _ = await coop(agent=agent, pool_bytes=1 << 20)
+    g = orch.group("g")
+    snap = await g.switcher.memory(g.spec, [])  # type: ignore[attr-defined]
+    assert list(snap.host_available.values()) == [5 + (1 << 20)]
+    assert orch.cooperative.pool is not None
+    orch.cooperative.pool.take(1 << 19)
+    snap = await g.switcher.memory(g.spec, [])  # type: ignore[attr-defined]
+    assert list(snap.host_available.values()) == [5 + (1 << 19)]

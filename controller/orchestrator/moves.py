@@ -341,7 +341,7 @@ class MemoryMoves:
                              f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")
             try:
                 plan = plan_room(incoming, residents, snap, r.peaks, parse_headroom(g.spec.memory_headroom),
-                                 host_checked=g.spec.backend != "cooperative", declared=r.declared,
+                                 declared=r.declared,
                                  alone=not r.known(incoming))
             except NoRoom:
                 departing = g.switcher.departing(g.spec, g.residency.residents) \

@@ -29,7 +29,7 @@ from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, Ste
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot
+from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, agent_of
 from timeslice.driver import names
 from timeslice.driver.errors import NotFound, OutcomeUnknown, TimeSliceServerError, Unavailable
 
@@ -144,6 +144,10 @@ class SwitchCoordinator:
             await self.cooperative.refresh(spec.id, jobs)  # a plan: sizes as the processes see them now
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
             (dev,) = snap.devices
+            pool = self.cooperative.pool
+            if pool is not None:  # a checkpoint lands in the pool's free ranges first, the rest in host memory
+                node = agent_of(dev)
+                snap.host_available[node] = snap.host_available.get(node, 0) + pool.size - pool.used_bytes
             for job in jobs:  # what the job's processes registered is what they hold when restored
                 n = self.cooperative.registered_bytes(spec.id, job)
                 if self.cooperative.checkpointed(spec.id, job):
