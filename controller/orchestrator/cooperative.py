@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from timeslice.controller.orchestrator.agents import StepResult
@@ -85,8 +85,11 @@ class _Command:
 class CooperativeJobs:
     """The connected cooperative processes by (group, job), and their pending commands."""
 
-    def __init__(self, pool: PinnedPool | None = None) -> None:
+    def __init__(self, pool: PinnedPool | None = None,
+                 on_streams_closed: Callable[[str, str], None] | None = None) -> None:
+        """`on_streams_closed(group, job)`: called when the last open stream of a job closes."""
         self.pool = pool
+        self._on_streams_closed = on_streams_closed
         self._procs: dict[tuple[str, str], dict[str, _Process]] = {}
         self._pending: dict[str, _Command] = {}
         self._late: dict[str, _Command] = {}  # timed out, still expecting an answer
@@ -126,6 +129,8 @@ class CooperativeJobs:
                     self._left[(group, job)] = p.disconnected_at  # its state stays on the GPU, unmovable
                 log.info("cooperative process disconnected group=%s job=%s pid=%d checkpointed=%s", group, job,
                          p.pid, p.checkpointed)
+                if self._on_streams_closed is not None and not self.connected(group, job):
+                    self._on_streams_closed(group, job)
 
     def ack(self, ack: pb.MemoryCommandAck) -> None:
         """A process's answer to a command, also one that came after the orchestrator gave up

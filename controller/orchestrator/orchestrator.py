@@ -44,7 +44,7 @@ class Orchestrator:
         self._pool = agents or AgentPool()
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
-        self.cooperative = CooperativeJobs(pinned_pool)
+        self.cooperative = CooperativeJobs(pinned_pool, on_streams_closed=self._streams_closed)
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool, self.cooperative)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
@@ -69,6 +69,13 @@ class Orchestrator:
         if group is not None:
             await group.close()
             self.metrics.forget(group_id)
+
+    def _streams_closed(self, group_id: str, job: str) -> None:
+        """A cooperative job's last command stream closed: a holder kept past its lease
+        because it streamed loses it now (`Leases.streams_closed`)."""
+        group = self._groups.get(group_id)
+        if group is not None:
+            group.leases.streams_closed(job)
 
     def _observe(self, group: LockGroup, event: GroupEvent) -> None:
         for observer in self._observers:
