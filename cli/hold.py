@@ -7,7 +7,7 @@ the grant came (or failed), having written the hold file: JSON {pid, group, job,
 state}. `release` sends the holder SIGTERM and waits for it to end (a pidfd, Linux >= 5.3);
 the holder releases, writes `state` ("released", or "lost" when the lease had lapsed), and
 exits. The holder logs to the hold file's name with `.log`. Exit codes as `timeslice run`
-(cli/run.py): 75 no grant within --timeout, 69 unavailable or switch failed, 70 the hold
+(cli/run.py): 75 no grant within --timeout, 69 unavailable or the job failed, 70 the hold
 was lost before `release`, 2 usage (no hold file, a hold already there).
 """
 

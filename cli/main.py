@@ -402,7 +402,7 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a command while this job holds a group (like flock)",
                        description="Acquire the group, run CMD, release when it ends; exit with CMD's status. "
                                    "Other exit codes: 75 no grant within --timeout, 69 orchestrator unreachable, "
-                                   "group unknown or switch failed, 70 the hold was lost while CMD ran, 127 CMD "
+                                   "group unknown or the job failed, 70 the hold was lost while CMD ran, 127 CMD "
                                    "cannot start, 2 usage.",
                        usage="timeslice run [-h] [--target HOST:PORT] [--job JOB] [--group GROUP] "
                              "[--timeout SECONDS] [--priority N] -- CMD [ARG ...]")
@@ -416,7 +416,7 @@ def parser() -> argparse.ArgumentParser:
 
     for name, text in (("acquire", "hold a group until `timeslice release` (for shell scripts)"),
                        ("release", "end a hold taken by `timeslice acquire`")):
-        codes = ("0 granted, 75 no grant within --timeout, 69 orchestrator unreachable, group unknown or switch "
+        codes = ("0 granted, 75 no grant within --timeout, 69 orchestrator unreachable, group unknown or the job "
                  "failed, 130 interrupted (no hold is left), 2 usage or a hold already there" if name == "acquire" else
                  "0 released, 70 the hold was lost before release (its lease lapsed, or the holder was killed), "
                  "2 no hold file")

@@ -4,9 +4,10 @@ Acquires the group (the client library: keep-alive while CMD runs, `Leave` at th
 starts CMD with the caller's environment, forwards SIGINT and SIGTERM to it, releases when
 it ends, and exits with CMD's status. Exit codes besides CMD's own (sysexits.h):
 
-    75  EX_TEMPFAIL     no grant within --timeout seconds
-    69  EX_UNAVAILABLE  the orchestrator is unreachable, the group unknown, or the switch to
-                        this job failed (the message says which)
+    75  EX_TEMPFAIL     no grant within --timeout seconds (failed switches are asked again
+                        until then; the message names the last one)
+    69  EX_UNAVAILABLE  the orchestrator is unreachable, the group unknown, or the job failed
+                        for good (its state is lost: JobFailed; the message says which)
     70  EX_SOFTWARE     CMD succeeded but the hold was lost while it ran (its lease lapsed):
                         another job may have computed beside it
     2                   usage: no CMD, no orchestrator address or job id

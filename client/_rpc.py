@@ -18,6 +18,7 @@ from timeslice.errors import (
     AcquireTimeout,
     GroupNotFound,
     InvalidRequest,
+    JobFailed,
     LeaseLost,
     OrchestratorUnavailable,
     SwitchFailed,
@@ -55,6 +56,15 @@ RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0
+# An Acquire answered SwitchFailed (ABORTED) is asked again (`Settings.retry_failed_switches`)
+# after a pause growing from SWITCH_BACKOFF_FIRST to SWITCH_BACKOFF_MAX seconds: each try may
+# run a switch (checkpoint others, restore this job), so not faster than that.
+SWITCH_BACKOFF_FIRST = 0.25
+SWITCH_BACKOFF_MAX = 5.0
+# Trailing metadata that tells apart errors of one status code (orchestrator.proto's
+# `ErrorReason`, by name), and the class each reason raises.
+REASON_METADATA = "timeslice-error-reason"
+REASONS: dict[str, type[TimeSliceError]] = {pb.ErrorReason.Name(pb.JOB_FAILED): JobFailed}
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,7 @@ class Settings:
     priority: int
     unavailable_timeout: float
     memory: int = 0  # bytes per GPU this job declares it holds at most while it computes; 0: none
+    retry_failed_switches: bool = True  # acquire() asks again after SwitchFailed (`Retry`)
 
 
 def memory_bytes(memory: str | int | None) -> int:
@@ -100,7 +111,8 @@ def memory_bytes(memory: str | int | None) -> int:
 
 
 def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,
-             unavailable_timeout: float, memory: str | int | None = None) -> Settings:
+             unavailable_timeout: float, memory: str | int | None = None,
+             retry_failed_switches: bool = True) -> Settings:
     """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP /
     TIMESLICE_MEMORY (`memory_bytes`).
     Without a job id, a client that has a token (`call_metadata`: in a cluster pod) sends
@@ -122,7 +134,8 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
                          "orchestrator then takes the job from the pod)")
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
-    return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory))
+    return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory),
+                    retry_failed_switches)
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
@@ -181,17 +194,26 @@ class Retry:
     UNAVAILABLE and CANCELLED are retried (the caller resends the same request, so the same request id)
     with exponential backoff for `unavailable_timeout` seconds; `deadline` (monotonic
     seconds, or None) bounds the whole call with AcquireTimeout. With `retried_ok`, a
-    FAILED_PRECONDITION after a retry means an earlier attempt did succeed.
+    FAILED_PRECONDITION after a retry means an earlier attempt did succeed. With
+    `retry_switches` (an Acquire), SwitchFailed is asked again until the deadline (the
+    server dropped the failed request: the same id queues afresh), pausing
+    SWITCH_BACKOFF_FIRST doubling to SWITCH_BACKOFF_MAX seconds, its reason logged once;
+    JobFailed is raised at once. An AcquireTimeout after failed switches names the last one
+    (and has it as `__cause__`).
     """
 
     def __init__(self, what: str, deadline: float | None, unavailable_timeout: float,
-                 retried_ok: bool = False) -> None:
+                 retried_ok: bool = False, retry_switches: bool = False) -> None:
         self.what = what
         self._deadline = deadline
         self._unavailable_timeout = unavailable_timeout
         self._retried_ok = retried_ok
+        self._retry_switches = retry_switches
         self._since: float | None = None
         self._delay = BACKOFF_FIRST
+        self._switch_delay = SWITCH_BACKOFF_FIRST
+        self.switch_failures = 0
+        self.last_switch_failure: SwitchFailed | None = None
 
     def remaining(self) -> float | None:
         """Seconds left for the next attempt (None: no bound); raises AcquireTimeout."""
@@ -199,7 +221,7 @@ class Retry:
             return None
         left = self._deadline - time.monotonic()
         if left <= 0:
-            raise AcquireTimeout(f"{self.what}: no grant before the timeout")
+            raise self._timed_out(AcquireTimeout(f"{self.what}: no grant before the timeout"))
         return left
 
     def pause_after(self, err: grpc.RpcError, remaining: float | None) -> float | None:
@@ -208,16 +230,51 @@ class Retry:
         code = code_of(err)
         if self._retried_ok and self._since is not None and code == grpc.StatusCode.FAILED_PRECONDITION:
             return None
+        if self._retry_switches and code == grpc.StatusCode.ABORTED:
+            failed = translate(err, self.what)
+            if not isinstance(failed, SwitchFailed):
+                raise failed from err
+            return self._switch_pause(failed, remaining)
         now = time.monotonic()
         self._since = self._since or now
         if code not in RETRIED or socket_refused(err) or now - self._since >= self._unavailable_timeout:
-            raise translate(err, self.what) from err
+            translated = translate(err, self.what)
+            final = self._timed_out(translated)
+            raise final from (err if final is translated else final.__cause__)
         if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
         self._delay = next_backoff(self._delay)
         return pause
+
+    def _switch_pause(self, failed: SwitchFailed, remaining: float | None) -> float:
+        """The pause before asking again after the switch to this job failed."""
+        if self.last_switch_failure is None:
+            log.warning("%s; asking again %s (logged once per acquire)", failed,
+                        "until granted" if self._deadline is None else "until the acquire's timeout")
+        self.switch_failures += 1
+        self.last_switch_failure = failed
+        self._since, self._delay = None, BACKOFF_FIRST  # it answered: a later outage gets its whole window
+        pause = self._switch_delay if remaining is None else max(0.0, min(self._switch_delay, remaining))
+        self._switch_delay = min(self._switch_delay * 2.0, SWITCH_BACKOFF_MAX)
+        return pause
+
+    def _timed_out(self, err: TimeSliceError) -> TimeSliceError:
+        """An AcquireTimeout `err` naming the last failed switch, if any, as its cause (other
+        errors as they are)."""
+        last = self.last_switch_failure
+        if last is None or not isinstance(err, AcquireTimeout):
+            return err
+        timeout = AcquireTimeout(f"{err} ({self.switch_failures} switch(es) to this job failed meanwhile; the "
+                                 f"last: {last})")
+        timeout.__cause__ = last
+        return timeout
+
+    def succeeded(self) -> None:
+        """The call returned: say so when it took failed switches."""
+        if self.switch_failures:
+            log.warning("%s: granted after %d failed switch(es)", self.what, self.switch_failures)
 
 
 # Bound on the CancelAcquire a client sends when it gives up an Acquire, seconds.
@@ -228,7 +285,7 @@ def may_be_granted(err: BaseException) -> bool:
     """An Acquire that ended with `err` may still have been granted on the server: a timeout,
     a lost reply, an interrupt; not a refusal (no access, no group, a bad request, a failed
     switch), which the server answered without granting."""
-    return not isinstance(err, AccessDenied | GroupNotFound | InvalidRequest | SwitchFailed | LeaseLost)
+    return not isinstance(err, AccessDenied | GroupNotFound | InvalidRequest | SwitchFailed | JobFailed | LeaseLost)
 
 
 def cancel_request(s: Settings, group: str, request_id: str) -> pb.CancelAcquireRequest:
@@ -249,10 +306,22 @@ def code_of(err: grpc.RpcError) -> grpc.StatusCode | None:
     return code() if callable(code) else None
 
 
+def reason_of(err: grpc.RpcError) -> str:
+    """The orchestrator's `ErrorReason` name in `err`'s trailing metadata ("": none)."""
+    trailing = getattr(err, "trailing_metadata", None)
+    pairs = trailing() if callable(trailing) else None
+    for key, value in pairs or ():
+        if key == REASON_METADATA:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
+
+
 def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
     """Map a gRPC error to the client's exception tree (see `timeslice.errors`); statuses the
     orchestrator does not send on purpose (UNKNOWN, INTERNAL, UNIMPLEMENTED, DATA_LOSS, ...)
-    stay the base `TimeSliceError`, with the status named in the message."""
+    stay the base `TimeSliceError`, with the status named in the message. A known
+    `ErrorReason` in the trailing metadata (`REASON_METADATA`) picks its own class
+    (ABORTED + JOB_FAILED: JobFailed)."""
     code = code_of(err)
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
     message = f"{what}: {details}" if code is None or details == code.name else f"{what}: {code.name}: {details}"
@@ -271,7 +340,9 @@ def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
     if socket_refused(err):
         return AccessDenied(f"{message} (the orchestrator's unix socket does not let this user in: ask its owner, "
                             "e.g. `timeslice serve --socket-mode 660` and a shared group)")
-    return mapping.get(code, TimeSliceError)(message) if code else TimeSliceError(message)
+    if not code:
+        return TimeSliceError(message)
+    return REASONS.get(reason_of(err), mapping.get(code, TimeSliceError))(message)
 
 
 def socket_refused(err: grpc.RpcError) -> bool:

@@ -43,8 +43,9 @@ class AsyncTimeSliceOrchestratorClient:
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
                  unavailable_timeout: float = 30.0, memory: str | int | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory)
+                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True) -> None:
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory,
+                                retry_failed_switches)
         self._channel = (grpc.aio.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -82,7 +83,7 @@ class AsyncTimeSliceOrchestratorClient:
                 f"acquire {group}", deadline,
                 lambda remaining: self._stub.Acquire(
                     _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
-                    metadata=_rpc.call_metadata()))
+                    metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
         except BaseException as err:  # gave up (timeout, lost reply, cancelled): leave no grant behind
             if not _rpc.may_be_granted(err):
                 raise
@@ -139,17 +140,21 @@ class AsyncTimeSliceOrchestratorClient:
             release=lambda: self.release(group), lost=lost, is_async_client=True)
 
     async def _retrying(self, what: str, deadline: float | None,
-                        call: Callable[[float | None], Awaitable[Any]], retried_ok: bool = False) -> Any:
-        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok)
+                        call: Callable[[float | None], Awaitable[Any]], retried_ok: bool = False,
+                        retry_switches: bool = False) -> Any:
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches)
         while True:
             remaining = retry.remaining()
             try:
-                return await call(remaining)
+                result = await call(remaining)
             except grpc.RpcError as err:
                 pause = retry.pause_after(err, remaining)
                 if pause is None:
                     return None
                 await asyncio.sleep(pause)
+            else:
+                retry.succeeded()
+                return result
 
     async def _keep_alive(self, hold: _Hold) -> None:
         interval = _rpc.keepalive_interval(hold.grant)

@@ -52,6 +52,11 @@ class TimeSliceOrchestratorClient:
             max(this, what it saw the job use) beside other jobs; a job that declares
             nothing runs alone until its memory stopped growing.
         credentials: TLS channel credentials; plaintext when None.
+        retry_failed_switches: an acquire whose switch failed (`SwitchFailed`: rolled back,
+            e.g. no room yet, a checkpoint step that failed) asks again until its timeout,
+            pausing 0.25 s doubling to 5 s, the reason logged once per acquire (default), so a
+            failed switch costs a wait, never the job; False raises `SwitchFailed` at once.
+            `JobFailed` is never retried.
 
     Raises ValueError when the target or job id is set nowhere, or the memory is malformed.
     """
@@ -59,8 +64,9 @@ class TimeSliceOrchestratorClient:
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
                  unavailable_timeout: float = 30.0, memory: str | int | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory)
+                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True) -> None:
+        self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory,
+                                retry_failed_switches)
         self._channel = (grpc.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -88,10 +94,12 @@ class TimeSliceOrchestratorClient:
                 priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
         """Block until this job holds the group and its state is on the GPUs.
 
-        `timeout` is in seconds (None waits without bound). Nested acquires of a
-        held group return the same grant and need as many releases.
-        Raises AcquireTimeout, SwitchFailed, GroupNotFound, InvalidRequest,
-        OrchestratorUnavailable.
+        `timeout` is in seconds (None waits without bound), failed switches included (they
+        are asked again, see `retry_failed_switches`). Nested acquires of a held group
+        return the same grant and need as many releases.
+        Raises AcquireTimeout (naming the last failed switch, if any), JobFailed (the job's
+        state is lost: restart it), GroupNotFound, InvalidRequest, AccessDenied,
+        OrchestratorUnavailable; SwitchFailed only with `retry_failed_switches=False`.
         """
         group = _rpc.group_of(self._s, group_id)
         with self._lock:
@@ -106,7 +114,7 @@ class TimeSliceOrchestratorClient:
                 f"acquire {group}", deadline,
                 lambda remaining: self._stub.Acquire(
                     _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
-                    metadata=_rpc.call_metadata()))
+                    metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
         except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
             if _rpc.may_be_granted(err):
                 self._cancel(group, request_id)
@@ -154,19 +162,22 @@ class TimeSliceOrchestratorClient:
         return int(resp.waiters) if resp is not None else 0
 
     def _retrying(self, what: str, deadline: float | None, call: Callable[[float | None], Any],
-                  retried_ok: bool = False) -> Any:
+                  retried_ok: bool = False, retry_switches: bool = False) -> Any:
         """Run `call(remaining_seconds)` under `_rpc.Retry`; None when a retried call had
         already succeeded."""
-        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok)
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches)
         while True:
             remaining = retry.remaining()
             try:
-                return call(remaining)
+                result = call(remaining)
             except grpc.RpcError as err:
                 pause = retry.pause_after(err, remaining)
                 if pause is None:
                     return None
                 time.sleep(pause)
+            else:
+                retry.succeeded()
+                return result
 
     def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
         """The current grant on the group, or None (also after a lost lease)."""

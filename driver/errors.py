@@ -11,6 +11,7 @@
     ├── StepTimeout (retryable)     a backend step passed its bound   DEADLINE_EXCEEDED
     ├── AcquireTimeout (retryable)  no grant within the timeout       DEADLINE_EXCEEDED
     ├── SwitchFailed (retryable)    a switch failed and rolled back   ABORTED
+    │   └── JobFailed               the job's state is lost for good  ABORTED + reason JOB_FAILED
     ├── BackendError (retryable)    a checkpoint backend failed       INTERNAL
     │   └── ProcessGone             a target process vanished         NOT_FOUND
     └── KubernetesApiError (retryable)  API server unreachable, conflict, 5xx  UNAVAILABLE
@@ -18,18 +19,24 @@
 
 Foreign errors (`grpc.RpcError`, CUDA `CUresult`, `OSError`, NVML errors, `kubernetes`
 `ApiException`) are translated once, at the boundary that sees them, with `raise ... from`.
-Servicers turn these into a gRPC status with `abort_with`; `retryable` says whether the
-same call can succeed later.
+Servicers turn these into a gRPC status (`grpc_server.rpc_method`); `retryable` says whether
+the same call can succeed later. Where the code alone does not say it, `reason` (a name of
+the orchestrator API's `ErrorReason` enum) goes with the status as the trailing metadata
+`REASON_METADATA`.
 """
 
 from __future__ import annotations
 
 import grpc
 
+# Trailing metadata key of an error's `reason` (timeslice.v1 `ErrorReason`, by name).
+REASON_METADATA = "timeslice-error-reason"
+
 
 class TimeSliceServerError(Exception):
     code = grpc.StatusCode.INTERNAL
     retryable = False
+    reason = ""  # an `ErrorReason` name sent as `REASON_METADATA` ("": none)
 
 
 class InvalidArgument(TimeSliceServerError):
@@ -73,6 +80,16 @@ class AcquireTimeout(TimeSliceServerError):
 class SwitchFailed(TimeSliceServerError):
     code = grpc.StatusCode.ABORTED
     retryable = True
+
+
+class JobFailed(SwitchFailed):
+    """The job failed for good: its state is lost (its restore failed `MAX_RESTORE_FAILURES`
+    times in a row, or its checkpoint is gone). Its acquires are refused until it is
+    restarted; a client must not retry. Still ABORTED on the wire (older clients see a
+    failed switch), told apart by its `reason`."""
+
+    retryable = False
+    reason = "JOB_FAILED"
 
 
 class Unavailable(TimeSliceServerError):

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from timeslice.driver.errors import TimeSliceServerError
+from timeslice.driver.errors import REASON_METADATA, TimeSliceServerError
 
 log = logging.getLogger("timeslice.grpc")
 _ids = itertools.count(1)
@@ -24,7 +24,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def rpc_method(fn: F) -> F:
     """Decorate a servicer method: translate `TimeSliceServerError` into its gRPC status
-    and log `rpc=<method> req=<n> code=<status> seconds=<duration>`.
+    (with its `reason`, if any, as the trailing metadata `REASON_METADATA`) and log
+    `rpc=<method> req=<n> code=<status> seconds=<duration>`.
 
     Successful calls log at DEBUG, failed ones at INFO with the status message (the
     user-facing error). A decorator rather than a `grpc.aio.ServerInterceptor`: the
@@ -39,7 +40,7 @@ def rpc_method(fn: F) -> F:
         try:
             return await fn(self, request, context)
         except TimeSliceServerError as err:
-            await context.abort(err.code, str(err))
+            await context.abort(err.code, str(err), ((REASON_METADATA, err.reason),) if err.reason else ())
         finally:
             code = context.code() or grpc.StatusCode.OK
             if code != grpc.StatusCode.OK or log.isEnabledFor(logging.DEBUG):

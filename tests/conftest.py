@@ -41,18 +41,21 @@ from tests.kubelet_fakes import serve_plugin  # noqa: F401  (fixture: a kubelet 
 @dataclass
 class FakeBackend(Backend):
     """Records (node, step, pids); fails a step when `fail` names it: "checkpoint", "restore",
-    or "<step>:<pid>" for one job's step only."""
+    or "<step>:<pid>" for one job's step only; `fail_once` likewise, once for each name."""
 
     node: str
     calls: list[tuple[str, str, tuple[int, ...]]]
     name: str = "cuda"
     fail: set[str] = field(default_factory=set)
     delay: float = 0.0
+    fail_once: set[str] = field(default_factory=set)
 
     async def _step(self, what: str, pids: Sequence[int], state: str) -> list[ProcState]:
         await asyncio.sleep(self.delay)
         self.calls.append((self.node, what, tuple(pids)))
-        if what in self.fail or f"{what}:{pids[0]}" in self.fail:
+        once = {what, f"{what}:{pids[0]}"} & self.fail_once
+        self.fail_once -= once
+        if once or what in self.fail or f"{what}:{pids[0]}" in self.fail:
             raise BackendError(f"injected {what} failure on {self.node}")
         return [ProcState(p, state, 1000) for p in pids]
 

@@ -175,7 +175,8 @@ async def test_the_orchestrator_switches_jobs_on_an_authenticated_agent(agent, t
         orch = Orchestrator([GroupSpec(id="g", backend="freeze", agents=(agent.target,))], agents=pool)
         server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
         a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
-        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
+        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g",
+                                             retry_failed_switches=False)  # the failure itself is tested
         try:
             await a.acquire()
             task = asyncio.create_task(b.acquire())

@@ -271,7 +271,8 @@ async def test_the_orchestrator_switches_over_tls_and_fails_clearly_without_a_ce
         orch.set_agent_certificates(certificates)
         server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
         a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
-        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
+        b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g",
+                                             retry_failed_switches=False)  # the failure itself is tested
         try:
             await a.acquire()
             task = asyncio.create_task(b.acquire())

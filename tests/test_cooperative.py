@@ -108,8 +108,13 @@ async def coop(short_tmp: Path) -> AsyncIterator[Callable[..., object]]:
             await result
 
 
-def job(target: str, name: str, store: FakeStore) -> TimeSliceOrchestratorClient:
-    client = TimeSliceOrchestratorClient(target, name, "g")
+# Client arguments of a job that raises a failed switch at once (by default it asks again until
+# its timeout): for the tests of the failure itself.
+AT_ONCE = {"retry_failed_switches": False}
+
+
+def job(target: str, name: str, store: FakeStore, **kw: object) -> TimeSliceOrchestratorClient:
+    client = TimeSliceOrchestratorClient(target, name, "g", **kw)  # type: ignore[arg-type]
     client.serve_memory_commands(store)
     return client
 
@@ -118,9 +123,10 @@ async def connected(client: TimeSliceOrchestratorClient) -> None:
     await asyncio.to_thread(client._memory_loops[0].connected.wait, 10)
 
 
-async def jobs(target: str, sa: FakeStore, sb: FakeStore) -> tuple[TimeSliceOrchestratorClient, ...]:
-    """Clients of jobs "a" and "b" serving `sa` and `sb`, their command streams open."""
-    clients = job(target, "a", sa), job(target, "b", sb)
+async def jobs(target: str, sa: FakeStore, sb: FakeStore, **kw: object) -> tuple[TimeSliceOrchestratorClient, ...]:
+    """Clients of jobs "a" and "b" serving `sa` and `sb`, their command streams open (`kw`:
+    client arguments)."""
+    clients = job(target, "a", sa, **kw), job(target, "b", sb, **kw)
     for c in clients:
         await connected(c)
     return clients
@@ -173,7 +179,7 @@ async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(
 async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop) -> None:
     orch, target = await coop()
     sa, sb = FakeStore("a", fail=True), FakeStore("b")
-    a, b = await jobs(target, sa, sb)
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
     try:
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
@@ -182,6 +188,36 @@ async def test_a_store_that_fails_fails_the_switch_and_the_group_serves_on(coop)
         assert sa.device == bytearray(sa.original)  # a kept its state on the "GPU"
         assert orch.group("g").resident == "a" and orch.group("g").view().counters.failed_switches == 1
         await asyncio.to_thread(a.acquire)  # a resident: granted at once
+        await asyncio.to_thread(a.release)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
+class FailsOnce(FakeStore):
+    """Its first checkpoint fails (a copy that ran out of host memory, say), later ones work."""
+
+    def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
+        self.fail = "checkpoint" not in self.commands  # `commands`: the earlier ones
+        return super().checkpoint(ranges)
+
+
+async def test_a_copy_that_fails_once_costs_the_waiter_a_wait_not_its_acquire(coop) -> None:
+    """Issue 21, item 4: the acquire asks again after the failed switch (rolled back) and
+    succeeds, with the states where they belong."""
+    orch, target = await coop()
+    sa, sb = FailsOnce("a"), FakeStore("b")
+    a, b = await jobs(target, sa, sb)
+    try:
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        grant = await asyncio.to_thread(b.acquire, timeout=60)
+        assert sa.commands.count("checkpoint") == 2 and sa.device is None  # failed, then moved
+        assert sb.device == bytearray(sb.original) and grant.epoch == 2
+        assert orch.group("g").view().counters.failed_switches == 1
+        await asyncio.to_thread(b.release)
+        await asyncio.to_thread(a.acquire)
+        assert sa.device == bytearray(sa.original)
         await asyncio.to_thread(a.release)
     finally:
         await asyncio.to_thread(a.close)
@@ -292,7 +328,7 @@ async def test_state_never_leaves_a_job_inside_its_hold_even_when_its_lease_is_r
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "max_hold_seconds": 0.2, "residency": "exclusive"}))
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = await jobs(target, sa, sb)
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
     try:
         await asyncio.to_thread(a.acquire)  # a stays inside its phase
         with pytest.raises(SwitchFailed, match="inside its GPU phase"):
@@ -312,7 +348,7 @@ async def test_a_command_answered_late_settles_the_state_and_leaks_no_pool(coop,
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "step_timeout_seconds": 0.3, "residency": "exclusive"}))
     sa, sb = FakeStore("a", delay=0.6), FakeStore("b")
-    a, b = await jobs(target, sa, sb)
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
     try:
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
@@ -343,7 +379,7 @@ async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_proce
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "residency": "exclusive"}))
     sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = await jobs(target, sa, sb)
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
     try:
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
@@ -407,10 +443,10 @@ class SizedStore(FakeStore):
         return super().restore(ranges)
 
 
-async def sized_jobs(coop, monkeypatch, grace: float) -> tuple[Orchestrator, GpuModel, dict, dict]:
+async def sized_jobs(coop, monkeypatch, grace: float, **kw: object) -> tuple[Orchestrator, GpuModel, dict, dict]:
     """Jobs "c" and "a", 60 GB each on a 100 GB GPU (10% headroom): one fits at a time. c
     has run once; a loads its state inside its first hold (c is checkpointed for it), then
-    registers it, and releases."""
+    registers it, and releases. `kw`: c's client arguments."""
     from timeslice.controller.orchestrator import cooperative
 
     monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", grace)
@@ -420,7 +456,7 @@ async def sized_jobs(coop, monkeypatch, grace: float) -> tuple[Orchestrator, Gpu
     agent = NodeAgent(StaticProcessResolver({"a": [101], "c": [103]}), memory_probe=gpu.probe,
                       host_probe=lambda: 1000 * GB)  # the host holds any checkpoint: the GPU is the limit here
     orch, target = await coop(agent=agent)
-    c = job(target, "c", stores["c"])
+    c = job(target, "c", stores["c"], **kw)
     await connected(c)
     await asyncio.to_thread(c.acquire)
     await asyncio.to_thread(c.release)
@@ -461,7 +497,7 @@ async def test_a_resident_whose_process_closed_its_stream_is_waited_for_never_re
 
 
 async def test_a_resident_that_stays_unmovable_past_the_grace_fails_the_waiter_with_no_room(coop, monkeypatch) -> None:
-    orch, _, stores, clients = await sized_jobs(coop, monkeypatch, grace=0.5)
+    orch, _, stores, clients = await sized_jobs(coop, monkeypatch, grace=0.5, **AT_ONCE)
     a, c = clients["a"], clients["c"]
     try:
         a._memory_loops[0].close()  # its process keeps its 60 GB and never exits

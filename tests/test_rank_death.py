@@ -82,7 +82,7 @@ async def test_a_rank_killed_during_the_checkpoint_rolls_the_switch_back_for_eve
     orch = Orchestrator([GroupSpec(id="g", backend=backend, agents=(target,), residency="exclusive")])
     server, port = await create_server(orch, "127.0.0.1:0")
     a = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
-    b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g")
+    b = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "b", "g", retry_failed_switches=False)  # failure tested
     try:
         assert agent.stdout is not None and agent.stdout.readline().strip() == "serving"
         await eventually(lambda: all(p.exists() and p.read_text().count("\n") > 3 for p in out), 120,

@@ -15,7 +15,7 @@ from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
 from timeslice.controller.orchestrator.moves import next_job
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, plan_room
-from timeslice.driver.errors import SwitchFailed
+from timeslice.driver.errors import JobFailed, SwitchFailed
 from timeslice.driver.headroom import parse_headroom
 
 from tests.conftest import eventually
@@ -356,7 +356,46 @@ async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> Non
 
 async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_the_others() -> None:
     """Issue 10, item 5: every acquire of the job repeated checkpoint(other) -> restore(it) ->
-    rollback, and the job was never marked failed."""
+    rollback, and the job was never marked failed. Now the third restore step that fails in
+    a row fails the job: `JobFailed` (not retried by clients), refused at once until dropped."""
+    from timeslice.controller.orchestrator.group_model import SwitchError
+    from timeslice.controller.orchestrator.moves import MAX_RESTORE_FAILURES
+
+    class BadRestore(FakeGpu):
+        async def __call__(self, spec, evict, incoming, restore):
+            if restore and incoming == "bad":
+                self.calls.append(("restore", incoming))
+                raise SwitchError("restore of bad failed (injected)",
+                                  SwitchRecord(None, incoming, ok=False, error="restore of bad failed (injected)",
+                                               failed_step="restore"))
+            return await super().__call__(spec, evict, incoming, restore)
+
+    events: list[str] = []
+    gpu = BadRestore(a=60)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",)), gpu,  # type: ignore[arg-type]
+                  observer=lambda _, e: events.append(e.kind))
+    await hold(g, "a")
+    gpu.off["bad"] = 10 * GB
+    g.residency.moved_out("bad")
+    for i in range(MAX_RESTORE_FAILURES - 1):
+        with pytest.raises(SwitchFailed, match="restore of bad failed") as err:
+            await g.acquire("bad", 0, f"bad-{i}", timeout=None)
+        assert not isinstance(err.value, JobFailed)
+    with pytest.raises(SwitchFailed, match="restore of bad failed"):  # the third: its waiters already failed
+        await g.acquire("bad", 0, "bad-last", timeout=None)
+    assert events.count("job-failed") == 1 and gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES
+    with pytest.raises(JobFailed, match=r"job bad failed: 3 restores in a row failed.*restart the job"):
+        await g.acquire("bad", 0, "bad-again", timeout=None)  # refused at once, nothing planned
+    assert gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES
+    await hold(g, "a")  # the group serves the others
+    g.drop_job("bad", "restarted")
+    assert "bad" not in g.failed_jobs
+    await g.close()
+
+
+async def test_a_job_that_finds_no_room_again_and_again_never_fails() -> None:
+    """Before: three plans in a row without room (another job's state in the way, a GPU
+    someone else uses) failed the job for good, although nothing of it was lost."""
     from timeslice.controller.orchestrator.moves import MAX_RESTORE_FAILURES
 
     events: list[str] = []
@@ -364,17 +403,16 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",)), gpu,  # type: ignore[arg-type]
                   observer=lambda _, e: events.append(e.kind))
     await hold(g, "a")
-    gpu.off["big"] = 200 * GB  # can never fit
+    gpu.off["big"] = 200 * GB  # no room now
     g.residency.moved_out("big")
-    for _ in range(MAX_RESTORE_FAILURES):
-        with pytest.raises(SwitchFailed, match="no room for big"):
-            await g.acquire("big", 0, f"big-{len(events)}", timeout=None)
-    assert events.count("job-failed") == 1
-    with pytest.raises(SwitchFailed, match=r"job big failed: 3 restores in a row failed.*restart the job"):
-        await g.acquire("big", 0, "big-again", timeout=None)  # refused at once, nothing planned
-    await hold(g, "a")  # the group serves the others
-    g.drop_job("big", "restarted")
-    assert "big" not in g.failed_jobs
+    for i in range(MAX_RESTORE_FAILURES + 2):
+        with pytest.raises(SwitchFailed, match="no room for big") as err:
+            await g.acquire("big", 0, f"big-{i}", timeout=None)
+        assert not isinstance(err.value, JobFailed)
+    assert "job-failed" not in events and "big" not in g.failed_jobs
+    gpu.total = 300 * GB  # room at last (a bigger GPU stands for the others' memory gone)
+    grant = await asyncio.wait_for(g.acquire("big", 0, "big-granted", timeout=None), 5)
+    assert grant.restored and ("restore", "big") in gpu.calls
     await g.close()
 
 

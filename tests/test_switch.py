@@ -9,12 +9,17 @@ from timeslice import GroupNotFound, SwitchFailed
 
 from tests.conftest import eventually
 
+# Clients that raise a failed switch at once (by default they ask again until their timeout):
+# the tests below look at the switch transaction itself.
+AT_ONCE = {"retry_failed_switches": False}
 
-async def hold_then_handoff(c, first: str, second: str):
-    """`first` holds, `second` queues, `first` releases; returns `second`'s acquire task."""
-    a = c.client(first)
+
+async def hold_then_handoff(c, first: str, second: str, **kw: object):
+    """`first` holds, `second` queues, `first` releases; returns `second`'s acquire task.
+    `kw`: client arguments."""
+    a = c.client(first, **kw)
     await a.acquire()
-    b = c.client(second)
+    b = c.client(second, **kw)
     task = asyncio.create_task(b.acquire())
     await eventually(lambda: _waiting(c, second))
     await a.release()
@@ -54,7 +59,7 @@ async def test_switch_checkpoints_every_node_before_restoring_any(make_cluster) 
 async def test_failed_checkpoint_rolls_back_and_the_group_keeps_serving(make_cluster) -> None:
     c = await make_cluster(backend="cuda", nodes=2)
     c.backends["node-1"].fail.add("checkpoint")
-    a, b, task = await hold_then_handoff(c, "a", "b")
+    a, b, task = await hold_then_handoff(c, "a", "b", **AT_ONCE)
     with pytest.raises(SwitchFailed, match="injected checkpoint failure on node-1"):
         await task
     # node-0 checkpointed a and was rolled back; node-1 failed (its agent restored nothing)
@@ -76,7 +81,7 @@ async def test_failed_checkpoint_rolls_back_and_the_group_keeps_serving(make_clu
 
 async def test_failed_restore_puts_the_outgoing_job_back(make_cluster) -> None:
     c = await make_cluster(backend="cuda", nodes=2)
-    a, b, task = await hold_then_handoff(c, "a", "b")
+    a, b, task = await hold_then_handoff(c, "a", "b", **AT_ONCE)
     await task  # b holds; a is checkpointed
     await b.release()
     # a comes back: checkpoint b everywhere, then restore a fails on node-0
@@ -95,7 +100,7 @@ async def test_failed_restore_puts_the_outgoing_job_back(make_cluster) -> None:
 
 async def test_incomplete_rollback_is_visible_and_the_group_keeps_serving(make_cluster) -> None:
     c = await make_cluster(backend="cuda")
-    a, b, task = await hold_then_handoff(c, "a", "b")
+    a, b, task = await hold_then_handoff(c, "a", "b", **AT_ONCE)
     await task
     await b.release()
     c.backends["node-0"].fail.add("restore")  # a cannot come back, and neither can b
@@ -184,7 +189,7 @@ async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make
     members = (MemberSpec(claim_set="a", claims_by_agent={nowhere: (("ns", "a-0"),)}),
                MemberSpec(claim_set="b", claims_by_agent={node0: (("ns", "b-0"),)}))
     c.orchestrator.add_group(GroupSpec(**{**spec.model_dump(), "agents": (node0, nowhere), "members": members}))
-    a, b, task = await hold_then_handoff(c, "a", "b")
+    a, b, task = await hold_then_handoff(c, "a", "b", **AT_ONCE)
     with pytest.raises(SwitchFailed, match="checkpoint of job a on node node-9: no node agent there"):
         await task
     status = await c.status()

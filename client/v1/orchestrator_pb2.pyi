@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    JOB_FAILED: _ClassVar[ErrorReason]
+ERROR_REASON_UNSPECIFIED: ErrorReason
+JOB_FAILED: ErrorReason
 
 class MemoryCommandsRequest(_message.Message):
     __slots__ = ("job_id", "group_id", "registered_bytes", "pid", "stream_id", "checkpoint")

@@ -89,7 +89,9 @@ class OrchestratorServicer:
         node of the group. A retry with the same `request_id` joins the first
         call's queue entry or returns its grant. Errors: INVALID_ARGUMENT,
         NOT_FOUND (unknown group), DEADLINE_EXCEEDED (timeout_seconds passed),
-        ABORTED (the switch to this job failed and was rolled back; retryable).
+        ABORTED (the switch to this job failed and was rolled back; retryable), except
+        an ABORTED whose trailing metadata `timeslice-error-reason` is `JOB_FAILED`
+        (`ErrorReason`): the job's state is lost, and asking again cannot help.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

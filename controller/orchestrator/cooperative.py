@@ -108,15 +108,18 @@ class CooperativeJobs:
 
     def __init__(self, pool: PinnedPool | None = None, state: StateFile | None = None,
                  on_lost: Callable[[str, str, str], None] | None = None,
-                 on_learned: Callable[[str, str], None] | None = None) -> None:
+                 on_learned: Callable[[str, str], None] | None = None,
+                 on_streams_closed: Callable[[str, str], None] | None = None) -> None:
         """`state`: where checkpoints into `pool` persist (`adopt` reads them back);
         `on_lost(group, job, reason)`: a job's checkpoint cannot be proven intact (it must
         fail); `on_learned(group, job)`: a checkpoint the orchestrator had no record of,
-        reported by its process (the group must restore the job before it computes)."""
+        reported by its process (the group must restore the job before it computes);
+        `on_streams_closed(group, job)`: the last open stream of a job closed."""
         self.pool = pool
         self._state = state
         self._on_lost = on_lost
         self._on_learned = on_learned
+        self._on_streams_closed = on_streams_closed
         self._quiet_until = 0.0  # monotonic: until then the pool offers nothing (reopened, records unknown)
         self._keep_pool = False
         self._procs: dict[tuple[str, str], dict[str, _Process]] = {}
@@ -166,6 +169,8 @@ class CooperativeJobs:
                     self._left[(group, job)] = p.disconnected_at  # its state stays on the GPU, unmovable
                 log.info("cooperative process disconnected group=%s job=%s pid=%d checkpointed=%s", group, job,
                          p.pid, p.checkpointed)
+                if self._on_streams_closed is not None and not self.connected(group, job):
+                    self._on_streams_closed(group, job)
 
     def ack(self, ack: pb.MemoryCommandAck) -> None:
         """A process's answer to a command, also one that came after the orchestrator gave up

@@ -16,6 +16,7 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
   at most `resident_first_seconds` (one switch per run of phases, not per phase).
 - The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
   a lapsed holder loses the lock and the next waiter is granted once it left the GPUs.
+  A late keep-alive is a starved holder, not a dead one: see leases.py.
 - `maxHoldSeconds`: see preemption.py.
 - In a cluster (members known) a job queues at its claim set's configured priority, not
   at the priority its client asks for: a pod cannot jump the queue.
@@ -57,7 +58,7 @@ from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import PREEMPTED, Preemption
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
+from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, SwitchFailed
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -119,8 +120,9 @@ class LockGroup:
                       timeout: float | None, memory: int = 0) -> GrantInfo:
         """Wait for a grant; `timeout` seconds or None. `memory`: bytes per GPU the job
         declares it needs (0: none; a claim set's configured value wins). Raises
-        AcquireTimeout, SwitchFailed, or CancelledError when the caller goes away (the entry
-        is withdrawn first)."""
+        AcquireTimeout, SwitchFailed, JobFailed (the job failed for good: see
+        `MemoryMoves`), or CancelledError when the caller goes away (the entry is withdrawn
+        first)."""
         member = self.spec.member(job_id)
         memory = member.memory if member is not None and member.memory else memory
         if memory:
@@ -130,7 +132,7 @@ class LockGroup:
             h.request_ids.add(request_id)
             return self._grant_info(h, waited=0.0)
         if job_id in self.failed_jobs:
-            raise SwitchFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
+            raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
                                "retried: restart the job, which drops it)")
         if member is not None:
             priority = member.priority
@@ -161,8 +163,9 @@ class LockGroup:
         """End the hold (or, for a preempted holder, its place in the queue: it stays
         checkpointed). With `request_id` (the caller's Acquire), while other callers of the
         job share the hold (the pods of one unit), only that caller's part ends: the hold
-        ends with the last one's release, or its lease. Returns (waiters, switch started);
-        (0, False) when other callers still hold.
+        ends with the last one's release, or its lease. A late release under a lease that
+        lapsed here on a backend that stops processes is accepted (`Leases.released_lapsed`).
+        Returns (waiters, switch started); (0, False) when other callers still hold.
         Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
         if parked is not None and self.callers.released_part(parked[1], request_id):
@@ -174,6 +177,8 @@ class LockGroup:
             log.info("preempted holder released group=%s job=%s", self.id, job_id)
             self.notify("released", job_id, epoch)
             self.dispatch()
+            return len(self.queue), self.switching is not None
+        if self.leases.released_lapsed(job_id, lease_id, epoch):  # its hold ended with its lease: nothing to do
             return len(self.queue), self.switching is not None
         h = self.leases.check(job_id, lease_id, epoch, "release")
         if self.callers.released_part(h, request_id):
@@ -195,16 +200,19 @@ class LockGroup:
         know (granted by an earlier leader), from a job that is checkpointed here, comes
         from a holder switched out mid-phase under that leader (preempted, or lapsed while
         cut off): its process is stopped on the GPU, so it is queued again with that lease
-        rather than left stopped for good (`takeover.requeue_switched_out`). Raises
-        StaleLease."""
+        rather than left stopped for good (`takeover.requeue_switched_out`); so is a late
+        keep-alive under a lease that lapsed here on a backend that stops processes
+        (`Leases.requeue_lapsed`). Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
         if parked is not None:
             parked[1].lease_deadline = self.clock() + self.spec.lease_seconds
             return self.spec.lease_seconds
-        if takeover.requeue_switched_out(self, job_id, lease_id, epoch):
+        if takeover.requeue_switched_out(self, job_id, lease_id, epoch) or \
+                self.leases.requeue_lapsed(job_id, lease_id, epoch):
             return self.spec.lease_seconds
         h = self.leases.check(job_id, lease_id, epoch, "keep-alive")
         h.lease_deadline = self.clock() + self.spec.lease_seconds
+        self.leases.kept_alive(h)
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:
@@ -328,7 +336,9 @@ class LockGroup:
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
         self.leases.remember(lease_id)
         h = Hold(job_id, lease_id, self.epoch, now, now + self.spec.lease_seconds,
-                 {w.request_id for w in waiters} | (parked.request_ids if parked else set()), restored,
+                 # a parked entry's own id is no caller: its client releases under its first request id
+                 {w.request_id for w in waiters if not w.request_id.startswith(PREEMPTED)}
+                 | (parked.request_ids if parked else set()), restored,
                  switch_seconds, max(w.priority for w in waiters),
                  parked.past_epochs | {parked.epoch} if parked else frozenset())
         self.holder = h

@@ -33,6 +33,9 @@ class SwitchRecord:
     finished_at_unix: float = 0.0
     evicted: tuple[str, ...] = ()
     unreachable: bool = False  # failed only because agents did not answer: not the job's fault
+    # the step that ran and failed: "checkpoint" (of an evicted job) or "restore" (of `to_job`);
+    # "" when none did (a plan without room, a restore that could not start yet)
+    failed_step: str = ""
 
     @property
     def seconds(self) -> float:
@@ -57,7 +60,9 @@ class Switcher(Protocol):
     residents whose memory is about to be freed has `departing(spec, jobs) -> list[str]`: a
     plan without room waits for them (bounded by their grace) instead of failing. One that
     can ask the node agents has `confirm(spec, job) -> bool`: whether the job's state is on
-    the GPUs by their records, asked before a job believed resident is granted."""
+    the GPUs by their records, asked before a job believed resident is granted. One that
+    knows cooperative processes has `streaming(spec, job) -> bool`: whether one of the job's
+    keeps its memory command stream open (a holder past its lease then keeps the lock)."""
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord: ...

@@ -6,6 +6,20 @@ holder, cut off but perhaps still computing, leaves the GPUs before anyone is gr
 A release or keep-alive must show the holder's job, lease id and epoch (or an earlier
 epoch of the same lease: a preempted holder's). The leases granted here are remembered
 (the last `KNOWN_LEASES`) to tell them from those an earlier leader granted.
+
+A late keep-alive is not a dead holder (its keep-alive thread was starved: a process
+pinning tens of GB, a loaded node), so a lapse never costs a computing holder its phase:
+- `cooperative`: its state moves only by its own process's hand, never mid-phase. A holder
+  whose lease ran out while one of its processes keeps its memory command stream open is
+  alive: it keeps the lock (*overdue*) until its streams close (`streams_closed`) or it
+  releases; a keep-alive makes its lease current again.
+- transparent backends (`cuda`, `freeze`, ...: the orchestrator stops the process itself):
+  the lapsed holder leaves the GPUs before anyone is granted, and its lease is remembered
+  (`lapsed`): its late keep-alive queues it again under that lease, like a preempted
+  holder (`requeue_lapsed`: restored in its turn, invisibly to its code), and its late
+  release is accepted (`released_lapsed`).
+- `none`: nothing stops a lapsed holder, so the next job may overlap it: its late calls are
+  refused (the client raises `LeaseLost`).
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+from timeslice.driver import names
 from timeslice.driver.errors import StaleLease
 
 if TYPE_CHECKING:
@@ -31,6 +46,8 @@ class Leases:
         self._g = group
         self._timer: asyncio.TimerHandle | None = None
         self._known: OrderedDict[str, None] = OrderedDict()  # granted here (vs. by an earlier leader)
+        self._overdue: Hold | None = None  # a cooperative holder past its lease, kept while its streams are open
+        self._lapsed: OrderedDict[str, Hold] = OrderedDict()  # lease id -> a lapsed hold that may be queued again
 
     def remember(self, lease_id: str) -> None:
         self._known[lease_id] = None
@@ -57,6 +74,12 @@ class Leases:
                              f"the holder is {now} (lease lapsed or superseded)")
         return h
 
+    def kept_alive(self, h: Hold) -> None:
+        """`h`'s lease was extended (its deadline moved): an overdue holder's timer runs again."""
+        if self._overdue is h:
+            self._overdue = None
+            self.arm()
+
     def arm(self) -> None:
         """Time the current holder's lease (from its deadline)."""
         h = self._g.holder
@@ -66,23 +89,92 @@ class Leases:
         self._timer = asyncio.get_running_loop().call_later(delay, self.on_timer, h)
 
     def stop(self) -> None:
+        self._overdue = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def on_timer(self, h: Hold) -> None:
-        """`h`'s lease timer fired: it lapses unless extended since."""
+        """`h`'s lease timer fired: it lapses unless extended since, or unless it is a
+        cooperative holder whose processes keep their command streams open (overdue)."""
         g = self._g
+        self._timer = None
         if g.holder is not h:
             return
         if g.clock() < h.lease_deadline:  # extended by keep-alives since armed
             self.arm()
+            return
+        if self._streaming(h.job_id) and not h.callers_unknown:  # (an adopted hold: the job may be idle)
+            if self._overdue is not h:
+                log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock, its "
+                            "processes keep their memory command streams open (computing; its keep-alives are "
+                            "late), until they close or it releases", g.id, h.job_id, h.epoch)
+            self._overdue = h
             return
         g.counters.lease_expiries += 1
         log.warning("lease expired group=%s job=%s epoch=%d", g.id, h.job_id, h.epoch)
         g.notify("lease-expired", h.job_id, h.epoch)
         g.end_hold(h, "lease expired")
         g.moves.lapsed(h.job_id)
+        if g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE):
+            self._lapsed[h.lease_id] = h  # its late keep-alive queues it again
+            while len(self._lapsed) > KNOWN_LEASES:
+                self._lapsed.popitem(last=False)
         g.record_placement()
         g.dispatch()
         g.idle.refresh_memory()  # nobody waits: an idle freeze group thaws the jobs it froze
+
+    def streams_closed(self, job_id: str) -> None:
+        """Every memory command stream of `job_id`'s processes closed: if it is the overdue
+        holder, its lease lapses now."""
+        h = self._overdue
+        if h is not None and h.job_id == job_id and self._g.holder is h:
+            self.on_timer(h)
+
+    def _streaming(self, job_id: str) -> bool:
+        g = self._g
+        streaming = getattr(g.switcher, "streaming", None)
+        return g.spec.backend == names.BACKEND_COOPERATIVE and streaming is not None and streaming(g.spec, job_id)
+
+    def _lapsed_hold(self, job_id: str, lease_id: str, epoch: int) -> Hold | None:
+        """The hold that lapsed under this lease (transparent backends) while its job is still
+        known here (resident or checkpointed) and does not hold again; None otherwise."""
+        g = self._g
+        h = self._lapsed.get(lease_id)
+        if h is None or h.job_id != job_id or (epoch != h.epoch and epoch not in h.past_epochs):
+            return None
+        if (g.holder is not None and g.holder.job_id == job_id) or \
+                (job_id not in g.residency.residents and job_id not in g.residency.checkpointed):
+            del self._lapsed[lease_id]  # held again under another lease, or dropped: the lease is gone
+            return None
+        return h
+
+    def requeue_lapsed(self, job_id: str, lease_id: str, epoch: int) -> bool:
+        """A keep-alive under a lease that lapsed here (transparent backends): the holder was
+        starved, not gone. It is queued again under that lease (`Preemption.park`): if it is
+        still on the GPUs and nobody waits it holds again at once; else it leaves the GPUs
+        (if it has not) before the job ahead of it is granted, and is restored in its turn,
+        as a preempted holder. True when queued."""
+        g = self._g
+        h = self._lapsed_hold(job_id, lease_id, epoch)
+        if h is None:
+            return False
+        del self._lapsed[lease_id]
+        log.warning("late keep-alive of a holder whose lease lapsed group=%s job=%s epoch=%d: queued again under "
+                    "its lease (%s)", g.id, job_id, h.epoch,
+                    "on the GPUs" if job_id in g.residency.residents else "checkpointed")
+        g.preemption.park(h)
+        g.dispatch()
+        g.preemption.arm()
+        return True
+
+    def released_lapsed(self, job_id: str, lease_id: str, epoch: int) -> bool:
+        """A release under a lease that lapsed here (transparent backends): its hold had
+        already ended, and the job left the GPUs (or will) before anyone else computed, so
+        the release is accepted; nothing moves. True when it was such a release."""
+        if self._lapsed_hold(job_id, lease_id, epoch) is None:
+            return False
+        del self._lapsed[lease_id]
+        log.info("late release of a holder whose lease lapsed group=%s job=%s epoch=%d: accepted", self._g.id,
+                 job_id, epoch)
+        return True

@@ -6,7 +6,8 @@ compute, memory moves only when needed. `auto` (the default, for the backends th
 GPU memory): a resident waiter is granted at once; any other is granted after a plan
 over fresh node-agent memory reports checkpoints the least recently held idle residents
 it does not fit beside, then restores it when it is checkpointed. A plan without room
-fails the waiters with `SwitchFailed` (nothing attempted, not retried). While a job
+fails the waiters with `SwitchFailed` (nothing attempted; their clients ask again, and it
+never counts against the job as a failed restore). While a job
 holds, the job to be granted next, when checkpointed, is *staged*: room is made for it
 beside the holder (never moving the holder, leaving it room to grow to its peak) and it
 is restored behind the holder's phase, so the hand-off moves nothing; a staging without
@@ -41,16 +42,18 @@ from timeslice.controller.orchestrator.residency import (
     parse_headroom,
     plan_room,
 )
-from timeslice.driver.errors import SwitchFailed
+from timeslice.driver.errors import JobFailed, SwitchFailed
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
 
 log = logging.getLogger("timeslice.orchestrator")
 
-# A job whose restore (or room for it) fails this many times in a row fails: its acquires are
+# A job whose restore fails this many times in a row fails (`JobFailed`): its acquires are
 # refused with the last cause until it is dropped (its pods restarted), and the group serves
 # the others instead of repeating checkpoint(other) -> restore -> rollback at every acquire.
+# Only a restore step that ran and failed counts: not a plan without room, nor a checkpoint
+# of another job, nor agents that did not answer (none of them is the job's own fault).
 MAX_RESTORE_FAILURES = 3
 # While a resident's processes are departing (see `SwitchCoordinator.departing`), a plan that
 # finds no room asks for a fresh memory report this often, seconds.
@@ -425,8 +428,7 @@ class MemoryMoves:
             g.grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
         if not grant and beside is None and (record is None or not record.ok):
             g.idle.failed(incoming)
-        elif record is not None and not record.ok and not record.unreachable and \
-                (restore or record.error.startswith("no room")):
+        elif record is not None and record.failed_step == "restore" and not record.unreachable:
             self._count_restore_failure(incoming, record)
         g.preemption.switch_ended()
         g.dispatch()
@@ -440,7 +442,8 @@ class MemoryMoves:
             return
         g.failed_jobs[job] = f"{n} restores in a row failed, the last: {record.error}"
         log.error("job failed group=%s job=%s: %s", g.id, job, g.failed_jobs[job])
-        g.fail_job(job, SwitchFailed(f"group {g.id}: job {job} failed: {g.failed_jobs[job]}"))
+        g.fail_job(job, JobFailed(f"group {g.id}: job {job} failed: {g.failed_jobs[job]} (it is not retried: "
+                                  "restart the job, which drops it)"))
         g.notify("job-failed", job, record=record)
 
     async def close(self) -> None:

@@ -45,7 +45,8 @@ class Orchestrator:
         self.metrics = OrchestratorMetrics(self.groups)
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
         self.cooperative = CooperativeJobs(pinned_pool, state, on_lost=self._checkpoint_lost,
-                                           on_learned=self._checkpoint_learned)
+                                           on_learned=self._checkpoint_learned,
+                                           on_streams_closed=self._streams_closed)
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool, self.cooperative)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
@@ -70,6 +71,13 @@ class Orchestrator:
         if group is not None:
             await group.close()
             self.metrics.forget(group_id)
+
+    def _streams_closed(self, group_id: str, job: str) -> None:
+        """A cooperative job's last command stream closed: a holder kept past its lease
+        because it streamed loses it now (`Leases.streams_closed`)."""
+        group = self._groups.get(group_id)
+        if group is not None:
+            group.leases.streams_closed(job)
 
     def _observe(self, group: LockGroup, event: GroupEvent) -> None:
         for observer in self._observers:

@@ -80,13 +80,13 @@ class SwitchCoordinator:
                 rec.checkpoint_seconds = time.monotonic() - t0
                 back = await self._undo(self._current([*done, *_unknown(failures)]), "restore", spec, job)
                 stuck = await self._restore_all(spec, out)
-                raise self._failed(rec, f"checkpoint of {job} failed", failures, back and not stuck,
+                raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures, back and not stuck,
                                    stuck + ([] if back else [job]))
             out.append(job)
         if before is not None and rec.bytes_checkpointed and not await self._freed(spec, out, before, rec):
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
-            rec.ok = False
+            rec.ok, rec.failed_step = False, "checkpoint"
             rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes) but the GPU "
                          f"memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
                          + ("rolled back" if not stuck else "ROLLBACK INCOMPLETE"))
@@ -100,7 +100,7 @@ class SwitchCoordinator:
             if failures:
                 await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
                 stuck = await self._restore_all(spec, out)
-                raise self._failed(rec, f"restore of {incoming} failed", failures, not stuck, stuck)
+                raise self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
         return rec
 
     async def confirm(self, spec: GroupSpec, job: str) -> bool:
@@ -197,6 +197,12 @@ class SwitchCoordinator:
             return []
         return [j for j in jobs if self.cooperative.departing(spec.id, j)]
 
+    def streaming(self, spec: GroupSpec, job: str) -> bool:
+        """Whether a process of `job` keeps its cooperative memory command stream open
+        (`cooperative` groups; False on the others): it is alive and reachable, so as a
+        holder whose keep-alives are late it is still computing (`Leases`)."""
+        return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.connected(spec.id, job)
+
     async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
         """Roll back evictions: restore each of `jobs`; returns those that stay off the GPUs."""
         stuck = []
@@ -284,10 +290,10 @@ class SwitchCoordinator:
         return not failures
 
     @staticmethod
-    def _failed(rec: SwitchRecord, what: str, failures: dict[Any, BaseException], rolled_back: bool,
+    def _failed(rec: SwitchRecord, step: str, what: str, failures: dict[Any, BaseException], rolled_back: bool,
                 off_gpu: Sequence[str]) -> SwitchError:
         causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
-        rec.ok = False
+        rec.ok, rec.failed_step = False, step
         rec.unreachable = all(isinstance(err, Unavailable) or (isinstance(err, OutcomeUnknown) and err.no_reply)
                               for err in failures.values())
         rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
