@@ -779,3 +779,25 @@ async def test_a_holder_that_outgrows_its_reservation_makes_idle_residents_leave
     await eventually(lambda: g.residency.peaks["a"][DEV] == 42 * GB)
     g.release("a", grant.lease_id, grant.epoch)
     await g.close()
+
+
+async def test_nothing_is_staged_into_the_room_a_holder_declared() -> None:
+    """The room kept beside a holder for a staging is its need (declared included), not only
+    its peak so far: b declared 70 GB and holds 34 (its optimizer state comes later in the
+    hold), so a (46 GB declared, checkpointed) waits for the hand-off rather than being
+    restored beside it (randomized schedules, seed 8: staged there, b's optimizer hit an OOM)."""
+    gpu = FakeGpu(a=43)
+    g = group(gpu, declare=False)
+    await hold(g, "a", memory=46 * GB)
+    await hold(g, "b", memory=70 * GB, then=lambda: gpu.on.__setitem__("b", 34 * GB))  # a checkpointed for b
+    assert gpu.calls == [("checkpoint", "a")]
+    grant_b = await g.acquire("b", 0, "b-1", timeout=None, memory=70 * GB)
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None, memory=46 * GB))
+    await eventually(lambda: g.moves._unstaged is not None or "a" in g.residency.residents, what="a staging planned")
+    assert "a" in g.residency.checkpointed and gpu.calls == [("checkpoint", "a")]
+    gpu.on["b"] = 70 * GB  # b's optimizer state: it fits because a stayed out
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_a = await a_waits
+    assert grant_a.restored and gpu.calls[1:] == [("checkpoint", "b"), ("restore", "a")]
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await g.close()

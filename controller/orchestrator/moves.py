@@ -9,9 +9,9 @@ it does not fit beside, then restores it when it is checkpointed. A plan without
 fails the waiters with `SwitchFailed` (nothing attempted; their clients ask again, and it
 never counts against the job as a failed restore). While a job
 holds, the job to be granted next, when checkpointed, is *staged*: room is made for it
-beside the holder (never moving the holder, leaving it room to grow to its peak) and it
-is restored behind the holder's phase, so the hand-off moves nothing; a staging without
-room is left to the hand-off. When the group goes idle, checkpointed jobs that fit are
+beside the holder (never moving the holder, leaving it room to grow to its need: its
+peak or what it declared) and it is restored behind the holder's phase, so the hand-off
+moves nothing; a staging without room is left to the hand-off. When the group goes idle, checkpointed jobs that fit are
 restored in the background. `exclusive` (and
 the `freeze` backend, and agents that report no GPU memory): one job is resident, as in
 a checkpoint at every hand-off.
@@ -39,6 +39,7 @@ from timeslice.controller.orchestrator.residency import (
     MemorySnapshot,
     NoRoom,
     lacking_room,
+    need_of,
     parse_headroom,
     plan_room,
 )
@@ -198,7 +199,7 @@ class MemoryMoves:
             self._switch(None, incoming, restore=True, grant=False, beside=h.job_id), name=f"stage-{g.id}")
 
     def grant_beside_staging(self) -> None:
-        """Nobody holds while a staging runs: the job it was staged beside (room to its peak
+        """Nobody holds while a staging runs: the job it was staged beside (room to its need
         is kept for it) holds again at once when it waits at the head's priority or above,
         rather than leaving the GPUs idle until the switch ends (measured on the H200: a
         `cuda` switch of 45 GB takes ~35 s). The staged job could not be granted before the
@@ -311,8 +312,8 @@ class MemoryMoves:
 
     async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> list[str]:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
-        holders first. `beside`: a holder that stays, with room to grow to its peak. Raises
-        NoRoom."""
+        holders first. `beside`: a holder that stays, with room to grow to its need (its peak
+        or what it declared, `need_of`). Raises NoRoom."""
         g = self._g
         forced = self.must_leave(incoming) if allow_evictions else []
         waited = False
@@ -328,10 +329,10 @@ class MemoryMoves:
             for job in forced:  # what they hold is free once they leave
                 for dev, b in snap.on_device(job).items():
                     freed[dev] = freed.get(dev, 0) + b
-            if beside is not None:  # it may still grow to its peak while it computes
-                peak = g.residency.peaks.get(beside, {})
-                for dev, b in snap.on_device(beside).items():
-                    freed[dev] = freed.get(dev, 0) - max(0, peak.get(dev, 0) - b)
+            if beside is not None:  # it may still grow to its need (peak or declared) while it computes
+                held = snap.on_device(beside)
+                for dev, b in need_of(beside, snap, g.residency.peaks, g.residency.declared).items():
+                    freed[dev] = freed.get(dev, 0) - max(0, b - held.get(dev, 0))
             if freed:
                 snap = dataclasses.replace(snap, devices=dict(snap.devices))
             for dev, b in freed.items():
