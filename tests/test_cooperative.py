@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group_model import SwitchError
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
@@ -413,6 +414,7 @@ class GpuModel:
     def __init__(self, stores: dict[str, FakeStore], sizes: dict[str, int], pids: dict[str, int]) -> None:
         self.stores, self.sizes, self.pids = stores, sizes, pids
         self.exited: set[str] = set()
+        self.probes = 0
 
     def on_gpu(self) -> dict[int, int]:
         return {self.pids[j]: self.sizes[j] for j, s in self.stores.items()
@@ -422,6 +424,7 @@ class GpuModel:
         return 100 * GB - sum(self.on_gpu().values())
 
     def probe(self) -> list[GpuInfo]:
+        self.probes += 1
         return [GpuInfo("GPU-0", 0, 100 * GB, self.free(), self.on_gpu())]
 
 
@@ -695,3 +698,38 @@ async def test_a_cooperative_plan_counts_the_pools_free_bytes_and_the_hosts_not_
     orch.cooperative.pool.take(1 << 19)
     snap = await g.switcher.memory(g.spec, [])  # type: ignore[attr-defined]
     assert list(snap.host_available.values()) == [5 + (1 << 19)]
+
+
+@pytest.mark.parametrize("exits", [True, False])
+async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_its_memory_free(
+        coop, monkeypatch, exits) -> None:
+    """Randomized schedules, seed 9: the plan evicted a (connected, 60 GB), then a finished
+    (its stream closed, `Leave`) before its checkpoint command: "no process connected,
+    nothing to move", and c's restore ran out of GPU memory while a's process still held
+    it. Now the switch waits until NVML shows the memory of an evicted job that had no
+    process to command freed (its process exits), or rolls back (c stays checkpointed)."""
+    from timeslice.controller.orchestrator import switch
+
+    monkeypatch.setattr(switch, "FREED_TIMEOUT_SECONDS", 30.0 if exits else 0.5)
+    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    a = clients["a"]
+    g = orch.group("g")
+    try:
+        await asyncio.to_thread(a.close)  # a ends: its stream closes and it leaves; its process holds 60 GB
+        assert "a" not in g.residency.residents and not orch.cooperative.connected("g", "a")
+        moving = asyncio.create_task(g.switcher(g.spec, ("a",), "c", True))  # as planned while a was connected
+        if exits:
+            polls = gpu.probes
+            await eventually(lambda: gpu.probes >= polls + 3 or moving.done())  # it polls NVML
+            assert not moving.done() and stores["c"].device is None
+            gpu.exited.add("a")  # a's process exits: NVML shows its memory free
+            record = await asyncio.wait_for(moving, 10)
+            assert record.ok and stores["c"].device == bytearray(stores["c"].original)
+            assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
+        else:
+            with pytest.raises(SwitchError, match="not freed"):
+                await asyncio.wait_for(moving, 10)
+            assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)

@@ -20,7 +20,8 @@ a reconnect until the grace has passed; past it, the job exited and nothing is l
 move. A process whose stream closes while a checkpoint command waits for its answer (it
 ended right after its release, or was killed) is departing the same way: the checkpoint
 waits for it, and a job whose processes all left has nothing to move (the waiter is
-granted; it never fails on a job that ended). A command that times out leaves the
+granted once NVML shows their memory freed, `SwitchCoordinator`; it never fails on a job
+that ended). A command that times out leaves the
 process's state unknown: it is not moved again
 until it answers, and its late answer is recorded (a late checkpoint is rolled back at
 once); its client also restores by itself when a grant finds its state out.

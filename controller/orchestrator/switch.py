@@ -43,9 +43,10 @@ RESEND_WINDOW_SECONDS = 30.0
 RESEND_BACKOFF_SECONDS = 0.1
 RESEND_BACKOFF_MAX_SECONDS = 1.0
 # A cooperative checkpoint counts once NVML shows this fraction of its acknowledged bytes
-# freed (the rest: allocator rounding), checked every FREED_POLL_SECONDS for at most
-# FREED_TIMEOUT_SECONDS; otherwise the switch rolls back (nothing is placed on memory
-# that is not free).
+# freed (the rest: allocator rounding), and a job evicted with no process to command (it
+# ended after the plan) once this fraction of what it held is, checked every
+# FREED_POLL_SECONDS for at most FREED_TIMEOUT_SECONDS; otherwise the switch rolls back
+# (nothing is placed on memory that is not free).
 FREED_FRACTION = 0.9
 FREED_POLL_SECONDS = 0.05
 FREED_TIMEOUT_SECONDS = 10.0
@@ -71,9 +72,12 @@ class SwitchCoordinator:
         t0 = time.monotonic()
         before = await self.memory(spec, evict) if evict and spec.backend == names.BACKEND_COOPERATIVE else None
         out: list[str] = []
+        gone: list[str] = []  # no process to command: what they hold leaves when their processes exit
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
             # A node where the job has no live process has nothing to move.
+            if not done and failures and all(isinstance(e, NotFound) for e in failures.values()):
+                gone.append(job)
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
             rec.bytes_checkpointed += sum(r.bytes for r in done.values())
             if failures:
@@ -83,12 +87,15 @@ class SwitchCoordinator:
                 raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures, back and not stuck,
                                    stuck + ([] if back else [job]))
             out.append(job)
-        if before is not None and rec.bytes_checkpointed and not await self._freed(spec, out, before, rec):
+        held = sum(sum(before.on_device(j).values()) for j in gone) if before is not None else 0
+        if before is not None and (rec.bytes_checkpointed or held) and \
+                not await self._freed(spec, out, before, rec.bytes_checkpointed + held):
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
             rec.ok, rec.failed_step = False, "checkpoint"
-            rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes) but the GPU "
-                         f"memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
+            rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes"
+                         + (f"; {', '.join(gone)} had no process to command, holding {held} bytes" if gone else "")
+                         + f") but the GPU memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
                          + ("rolled back" if not stuck else "ROLLBACK INCOMPLETE"))
             raise SwitchError(rec.error, rec, stuck)
         rec.checkpoint_seconds = time.monotonic() - t0
@@ -162,17 +169,18 @@ class SwitchCoordinator:
                         snap.unseen.add(job)
         return snap
 
-    async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot,
-                     rec: SwitchRecord) -> bool:
-        """Whether NVML shows the memory that `jobs`' acknowledged checkpoints freed (a
-        cooperative process answers once it dropped its tensors; the CUDA caching allocator
-        or a late stream may still hold them): per job by its processes' bytes where NVML
-        sees them, else by the devices' free bytes. Polled every `FREED_POLL_SECONDS` for at
-        most `FREED_TIMEOUT_SECONDS`."""
+    async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int) -> bool:
+        """Whether NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
+        checkpoints moved (a cooperative process answers once it dropped its tensors; the
+        CUDA caching allocator or a late stream may still hold them), plus all that those
+        with no process to command held (they are exiting: a job that ended between the
+        plan and its checkpoint frees its memory only when its processes are gone). Per job
+        by its processes' bytes where NVML sees them, else by the devices' free bytes.
+        Polled every `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`."""
         if not before.devices:
             return True  # no GPU report (no NVML): nothing to check against
         seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
-        want = int(FREED_FRACTION * rec.bytes_checkpointed)
+        want = int(FREED_FRACTION * nbytes)
         free0 = sum(d.free for d in before.devices.values())
         deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
         while True:
@@ -185,7 +193,7 @@ class SwitchCoordinator:
                 return True
             if time.monotonic() >= deadline:
                 log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed", spec.id,
-                          list(jobs), dropped, rec.bytes_checkpointed)
+                          list(jobs), dropped, nbytes)
                 return False
             await asyncio.sleep(FREED_POLL_SECONDS)
 
