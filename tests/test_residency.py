@@ -801,3 +801,19 @@ async def test_nothing_is_staged_into_the_room_a_holder_declared() -> None:
     assert grant_a.restored and gpu.calls[1:] == [("checkpoint", "b"), ("restore", "a")]
     g.release("a", grant_a.lease_id, grant_a.epoch)
     await g.close()
+
+
+async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_the_last_holders_growth() -> None:
+    """The last report (a's plan) showed a at 30 GB; a then grew to its declared 70 inside its
+    hold, and nothing reported it. b (20 GB held, 30 declared) must not be granted at once
+    beside it on that report: a job that held since the report may have grown to its need,
+    so the grant waits for a fresh report, which moves a out (randomized schedules, seed 11:
+    granted on the old report, b's KV cache hit an OOM)."""
+    gpu = FakeGpu(a=30, b=20)
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a", memory=70 * GB, then=lambda: gpu.on.__setitem__("a", 70 * GB))  # 30 + 20 + 40 of 100 fit
+    assert gpu.calls == []
+    await hold(g, "b", memory=30 * GB)
+    assert gpu.calls == [("checkpoint", "a")]
+    await g.close()

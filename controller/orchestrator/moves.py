@@ -481,12 +481,18 @@ def next_job(g: LockGroup, head: Waiter) -> str:
 
 def roomy(g: LockGroup, incoming: str) -> bool:
     """The last memory report leaves a resident `incoming` its growth plus twice the
-    headroom (the holder that just released may have grown since that report): grant at
-    once. Otherwise the grant waits for a fresh report and a plan."""
+    headroom (the holder that just released may have grown since that report), and its
+    growth plus the headroom once the jobs that held since that report are taken to have
+    grown to their need (`Residency.worst_case`: that holder may have built its model or
+    optimizer state since): grant at once. Otherwise the grant waits for a fresh report
+    and a plan."""
     r = g.residency
     if not r.known(incoming) and r.lru(excluding=[incoming]):
         return False  # unsettled: granted alone, after a plan
-    if r.snapshot is None:
+    snap = r.worst_case(excluding=incoming)
+    if snap is None or r.snapshot is None:
         return True
     fraction, fixed = parse_headroom(g.spec.memory_headroom)
-    return not lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed), r.declared)
+    if lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed), r.declared):
+        return False
+    return not any(must for _, must in lacking_room(incoming, snap, r.peaks, (fraction, fixed), r.declared).values())

@@ -30,6 +30,7 @@ headroom thin is granted anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -274,6 +275,24 @@ class Residency:
     def need(self, job: str) -> dict[str, int]:
         """`job`'s reservation per device by the last snapshot (empty without one)."""
         return need_of(job, self.snapshot, self.peaks, self.declared) if self.snapshot else {}
+
+    def worst_case(self, excluding: str = "") -> MemorySnapshot | None:
+        """The last snapshot (None without one), each device's free bytes lowered by what the
+        jobs that held since it was taken (holding now, or whose hold ended since; not
+        `excluding`) may have grown past what it shows: up to their need (a resident grows
+        only while it holds; past its need, the holder's memory watch acts)."""
+        snap = self.snapshot
+        if snap is None:
+            return None
+        grown: dict[str, int] = {}
+        for job in {*self._peak_at_grant, *self._ended} - {excluding}:
+            held = snap.on_device(job)
+            for dev, b in self.need(job).items():
+                grown[dev] = grown.get(dev, 0) + max(0, b - held.get(dev, 0))
+        if not any(grown.values()):
+            return snap
+        devices = {dev: DeviceMemory(m.total, m.free - grown.get(dev, 0)) for dev, m in snap.devices.items()}
+        return dataclasses.replace(snap, devices=devices)
 
     def observe(self, snap: MemorySnapshot) -> None:
         """Take a new snapshot: residents' peaks grow to the most they held (`peak_bytes`,
