@@ -3,6 +3,7 @@ with an NVML stand-in (`memory_probe`) and a host stand-in (`host_probe`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +19,7 @@ from timeslice.kubelet_plugin.agent.node_agent import HOST_RESERVE_BYTES, NodeAg
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 
-from tests.conftest import FakeBackend
+from tests.conftest import FakeBackend, eventually
 
 GB = 10**9
 
@@ -37,12 +38,13 @@ async def agent(short_tmp: Path, sleeper: int) -> AsyncIterator[tuple[apb_grpc.N
     """(stub, knobs {"host": bytes}, backend calls, records file) for an agent whose job "a"
     is a real sleeping process holding 5 GB on GPU-0 and 1 GB on GPU-1 (per the probe)."""
     pid = sleeper
-    knobs = {"host": 100 * GB, "visible": True}
+    knobs = {"host": 100 * GB, "visible": True, "a0": 5 * GB, "probes": 0}
     calls: list = []
 
     def probe() -> list[GpuInfo]:
+        knobs["probes"] += 1
         mine = knobs["visible"]  # NVML does not list a checkpointed process
-        return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {**({pid: 5 * GB} if mine else {}), 4242: 5 * GB}),
+        return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {**({pid: knobs["a0"]} if mine else {}), 4242: 5 * GB}),
                 GpuInfo("GPU-1", 1, 80 * GB, 79 * GB, {pid: 1 * GB} if mine else {})]
 
     records = short_tmp / "records.json"
@@ -108,3 +110,29 @@ async def test_a_repeated_checkpoint_keeps_the_first_ones_record(agent) -> None:
     await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="cuda"))
     saved = json.loads(records.read_text())["jobs"]["a"]
     assert saved["devices"] == {"GPU-0": 5 * GB, "GPU-1": 1 * GB} and saved["phase"] == "checkpointed"
+
+
+async def test_a_report_carries_the_peak_a_watch_in_flight_sampled_once(agent) -> None:
+    """The orchestrator watches a holder with a long poll (2 s) and, when the hold ends
+    sooner, plans the next grant from a plain report: that report must carry the most the
+    job held in the watch's samples so far (randomized schedules, seed 33: a 14 GB KV cache
+    held for 0.27 s was sampled by the watch, whose answer came after the hold and was
+    dropped, so the job's need never included it and a later generate hit an OOM). Each
+    sample counts once: the next report has only what came since."""
+    stub, knobs, _, _ = agent
+    request = [apb.SwitchStepRequest(job_id="a")]
+    watch = asyncio.ensure_future(stub.GetMemory(apb.GetMemoryRequest(jobs=request, watch_seconds=30)))
+    try:
+        probes = knobs["probes"]
+        await eventually(lambda: knobs["probes"] > probes + 1, what="the watch sampling")
+        knobs["a0"] = 19 * GB  # the KV cache of a generate phase, for a few samples
+        probes = knobs["probes"]
+        await eventually(lambda: knobs["probes"] > probes + 1, what="the watch sampling the cache")
+        knobs["a0"] = 5 * GB
+        rep = await stub.GetMemory(apb.GetMemoryRequest(jobs=request))
+        (a,) = rep.jobs
+        assert a.device_bytes["GPU-0"] == 5 * GB and a.peak_device_bytes["GPU-0"] == 19 * GB
+        (a,) = (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).jobs
+        assert a.peak_device_bytes["GPU-0"] == 5 * GB
+    finally:
+        watch.cancel()

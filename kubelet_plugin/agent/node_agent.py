@@ -136,6 +136,9 @@ class NodeAgent:
         # one lock per job while a step runs (weak: an id seen once costs nothing afterwards)
         self._job_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._memory_probe = memory_probe
+        # job -> GPU uuid -> the most it held in any sample (of any report or watch) since a
+        # report of it last answered: a watch in flight shares its samples with plain reports
+        self._peaks: dict[str, dict[str, int]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
         self.operations = Operations()
@@ -404,7 +407,9 @@ class NodeAgent:
         `watch_seconds` > 0: sample the GPUs every `WATCH_INTERVAL_SECONDS` for that long
         (bounded by `MAX_WATCH_SECONDS`), or until a GPU has less than `low_free` bytes free,
         then answer with the last sample; `peak_bytes` is the most each job held over the
-        samples (the orchestrator watches a holder's growth this way)."""
+        samples, and over those of any other call (a watch in flight) since a report of it
+        last answered (the orchestrator watches a holder's growth this way, and a plan made
+        when a hold ends before its watch answers still learns the hold's peak)."""
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
         view = MemoryView(gpu_list, host_available=host)
@@ -423,9 +428,15 @@ class NodeAgent:
             for job_id, pids in pids_of.items():
                 now = view.device_bytes[job_id] = _per_device(view.gpus, pids)
                 peak = view.peak_bytes.setdefault(job_id, {})
+                shared = self._peaks.setdefault(job_id, {})
                 for uuid, b in now.items():
                     peak[uuid] = max(peak.get(uuid, 0), b)
+                    shared[uuid] = max(shared.get(uuid, 0), b)
             if time.monotonic() >= deadline or any(g.free < low_free for g in view.gpus):
+                for job_id in pids_of:
+                    peak = view.peak_bytes[job_id]
+                    for uuid, b in self._peaks.pop(job_id, {}).items():
+                        peak[uuid] = max(peak.get(uuid, 0), b)
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)
