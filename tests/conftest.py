@@ -49,8 +49,10 @@ class FakeBackend(Backend):
     fail: set[str] = field(default_factory=set)
     delay: float = 0.0
     fail_once: set[str] = field(default_factory=set)
+    started: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # steps begun (before `delay`)
 
     async def _step(self, what: str, pids: Sequence[int], state: str) -> list[ProcState]:
+        self.started.append((what, tuple(pids)))
         await asyncio.sleep(self.delay)
         self.calls.append((self.node, what, tuple(pids)))
         once = {what, f"{what}:{pids[0]}"} & self.fail_once

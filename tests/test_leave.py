@@ -49,7 +49,7 @@ async def test_a_job_that_leaves_while_it_is_being_checkpointed_is_restored_when
     await a.acquire()
     await a.release()
     granted = asyncio.create_task(b.acquire())
-    await eventually(lambda: c.orchestrator.group("g").switching is not None)
+    await eventually(lambda: ("checkpoint", (pa,)) in c.backends["node-0"].started)
     await a.close()  # a ends while the switch moves it off
     await asyncio.wait_for(granted, 10)
     await b.release()
