@@ -147,8 +147,9 @@ def run_async_rl(kube, layout: Path) -> None:
     assert len(phases["train"]) == 8 and len(phases["sample"]) == 8
     print(f"{layout.name}: sampler waits, seconds (queued, whole call): {sorted(sampler_waits)}")
     # the samplers never wait behind a trainer (a train phase is 1 s; before claim sources, the
-    # literal layout's samplers waited 1.2-1.7 s); on this 2-core VM the calls themselves take ~10-90 ms
-    assert max(q for q, _ in sampler_waits) <= 0.5, sampler_waits
+    # literal layout's samplers waited 1.2-1.7 s); on this 2-core VM the calls themselves take ~10-90 ms,
+    # and up to 0.59 s while other test suites kept both cores busy: waiting behind a trainer is >= 1 s
+    assert max(q for q, _ in sampler_waits) <= 0.9, sampler_waits
     train = sorted(phases["train"])
     for (_, e1, j1), (s2, _, j2) in itertools.pairwise(train):
         assert s2 >= e1 - 0.01, f"trainers of {j1} and {j2} overlapped"
