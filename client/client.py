@@ -155,6 +155,9 @@ class TimeSliceOrchestratorClient:
                 return 0
             del self._holds[group]
         hold.stop.set()
+        for loop in self._memory_loops:  # its state as this phase left it, for the orchestrator's next plan
+            if loop.group == group:
+                loop.measure()
         request = _rpc.release_request(self._s, hold.grant)
         resp = self._retrying(f"release {group}", None,
                               lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),

@@ -192,6 +192,9 @@ class MemoryCommandLoop:
         self._saved: tuple[Ranges, int, int | None] | None = None
         self._verify = False  # the stream broke while the state was out: check it before restoring
         self.lost: str | None = None  # why this process's checkpoint is lost (then nothing is restored)
+        # registered bytes, measured by the job's own threads (`measure`) or around a move: a "report"
+        # answers with it and never walks the job's tensors while the job may be changing them
+        self.measured = store.nbytes()
         self.connected = threading.Event()
         self.ready = threading.Event()  # connected once, or refused for good (`error`)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"timeslice-memory-{group}")
@@ -202,7 +205,7 @@ class MemoryCommandLoop:
         while not self._stop.is_set():
             self._verify = self._verify or self._saved is not None  # (re)connecting with the state out
             request = pb.MemoryCommandsRequest(job_id=self._s.job_id, group_id=self.group, pid=os.getpid(),
-                                               registered_bytes=self.store.nbytes(), stream_id=self.stream_id,
+                                               registered_bytes=self.measured, stream_id=self.stream_id,
                                                checkpoint=self._report())
             try:
                 self._call = self._stub.MemoryCommands(request, metadata=_rpc.call_metadata())
@@ -250,6 +253,10 @@ class MemoryCommandLoop:
         """Run one command and acknowledge it (under `_busy`)."""
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
+        if command.kind == "report":  # the job may be inside its phase (optimizer state appearing): no tensor walk
+            ack.registered_bytes = self.measured
+            self._ack(ack)
+            return
         ranges = [(r.offset, r.length) for r in command.ranges]
         try:
             with _gil_at_once():
@@ -258,19 +265,27 @@ class MemoryCommandLoop:
             log.exception("memory command failed group=%s kind=%s", self.group, command.kind)
             ack.ok, ack.error, ack.lost = False, f"{type(err).__name__}: {err}", isinstance(err, CheckpointLost)
         ack.seconds = time.monotonic() - t0
-        ack.registered_bytes = self.store.nbytes()
+        ack.registered_bytes = self.measured = self.store.nbytes()
         log.info("memory command group=%s kind=%s ok=%s bytes=%d pinned=%s seconds=%.3f", self.group, command.kind,
                  ack.ok, ack.bytes, ack.pinned, ack.seconds)
-        try:
-            self._stub.AckMemoryCommand(ack, timeout=30.0, metadata=_rpc.call_metadata())
-        except grpc.RpcError as err:  # it gave up waiting (timeout): it rolls back with a restore command
-            log.warning("memory command ack refused group=%s op=%s: %s", self.group, command.op_id, err)
+        self._ack(ack)
         saved = self._saved
         if saved is not None and saved[0] and saved[2] is None and self._pool is not None:  # after the ack
             t1 = time.monotonic()
             self._saved = (saved[0], saved[1], pool_checksum(self._pool, saved[0], saved[1]))
             log.debug("checkpoint checksum group=%s bytes=%d seconds=%.3f", self.group, saved[1],
                       time.monotonic() - t1)
+
+    def _ack(self, ack: pb.MemoryCommandAck) -> None:
+        try:
+            self._stub.AckMemoryCommand(ack, timeout=30.0, metadata=_rpc.call_metadata())
+        except grpc.RpcError as err:  # it gave up waiting (timeout): it rolls back with a restore command
+            log.warning("memory command ack refused group=%s op=%s: %s", self.group, ack.op_id, err)
+
+    def measure(self) -> None:
+        """Measure the registered bytes now, in the caller's thread (the job's own, between
+        its phases: `release()` calls it), for the next "report"."""
+        self.measured = self.store.nbytes()
 
     def _run_command(self, command: pb.MemoryCommand, ranges: Ranges, ack: pb.MemoryCommandAck) -> None:
         if ranges and self._attaching is not None:
@@ -287,7 +302,7 @@ class MemoryCommandLoop:
                                None)
         elif command.kind == "restore":
             ack.bytes = self._restore(ranges, self._verify)
-        elif command.kind != "report":  # report: only `registered_bytes`, filled for every ack
+        else:
             raise ValueError(f"unknown memory command {command.kind!r}")
 
     def _restore(self, ranges: Ranges, verify: bool) -> int:

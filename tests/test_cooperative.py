@@ -675,7 +675,10 @@ async def test_a_plan_asks_the_processes_for_what_they_registered_now(coop) -> N
     try:
         coop_jobs = orch.cooperative
         assert coop_jobs.registered_bytes("g", "a") == 0
-        store.size = 5 * 2**20  # its model and optimizer are on the GPU now
+        await asyncio.to_thread(a.acquire)
+        store.size = 5 * 2**20  # its model and optimizer are on the GPU now, built inside its hold
+        await asyncio.to_thread(a.release)  # measured here, in the job's thread (a report never walks its tensors)
+        assert coop_jobs.registered_bytes("g", "a") == 0
         g = orch.group("g")
         await g.switcher.memory(g.spec, ["a"])  # type: ignore[attr-defined]
         assert coop_jobs.registered_bytes("g", "a") == 5 * 2**20
