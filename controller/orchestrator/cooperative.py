@@ -53,6 +53,7 @@ from timeslice.controller.orchestrator.agents import StepResult
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import PoolCheckpoint, StateFile
 from timeslice.driver.errors import BackendError, NotFound, ProcessGone, StepTimeout
+from timeslice.memory_commands import prefix
 from timeslice.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("timeslice.cooperative")
@@ -430,7 +431,7 @@ class CooperativeJobs:
             offered, p.offered = p.offered, []
             if report is None:
                 self.pool.keep(offered, 0)  # type: ignore[union-attr]
-            elif ranges == _prefix(offered, report.bytes) or not ranges:
+            elif ranges == prefix(offered, report.bytes) or not ranges:
                 p.checkpointed, p.nbytes, p.checksum = True, report.bytes, report.checksum
                 p.pool_ranges = self.pool.keep(offered, report.bytes if ranges else 0)  # type: ignore[union-attr]
                 if self._on_learned is not None:
@@ -590,13 +591,3 @@ class CooperativeJobs:
             with contextlib.suppress(Exception):
                 self.pool.close()
 
-
-def _prefix(ranges: Ranges, n: int) -> Ranges:
-    """The first `n` bytes of `ranges`, as ranges."""
-    out = []
-    for off, length in ranges:
-        if n <= 0:
-            break
-        out.append((off, min(length, n)))
-        n -= length
-    return out
