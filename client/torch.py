@@ -33,11 +33,12 @@ bench/results/rl-grpo-b-h200-failed.log).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -155,20 +156,30 @@ class TorchState:
                 layout.append((s, total, s.nbytes()))
                 total += _align(s.nbytes())
             in_pool = self._pool is not None and total <= sum(n for _, n in ranges)
-            host = None if in_pool else self._own_buffer(total)
-            self._stream.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
-            with torch.cuda.stream(self._stream):
+            host = None if in_pool or not total else self._own_buffer(total)  # (nothing on a GPU: nothing to copy)
+            with self._copy_stream():
                 for s, off, n in layout:
                     dev = _bytes_view(s)
                     for dst, src, k in self._places(ranges, host, off, n):
                         dst.copy_(dev[src:src + k], non_blocking=True)
-            self._stream.synchronize()  # type: ignore[union-attr]
             for s, _, _ in layout:
                 s.resize_(0)
             torch.cuda.empty_cache()
             self._moved, self._in_pool = layout, in_pool
             self._ranges = prefix(ranges, total) if in_pool else []
             return total, in_pool
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """Copies run on the side stream, after the work queued so far, and are waited for;
+        without CUDA (CPU tensors) they are plain synchronous copies."""
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            yield
+        self._stream.synchronize()
 
     def restore(self, ranges: Ranges) -> int:
         with self._lock:
@@ -181,13 +192,11 @@ class TorchState:
             host = None if self._in_pool else self._own
             for s, _, n in self._moved:  # allocated on the current stream, where the tensors are used
                 s.resize_(n)
-            self._stream.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
-            with torch.cuda.stream(self._stream):
+            with self._copy_stream():
                 for s, off, n in self._moved:
                     dev = _bytes_view(s)
                     for src, dst, k in self._places(ranges, host, off, n):
                         dev[dst:dst + k].copy_(src, non_blocking=True)
-            self._stream.synchronize()  # type: ignore[union-attr]
             moved = sum(n for _, _, n in self._moved)
             self._moved = []
             return moved

@@ -255,3 +255,19 @@ def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_t
                           "--pinned-pool-gb", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--pinned-pool-gb and the config's pinned_pool" in out.stderr, out
     assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
+
+
+def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves_nothing() -> None:
+    """A cooperative checkpoint in a process without CUDA crashed on the missing copy stream
+    ('NoneType' object has no attribute 'wait_stream') and failed the waiter's switch: CPU
+    tensors hold no GPU memory, so nothing moves and nothing changes."""
+    torch = pytest.importorskip("torch")
+    from timeslice.torch import TorchState
+
+    model = torch.nn.Linear(8, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = TorchState([model])
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the model would be GPU state on it")
+    assert state.checkpoint([]) == (0, False) and state.restore([]) == 0
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
