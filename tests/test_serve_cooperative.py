@@ -90,13 +90,13 @@ def _pool_dirs() -> set[str]:
 
 # A job whose state never finishes leaving: its checkpoint says so (a file) and hangs there.
 HUNG_JOB = textwrap.dedent("""
-    import pathlib, sys, time
+    import pathlib, signal, sys, threading
     from timeslice import TimeSliceOrchestratorClient
     from tests.test_cooperative import FakeStore
     class Hung(FakeStore):
         def checkpoint(self, ranges):
             pathlib.Path(sys.argv[1], "in-checkpoint").touch()
-            time.sleep(3600)
+            threading.Event().wait()  # never answers: the test kills this process here
     client = TimeSliceOrchestratorClient(group_id="g")
     loop = client.serve_memory_commands(Hung("hung"))
     assert loop.ready.wait(30) and loop.error is None, loop.error
@@ -104,7 +104,7 @@ HUNG_JOB = textwrap.dedent("""
     print("holding", flush=True)
     sys.stdin.readline()
     client.release()
-    time.sleep(3600)
+    signal.pause()  # until the test kills it
 """)
 
 
