@@ -63,6 +63,14 @@ async def test_jobs_named_in_their_environment_are_moved_by_a_standalone_node_ag
     address, token, cert = node
     config = {"listen": "127.0.0.1:0", "agent_token_file": str(token), "agent_certificates": {address: str(cert)},
               "groups": [{"id": "g", "backend": "freeze", "agents": [address], "lease_seconds": 10}]}
+    await orchestrate_jobs_a_and_b(config, tmp_path)
+    check_hand_offs(tmp_path, "ab")
+
+
+async def orchestrate_jobs_a_and_b(config: dict, tmp_path: Path) -> asyncio.subprocess.Process:
+    """`timeslice orchestrator --config` with `config` (a loopback `listen`), and jobs a and b
+    (`TIMESLICE_JOB`, 3 rounds of `tests.test_serve.JOB` each) run to their exit 0 through it;
+    returns the stopped orchestrator process."""
     (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
     orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
                           ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
@@ -75,7 +83,7 @@ async def test_jobs_named_in_their_environment_are_moved_by_a_standalone_node_ag
             assert await asyncio.wait_for(job.wait(), 90) == 0
     finally:
         await stop(orch)
-    check_hand_offs(tmp_path, "ab")
+    return orch
 
 
 async def test_the_node_agent_wants_its_token_over_its_pinned_certificate(node) -> None:

@@ -32,8 +32,8 @@ from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 from tests.conftest import eventually
-from tests.test_node_agent_cli import start, stop
-from tests.test_serve import JOB, check_hand_offs, env_for
+from tests.test_node_agent_cli import orchestrate_jobs_a_and_b, start, stop
+from tests.test_serve import check_hand_offs, env_for
 
 ROOT = Path(__file__).resolve().parent.parent
 STATE_BYTES = 256 * 1024
@@ -212,18 +212,7 @@ async def test_node_agent_and_orchestrator_serve_jobs_without_kubernetes(no_kube
                            str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen="), stream="stdout")
     try:
         config = {"listen": "127.0.0.1:0", "groups": [{"id": "g", "backend": "freeze", "agents": [agent_sock]}]}
-        (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
-        orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
-                              ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
-        try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
-            env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
-            jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
-                                                         env={**env, "TIMESLICE_JOB": name}) for name in "ab"]
-            for job in jobs:
-                assert await asyncio.wait_for(job.wait(), 90) == 0
-        finally:
-            await stop(orch)
+        orch = await orchestrate_jobs_a_and_b(config, tmp_path)
     finally:
         await stop(agent)
     assert agent.returncode == 0 and orch.returncode == 0
