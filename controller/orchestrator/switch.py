@@ -70,7 +70,8 @@ class SwitchCoordinator:
                 rec.ok, rec.error = False, f"restore of {incoming} cannot start: {err}; nothing moved"
                 raise SwitchError(rec.error, rec) from err
         t0 = time.monotonic()
-        before = await self.memory(spec, evict) if evict and spec.backend == names.BACKEND_COOPERATIVE else None
+        before = await self.memory(spec, evict, for_plan=False) \
+            if evict and spec.backend == names.BACKEND_COOPERATIVE else None
         out: list[str] = []
         gone: list[str] = []  # no process to command: what they hold leaves when their processes exit
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
@@ -124,12 +125,14 @@ class SwitchCoordinator:
         return not any(job in jobs for jobs in found)
 
     async def memory(self, spec: GroupSpec, jobs: Sequence[str], watch: float = 0.0,
-                     low_free: int = 0) -> MemorySnapshot:
+                     low_free: int = 0, *, for_plan: bool = True) -> MemorySnapshot:
         """One snapshot of the group's memory from all its node agents (in parallel). An
         agent that does not answer is left out (logged); its devices are then unknown.
         `watch` > 0 seconds: each agent samples its GPUs for that long or until one has less
         than `low_free` bytes free (`AgentClient.memory`), and the snapshot carries each
-        job's peak over the samples."""
+        job's peak over the samples. `for_plan` (and no watch): on `cooperative`, the
+        processes are asked for their registered bytes first (`CooperativeJobs.refresh`);
+        a switch checking NVML within its own steps passes False."""
         targets = list(spec.agents)
         reports = await asyncio.gather(*(self._pool.get(t).memory([(j, spec.member(j)) for j in jobs], watch, low_free)
                                          for t in targets), return_exceptions=True)
@@ -147,8 +150,8 @@ class SwitchCoordinator:
             for job, per in rep.peak_bytes.items():
                 snap.peak_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             snap.host_available[target] = rep.host_available
-        if spec.backend == names.BACKEND_COOPERATIVE and not watch:
-            await self.cooperative.refresh(spec.id, jobs)  # a plan: sizes as the processes see them now
+        if spec.backend == names.BACKEND_COOPERATIVE and for_plan and not watch:
+            await self.cooperative.refresh(spec.id, jobs)  # sizes as the processes see them now
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
             (dev,) = snap.devices
             pool = self.cooperative.pool
@@ -184,7 +187,7 @@ class SwitchCoordinator:
         free0 = sum(d.free for d in before.devices.values())
         deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
         while True:
-            now = await self.memory(spec, jobs)
+            now = await self.memory(spec, jobs, for_plan=False)  # NVML only, every FREED_POLL_SECONDS
             if seen:
                 dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
             else:
