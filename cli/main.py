@@ -288,8 +288,8 @@ def parser() -> argparse.ArgumentParser:
                    help="size of the pinned host pool that cooperative groups checkpoint into (GB, 1e9 bytes; 0: "
                         "none, each job keeps its own host copy, slower). Made at start in a private directory "
                         "(mode 0700) under /dev/shm and removed on stop; only with a cooperative group. Default: "
-                        "the GPUs' total memory, at most half the host's memory and the free space of /dev/shm "
-                        "(1 GB without a GPU)")
+                        "the GPUs' total memory, at most three quarters of the host's memory and the free space of "
+                        "/dev/shm (1 GB without a GPU)")
     v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     v.set_defaults(fn=_serve)
 

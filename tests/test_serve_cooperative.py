@@ -219,11 +219,11 @@ async def test_node_agent_and_orchestrator_serve_jobs_without_kubernetes(no_kube
     check_hand_offs(tmp_path, "ab")
 
 
-def test_the_default_pool_is_the_gpus_memory_within_half_the_host_and_the_free_space(tmp_path) -> None:
-    half_host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+def test_the_default_pool_is_the_gpus_memory_within_three_quarters_of_the_host_and_the_free_space(tmp_path) -> None:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
     free = shutil.disk_usage(tmp_path).free
-    assert default_size(0, tmp_path) == min(NO_GPU_BYTES, half_host, free)  # no GPU: 1 GB
-    assert default_size(1 << 60, tmp_path) == min(half_host, free)
+    assert default_size(0, tmp_path) == min(NO_GPU_BYTES, host, free)  # no GPU: 1 GB
+    assert default_size(1 << 60, tmp_path) == min(host, free)
     assert default_size(4096, tmp_path) == 4096
 
 

@@ -47,11 +47,15 @@ SHM = Path("/dev/shm")
 
 def default_size(gpu_bytes: int, shm: Path = SHM) -> int:
     """Bytes of a pool nobody sized: the GPUs' total memory (`gpu_bytes`, bytes; 0: no GPU,
-    then `NO_GPU_BYTES`), capped by half the host's memory (what is checkpointed is what
-    does not fit on the GPUs: the host keeps the other half for the jobs) and by the free
-    space of the memory filesystem `shm`. Raises OSError when `shm` cannot be read."""
+    then `NO_GPU_BYTES`), capped by three quarters of the host's memory and by the free
+    space of the memory filesystem `shm`. What is checkpointed is what does not fit on the
+    GPUs, and a swap holds two states at once (the one going out is written before the one
+    coming in is read back): on the H200 host (135 GB) half the host held one 50 GB state,
+    so every swap of two such jobs waited for host memory (bench/results/
+    rl-grpo-b-serve-cooperative-h200.json); three quarters hold two and leave the jobs'
+    own processes a quarter. Raises OSError when `shm` cannot be read."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(0, min(gpu_bytes or NO_GPU_BYTES, host // 2, shutil.disk_usage(shm).free))
+    return max(0, min(gpu_bytes or NO_GPU_BYTES, host * 3 // 4, shutil.disk_usage(shm).free))
 
 
 class PoolRefused(OSError):
