@@ -635,6 +635,33 @@ def test_resident_waiters_pass_the_head_only_for_resident_first_seconds() -> Non
         loop.close()
 
 
+def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
+    """A waiter whose grant moves 50 GB (in, and as much out) on a backend whose switches
+    were measured at 2 GB/s is passed by resident waiters for 3 x 50 s, not 30 s; before
+    any switch is measured, for resident_first_seconds."""
+    now = [0.0]
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
+                  clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    try:
+        g.residency.held("b")
+        g.residency.moved_out("a")
+        g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=40 * GB)},
+                                              checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
+        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future())
+        g.queue.push("b-1", "b", 0, 5.0, loop.create_future())
+        now[0] = 30.0
+        assert next_job(g, head) == "a"  # nothing measured yet
+        g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=10.0, bytes_checkpointed=20 * GB))
+        assert next_job(g, head) == "b"
+        now[0] = 149.0
+        assert next_job(g, head) == "b"
+        now[0] = 150.0
+        assert next_job(g, head) == "a"
+    finally:
+        loop.close()
+
+
 async def test_resident_first_zero_keeps_strict_queue_order() -> None:
     gpu = FakeGpu(a=45)
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=0), gpu)

@@ -56,6 +56,9 @@ log = logging.getLogger("timeslice.orchestrator")
 # Only a restore step that ran and failed counts: not a plan without room, nor a checkpoint
 # of another job, nor agents that did not answer (none of them is the job's own fault).
 MAX_RESTORE_FAILURES = 3
+# A waiter whose grant moves memory waits at most this many times the move's seconds while
+# resident waiters pass it (`pass_bound`): the moves then cost at most a quarter of the GPU's time.
+SWITCH_COST_FACTOR = 3
 # While a resident's processes are departing (see `SwitchCoordinator.departing`), a plan that
 # finds no room asks for a fresh memory report this often, seconds.
 DEPARTING_POLL_SECONDS = 0.25
@@ -466,7 +469,7 @@ def next_job(g: LockGroup, head: Waiter) -> str:
     one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
     this; bench/results/rl-grpo-b-h200.json)."""
     r = g.residency
-    bound = g.spec.resident_first_seconds
+    bound = pass_bound(g, head.job_id)
     if not g.moves.memory_aware or bound <= 0 or g.clock() - head.enqueued_at >= bound \
             or g.moves.must_leave(""):  # a preempted or dropped holder leaves first anyway
         return head.job_id
@@ -477,6 +480,26 @@ def next_job(g: LockGroup, head: Waiter) -> str:
             log.debug("resident first group=%s job=%s before=%s", g.id, w.job_id, head.job_id)
             return w.job_id
     return head.job_id
+
+
+def pass_bound(g: LockGroup, job: str) -> float:
+    """Seconds resident waiters may pass `job` when its grant would move memory:
+    `resident_first_seconds` (0: never), or `SWITCH_COST_FACTOR` times the seconds that move
+    is expected to take when that is longer. The move: `job`'s need restored and as much
+    checkpointed to make room, at the speed (bytes per second) the group's recent switches
+    moved; no estimate before the group has measured one. So a backend that moves slowly
+    (the driver's checkpoint: 1.5 GB/s out, 4 GB/s in on the H200, reference/
+    checkpoint-h200.md) switches at most once per that many seconds of the residents'
+    phases: the waiter waits, where a switch each `resident_first_seconds` would cost more
+    GPU time than it gives (bench/results/rl-grpo-b-cuda-h200.json)."""
+    bound = g.spec.resident_first_seconds
+    r = g.residency
+    moved = [rec for rec in g.recent if rec.ok and rec.seconds > 0 and rec.bytes_checkpointed + rec.bytes_restored]
+    if bound <= 0 or not moved or r.snapshot is None:
+        return bound
+    speed = sum(rec.bytes_checkpointed + rec.bytes_restored for rec in moved) / sum(rec.seconds for rec in moved)
+    need = sum(need_of(job, r.snapshot, r.peaks, r.declared).values())
+    return max(bound, SWITCH_COST_FACTOR * 2 * need / speed)
 
 
 def roomy(g: LockGroup, incoming: str) -> bool:
