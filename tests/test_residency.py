@@ -636,9 +636,10 @@ def test_resident_waiters_pass_the_head_only_for_resident_first_seconds() -> Non
 
 
 def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
-    """A waiter whose grant moves 50 GB (in, and as much out) on a backend whose switches
-    were measured at 2 GB/s is passed by resident waiters for 3 x 50 s, not 30 s; before
-    any switch is measured, for resident_first_seconds."""
+    """A waiter whose grant moves 80 GB (its 50 GB in, the 30 GB of the resident b out: it
+    declared nothing, so it is granted alone) on a backend whose switches were measured at
+    2 GB/s is passed by resident waiters for 3 x 40 s, not 30 s; before any switch is
+    measured, for resident_first_seconds."""
     now = [0.0]
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
                   clock=lambda: now[0])
@@ -647,6 +648,7 @@ def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
         g.residency.held("b")
         g.residency.moved_out("a")
         g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=40 * GB)},
+                                              device_bytes={"b": {"agent-0/gpu0": 30 * GB}},
                                               checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
         head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future())
         g.queue.push("b-1", "b", 0, 5.0, loop.create_future())
@@ -654,12 +656,38 @@ def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
         assert next_job(g, head) == "a"  # nothing measured yet
         g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=10.0, bytes_checkpointed=20 * GB))
         assert next_job(g, head) == "b"
-        now[0] = 149.0
+        now[0] = 119.0
         assert next_job(g, head) == "b"
-        now[0] = 150.0
+        now[0] = 120.0
         assert next_job(g, head) == "a"
     finally:
         loop.close()
+
+
+async def test_a_slow_move_waits_while_the_resident_is_between_phases() -> None:
+    """One job after the other on purpose: b's switches were measured at 2 GB/s, so a's
+    grant (60 GB in, b's 60 GB out: 60 s) waits while b, granted within those 60 s, is
+    between its phases; b's next acquire is granted at once. Once b has not been granted
+    for longer than the move takes, a is restored."""
+    now = [0.0]
+    gpu = FakeGpu(a=60)
+    g = group(gpu, clock=lambda: now[0])
+    await hold(g, "a")
+    gpu.on["b"] = 60 * GB
+    await hold(g, "b")  # a is checkpointed
+    assert gpu.calls == [("checkpoint", "a")]
+    g.recent.append(SwitchRecord("a", "b", checkpoint_seconds=30.0, bytes_checkpointed=60 * GB))
+    now[0] = 10.0
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    grant_b = await g.acquire("b", 0, "b-2", timeout=None)  # resident: passes a
+    assert not a_waits.done() and gpu.calls == [("checkpoint", "a")]
+    now[0] = 71.0  # b was granted at 10: idle longer than the move takes
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_a = await a_waits
+    assert grant_a.restored and gpu.calls == [("checkpoint", "a"), ("checkpoint", "b"), ("restore", "a")]
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await g.close()
 
 
 async def test_resident_first_zero_keeps_strict_queue_order() -> None:
