@@ -638,8 +638,8 @@ def test_resident_waiters_pass_the_head_only_for_resident_first_seconds() -> Non
 def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
     """A waiter whose grant moves 80 GB (its 50 GB in, the 30 GB of the resident b out: it
     declared nothing, so it is granted alone) on a backend whose switches were measured at
-    2 GB/s is passed by resident waiters for 3 x 40 s, not 30 s; before any switch is
-    measured, for resident_first_seconds."""
+    2 GB/s (or whose switcher expects 2 GB/s) is passed by resident waiters for 3 x 40 s,
+    not 30 s; without a speed, for resident_first_seconds."""
     now = [0.0]
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
                   clock=lambda: now[0])
@@ -654,6 +654,9 @@ def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
         g.queue.push("b-1", "b", 0, 5.0, loop.create_future())
         now[0] = 30.0
         assert next_job(g, head) == "a"  # nothing measured yet
+        g.switcher.prior_speed = lambda spec: 2e9  # the backend's speed before any switch (SwitchCoordinator)
+        assert next_job(g, head) == "b"
+        del g.switcher.prior_speed
         g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=10.0, bytes_checkpointed=20 * GB))
         assert next_job(g, head) == "b"
         now[0] = 119.0

@@ -533,13 +533,16 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
     """Estimated seconds of the switch that grants `job`: its checkpoint restored, and the
     idle residents its plan evicts (`plan_room`) checkpointed, at the bytes per second the
     group's recent switches moved (the driver's checkpoint on the H200: ~2 GB/s; a
-    cooperative one: ~45 GB/s). None: no estimate (no memory report yet, no switch measured,
-    or no plan makes room)."""
+    cooperative one: ~45 GB/s), before the first one the switcher's `prior_speed`. None: no
+    estimate (no memory report yet, no speed, or no plan makes room)."""
     r = g.residency
     moved = [rec for rec in g.recent if rec.ok and rec.seconds > 0 and rec.bytes_checkpointed + rec.bytes_restored]
-    if not moved or r.snapshot is None:
+    if moved:
+        speed = sum(rec.bytes_checkpointed + rec.bytes_restored for rec in moved) / sum(rec.seconds for rec in moved)
+    else:
+        speed = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
+    if not speed or r.snapshot is None:
         return None
-    speed = sum(rec.bytes_checkpointed + rec.bytes_restored for rec in moved) / sum(rec.seconds for rec in moved)
     try:
         evict = plan_room(job, r.lru(excluding=[job]), r.snapshot, r.peaks, parse_headroom(g.spec.memory_headroom),
                           host_checked=False, declared=r.declared, alone=not r.known(job))

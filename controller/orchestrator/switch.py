@@ -50,6 +50,10 @@ RESEND_BACKOFF_MAX_SECONDS = 1.0
 FREED_FRACTION = 0.9
 FREED_POLL_SECONDS = 0.05
 FREED_TIMEOUT_SECONDS = 10.0
+# Bytes per second a switch moves (out and in together) before a group has measured its
+# own: the driver's checkpoint on the H200 moves 1.5 GB/s out and 4 GB/s in
+# (reference/checkpoint-h200.md). Other backends: no estimate until measured.
+PRIOR_BYTES_PER_SECOND = {names.BACKEND_CUDA: 2.2e9, names.BACKEND_CUDA_CHECKPOINT: 2.2e9}
 
 
 class SwitchCoordinator:
@@ -59,6 +63,12 @@ class SwitchCoordinator:
     def __init__(self, pool: AgentPool, cooperative: CooperativeJobs | None = None) -> None:
         self._pool = pool
         self.cooperative = cooperative or CooperativeJobs()
+
+    @staticmethod
+    def prior_speed(spec: GroupSpec) -> float | None:
+        """Bytes per second `spec`'s switches are expected to move before the group has
+        measured one (`PRIOR_BYTES_PER_SECOND`); None: no estimate."""
+        return PRIOR_BYTES_PER_SECOND.get(spec.backend)
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord:
