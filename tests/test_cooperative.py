@@ -13,6 +13,9 @@ import hashlib
 import logging
 import mmap
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +36,8 @@ from timeslice.kubelet_plugin.agent.server import create_server as create_agent_
 from timeslice.memory_commands import pieces
 
 from tests.conftest import eventually
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class FakeStore:
@@ -655,6 +660,96 @@ async def test_the_processes_of_a_job_are_checkpointed_at_once_each_into_its_own
     finally:
         for c in (*a_ranks, b):
             await asyncio.to_thread(c.close)
+
+
+# A rank of job "a" in its own process (argv: target, seed, "gated" or not): prints "ready"
+# once its command stream is open and "answered KIND" once the orchestrator has its answer
+# to a command. A gated rank's first checkpoint prints "in checkpoint", waits for a line on
+# stdin, then fails.
+RANK = textwrap.dedent("""
+    import sys, threading
+    from timeslice import TimeSliceOrchestratorClient
+    from timeslice.memory_commands import MemoryCommandLoop
+    from tests.test_cooperative import FakeStore
+    target, seed, gated = sys.argv[1], sys.argv[2], sys.argv[3] == "gated"
+    class Store(FakeStore):
+        def checkpoint(self, ranges):
+            if gated and "checkpoint" not in self.commands:
+                self.commands.append("checkpoint")
+                print("in checkpoint", flush=True)
+                sys.stdin.readline()
+                raise RuntimeError("injected copy failure")
+            return super().checkpoint(ranges)
+    run = MemoryCommandLoop._command
+    def answered(self, command):
+        run(self, command)  # runs it and acknowledges it
+        print(f"answered {command.kind}", flush=True)
+    MemoryCommandLoop._command = answered
+    loop = TimeSliceOrchestratorClient(target, "a", "g").serve_memory_commands(Store(seed))
+    assert loop.connected.wait(30), loop.error
+    print("ready", flush=True)
+    threading.Event().wait()  # until the test kills it
+""")
+
+
+def rank(children: list[subprocess.Popen[str]], target: str, mode: str) -> subprocess.Popen[str]:
+    """A `RANK` process of job a, killed at teardown (`children`)."""
+    p = subprocess.Popen([sys.executable, "-c", RANK, target, "a", mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    children.append(p)
+    return p
+
+
+async def said(proc: subprocess.Popen[str], line: str, timeout: float = 30.0) -> None:
+    """Wait until the child `proc` prints `line` (at most `timeout` seconds)."""
+    assert proc.stdout is not None
+    while (got := await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout)) != f"{line}\n":
+        assert got, f"the child exited before it said {line!r}"
+
+
+async def test_a_command_for_a_process_whose_stream_closed_fails_at_once_and_the_group_serves_on(
+        coop, children, caplog) -> None:
+    """Randomized schedules, seed 1076 (the agent and a job killed): a switch that restored
+    job 2 after checkpointing job 1 never ended, and no job was granted again. A command was
+    queued for a process whose command stream had closed: job 2's, killed while the switch
+    awaited between its check that the process was connected and the queueing of the restore
+    (the close fails only the commands already out). Nobody read or failed it: the switch
+    waited out the whole step timeout (300 s). The same wait, made certain with real
+    processes: rank 1 of job a answers its checkpoint and is killed, rank 2 fails its own,
+    and the checkpoint's rollback commands rank 1 to restore. Now a command for a closed
+    stream fails at once: the switch fails ("ROLLBACK FAILED"), and the next one
+    checkpoints the rank that is left."""
+    caplog.set_level(logging.INFO, logger="timeslice.cooperative")
+    orch, target = await coop()
+    ranks = [rank(children, target, mode) for mode in ("plain", "gated")]
+    for p in ranks:
+        await said(p, "ready")
+    a, sb = TimeSliceOrchestratorClient(target, "a", "g"), FakeStore("b")
+    b = job(target, "b", sb, **AT_ONCE)
+    try:
+        await connected(b)
+        await asyncio.to_thread(a.acquire)  # a is resident
+        await asyncio.to_thread(a.release)
+        waiter = asyncio.create_task(asyncio.to_thread(b.acquire, timeout=30))  # a's ranks are checkpointed for b
+        await said(ranks[0], "answered checkpoint")
+        await said(ranks[1], "in checkpoint")
+        ranks[0].kill()
+        await asyncio.to_thread(ranks[0].wait)
+        await eventually(lambda: f"disconnected group=g job=a pid={ranks[0].pid} " in caplog.text, timeout=30,
+                         what="the orchestrator saw rank 1's command stream close")
+        ranks[1].stdin.write("fail\n")  # type: ignore[union-attr]
+        ranks[1].stdin.flush()  # type: ignore[union-attr]
+        with pytest.raises(SwitchFailed, match=rf"ROLLBACK FAILED \(pid {ranks[0].pid}: .* closed its command stream"):
+            await waiter  # before: AcquireTimeout, the switch waiting 300 s for rank 1's restore
+        assert orch.group("g").switching is None
+        await asyncio.to_thread(b.acquire, timeout=30)  # rank 2 is checkpointed alone
+        assert sb.device == bytearray(sb.original)
+        await asyncio.to_thread(b.release)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+        for p in ranks:  # `children` kills them and closes their stdout
+            p.stdin.close()  # type: ignore[union-attr]
 
 
 async def test_a_plan_asks_the_processes_for_what_they_registered_now(coop) -> None:

@@ -21,7 +21,10 @@ move. A process whose stream closes while a checkpoint command waits for its ans
 ended right after its release, or was killed) is departing the same way: the checkpoint
 waits for it, and a job whose processes all left has nothing to move (the waiter is
 granted once NVML shows their memory freed, `SwitchCoordinator`; it never fails on a job
-that ended). A command that times out leaves the
+that ended). A command for a process whose stream has already closed (it closed after the
+caller looked, during an await) fails at once the same way: it is never queued on a
+stream nobody reads, where it would wait out the whole step timeout (300 s by default)
+with the group switching. A command that times out leaves the
 process's state unknown: it is not moved again
 until it answers, and its late answer is recorded (a late checkpoint is rolled back at
 once); its client also restores by itself when a grant finds its state out.
@@ -76,6 +79,12 @@ Ranges = list[tuple[int, int]]
 class _Departed(ProcessGone):
     """The process's command stream closed before it answered a checkpoint, its state on
     the GPU: it is exiting (its memory is freed with it) or reconnecting."""
+
+
+def _gone(p: _Process, kind: str) -> ProcessGone:
+    """The error of a `kind` command that `p` cannot answer: its command stream closed."""
+    gone = _Departed if kind == "checkpoint" and not p.checkpointed else ProcessGone
+    return gone(f"process {p.pid} of job {p.job} closed its command stream")
 
 
 @dataclass
@@ -163,8 +172,7 @@ class CooperativeJobs:
                 p.connected, p.disconnected_at = False, time.monotonic()
                 for c in list(self._pending.values()):
                     if c.process is p and not c.future.done():
-                        gone = _Departed if c.kind == "checkpoint" and not p.checkpointed else ProcessGone
-                        c.future.set_exception(gone(f"process {p.pid} of job {job} closed its command stream"))
+                        c.future.set_exception(_gone(p, c.kind))
                 if not p.checkpointed and not p.unanswered:
                     procs.pop(stream_id, None)
                 if not p.checkpointed and not any(q.connected for q in procs.values()):
@@ -553,6 +561,12 @@ class CooperativeJobs:
 
     async def _command(self, p: _Process, kind: str, ranges: list[tuple[int, int]],
                        timeout: float) -> pb.MemoryCommandAck:
+        """Send `kind` to `p` and wait for its answer, at most `timeout` seconds. Raises
+        ProcessGone (`_Departed`: a checkpoint of state on the GPU) when `p`'s stream is
+        closed, at once, or closes before it answers; StepTimeout; BackendError (it
+        answered with an error)."""
+        if not p.connected:  # closed since the caller looked: nobody would read this command, nor fail it
+            raise _gone(p, kind)
         op = uuid.uuid4().hex
         c = _Command(p, kind, ranges, asyncio.get_running_loop().create_future())
         self._pending[op] = c
