@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
@@ -34,6 +35,7 @@ from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
 from timeslice.memory_commands import pieces
+from timeslice.v1 import orchestrator_pb2 as pb
 
 from tests.conftest import eventually
 
@@ -831,3 +833,24 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)
+
+
+async def test_a_reconnect_fails_the_commands_its_old_stream_never_sent() -> None:
+    """The kind of schedules seed 1076 (a command nobody reads waits out the step timeout):
+    a process reconnects under the same stream id while a checkpoint is queued for its old
+    stream; the new stream owns the process, so the old one's close fails nothing: the
+    command fails at the reconnect and the checkpoint is sent on the new stream."""
+    jobs = CooperativeJobs()
+    old = jobs.stream("g", "a", "s1", os.getpid(), 10)
+    assert (await anext(old)).kind == "hello"
+    checkpoint = asyncio.create_task(jobs.checkpoint("g", "a", timeout=300))  # queued for the old stream
+    await eventually(lambda: jobs._procs[("g", "a")]["s1"].commands.qsize() == 1)
+    new = jobs.stream("g", "a", "s1", os.getpid(), 10)
+    assert (await anext(new)).kind == "hello"
+    again = await asyncio.wait_for(anext(new), 20)  # sent again on the new stream, not left on the old one
+    assert again.kind == "checkpoint"
+    jobs.ack(pb.MemoryCommandAck(job_id="a", group_id="g", op_id=again.op_id, ok=True, bytes=10))
+    assert (await asyncio.wait_for(checkpoint, 20)).bytes == 10
+    await old.aclose()
+    await new.aclose()
+    await jobs.close()

@@ -152,8 +152,13 @@ class CooperativeJobs:
             p = procs[stream_id] = _Process(group, job, stream_id, pid, registered)
             if report is not None:
                 self._learn(p, report)
-        else:  # a reconnect: keep its checkpoint, drop commands queued for the old stream
+        else:  # a reconnect: keep its checkpoint; commands the old stream never sent fail now (the old
+            old = p.commands  # stream's close fails nothing once the new one owns the process)
             p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
+            while not old.empty():
+                c = self._pending.get(old.get_nowait().op_id)
+                if c is not None and not c.future.done():
+                    c.future.set_exception(_gone(p, c.kind))
             if p.adopted:
                 self._confirm(p, report)
             elif p.checkpointed and report is not None and p.checksum is None:
