@@ -693,6 +693,32 @@ async def test_a_slow_move_waits_while_the_resident_is_between_phases() -> None:
     await g.close()
 
 
+async def test_a_newcomer_asks_for_a_memory_report_then_waits_while_the_resident_is_between_phases() -> None:
+    """A backend expected to move 2 GB/s (`prior_speed`), no memory report yet: the newcomer
+    b (it declared nothing: granted alone, so a's 60 GB would leave) has its grant decided
+    on a fresh report, and waits while a, granted within the 30 s the move would take, is
+    between its phases."""
+    now = [0.0]
+    gpu = FakeGpu(a=60)
+    gpu.prior_speed = lambda spec: 2e9  # type: ignore[attr-defined]
+    g = group(gpu, clock=lambda: now[0])
+    grant_a = await g.acquire("a", 0, "a-0", timeout=None)
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-0", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    g.residency.snapshot = None  # as when a's hold was shorter than the holder watch's first report
+    reports = gpu.reports
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await eventually(lambda: gpu.reports > reports)
+    grant_a = await g.acquire("a", 0, "a-1", timeout=None)  # passes b: nothing moved
+    assert not b_waits.done() and gpu.calls == []
+    now[0] = 31.0
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    grant_b = await b_waits
+    assert gpu.calls == [("checkpoint", "a")]
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    await g.close()
+
+
 async def test_resident_first_zero_keeps_strict_queue_order() -> None:
     gpu = FakeGpu(a=45)
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=0), gpu)
