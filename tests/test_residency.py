@@ -635,6 +635,26 @@ def test_resident_waiters_pass_the_head_only_for_resident_first_seconds() -> Non
         loop.close()
 
 
+def test_a_waiter_is_passed_for_at_most_half_its_acquire_timeout() -> None:
+    """Issue 22: a waiter whose acquire timeout (10 s) is under resident_first_seconds (30 s)
+    starved while resident waiters kept passing it; it is passed for 5 s at most."""
+    now = [0.0]
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
+                  clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    try:
+        g.residency.held("b")
+        g.residency.moved_out("a")
+        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future(), timeout=10.0)
+        g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
+        now[0] = 4.9
+        assert next_job(g, head) == "b"
+        now[0] = 5.0
+        assert next_job(g, head) == "a"
+    finally:
+        loop.close()
+
+
 def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
     """A waiter whose grant moves 80 GB (its 50 GB in, the 30 GB of the resident b out: it
     declared nothing, so it is granted alone) on a backend whose switches were measured at

@@ -141,7 +141,7 @@ class LockGroup:
             w.callers += 1
         else:
             w = self.queue.push(request_id, job_id, priority, self.clock(),
-                                asyncio.get_running_loop().create_future())
+                                asyncio.get_running_loop().create_future(), timeout)
             w.owner = self
             log.debug("queued group=%s job=%s priority=%d position=%d", self.id, job_id, priority,
                       len(self.queue) - 1)

@@ -27,6 +27,7 @@ class Waiter:
     future: asyncio.Future[Any] = field(repr=False)
     callers: int = 1
     owner: Any = field(default=None, repr=False)  # the LockGroup whose queue holds it (it moves on a re-formation)
+    timeout: float | None = None  # seconds its first caller waits (None: no limit)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -41,8 +42,8 @@ class LockQueue:
         self._seq = itertools.count()
 
     def push(self, request_id: str, job_id: str, priority: int, now: float,
-             future: asyncio.Future[Any]) -> Waiter:
-        w = Waiter(request_id, job_id, priority, next(self._seq), now, future)
+             future: asyncio.Future[Any], timeout: float | None = None) -> Waiter:
+        w = Waiter(request_id, job_id, priority, next(self._seq), now, future, timeout=timeout)
         i = bisect.bisect(self._keys, w.key)
         self._keys.insert(i, w.key)
         self._waiters.insert(i, w)

@@ -169,13 +169,13 @@ class MemoryMoves:
             return False
         seconds = move_seconds(g, head.job_id)
         now = g.clock()
-        if seconds is None or now - head.enqueued_at >= pass_bound(g, head.job_id):
+        if seconds is None or now - head.enqueued_at >= pass_bound(g, head):
             return False
         active = [now - self._granted_at[j] for j in g.residency.lru(excluding=[head.job_id])
                   if now - self._granted_at.get(j, -math.inf) < seconds]
         if not active:
             return False
-        wait = min(pass_bound(g, head.job_id) - (now - head.enqueued_at), seconds - max(active))
+        wait = min(pass_bound(g, head) - (now - head.enqueued_at), seconds - max(active))
         if self._deferred is not None:
             self._deferred.cancel()
         self._deferred = asyncio.get_running_loop().call_later(wait, g.dispatch)
@@ -517,12 +517,12 @@ class MemoryMoves:
 def next_job(g: LockGroup, head: Waiter) -> str:
     """The job to grant next: the head waiter's, unless its grant would move memory and a
     waiter of its priority is resident and fits (residency `auto`): that one goes first,
-    while the head has waited less than `resident_first_seconds`. Jobs that alternate on
+    while the head has waited less than its `pass_bound`. Jobs that alternate on
     a GPU that holds only some of them then make one switch per run of phases instead of
     one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
     this; bench/results/rl-grpo-b-h200.json)."""
     r = g.residency
-    bound = pass_bound(g, head.job_id)
+    bound = pass_bound(g, head)
     if not g.moves.memory_aware or bound <= 0 or g.clock() - head.enqueued_at >= bound \
             or g.moves.must_leave(""):  # a preempted or dropped holder leaves first anyway
         return head.job_id
@@ -535,14 +535,18 @@ def next_job(g: LockGroup, head: Waiter) -> str:
     return head.job_id
 
 
-def pass_bound(g: LockGroup, job: str) -> float:
-    """Seconds resident waiters may pass `job` when its grant would move memory:
+def pass_bound(g: LockGroup, head: Waiter) -> float:
+    """Seconds resident waiters may pass `head` when its grant would move memory:
     `resident_first_seconds` (0: never), or `SWITCH_COST_FACTOR` times that move's estimated
-    seconds (`move_seconds`) when that is longer: a backend that moves slowly switches at
-    most once per that many seconds of the residents' phases."""
+    seconds (`move_seconds`) when that is longer (a backend that moves slowly switches at
+    most once per that many seconds of the residents' phases); never more than half of
+    what `head`'s caller waits (`Waiter.timeout`), so that a short acquire timeout is not
+    spent while residents pass it."""
     bound = g.spec.resident_first_seconds
-    seconds = move_seconds(g, job)
-    return bound if bound <= 0 or seconds is None else max(bound, SWITCH_COST_FACTOR * seconds)
+    seconds = move_seconds(g, head.job_id)
+    if bound > 0 and seconds is not None:
+        bound = max(bound, SWITCH_COST_FACTOR * seconds)
+    return bound if head.timeout is None else min(bound, head.timeout / 2)
 
 
 def move_seconds(g: LockGroup, job: str) -> float | None:
