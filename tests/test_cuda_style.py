@@ -3,6 +3,7 @@ driver answers per PID is the test's input, so every branch runs on the CPU."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -156,3 +157,48 @@ async def test_nccl_ranks_with_the_variables_or_on_one_gpu_are_moved(tmp_path, c
     assert {s.state for s in await one_gpu.checkpoint(unsafe, timeout=5)} == {CHECKPOINTED}
     with pytest.raises(BackendError, match="NCCL"):
         await PeerMappedDriver({unsafe[0]: {0}, unsafe[1]: {1}}).checkpoint(unsafe, timeout=5)
+
+
+async def test_a_restore_the_tool_calls_no_such_process_fails_for_a_live_process(tmp_path) -> None:
+    """Issue 22: a restore answered as if the process were gone (the driver's
+    CUDA_ERROR_OPERATING_SYSTEM, cuda-checkpoint's "No such process") was read as "nothing
+    left to restore": the waiter was granted while its state was still checkpointed. Gone
+    is what /proc says: a live process's restore fails; a dead one's is reported gone."""
+    from timeslice.driver.errors import ProcessGone
+    from timeslice.kubelet_plugin.agent.backends.base import GONE
+    from timeslice.kubelet_plugin.agent.backends.cuda_checkpoint import CudaCheckpointBackend
+
+    tool = tmp_path / "cuda-checkpoint"
+    tool.write_text("#!/bin/sh\n"
+                    'case "$*" in *--get-state*) echo checkpointed ;;\n'
+                    '  *) echo "Error: No such process" >&2; exit 1 ;; esac\n')
+    tool.chmod(0o755)
+    b = CudaCheckpointBackend(lock_timeout=1.0, binary=str(tool))
+    dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await dead.wait()
+    with pytest.raises(BackendError, match="the process is alive") as err:
+        await b.restore([os.getpid()], timeout=5)
+    assert not isinstance(err.value, ProcessGone)
+    assert [p.state for p in await b.restore([dead.pid], timeout=5)] == [GONE]
+
+
+def test_cuda_error_304_is_gone_only_when_proc_says_so() -> None:
+    """The same for the driver API (`cuda` backend): CUDA_ERROR_OPERATING_SYSTEM (304) is
+    ProcessGone for a PID that does not exist, BackendError for a live one."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from timeslice.driver.errors import ProcessGone
+    from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
+
+    b = object.__new__(CudaBackend)  # no driver here: only its error mapping runs
+    b._cu = driver
+
+    def answer(pid: int) -> tuple:
+        return (driver.CUresult.CUDA_ERROR_OPERATING_SYSTEM,)
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with pytest.raises(BackendError, match="alive") as err:
+        b._call("cuCheckpointProcessRestore", os.getpid(), answer)
+    assert not isinstance(err.value, ProcessGone)
+    with pytest.raises(ProcessGone):
+        b._call("cuCheckpointProcessRestore", dead.pid, answer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from timeslice.driver.errors import ProcessGone
+from timeslice.driver.errors import BackendError, ProcessGone
 
 
 def proc_state(pid: int) -> str:
@@ -16,6 +16,20 @@ def proc_state(pid: int) -> str:
         raise ProcessGone(f"process {pid} does not exist") from None
     # comm (field 2) may hold spaces and parentheses: the state follows the last ')'.
     return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
+
+
+def gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
+    """The error for a step on `pid` that its backend reports as if the process were gone
+    (CUDA_ERROR_OPERATING_SYSTEM from the driver, "No such process" from cuda-checkpoint):
+    ProcessGone only when /proc shows it gone (absent, or a zombie); a live process gets
+    BackendError, so a restore that failed for another reason is never read as "nothing
+    left to restore" (issue 22: a restore answered with CUDA error 304 granted the waiter
+    while its state was still checkpointed)."""
+    try:
+        gone = proc_state(pid) == "Z"
+    except ProcessGone:
+        gone = True
+    return ProcessGone(message) if gone else BackendError(f"{message} (the process is alive)")
 
 
 def descendants(pid: int) -> list[int]:

@@ -17,12 +17,12 @@ from typing import Any
 from timeslice.driver.errors import (
     BackendError,
     FailedPrecondition,
-    ProcessGone,
     StepTimeout,
     TimeSliceServerError,
 )
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, FAILED, LOCKED, RUNNING
 from timeslice.kubelet_plugin.agent.backends.cuda_style import CudaStyleBackend
+from timeslice.kubelet_plugin.agent.procfs import gone_or_failed
 
 _init_lock = threading.Lock()
 _STATES = {0: RUNNING, 1: LOCKED, 2: CHECKPOINTED, 3: FAILED, 4: "checkpointing", 5: "restoring"}
@@ -61,8 +61,8 @@ class CudaBackend(CudaStyleBackend):
         cls: type[TimeSliceServerError] = BackendError
         if err == cu.CUresult.CUDA_ERROR_NOT_READY:
             cls = StepTimeout
-        elif err == cu.CUresult.CUDA_ERROR_OPERATING_SYSTEM:
-            cls = ProcessGone  # seen for a PID that does not exist
+        elif err == cu.CUresult.CUDA_ERROR_OPERATING_SYSTEM:  # seen for a PID that does not exist, not only
+            raise gone_or_failed(pid, message)
         elif err in (cu.CUresult.CUDA_ERROR_NOT_INITIALIZED, cu.CUresult.CUDA_ERROR_INITIALIZATION_ERROR,
                      cu.CUresult.CUDA_ERROR_ILLEGAL_STATE):
             cls = FailedPrecondition  # no (usable) CUDA context in the process, or wrong state

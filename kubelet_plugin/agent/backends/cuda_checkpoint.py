@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 
-from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
+from timeslice.driver.errors import BackendError, StepTimeout
 from timeslice.kubelet_plugin.agent.backends.cuda_style import CudaStyleBackend
+from timeslice.kubelet_plugin.agent.procfs import gone_or_failed
 
 BINARY = "cuda-checkpoint"
 # Bound on one CLI call other than lock/checkpoint/restore, seconds.
@@ -41,8 +42,10 @@ class CudaCheckpointBackend(CudaStyleBackend):
             raise StepTimeout(f"{BINARY} {' '.join(args)} pid {pid}: no answer in {timeout} s") from None
         text = out.decode(errors="replace").strip()
         if proc.returncode != 0:
-            cls = ProcessGone if "No such process" in text or "does not exist" in text else BackendError
-            raise cls(f"{BINARY} {' '.join(args)} pid {pid} exited {proc.returncode}: {text[-300:]}")
+            message = f"{BINARY} {' '.join(args)} pid {pid} exited {proc.returncode}: {text[-300:]}"
+            if "No such process" in text or "does not exist" in text:
+                raise gone_or_failed(pid, message)
+            raise BackendError(message)
         return text
 
     async def lock(self, pid: int, timeout: float) -> None:
