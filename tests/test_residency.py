@@ -617,71 +617,35 @@ async def test_no_staging_without_room_beside_the_holders_peak_then_resident_wai
     await g.close()
 
 
-def test_resident_waiters_pass_the_head_only_for_resident_first_seconds() -> None:
+@pytest.mark.parametrize("case", ["resident first", "acquire timeout", "prior speed", "measured speed"])
+def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
+    """The head a (checkpointed: 50 GB to restore, and the resident b's 30 GB out: a declared
+    nothing, so it is granted alone) is passed by the resident waiter b for
+    resident_first_seconds (30 s); for half its acquire timeout when that is shorter (issue
+    22: a waiter whose timeout was under 30 s starved while resident jobs kept passing it);
+    for 3x the move's seconds when that is longer, at the speed the switcher expects before
+    any switch (2 GB/s: 3 x 40 s) or the group measured (2 GB/s)."""
     now = [0.0]
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
                   clock=lambda: now[0])
-    loop = asyncio.new_event_loop()
-    try:
-        g.residency.held("b")
-        g.residency.moved_out("a")
-        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future())
-        g.queue.push("b-1", "b", 0, 5.0, loop.create_future())
-        now[0] = 29.0
-        assert next_job(g, head) == "b"
-        now[0] = 30.0
-        assert next_job(g, head) == "a"
-    finally:
-        loop.close()
-
-
-def test_a_waiter_is_passed_for_at_most_half_its_acquire_timeout() -> None:
-    """Issue 22: a waiter whose acquire timeout (10 s) is under resident_first_seconds (30 s)
-    starved while resident waiters kept passing it; it is passed for 5 s at most."""
-    now = [0.0]
-    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
-                  clock=lambda: now[0])
-    loop = asyncio.new_event_loop()
-    try:
-        g.residency.held("b")
-        g.residency.moved_out("a")
-        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future(), timeout=10.0)
-        g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
-        now[0] = 4.9
-        assert next_job(g, head) == "b"
-        now[0] = 5.0
-        assert next_job(g, head) == "a"
-    finally:
-        loop.close()
-
-
-def test_a_slow_move_is_passed_for_three_times_its_measured_seconds() -> None:
-    """A waiter whose grant moves 80 GB (its 50 GB in, the 30 GB of the resident b out: it
-    declared nothing, so it is granted alone) on a backend whose switches were measured at
-    2 GB/s (or whose switcher expects 2 GB/s) is passed by resident waiters for 3 x 40 s,
-    not 30 s; without a speed, for resident_first_seconds."""
-    now = [0.0]
-    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
-                  clock=lambda: now[0])
-    loop = asyncio.new_event_loop()
-    try:
-        g.residency.held("b")
-        g.residency.moved_out("a")
-        g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=40 * GB)},
-                                              device_bytes={"b": {"agent-0/gpu0": 30 * GB}},
-                                              checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
-        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future())
-        g.queue.push("b-1", "b", 0, 5.0, loop.create_future())
-        now[0] = 30.0
-        assert next_job(g, head) == "a"  # nothing measured yet
-        g.switcher.prior_speed = lambda spec: 2e9  # the backend's speed before any switch (SwitchCoordinator)
-        assert next_job(g, head) == "b"
-        del g.switcher.prior_speed
+    g.residency.held("b")
+    g.residency.moved_out("a")
+    g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=40 * GB)},
+                                          device_bytes={"b": {"agent-0/gpu0": 30 * GB}},
+                                          checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
+    if case == "prior speed":
+        g.switcher.prior_speed = lambda spec: 2e9  # type: ignore[attr-defined]  # as SwitchCoordinator's
+    if case == "measured speed":
         g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=10.0, bytes_checkpointed=20 * GB))
+    bound = {"resident first": 30.0, "acquire timeout": 5.0}.get(case, 120.0)
+    loop = asyncio.new_event_loop()
+    try:
+        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future(),
+                            timeout=10.0 if case == "acquire timeout" else None)
+        g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
+        now[0] = bound - 0.1
         assert next_job(g, head) == "b"
-        now[0] = 119.0
-        assert next_job(g, head) == "b"
-        now[0] = 120.0
+        now[0] = bound
         assert next_job(g, head) == "a"
     finally:
         loop.close()
