@@ -377,6 +377,35 @@ async def test_a_command_answered_late_settles_the_state_and_leaks_no_pool(coop,
         await asyncio.to_thread(b.close)
 
 
+async def test_a_restore_answered_late_is_checkpointed_again_not_left_on_a_gpu_given_to_others(coop) -> None:
+    """Issue 22: a restore command that timed out still ran later, onto a GPU the group had
+    given to others (it counted the job checkpointed). Its late answer is undone like a late
+    checkpoint's: the process is checkpointed again, and its next grant restores it."""
+    orch, target = await coop()
+    spec = orch.group("g").spec
+    orch.add_group(type(spec)(**{**spec.model_dump(), "step_timeout_seconds": 0.3, "residency": "exclusive"}))
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
+    try:
+        await asyncio.to_thread(a.acquire)
+        await asyncio.to_thread(a.release)
+        await asyncio.to_thread(b.acquire)  # a is checkpointed
+        await asyncio.to_thread(b.release)
+        assert sa.device is None
+        sa.delay = 0.6  # a's restore outlasts the step timeout
+        with pytest.raises(SwitchFailed, match=r"no answer within 0\.3 s"):
+            await asyncio.to_thread(a.acquire)
+        await eventually(lambda: sa.commands[-2:] == ["restore", "checkpoint"] and sa.device is None
+                         and not orch.cooperative.departing("g", "a"), timeout=10)
+        sa.delay = 0.0
+        await asyncio.to_thread(a.acquire)
+        assert sa.device == bytearray(sa.original)
+        await asyncio.to_thread(a.release)
+    finally:
+        await asyncio.to_thread(a.close)
+        await asyncio.to_thread(b.close)
+
+
 async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_process(coop, monkeypatch) -> None:
     """Before: every acquire of the job failed for good ("hold a checkpoint but are not
     connected"), after evicting and restoring the other job each time, and its pool range leaked."""

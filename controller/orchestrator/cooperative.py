@@ -204,14 +204,15 @@ class CooperativeJobs:
         del self._late[ack.op_id]
         p.unanswered.discard(ack.op_id)
         log.warning("late answer group=%s job=%s pid=%d command=%s ok=%s", p.group, p.job, p.pid, c.kind, ack.ok)
-        if c.kind == "restore":
-            if ack.ok:
-                self._restored(p)
-            elif ack.lost:
+        if c.kind == "restore" and not ack.ok:
+            if ack.lost:
                 self._lost(p, ack.error)
-        elif ack.ok:  # a checkpoint its switch gave up on: the switch rolled back, so this one is too
-            self._checkpointed(p, c.ranges, ack)
-            task = asyncio.get_running_loop().create_task(self._roll_back_late(p))
+        elif ack.ok:  # a step its switch gave up on: the switch rolled back, so this one is too
+            if c.kind == "restore":  # (the group counts the job checkpointed and may have given its room away)
+                self._restored(p)
+            else:
+                self._checkpointed(p, c.ranges, ack)
+            task = asyncio.get_running_loop().create_task(self._roll_back_late(p, c.kind))
             self._rollbacks.add(task)
             task.add_done_callback(self._rollbacks.discard)
         else:
@@ -220,11 +221,24 @@ class CooperativeJobs:
             p.offered = []
             self._persist()
 
-    async def _roll_back_late(self, p: _Process) -> None:
+    async def _roll_back_late(self, p: _Process, kind: str) -> None:
+        """Undo a `kind` step answered after its switch gave up: restore a late checkpoint,
+        checkpoint a late restore."""
         try:
-            await self._restore_one(p, LATE_ROLLBACK_TIMEOUT_SECONDS)
-        except Exception as err:  # its client restores it by itself at its next grant
-            log.warning("rollback of a late checkpoint failed group=%s job=%s pid=%d: %s", p.group, p.job, p.pid, err)
+            if kind == "restore":
+                offered = self._offers([p])[0]
+                try:
+                    ack = await self._command(p, "checkpoint", offered, LATE_ROLLBACK_TIMEOUT_SECONDS)
+                except BaseException:
+                    if offered and self.pool is not None:
+                        self.pool.keep(offered, 0)
+                    p.offered = []
+                    raise
+                self._checkpointed(p, offered, ack)
+            else:
+                await self._restore_one(p, LATE_ROLLBACK_TIMEOUT_SECONDS)
+        except Exception as err:  # a late checkpoint: its client restores it by itself at its next grant
+            log.warning("rollback of a late %s failed group=%s job=%s pid=%d: %s", kind, p.group, p.job, p.pid, err)
 
     # -- the switch side -----------------------------------------------------------
     def registered_bytes(self, group: str, job: str) -> int:
