@@ -20,6 +20,7 @@ Faults, set with `POST /fake/fault` and a JSON body: `{"wake": "fail"}` (every w
 fails), `{"sleep": "hang"}` (a sleep never answers), `{"sleep": "keep-memory"}` (it
 answers but frees nothing), `{"sleep": "huge-body"}` (a sleep answers HTTP 500 with a
 `HUGE_BODY_BYTES` body, control characters first, streamed; it does not sleep),
+`{"is_sleeping": "lie"}` (`GET /is_sleeping` answers true, asleep or not),
 `{"is_sleeping": "huge-body"}` (it answers 200 with such a body), `{"redirect": URL}` (every
 call of the engine's API answers 307 to URL + the call's path and query); `"ok"` clears one.
 `GET /fake/stats`: `{"hits": ["METHOD /path", ...], "body_sent": n, "body_ended": bool}`, the
@@ -156,7 +157,7 @@ class FakeEngine:
     async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
         if self.faults.get("is_sleeping") == "huge-body":
             return await self._huge_body(request, 200)
-        return web.json_response({"is_sleeping": self.sleeping})
+        return web.json_response({"is_sleeping": self.sleeping or self.faults.get("is_sleeping") == "lie"})
 
     @web.middleware
     async def api(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:

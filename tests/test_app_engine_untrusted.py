@@ -44,6 +44,12 @@ async def stats(engine: AppEngine) -> dict:
         return await r.json()  # type: ignore[no-any-return]
 
 
+async def send(engine: AppEngine, path: str) -> None:
+    """A call of the engine's API by someone other than the agent (the job's own framework)."""
+    async with aiohttp.ClientSession() as s, s.post(engine.url + path) as r:
+        assert r.status == 200
+
+
 def assert_printable_and_short(text: str) -> None:
     assert all(" " <= c <= "~" for c in text), f"unprintable engine text in {text!r}"
 
@@ -133,3 +139,42 @@ async def test_a_huge_engine_reply_is_read_to_a_bound_and_quoted_short(children,
 
 async def _ended(engine: AppEngine) -> bool:
     return bool((await stats(engine))["body_ended"])
+
+
+async def test_an_engine_that_says_it_sleeps_is_not_taken_at_its_word(children, engine_dirs) -> None:
+    """`is_sleeping: true` alone sends nothing only when NVML shows the engine's memory freed
+    since this agent saw it awake; else the sleep is sent and checked as any other."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    backend = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(engine)
+    await fault(engine, is_sleeping="lie")  # awake, holding AWAKE_BYTES, and says it sleeps
+    states = await backend.checkpoint([proc.pid], timeout=5)
+    assert calls(log) == ["a sleep level=1"]  # sent, and NVML saw the memory drop
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", AWAKE_BYTES - ASLEEP_BYTES)]
+    await backend.restore([proc.pid], timeout=5)
+    assert calls(log)[-1] == "a wake"
+
+    # it says it sleeps, and a sleep frees nothing: not a checkpoint, and the engine is left as found
+    await fault(engine, sleep="keep-memory")
+    with pytest.raises(BackendError, match=rf"did not drop: {AWAKE_BYTES} bytes before, {AWAKE_BYTES} after.*"
+                                           r"answered is_sleeping: true before this sleep was sent.*left as it "
+                                           r"was found"):
+        await backend.checkpoint([proc.pid], timeout=5)
+    assert calls(log)[-2:] == ["a wake", "a sleep level=1"]  # no wake after it
+
+    # asleep by its framework's own call (not the agent's): taken, with nothing sent, as NVML
+    # shows what it held awake freed
+    await fault(engine, sleep="ok", is_sleeping="ok")
+    await send(engine, "/wake_up")
+    await send(engine, "/sleep?level=1")
+    sent = len(calls(log))
+    states = await backend.checkpoint([proc.pid], timeout=5)
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", AWAKE_BYTES - ASLEEP_BYTES)]
+    assert len(calls(log)) == sent  # nothing sent
+
+    # an agent that never saw it awake (a fresh one) sends the sleep (a no-op for a sleeping
+    # vLLM), sees nothing freed, and fails the step, leaving the engine asleep as it was
+    fresh = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(engine)
+    with pytest.raises(BackendError, match=r"did not drop.*left as it was found"):
+        await fresh.checkpoint([proc.pid], timeout=5)
+    assert calls(log)[sent:] == ["a sleep level=1"] and await is_sleeping(engine)
