@@ -24,7 +24,9 @@ The engine APIs (read in the upstream sources):
   200 on success, 400 with `{"error": {"message": ...}}` on failure.
 
 Only loopback URLs are accepted (`check_url`): the node agent makes these calls, and a
-claim must not make it call any other host.
+claim must not make it call any other host. Nor can the engine: the agent follows no
+redirect, reads a bounded share of each reply and quotes a short printable excerpt of it
+(`kubelet_plugin/agent/backends/app.py`).
 """
 
 from __future__ import annotations

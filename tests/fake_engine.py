@@ -18,8 +18,14 @@ log file (O_APPEND, one write per line), so tests see the order across engines.
 `nvml_stand_in(memory_dir)` is the agent's NVML stand-in over those files.
 Faults, set with `POST /fake/fault` and a JSON body: `{"wake": "fail"}` (every wake
 fails), `{"sleep": "hang"}` (a sleep never answers), `{"sleep": "keep-memory"}` (it
-answers but frees nothing); `"ok"` clears one. `--delay S`: each sleep and wake takes S
-seconds (the engine's own work).
+answers but frees nothing), `{"sleep": "huge-body"}` (a sleep answers HTTP 500 with a
+`HUGE_BODY_BYTES` body, control characters first, streamed; it does not sleep),
+`{"is_sleeping": "lie"}` (`GET /is_sleeping` answers true, asleep or not),
+`{"is_sleeping": "huge-body"}` (it answers 200 with such a body), `{"redirect": URL}` (every
+call of the engine's API answers 307 to URL + the call's path and query); `"ok"` clears one.
+`GET /fake/stats`: `{"hits": ["METHOD /path", ...], "body_sent": n, "body_ended": bool}`, the
+API calls it got (any answer) and the bytes of the last huge body sent so far.
+`--delay S`: each sleep and wake takes S seconds (the engine's own work).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
@@ -38,6 +45,8 @@ from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
 AWAKE_BYTES = 8 << 30
 ASLEEP_BYTES = 512 << 20
 GPU_BYTES = 141 << 30
+HUGE_BODY_BYTES = 1 << 30
+HUGE_HEAD = b"boom\x1b[31m\r\nX-Injected: 1\x00\xe2\x80\xae "  # terminal escape, CRLF, NUL, U+202E
 
 
 def nvml_stand_in(memory_dir: Path) -> Callable[[], list[GpuInfo]]:
@@ -64,6 +73,9 @@ class FakeEngine:
         self.delay = delay
         self.sleeping = False
         self.faults: dict[str, str] = {}
+        self.hits: list[str] = []
+        self.body_sent = 0
+        self.body_ended = False
         self._write_memory(AWAKE_BYTES)
 
     def _write_memory(self, n: int) -> None:
@@ -87,9 +99,31 @@ class FakeEngine:
             return web.Response(status=500, text="Internal Server Error")
         return web.json_response({"error": {"message": message}}, status=400)
 
-    async def sleep(self, request: web.Request) -> web.Response:
+    async def _huge_body(self, request: web.Request, status: int) -> web.StreamResponse:
+        """`HUGE_BODY_BYTES` of body, written as fast as the client reads them; stops when
+        it goes away (`body_sent`, `body_ended`)."""
+        self.body_sent, self.body_ended = 0, False
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "text/plain"})
+        resp.content_length = HUGE_BODY_BYTES
+        await resp.prepare(request)
+        chunk = 64 << 10
+        try:
+            while self.body_sent < HUGE_BODY_BYTES:
+                head = HUGE_HEAD if self.body_sent == 0 else b""
+                await resp.write(head + b"x" * (min(chunk, HUGE_BODY_BYTES - self.body_sent) - len(head)))
+                self.body_sent += chunk
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client closed the connection
+        finally:
+            self.body_ended = True
+        return resp
+
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
         if self.engine == "sglang":
             await request.json()  # FastAPI parses the body model
+        if self.faults.get("sleep") == "huge-body":
+            return await self._huge_body(request, 500)
         if self.faults.get("sleep") == "hang":
             self._record("sleep-hung")
             await asyncio.Event().wait()
@@ -120,8 +154,23 @@ class FakeEngine:
     def _ok(self) -> web.Response:
         return web.Response(status=200) if self.engine == "vllm" else web.json_response(None)
 
-    async def is_sleeping(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": self.sleeping})
+    async def is_sleeping(self, request: web.Request) -> web.StreamResponse:
+        if self.faults.get("is_sleeping") == "huge-body":
+            return await self._huge_body(request, 200)
+        return web.json_response({"is_sleeping": self.sleeping or self.faults.get("is_sleeping") == "lie"})
+
+    @web.middleware
+    async def api(self, request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """Records each call of the engine's API; answers it with a redirect under that fault."""
+        if request.path.startswith("/fake/"):
+            return await handler(request)
+        self.hits.append(f"{request.method} {request.path}")
+        if "redirect" in self.faults:
+            raise web.HTTPTemporaryRedirect(self.faults["redirect"] + request.path_qs)
+        return await handler(request)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"hits": self.hits, "body_sent": self.body_sent, "body_ended": self.body_ended})
 
     async def fault(self, request: web.Request) -> web.Response:
         for k, v in (await request.json()).items():
@@ -132,7 +181,7 @@ class FakeEngine:
         return web.json_response(self.faults)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.api])
         if self.engine == "vllm":
             app.router.add_post("/sleep", self.sleep)
             app.router.add_post("/wake_up", self.wake)
@@ -141,6 +190,7 @@ class FakeEngine:
             app.router.add_post("/release_memory_occupation", self.sleep)
             app.router.add_post("/resume_memory_occupation", self.wake)
         app.router.add_post("/fake/fault", self.fault)
+        app.router.add_get("/fake/stats", self.stats)
         return app
 
 

@@ -11,10 +11,23 @@ A checkpoint is verified: NVML's per-process memory of the job's processes must 
 at least `MIN_FREED_FRACTION` of what they held before the sleep, else the engine is woken
 again and the step fails (BackendError). Without NVML (GPU-less nodes, the demo, tests
 without a probe) the check is skipped and a log line says so; the step then reports 0
-bytes (unknown). Each call is bounded by the engine's `timeoutSeconds` and the step's
-timeout (StepTimeout); a sleep that fails or times out is undone by a wake before the error
-is raised (the engines serialize these requests, so a wake sent after a sleep that is
-still running runs after it).
+bytes (unknown). An engine's own word that it sleeps (vLLM `GET /is_sleeping`) never
+stands in for that check: it is taken, with nothing sent, only when NVML shows the job's
+processes hold at most `1 - MIN_FREED_FRACTION` of what this agent last saw them hold
+awake (before a sleep it sent and checked); otherwise the sleep is sent (vLLM ignores a
+sleep while it sleeps: `vllm/v1/executor/abstract.py` `sleep`) and checked as any other.
+A sleep sent to an engine that said it slept, and that frees nothing, fails the step and
+leaves the engine as it was found (no wake).
+
+The engine's answers are not trusted either: no redirect is followed (a 3xx fails the call,
+naming its status), at most `MAX_REPLY_BYTES` of a reply body are read, and at most
+`MAX_ERROR_TEXT` printable characters of any text the engine sent (a body, a `Location`,
+an HTTP error that quotes its bytes) go into a step's error, which the group status shows.
+
+Each call is bounded by the engine's `timeoutSeconds` and the step's timeout
+(StepTimeout); a sleep that fails or times out is undone by a wake before the error is
+raised (the engines serialize these requests, so a wake sent after a sleep that is still
+running runs after it), except for an engine that said it slept before it was sent.
 
 Retries: only calls whose repetition cannot change the outcome are repeated, a bounded
 number of times within the call's bound: a connection that was refused (the request never
@@ -34,6 +47,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,7 +67,48 @@ MIN_FREED_FRACTION = 0.5
 # request), and the first wait between them, doubled after each, seconds.
 CONNECT_ATTEMPTS = 3
 CONNECT_BACKOFF_SECONDS = 0.05
-MAX_ERROR_TEXT = 300  # characters of an engine's error body quoted in a step's error
+MAX_REPLY_BYTES = 64 << 10
+"""Bytes of one engine reply's body the agent reads, at most; the rest is left unread and
+the connection closed. vLLM and SGLang answer these calls in a few dozen bytes (empty,
+`null`, `{"is_sleeping": true}`, `{"error": {"message": ...}}`), so this bounds the agent's
+memory per call whatever an engine sends (a 400 MB body took the agent to 938 MB). A
+`GET /is_sleeping` answer over it is an error; a sleep's or wake's 200 needs no body."""
+MAX_ERROR_TEXT = 200
+"""Characters of text an engine sent (a reply body, a redirect's `Location`, an HTTP
+library error that quotes the engine's bytes) quoted in a step's error, at most: the error
+reaches the orchestrator's group status and logs. `_excerpt` keeps printable ASCII only."""
+_SPACES = re.compile(r"\s+")
+
+
+def _excerpt(text: str | bytes | BaseException) -> str:
+    """A short, printable rendering of text an engine controls: whitespace runs become one
+    space, other characters outside printable ASCII `?`, at most `MAX_ERROR_TEXT` characters
+    (`...` marks a cut)."""
+    raw = str(text) if isinstance(text, BaseException) else text
+    head = raw[:4 * MAX_ERROR_TEXT]  # whitespace runs shrink: enough to fill the excerpt
+    flat = _SPACES.sub(" ", head.decode("utf-8", "replace") if isinstance(head, bytes) else head).strip()
+    clean = "".join(c if " " <= c <= "~" else "?" for c in flat)
+    return clean[:MAX_ERROR_TEXT] + "..." if len(clean) > MAX_ERROR_TEXT or len(raw) > len(head) else clean
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse) -> tuple[bytes, bool]:
+    """`resp`'s body up to `MAX_REPLY_BYTES`, and whether it had more (left unread: the
+    connection is closed)."""
+    data = bytearray()
+    while len(data) <= MAX_REPLY_BYTES:
+        chunk = await resp.content.read(MAX_REPLY_BYTES + 1 - len(data))
+        if not chunk:
+            return bytes(data), False
+        data += chunk
+    resp.close()
+    return bytes(data[:MAX_REPLY_BYTES]), True
+
+
+def engine_session() -> aiohttp.ClientSession:
+    """An HTTP session for engine calls: bodies as sent (no decompression: a small
+    compressed body cannot grow past `MAX_REPLY_BYTES` unread), no proxy from the
+    environment, aiohttp's bounds on header lines and count."""
+    return aiohttp.ClientSession(auto_decompress=False, trust_env=False, headers={"Accept-Encoding": "identity"})
 
 
 class _Unsent(Exception):
@@ -97,7 +152,8 @@ class EngineClient:
                 return bool(answer.get("is_sleeping")) if isinstance(answer, dict) else None
             except (_Unsent, aiohttp.ClientError) as err:
                 if attempt == CONNECT_ATTEMPTS or loop.time() + backoff >= until:
-                    raise BackendError(f"{self.engine.describe()}: GET /is_sleeping failed: {err}") from err
+                    raise BackendError(f"{self.engine.describe()}: GET /is_sleeping failed: {_excerpt(err)}") \
+                        from err
             await asyncio.sleep(backoff)
             backoff *= 2
         return None  # not reached
@@ -119,33 +175,43 @@ class EngineClient:
                          backoff)
             except aiohttp.ClientError as err:  # it may have received it: not sent again
                 raise OutcomeLost(f"{self.engine.describe()}: POST {path} failed, outcome unknown: "
-                                   f"{type(err).__name__}: {err}") from err
+                                   f"{type(err).__name__}: {_excerpt(err)}") from err
             await asyncio.sleep(backoff)
             backoff *= 2
 
     async def _request(self, session: aiohttp.ClientSession, method: str, path: str, timeout: float,
                        params: dict[str, str] | None = None, body: dict[str, Any] | None = None) -> Any:
-        """The JSON answer (None when empty); raises _Unsent, aiohttp.ClientError, StepTimeout,
-        or BackendError for a status other than 200."""
+        """The JSON answer (None when empty, or not JSON); raises _Unsent, aiohttp.ClientError,
+        StepTimeout, or BackendError for a status other than 200 (a redirect is not followed)
+        and for a GET's answer over `MAX_REPLY_BYTES` (at most that much is read)."""
         url = self.engine.url + path
         try:
             async with asyncio.timeout(timeout):
-                async with session.request(method, url, params=params, json=body) as resp:
-                    text = await resp.text()
+                async with session.request(method, url, params=params, json=body, allow_redirects=False) as resp:
+                    data, cut = await _read_bounded(resp)
         except TimeoutError:
             raise StepTimeout(f"{self.engine.describe()}: {method} {path} got no answer within {timeout:.3g} s") \
                 from None
         except aiohttp.ClientConnectorError as err:
-            raise _Unsent(str(err)) from err
+            raise _Unsent(_excerpt(err)) from err
+        what = f"{self.engine.describe()}: {method} {path} answered HTTP {resp.status}"
+        if 300 <= resp.status < 400:
+            raise BackendError(f"{what}, a redirect (Location: {_excerpt(resp.headers.get('Location', ''))!r}): "
+                               "not followed, the agent calls the engine only at its own URL")
         if resp.status != 200:
             hint = ""
             if resp.status == 404:
                 hint = (" (serve vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode)" if
                         self.engine.engine == ENGINE_VLLM else " (serve SGLang with --enable-memory-saver)")
-            raise BackendError(f"{self.engine.describe()}: {method} {path} answered HTTP {resp.status}: "
-                               f"{text[:MAX_ERROR_TEXT]}{hint}")
+            more = f" (a body over {MAX_REPLY_BYTES} bytes, read no further)" if cut else ""
+            raise BackendError(f"{what}: {_excerpt(data)}{more}{hint}")
+        if cut:
+            if method == "GET":
+                raise BackendError(f"{what} with a body over {MAX_REPLY_BYTES} bytes (read no further): not an "
+                                   f"answer of its API: {_excerpt(data)}")
+            return None  # a sleep's or wake's 200: its body is not used
         try:
-            return json.loads(text) if text.strip() else None
+            return json.loads(data) if data.strip() else None
         except ValueError:
             return None
 
@@ -169,6 +235,9 @@ def _check_network_namespace(pids: Sequence[int], engine: AppEngine) -> None:
                 "hostNetwork: true, or the agent in the job's network namespace (one-box mode)")
 
 
+_Key = tuple[str, tuple[int, ...]]  # an engine: its URL and its processes
+
+
 class AppBackend(Backend):
     """`engine` None: the node's backend `app`, to `bind` per step; `memory_probe`: NVML
     (`gpu_memory.gpus`; [] without NVML skips the memory check)."""
@@ -176,19 +245,22 @@ class AppBackend(Backend):
     name = "app"
 
     def __init__(self, engine: AppEngine | None = None, memory_probe: Callable[[], list[GpuInfo]] = gpus,
-                 asleep: set[tuple[str, tuple[int, ...]]] | None = None) -> None:
+                 asleep: set[_Key] | None = None, awake: dict[_Key, dict[int, int]] | None = None) -> None:
         self.engine = engine
         self._probe = memory_probe
         # (URL, PIDs) of the engines this agent put to sleep and has not woken (shared by the
         # bound copies): a repeated checkpoint of one (a rollback's) sends nothing; a restarted
         # engine has other PIDs
-        self._asleep: set[tuple[str, tuple[int, ...]]] = set() if asleep is None else asleep
+        self._asleep: set[_Key] = set() if asleep is None else asleep
+        # GPU bytes per PID each engine held awake, as NVML showed them before the last sleep
+        # this agent sent and checked: what an engine that says it sleeps is measured against
+        self._awake: dict[_Key, dict[int, int]] = {} if awake is None else awake
 
     def bind(self, app: AppEngine | None) -> Backend:
         if app is None:
             raise InvalidArgument("backend app needs the job's engine (the step's `app`: TimeSliceConfig app "
                                   "with engine and url)")
-        return AppBackend(app, self._probe, self._asleep)
+        return AppBackend(app, self._probe, self._asleep, self._awake)
 
     def _client(self) -> EngineClient:
         if self.engine is None:
@@ -218,16 +290,25 @@ class AppBackend(Backend):
         _check_network_namespace(pids, engine)
         bound = self._bound(timeout)
         t0 = time.monotonic()
-        async with aiohttp.ClientSession() as session:
-            key = (engine.url, tuple(sorted(pids)))
-            if key in self._asleep or await client.sleeping(session, bound):
-                log.info("app sleep engine=%s pids=%s: asleep already, nothing sent", engine.url, list(pids))
-                return [ProcState(p, CHECKPOINTED) for p in pids]
+        key = (engine.url, tuple(sorted(pids)))
+        if key in self._asleep:
+            log.info("app sleep engine=%s pids=%s: asleep already (this agent's sleep), nothing sent", engine.url,
+                     list(pids))
+            return [ProcState(p, CHECKPOINTED) for p in pids]
+        async with engine_session() as session:
+            said_asleep = await client.sleeping(session, bound)  # vLLM's word: checked below, never taken alone
             before = await self._bytes(pids)
-            try:
+            freed = self._freed_since_awake(key, before) if said_asleep else None
+            if freed is not None:
+                self._asleep.add(key)
+                log.info("app sleep engine=%s pids=%s: asleep already by its word, and NVML shows %d bytes freed "
+                         "since this agent saw it awake; nothing sent", engine.url, list(pids), sum(freed.values()))
+                return [ProcState(p, CHECKPOINTED, freed.get(p, 0)) for p in pids]
+            try:  # (to an engine that said it sleeps too: vLLM ignores a sleep while it sleeps)
                 await client.sleep(session, bound)
             except (StepTimeout, BackendError) as err:
-                raise await self._undo(session, client, bound, f"sleep of {engine.describe()} failed", err) from err
+                raise await self._undo(session, client, bound, f"sleep of {engine.describe()} failed", err,
+                                       said_asleep) from err
             after = await self._bytes(pids)
             if before is None or after is None:
                 self._asleep.add(key)
@@ -241,19 +322,38 @@ class AppBackend(Backend):
                          "processes before the sleep)", engine.url, list(pids))
                 return [ProcState(p, CHECKPOINTED) for p in pids]
             if held - left < MIN_FREED_FRACTION * held:
+                word = ("; it had answered is_sleeping: true before this sleep was sent, and that is taken only "
+                        "with its memory freed" if said_asleep else "")
                 kept = BackendError(f"{engine.describe()} answered the sleep, but the GPU memory of the job's "
                                     f"processes {list(pids)} did not drop: {held} bytes before, {left} after (NVML; "
-                                    f"at least {MIN_FREED_FRACTION:.0%} must be freed)")
-                raise await self._undo(session, client, bound, "checkpoint failed", kept)
+                                    f"at least {MIN_FREED_FRACTION:.0%} must be freed){word}")
+                raise await self._undo(session, client, bound, "checkpoint failed", kept, said_asleep)
         self._asleep.add(key)
+        self._awake[key] = before
         log.info("app sleep engine=%s pids=%s freed=%d of %d bytes seconds=%.3f", engine.url, list(pids),
                  held - left, held, time.monotonic() - t0)
         return [ProcState(p, CHECKPOINTED, max(0, before[p] - after.get(p, 0))) for p in pids]
 
+    def _freed_since_awake(self, key: _Key, now: dict[int, int] | None) -> dict[int, int] | None:
+        """Bytes per PID freed since NVML last showed the engine awake to this agent (before a
+        sleep it sent and checked), when that is at least `MIN_FREED_FRACTION` of what it held;
+        None when it is not, or cannot be told (no NVML, never seen awake)."""
+        awake = self._awake.get(key)
+        if now is None or not awake:
+            return None
+        held, left = sum(awake.values()), sum(now.values())
+        if held == 0 or held - left < MIN_FREED_FRACTION * held:
+            return None
+        return {p: max(0, awake.get(p, 0) - n) for p, n in now.items()}
+
     async def _undo(self, session: aiohttp.ClientSession, client: EngineClient, bound: float, what: str,
-                    err: BackendError | StepTimeout) -> BackendError | StepTimeout:
+                    err: BackendError | StepTimeout, said_asleep: bool | None) -> BackendError | StepTimeout:
         """Wake the engine after a failed sleep (a vLLM engine that reports it is awake is
-        left alone); returns the error to raise, of `err`'s class, naming the undo's outcome."""
+        left alone, and so is one that said it slept before the sleep was sent: as it was
+        found); returns the error to raise, of `err`'s class, naming the undo's outcome."""
+        if said_asleep:
+            return type(err)(f"{what}: {err}; left as it was found (it said it slept before the sleep was sent: no "
+                             "wake sent)")
         try:
             if await client.sleeping(session, bound) is False:
                 return type(err)(f"{what}: {err}; the engine reports it is awake")
@@ -267,7 +367,7 @@ class AppBackend(Backend):
         client = self._client()
         _check_network_namespace(pids, client.engine)
         t0 = time.monotonic()
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
             try:
                 await client.wake(session, self._bound(timeout))
             except OutcomeLost:  # with vLLM, ask whether the wake whose answer was lost happened
@@ -282,7 +382,7 @@ class AppBackend(Backend):
         such query) and an unbound backend: `unknown`."""
         if self.engine is None:
             return [ProcState(p, UNKNOWN) for p in pids]
-        async with aiohttp.ClientSession() as session:
+        async with engine_session() as session:
             asleep = await EngineClient(self.engine).sleeping(session, self.engine.timeoutSeconds)
         st = UNKNOWN if asleep is None else (CHECKPOINTED if asleep else RUNNING)
         return [ProcState(p, st) for p in pids]
