@@ -864,6 +864,29 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
             await asyncio.to_thread(client.close)
 
 
+async def test_a_newcomer_that_runs_alone_waits_for_the_memory_of_a_job_that_left(coop, monkeypatch) -> None:
+    """Randomized schedules, seed 1252: a finished and left (the group forgot it) while its
+    process still held its memory; a newcomer that declared nothing was granted at once
+    and ran out of GPU memory. It now waits (its client asks again) until NVML shows that
+    memory freed."""
+    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    g = orch.group("g")
+    b = TimeSliceOrchestratorClient(clients["c"]._s.target, "b", "g")  # the same orchestrator
+    try:
+        await asyncio.to_thread(clients["a"].close)  # a ends and leaves; its process still holds 60 GB
+        assert "a" not in g.residency.residents
+        failed = g.counters.failed_switches
+        waiter = asyncio.create_task(asyncio.to_thread(b.acquire))
+        await eventually(lambda: g.recent and "held by processes of no job" in g.recent[-1].error)
+        assert not waiter.done() and g.counters.failed_switches == failed
+        gpu.exited.add("a")  # a's process exits: NVML shows its memory free
+        await asyncio.wait_for(waiter, 20)
+        await asyncio.to_thread(b.release)
+    finally:
+        for client in (*clients.values(), b):
+            await asyncio.to_thread(client.close)
+
+
 async def test_a_reconnect_fails_the_commands_its_old_stream_never_sent() -> None:
     """The kind of schedules seed 1076 (a command nobody reads waits out the step timeout):
     a process reconnects under the same stream id while a checkpoint is queued for its old

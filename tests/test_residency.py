@@ -122,6 +122,18 @@ def test_a_newcomer_that_declared_nothing_is_placed_alone() -> None:
     assert plan_room("n", ["a", "b"], s, {}, parse_headroom("10%"), declared={"n": 55 * GB}) == ["a"]
 
 
+def test_a_job_that_runs_alone_waits_for_memory_no_job_of_the_group_holds() -> None:
+    """Randomized schedules, seed 1252: a job finished (its client left, so the group forgot
+    it) while its process still held 73.7 GB; a restarted job that declared nothing was
+    granted at once ("nobody to make room from") and ran out of memory loading its model.
+    Alone means no memory of anybody else: more than the headroom held by processes of no
+    job the report names is waited for (NoRoom: its client asks again)."""
+    with pytest.raises(NoRoom, match=r"73\.70 GB .* held by processes of no job of this group"):
+        plan_room("n", [], snap(free=25.5, c=0.8), {}, parse_headroom("10%"), alone=True)
+    assert plan_room("n", [], snap(free=92, c=0.8), {}, parse_headroom("10%"), alone=True) == []  # 7.2 GB: thin
+    assert plan_room("n", ["a"], snap(free=26.3, a=73.7), {}, parse_headroom("10%"), alone=True) == ["a"]
+
+
 def test_no_room_even_after_evicting_everyone() -> None:
     s = snap(free=10, ckpt={"c": 120}, a=90)
     with pytest.raises(NoRoom, match=r"no room for c on agent-0/GPU-0: it needs 120.00 GB"):
@@ -630,7 +642,7 @@ def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
                   clock=lambda: now[0])
     g.residency.held("b")
     g.residency.moved_out("a")
-    g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=40 * GB)},
+    g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=140 * GB, free=110 * GB)},
                                           device_bytes={"b": {"agent-0/gpu0": 30 * GB}},
                                           checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
     if case == "prior speed":

@@ -138,9 +138,6 @@ class MemoryMoves:
                                         and not self.must_leave(incoming) and roomy(g, incoming)):
             self._grant_on_gpu(incoming)
             return
-        if self.memory_aware and not restore and not r.lru(excluding=[incoming]):
-            self._grant_on_gpu(incoming)  # nobody to make room from
-            return
         evict = None if self.memory_aware else r.lru(excluding=[incoming])
         if evict is not None and not evict and not restore:
             self._grant_on_gpu(incoming)
