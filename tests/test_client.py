@@ -95,10 +95,13 @@ async def test_lost_lease_raises_on_scope_exit(make_cluster) -> None:
     loop = asyncio.get_running_loop()
 
     def body() -> None:
+        import time
         with client.on_accelerators():
             loop.call_soon_threadsafe(holding.set)
-            import time
-            time.sleep(0.8)
+            deadline = time.monotonic() + 30
+            while client.holding() is not None:  # until its keep-alive hears that the lease is gone
+                assert time.monotonic() < deadline, "the client never noticed its lost lease"
+                time.sleep(0.01)
 
     task = asyncio.create_task(asyncio.to_thread(body))
     await holding.wait()
@@ -178,8 +181,17 @@ async def test_orchestrator_started_late_is_reached_by_retries() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", unavailable_timeout=10)
+    loop = asyncio.get_running_loop()
+    refused = asyncio.Event()
+
+    def on_state(state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            loop.call_soon_threadsafe(refused.set)
+
+    client._channel.subscribe(on_state)
     task = asyncio.create_task(asyncio.to_thread(client.acquire))
-    await asyncio.sleep(0.5)
+    await asyncio.wait_for(refused.wait(), 30)  # the client tried, and nothing listened
+    client._channel.unsubscribe(on_state)
     orch = Orchestrator([GroupSpec(id="g")])
     server, _ = await serve(OrchestratorServicer(orch), f"127.0.0.1:{port}")
     try:
@@ -232,12 +244,20 @@ async def test_a_client_that_gives_up_as_the_grant_comes_leaves_no_grant_behind(
     """Issue 10, item 6: clients told AcquireTimeout while the server had granted them; each
     ghost hold lasted a full lease. Here the grant's reply is held back past the client's
     timeout, deterministically: the client's CancelAcquire gives the grant back."""
+    gave_up = asyncio.Event()
+
     class SlowReply(OrchestratorServicer):
         async def Acquire(self, request, context):
             resp = await super().Acquire(request, context)
-            if request.job_id == "late":
-                await asyncio.sleep(1.0)  # granted, but the reply comes after the caller gave up
+            if request.job_id == "late":  # granted, but the reply comes after the caller gave up
+                await asyncio.wait_for(gave_up.wait(), 30)
             return resp
+
+        async def CancelAcquire(self, request, context):
+            try:
+                return await super().CancelAcquire(request, context)
+            finally:
+                gave_up.set()
 
     orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
     server, port = await serve(SlowReply(orch))
