@@ -128,7 +128,8 @@ def job(target: str, name: str, store: FakeStore, **kw: object) -> TimeSliceOrch
 
 
 async def connected(client: TimeSliceOrchestratorClient) -> None:
-    await asyncio.to_thread(client._memory_loops[0].connected.wait, 10)
+    """Wait until the client's newest command stream is open (fail after 10 s)."""
+    assert await asyncio.to_thread(client._memory_loops[-1].connected.wait, 10), "command stream not connected"
 
 
 async def jobs(target: str, sa: FakeStore, sb: FakeStore, **kw: object) -> tuple[TimeSliceOrchestratorClient, ...]:
