@@ -162,15 +162,22 @@ SLOW_AGENT = """
 
     target, records, marker, pid = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 
+    cut = asyncio.Event()
+
     class Slow(FreezeBackend):  # a large checkpoint: the processes are stopped long before it ends
         async def checkpoint(self, pids, timeout):
             states = await super().checkpoint(pids, timeout)
             marker.write_text("frozen")
-            await asyncio.sleep(1.0)
+            await asyncio.wait_for(cut.wait(), 30)  # it ends only after its call was cut
             return states
 
+    class Agent(NodeAgent):
+        async def _undo_cancelled(self, *args):  # the agent saw its caller go away
+            cut.set()
+            await super()._undo_cancelled(*args)
+
     async def main():
-        agent = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[Slow()], records_path=records)
+        agent = Agent(StaticProcessResolver({"a": [pid]}), backends=[Slow()], records_path=records)
         server, _ = await create_server(agent, target)
         await asyncio.Event().wait()
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import python_child
+from tests.conftest import eventually, python_child
 
 
 def timeslice(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -67,10 +67,7 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
         TimeSliceOrchestratorClient("{c.target}", "trainer-b", "g").acquire()
     """)
     children.append(waiter)
-    for _ in range(200):
-        if (await c.status()).waiters:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: _waiting(c), timeout=60, what="trainer-b waiting")  # a child process starts first
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target)
     assert r.returncode == 0, r.stderr
     assert "group g  backend=none  residency=exclusive  phase=held  holder=trainer-a (epoch 1" in r.stdout
@@ -80,6 +77,10 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "missing")
     assert r.returncode == 1 and "NOT_FOUND: unknown group 'missing'" in r.stderr
     await holder.close()
+
+
+async def _waiting(c) -> bool:
+    return bool((await c.status()).waiters)
 
 
 def test_help_lists_the_subcommands() -> None:

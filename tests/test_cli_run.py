@@ -16,9 +16,11 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from timeslice import AcquireTimeout, AsyncTimeSliceOrchestratorClient
+from timeslice import AsyncTimeSliceOrchestratorClient
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
+
+from tests.conftest import eventually
 
 # CMD: append (job, start, end) to a file around a short piece of work.
 WORK = ("import json, sys, time; t0 = time.time(); time.sleep(0.3); "
@@ -81,6 +83,15 @@ async def timeslice(*args: str, env: dict[str, str] | None = None) -> tuple[int,
     return proc.returncode or 0, err.decode()
 
 
+async def _status(target: str) -> pb.GroupStatus:
+    async with grpc.aio.insecure_channel(target) as ch:
+        return await pb_grpc.OrchestratorStub(ch).GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"))
+
+
+async def _waiting(target: str, job: str) -> bool:
+    return job in [w.job_id for w in (await _status(target)).waiters]
+
+
 async def test_acquire_holds_until_release_across_commands(target, tmp_path) -> None:
     """`timeslice acquire` returns once granted and the hold outlives it (a holder process keeps
     the lease); another job waits until `timeslice release`; a second acquire of the same hold
@@ -93,14 +104,17 @@ async def test_acquire_holds_until_release_across_commands(target, tmp_path) -> 
     rc, err = await timeslice("acquire", "--target", target, *args)
     assert rc == 2 and "already holds" in err
     other = AsyncTimeSliceOrchestratorClient(target, "b", "g")
+    waiter = asyncio.ensure_future(other.acquire(timeout=60))
     try:
-        with pytest.raises(AcquireTimeout):
-            await other.acquire(timeout=0.5)  # a holds, across commands
+        await eventually(lambda: _waiting(target, "b"), timeout=30, what="b waiting")
+        status = await _status(target)
+        assert status.holder.job_id == "a" and not waiter.done()  # a holds, across commands; b waits
         assert (await timeslice("release", *args))[0] == 0
         assert not (tmp_path / "hold.json").exists()
-        assert (await other.acquire(timeout=30)).epoch == 2
+        assert (await waiter).epoch == 2
         await other.release()
     finally:
+        waiter.cancel()
         await other.close()
     rc, err = await timeslice("release", *args)
     assert rc == 2 and "no hold file" in err

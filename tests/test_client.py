@@ -48,7 +48,7 @@ async def test_sync_decorator_and_context_manager(make_cluster) -> None:
 
     await asyncio.to_thread(block)
     assert (await c.status()).grants == 2
-    client.close()
+    await asyncio.to_thread(client.close)  # Leave is answered by this loop
 
 
 async def test_sync_client_decorates_async_functions_without_blocking_the_loop(make_cluster) -> None:
@@ -61,7 +61,7 @@ async def test_sync_client_decorates_async_functions_without_blocking_the_loop(m
         return "done"
 
     assert await phase() == "done"
-    client.close()
+    await asyncio.to_thread(client.close)  # Leave is answered by this loop
 
 
 async def test_async_client_decorator_and_errors(make_cluster) -> None:
@@ -95,17 +95,20 @@ async def test_lost_lease_raises_on_scope_exit(make_cluster) -> None:
     loop = asyncio.get_running_loop()
 
     def body() -> None:
+        import time
         with client.on_accelerators():
             loop.call_soon_threadsafe(holding.set)
-            import time
-            time.sleep(0.8)
+            deadline = time.monotonic() + 30
+            while client.holding() is not None:  # until its keep-alive hears that the lease is gone
+                assert time.monotonic() < deadline, "the client never noticed its lost lease"
+                time.sleep(0.01)
 
     task = asyncio.create_task(asyncio.to_thread(body))
     await holding.wait()
     c.orchestrator.group("g").drop_job("job-a", "test takes the lock away")
     with pytest.raises(LeaseLost):
         await task
-    client.close()
+    await asyncio.to_thread(client.close)  # Leave is answered by this loop
 
 
 async def serve(servicer: OrchestratorServicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
@@ -135,7 +138,7 @@ async def test_unavailable_is_retried_with_the_same_request_id() -> None:
         grant = await asyncio.to_thread(client.acquire)
         assert grant.epoch == 1 and len(seen) == 3 and len(set(seen)) == 1
         assert (await asyncio.to_thread(client.release)) == 0
-        client.close()
+        await asyncio.to_thread(client.close)  # Leave is answered by this loop
     finally:
         await server.stop(0)
         await orch.close()
@@ -178,8 +181,17 @@ async def test_orchestrator_started_late_is_reached_by_retries() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", unavailable_timeout=10)
+    loop = asyncio.get_running_loop()
+    refused = asyncio.Event()
+
+    def on_state(state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            loop.call_soon_threadsafe(refused.set)
+
+    client._channel.subscribe(on_state)
     task = asyncio.create_task(asyncio.to_thread(client.acquire))
-    await asyncio.sleep(0.5)
+    await asyncio.wait_for(refused.wait(), 30)  # the client tried, and nothing listened
+    client._channel.unsubscribe(on_state)
     orch = Orchestrator([GroupSpec(id="g")])
     server, _ = await serve(OrchestratorServicer(orch), f"127.0.0.1:{port}")
     try:
@@ -232,12 +244,20 @@ async def test_a_client_that_gives_up_as_the_grant_comes_leaves_no_grant_behind(
     """Issue 10, item 6: clients told AcquireTimeout while the server had granted them; each
     ghost hold lasted a full lease. Here the grant's reply is held back past the client's
     timeout, deterministically: the client's CancelAcquire gives the grant back."""
+    gave_up = asyncio.Event()
+
     class SlowReply(OrchestratorServicer):
         async def Acquire(self, request, context):
             resp = await super().Acquire(request, context)
-            if request.job_id == "late":
-                await asyncio.sleep(1.0)  # granted, but the reply comes after the caller gave up
+            if request.job_id == "late":  # granted, but the reply comes after the caller gave up
+                await asyncio.wait_for(gave_up.wait(), 30)
             return resp
+
+        async def CancelAcquire(self, request, context):
+            try:
+                return await super().CancelAcquire(request, context)
+            finally:
+                gave_up.set()
 
     orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
     server, port = await serve(SlowReply(orch))

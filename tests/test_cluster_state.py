@@ -123,6 +123,9 @@ async def test_unchanged_state_delivers_nothing(apiserver, api) -> None:
         w.pods[0]["metadata"]["labels"]["unrelated"] = "x"  # trimmed away: no change at all
         apiserver.put(w.pods[0])
         await eventually(lambda: cs.pods.stats.events >= 1)
+        # A negative check, the point of the test: nothing is delivered, and no signal says
+        # "decided not to deliver" (the event was counted in the same step as the cache found it
+        # unchanged). The 0.1 s gives a wrong delivery ten debounce windows to show.
         await asyncio.sleep(0.1)
         assert len(rec.snapshots) == 1
 

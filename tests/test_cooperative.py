@@ -128,7 +128,8 @@ def job(target: str, name: str, store: FakeStore, **kw: object) -> TimeSliceOrch
 
 
 async def connected(client: TimeSliceOrchestratorClient) -> None:
-    await asyncio.to_thread(client._memory_loops[0].connected.wait, 10)
+    """Wait until the client's newest command stream is open (fail after 10 s)."""
+    assert await asyncio.to_thread(client._memory_loops[-1].connected.wait, 10), "command stream not connected"
 
 
 async def jobs(target: str, sa: FakeStore, sb: FakeStore, **kw: object) -> tuple[TimeSliceOrchestratorClient, ...]:
@@ -430,8 +431,9 @@ async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_proce
         s2 = FakeStore("a-new")
         a2 = job(target, "a", s2)
         await connected(a2)
-        await asyncio.sleep(0.3)  # past the grace: the old process's state is gone with it
-        await asyncio.to_thread(a2.acquire)
+        # a2 asks again (its failed switches retried) until the old process is past the grace
+        # and its state counts as gone with it: then a2 is granted
+        await asyncio.to_thread(a2.acquire, timeout=30)
         assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]  # b's, not a's
         await asyncio.to_thread(a2.release)
         await asyncio.to_thread(a2.close)

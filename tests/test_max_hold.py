@@ -12,7 +12,7 @@ from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
 from timeslice.v1 import orchestrator_pb2 as pb
 
 from tests.conftest import eventually
-from tests.test_orchestrator import acquire, release
+from tests.test_orchestrator import acquire, held_for, release
 
 
 def set_group(c, **changes) -> None:
@@ -32,8 +32,7 @@ async def test_holder_past_max_hold_is_checkpointed_requeued_and_restored_with_i
     c = await make_cluster(backend="cuda", lease_seconds=10.0)
     set_group(c, max_hold_seconds=0.3)
     ga = await c.stub.Acquire(acquire("a", "a1"))
-    await asyncio.sleep(0.5)  # no waiter, no limit
-    assert (await c.status()).holder.job_id == "a"
+    await held_for(c, "a", 0.5)  # past the limit: no waiter, no limit
     t0 = asyncio.get_running_loop().time()
     gb = await asyncio.wait_for(c.stub.Acquire(acquire("b", "b1")), 5)
     assert asyncio.get_running_loop().time() - t0 >= 0.25  # counted from b's arrival
@@ -52,6 +51,10 @@ async def test_holder_past_max_hold_is_checkpointed_requeued_and_restored_with_i
     assert (await c.status()).phase == "idle"
 
 
+async def _not_waiting(c, job: str) -> bool:
+    return not await _waiting(c, job)
+
+
 async def _holder(c, job: str) -> bool:
     return (await c.status()).holder.job_id == job
 
@@ -63,9 +66,9 @@ async def test_waiters_that_leave_stop_the_clock(make_cluster) -> None:
     loop = asyncio.get_running_loop()
     with pytest.raises(grpc.aio.AioRpcError):
         await c.stub.Acquire(acquire("b", "b1", timeout=0.2))  # gives up before the limit
-    await asyncio.sleep(0.1)
+    await eventually(lambda: _not_waiting(c, "b"))  # b left the queue
     assert (await c.status()).holder.job_id == "a"
-    t0 = loop.time()  # 0.3 s after b's first arrival: the limit counts from this one
+    t0 = loop.time()  # >= 0.2 s after b's first arrival: the limit counts from this one
     await asyncio.wait_for(c.stub.Acquire(acquire("b", "b2")), 5)
     assert loop.time() - t0 >= 0.35
     assert (await c.status()).preemptions == 1

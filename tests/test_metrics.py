@@ -74,14 +74,14 @@ async def test_group_metrics_follow_grants_waits_switches_failures_and_preemptio
     ga = await c.stub.Acquire(acquire("a", "a1"))  # free lock, nothing resident: no switch
     task = asyncio.ensure_future(c.stub.Acquire(acquire("b", "b1")))
     await eventually(lambda: _waiting(c, "b"))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # workload, not a wait: a holds 0.2 s while b waits (the floor of the seconds below)
     s1 = await scrape(url)
     assert value(s1, "timeslice_group_waiters", group="g") == 1
     assert value(s1, "timeslice_group_waiters", group="h") == 0
     assert value(s1, "timeslice_group_epoch", group="g") == 1
     assert value(s1, "timeslice_group_grants_total", group="g") == 1
     assert value(s1, "timeslice_group_holder_held_seconds", group="g") >= 0.2
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # workload: a holds 0.1 s more, and its current hold's seconds grow by as much
     s2 = await scrape(url)
     held1, held2 = (value(x, "timeslice_group_held_seconds_total", group="g") for x in (s1, s2))
     assert 0.2 <= held1 and held2 >= held1 + 0.09  # the current hold counts, and grows

@@ -22,6 +22,17 @@ def release(job: str, grant: pb.AcquireResponse, group: str = "g") -> pb.Release
     return pb.ReleaseRequest(job_id=job, group_id=group, lease_id=grant.lease_id, epoch=grant.epoch)
 
 
+async def held_for(c, job: str, seconds: float, group: str = "g") -> None:
+    """Wait until the group's status shows `job` holding for `seconds` (deadline: 30 s more);
+    fail at once when it shows another holder or none (the hold ended before)."""
+    async def check() -> bool:
+        holder = (await c.status(group)).holder
+        assert holder.job_id == job, f"{job}'s hold ended before {seconds} s: holder is {holder.job_id or 'nobody'}"
+        return holder.held_seconds >= seconds
+
+    await eventually(check, timeout=seconds + 30, what=f"{job} holding for {seconds} s")
+
+
 async def test_fifo_within_priority_and_higher_priority_first(make_cluster) -> None:
     c = await make_cluster()
     first = await c.stub.Acquire(acquire("holder", "h"))
@@ -76,7 +87,7 @@ async def test_keep_alive_holds_past_the_lease(make_cluster) -> None:
     c = await make_cluster(lease_seconds=0.3)
     client = c.client("a")
     await client.acquire()
-    await asyncio.sleep(1.0)
+    await held_for(c, "a", 1.0)  # more than three leases
     status = await c.status()
     assert status.holder.job_id == "a" and status.lease_expiries == 0
     await client.release()
@@ -95,8 +106,7 @@ async def test_holder_killed_with_sigkill_loses_the_lock_after_the_lease(make_cl
     """)
     children.append(child)
     assert await asyncio.to_thread(child.stdout.readline) == "held\n"
-    await asyncio.sleep(0.8)  # longer than the lease: the child's keep-alives keep it
-    assert (await c.status()).holder.job_id == "victim"
+    await held_for(c, "victim", 0.8)  # longer than the lease: the child's keep-alives keep it
     child.send_signal(signal.SIGKILL)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -142,7 +152,8 @@ async def test_retried_acquire_joins_the_same_entry_and_gets_the_same_grant(make
     first = asyncio.ensure_future(c.stub.Acquire(acquire("b", "same")))
     await eventually(lambda: _waiting(c, "b"))
     retry = asyncio.ensure_future(c.stub.Acquire(acquire("b", "same")))
-    await asyncio.sleep(0.1)
+    queue = c.orchestrator.group("g").queue
+    await eventually(lambda: queue.by_request("b", "same").callers == 2, what="the retry joined b's entry")
     assert [w.job_id for w in (await c.status()).waiters] == ["b"]
     await c.stub.Release(release("a", g1))
     r1, r2 = await asyncio.gather(first, retry)
