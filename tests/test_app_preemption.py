@@ -12,14 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+from pathlib import Path
 
 import aiohttp
 import pytest
+from timeslice.controller.orchestrator import takeover
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import SwitchRecord
 from timeslice.driver.app_engine import AppEngine
+from timeslice.driver.errors import StaleLease
 from timeslice.errors import LeaseLost, SwitchFailed
 
 from tests.conftest import eventually, python_child
-from tests.test_app_backend import calls, engine_dirs, fault, is_sleeping, two_jobs  # noqa: F401 (a fixture)
+from tests.test_app_backend import calls, fault, is_sleeping, two_jobs
+
+
+@pytest.fixture
+def engine_dirs(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "memory").mkdir()
+    return tmp_path / "calls.log", tmp_path / "memory"
 
 
 async def generate(engine: AppEngine) -> int:
@@ -79,8 +91,8 @@ async def test_a_level2_engine_is_never_woken_under_the_grant_its_client_holds(m
     fix a was slept, b held and released, and a's engine was woken and a granted again
     under its client's old lease: its client saw no change (its epoch), with its weights gone."""
     log, _ = engine_dirs
-    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=1.5,
-                                 group={"max_hold_seconds": 0.3}, level=2)
+    c, _ = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=1.5,
+                          group={"max_hold_seconds": 0.3}, level=2)
     a, b = c.client("a"), c.client("b")
 
     async def b_phase():  # type: ignore[no-untyped-def]
@@ -186,7 +198,7 @@ async def test_a_lapsed_holder_whose_job_is_dropped_is_slept_then(make_cluster, 
     """Its lease lapsed, and its processes are known to be done (the job dropped: its pods
     gone): now its engine may sleep, and b is granted."""
     log, _ = engine_dirs
-    c, a_engine, b, tb = await _killed_holder(make_cluster, children, engine_dirs)
+    c, _, b, tb = await _killed_holder(make_cluster, children, engine_dirs)
     try:
         c.orchestrator.drop_job("g", "a", "its pods are gone")
         await asyncio.wait_for(tb, 10)
@@ -215,3 +227,35 @@ async def test_a_lapsed_holder_that_asks_again_holds_first_then_sleeps_after_its
     finally:
         for cl in (a, b):
             await cl.close()
+
+
+async def test_a_merge_revokes_an_app_holders_lease_and_sleeps_its_engine_after_its_release() -> None:
+    """Groups that merge keep one holder; the other, on `app`, is not parked (its engine slept
+    under its client): its lease is revoked, and its engine leaves only after its release."""
+    moves: list[tuple[tuple[str, ...], str, bool]] = []
+
+    async def switcher(spec: GroupSpec, evict, incoming: str, restore: bool) -> SwitchRecord:  # type: ignore[no-untyped-def]
+        moves.append((tuple(evict), incoming, restore))
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    engines = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in "ab"}
+    old, new = (LockGroup(GroupSpec(id=g, backend="app", agents=("unix:///x",), apps=engines), switcher)
+                for g in ("old", "new"))
+    try:
+        ga = await old.acquire("a", 0, "a-1", None)
+        gb = await new.acquire("b", 0, "b-1", None)
+        takeover.carry(new, old, {"a"})
+        with pytest.raises(StaleLease, match=r"revoked .*moved to group new"):
+            new.keep_alive("a", ga.lease_id, ga.epoch)
+        assert new.holder is not None and new.holder.job_id == "b" and new.moves.unreleased() == ["a"]
+        new.release("b", gb.lease_id, gb.epoch, "b-1")
+        again = asyncio.create_task(new.acquire("b", 0, "b-2", None))
+        await eventually(lambda: len(new.queue) == 1, what="b waiting")
+        assert not moves and new.switching is None  # a's engine stays awake for its client
+        with pytest.raises(StaleLease, match="noted: its engine may now sleep"):
+            new.release("a", ga.lease_id, ga.epoch, "a-1")
+        await asyncio.wait_for(again, 5)
+        assert moves == [(("a",), "b", False)]
+    finally:
+        await old.close()
+        await new.close()
