@@ -336,6 +336,7 @@ class LockGroup:
                 return
         self.epoch += 1
         self.counters.grants += 1
+        restored = self.moves.woken(job_id) or restored  # an engine woken since its last grant: said so
         parked = next((self.preemption.forget(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
         self.leases.remember(lease_id)

@@ -22,11 +22,12 @@ fits beside them (their processes may still compute): preempted holders, *fenced
 jobs nobody will ask for (dropped, or lapsed while preempted), restored when the group is
 idle (`idle_restores.py`) so no process stays stopped, then forgotten.
 
-Backend `app` (`unreleased`): the agent calls the job's engine, it does not stop the job's
-client, so a sleep under a client that still generates fails its requests. A holder whose
-hold ended without its release (its lease revoked at `maxHoldSeconds` or by a merge, or
-lapsed) must leave too, but its engine is not slept, and nobody is granted in its place,
-until its client released.
+Backend `app` (`unreleased`, `woken`): the agent calls the job's engine, it does not stop
+the job's client, so a sleep under a client that still generates fails its requests. A
+holder whose hold ended without its release (its lease revoked at `maxHoldSeconds` or by
+a merge, or lapsed) must leave too, but its engine is not slept, and nobody is granted in
+its place, until its client released; and an engine woken without a grant (a rollback's
+wake) is reported to its client at its next grant.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class MemoryMoves:
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
         # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}
+        self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
         self._watch_task: asyncio.Task[None] | None = None
@@ -141,6 +143,16 @@ class MemoryMoves:
     def released(self, job: str) -> None:
         """Every caller of `job`'s unreleased hold released: its engine may sleep."""
         self._unreleased.pop(job, None)
+
+    def woken(self, job: str) -> bool:
+        """Whether `job`'s engine (backend `app`) was woken without a grant since its last one
+        (a failed switch's rollback woke it, or a restore for nobody): its next grant says
+        restored, so its client learns that its engine reloaded its state (a vLLM sleep of
+        level 2 discards the weights; a wake does not bring them back). Reported once."""
+        if job not in self._woken:
+            return False
+        self._woken.discard(job)
+        return True
 
     def dropped(self, job: str, held: bool) -> None:
         """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job,
@@ -493,6 +505,8 @@ class MemoryMoves:
             g.counters.failed_switches += 1
             for job in err.off_gpu:
                 r.moved_out(job)
+            if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
+                self._woken.update(j for j in evict or () if j not in err.off_gpu)
             log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
             g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
@@ -515,6 +529,8 @@ class MemoryMoves:
                 r.held(incoming)
             elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
                 r.forget(incoming)
+                if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
+                    self._woken.add(incoming)
             elif restore and record is not None:
                 r.moved_in(incoming, next_up=beside is not None)
         finally:
