@@ -243,7 +243,8 @@ class ClaimStatusWriter:
             "switch-failed": f"group {e.group_id}: switch to {e.job_id} failed: {r.error if r else ''}",
             "lease-expired": f"group {e.group_id}: lease of {e.job_id} (epoch {e.epoch}) expired",
             "preempted": f"group {e.group_id}: {e.job_id} (epoch {e.epoch}) held past its maxHoldSeconds while "
-                         "others waited: preempted (checkpointed and queued again; with backend none, lease revoked)",
+                         "others waited: preempted (checkpointed and queued again; with backend none or cooperative, "
+                         "lease revoked; app: lease revoked, its engine slept once its client released)",
             "job-failed": f"group {e.group_id}: {e.job_id} failed: {r.error if r else ''}",
         }[e.kind]
         for namespace, name in self._claims_of(e.job_id):

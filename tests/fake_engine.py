@@ -25,6 +25,9 @@ answers but frees nothing), `{"sleep": "huge-body"}` (a sleep answers HTTP 500 w
 call of the engine's API answers 307 to URL + the call's path and query); `"ok"` clears one.
 `GET /fake/stats`: `{"hits": ["METHOD /path", ...], "body_sent": n, "body_ended": bool}`, the
 API calls it got (any answer) and the bytes of the last huge body sent so far.
+`POST /v1/completions` stands for a client's request (its rollouts): logged `generate` and
+answered 200 while awake; while asleep logged `generate-asleep` and answered 503 (a request
+to a sleeping engine fails).
 `--delay S`: each sleep and wake takes S seconds (the engine's own work).
 """
 
@@ -151,6 +154,13 @@ class FakeEngine:
         self._record("wake")
         return self._ok()
 
+    async def generate(self, request: web.Request) -> web.Response:
+        if self.sleeping:
+            self._record("generate-asleep")
+            return web.Response(status=503, text="the engine is sleeping")
+        self._record("generate")
+        return web.json_response({"choices": [{"text": "ok"}]})
+
     def _ok(self) -> web.Response:
         return web.Response(status=200) if self.engine == "vllm" else web.json_response(None)
 
@@ -189,6 +199,7 @@ class FakeEngine:
         else:
             app.router.add_post("/release_memory_occupation", self.sleep)
             app.router.add_post("/resume_memory_occupation", self.wake)
+        app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/fake/fault", self.fault)
         app.router.add_get("/fake/stats", self.stats)
         return app

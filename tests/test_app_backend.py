@@ -48,14 +48,17 @@ async def start_engine(children: list, kind: str, name: str, log: Path, memory_d
 
 
 async def two_jobs(make_cluster, children: list, engine_dirs: tuple[Path, Path],  # type: ignore[no-untyped-def]
-                   b_kind: str = "sglang", **a_app: object):
+                   b_kind: str = "sglang", lease_seconds: float = 10.0, group: dict[str, object] | None = None,
+                   **a_app: object):
     """Jobs a (a vLLM-like engine, more `AppEngine` fields from `a_app`) and b (`b_kind`), each
-    an engine process, in one group on backend app: (cluster, a's engine)."""
+    an engine process, in one group on backend app (more `GroupSpec` fields from `group`):
+    (cluster, a's engine)."""
     log, memory = engine_dirs
     pa, a_engine = await start_engine(children, "vllm", "a", log, memory, **a_app)
     pb, b_engine = await start_engine(children, b_kind, "b", log, memory)
     c = await make_cluster(backend="app", real_backend=True, jobs={"a": [pa.pid], "b": [pb.pid]},
-                           memory_probe=nvml_stand_in(memory), spec={"apps": {"a": a_engine, "b": b_engine}})
+                           memory_probe=nvml_stand_in(memory), lease_seconds=lease_seconds,
+                           spec={"apps": {"a": a_engine, "b": b_engine}, **(group or {})})
     return c, a_engine
 
 

@@ -164,9 +164,10 @@ class LockGroup:
         checkpointed). With `request_id` (the caller's Acquire), while other callers of the
         job share the hold (the pods of one unit), only that caller's part ends: the hold
         ends with the last one's release, or its lease. A late release under a lease that
-        lapsed here on a backend that stops processes is accepted (`Leases.released_lapsed`).
-        Returns (waiters, switch started); (0, False) when other callers still hold.
-        Raises StaleLease."""
+        lapsed here on a backend that stops processes is accepted (`Leases.released_lapsed`);
+        one under an `app` lease that was revoked or lapsed is noted, then refused
+        (`Leases.refuse_revoked`). Returns (waiters, switch started); (0, False) when other
+        callers still hold. Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
         if parked is not None and self.callers.released_part(parked[1], request_id):
             return 0, False  # nothing is handed over: the job's other callers hold on
@@ -180,6 +181,7 @@ class LockGroup:
             return len(self.queue), self.switching is not None
         if self.leases.released_lapsed(job_id, lease_id, epoch):  # its hold ended with its lease: nothing to do
             return len(self.queue), self.switching is not None
+        self.leases.refuse_revoked(job_id, lease_id, epoch, "release", request_id)
         h = self.leases.check(job_id, lease_id, epoch, "release")
         if self.callers.released_part(h, request_id):
             return 0, False
@@ -202,11 +204,13 @@ class LockGroup:
         cut off): its process is stopped on the GPU, so it is queued again with that lease
         rather than left stopped for good (`takeover.requeue_switched_out`); so is a late
         keep-alive under a lease that lapsed here on a backend that stops processes
-        (`Leases.requeue_lapsed`). Raises StaleLease."""
+        (`Leases.requeue_lapsed`). One under an `app` lease that was revoked or lapsed is
+        refused (`Leases.refuse_revoked`). Raises StaleLease."""
         parked = self.preemption.entry(job_id, lease_id, epoch)
         if parked is not None:
             parked[1].lease_deadline = self.clock() + self.spec.lease_seconds
             return self.spec.lease_seconds
+        self.leases.refuse_revoked(job_id, lease_id, epoch, "keep-alive")
         if takeover.requeue_switched_out(self, job_id, lease_id, epoch) or \
                 self.leases.requeue_lapsed(job_id, lease_id, epoch):
             return self.spec.lease_seconds
@@ -332,6 +336,7 @@ class LockGroup:
                 return
         self.epoch += 1
         self.counters.grants += 1
+        restored = self.moves.woken(job_id) or restored  # an engine woken since its last grant: said so
         parked = next((self.preemption.forget(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
         self.leases.remember(lease_id)

@@ -20,6 +20,11 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
   release is accepted (`released_lapsed`).
 - `none`: nothing stops a lapsed holder, so the next job may overlap it: its late calls are
   refused (the client raises `LeaseLost`).
+- `app`: the agent sleeps the job's engine but does not stop its client, whose requests a
+  sleeping engine fails. Its late calls are refused as with `none`, and also those of a
+  holder preempted at `maxHoldSeconds` or by a merge (`refuse_revoked`); its engine is
+  slept only once its client released (its refused release is noted first), and nobody is
+  granted in its place until then (`MemoryMoves.unreleased`).
 """
 
 from __future__ import annotations
@@ -115,14 +120,48 @@ class Leases:
         log.warning("lease expired group=%s job=%s epoch=%d", g.id, h.job_id, h.epoch)
         g.notify("lease-expired", h.job_id, h.epoch)
         g.end_hold(h, "lease expired")
-        g.moves.lapsed(h.job_id)
-        if g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE):
+        g.moves.lapsed(h.job_id, h, f"no keep-alive within {g.spec.lease_seconds:g} s")
+        if g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP):
             self._lapsed[h.lease_id] = h  # its late keep-alive queues it again
             while len(self._lapsed) > KNOWN_LEASES:
                 self._lapsed.popitem(last=False)
         g.record_placement()
         g.dispatch()
         g.idle.refresh_memory()  # nobody waits: an idle freeze group thaws the jobs it froze
+
+    def refuse_revoked(self, job_id: str, lease_id: str, epoch: int, what: str,
+                       request_id: str | None = None) -> None:
+        """A keep-alive, or a release (`request_id`: its caller's Acquire, "" for the whole
+        hold), under the lease of an `app` hold that ended unreleased (`MemoryMoves.unreleased`;
+        a hold whose lease is not known, adopted or carried without it: any lease this group
+        did not grant, of an epoch not past its own). A release is noted first: its caller's
+        part ends, and once no caller is left its engine may sleep (the group dispatches).
+        Then raises StaleLease (the client raises `LeaseLost`: its hold ended). Returns for
+        any other lease."""
+        g = self._g
+        found = g.moves.unreleased_hold(job_id)
+        if found is None:
+            return
+        h, why = found
+        if h is None or h.lease_id == ADOPTED:
+            if self.known(lease_id) or not 0 < epoch <= g.epoch:
+                return
+        elif h.lease_id != lease_id or (epoch != h.epoch and epoch not in h.past_epochs):
+            return
+        left = "its engine stays awake until its release"
+        if request_id is not None:
+            if h is not None and g.callers.released_part(h, request_id):
+                left = f"its engine stays awake until its other callers release ({len(h.request_ids)})"
+            else:
+                log.info("release of an unreleased hold noted group=%s job=%s epoch=%d: its engine may sleep", g.id,
+                         job_id, epoch)
+                g.moves.released(job_id)
+                g.record_placement()
+                g.dispatch()
+                g.idle.refresh_memory()
+                left = "noted: its engine may now sleep"
+        raise StaleLease(f"group {g.id}: {what} by job {job_id} epoch {epoch} refused: its lease is revoked ({why}); "
+                         f"{left}")
 
     def streams_closed(self, job_id: str) -> None:
         """Every memory command stream of `job_id`'s processes closed: if it is the overdue

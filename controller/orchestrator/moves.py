@@ -21,6 +21,13 @@ fits beside them (their processes may still compute): preempted holders, *fenced
 (dropped while holding) and *lapsed* ones (their lease ran out). *Orphans*: checkpointed
 jobs nobody will ask for (dropped, or lapsed while preempted), restored when the group is
 idle (`idle_restores.py`) so no process stays stopped, then forgotten.
+
+Backend `app` (`unreleased`, `woken`): the agent calls the job's engine, it does not stop
+the job's client, so a sleep under a client that still generates fails its requests. A
+holder whose hold ended without its release (its lease revoked at `maxHoldSeconds` or by
+a merge, or lapsed) must leave too, but its engine is not slept, and nobody is granted in
+its place, until its client released; and an engine woken without a grant (a rollback's
+wake) is reported to its client at its next grant.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import time
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
-from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.residency import (
     MemorySnapshot,
@@ -44,6 +51,7 @@ from timeslice.controller.orchestrator.residency import (
     parse_headroom,
     plan_room,
 )
+from timeslice.driver import names
 from timeslice.driver.errors import JobFailed, SwitchFailed
 
 if TYPE_CHECKING:
@@ -81,6 +89,9 @@ class MemoryMoves:
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
+        # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
+        self._unreleased: dict[str, tuple[Hold | None, str]] = {}
+        self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
         self._watch_task: asyncio.Task[None] | None = None
@@ -97,17 +108,51 @@ class MemoryMoves:
 
     # -- what happened to a job ------------------------------------------------------
     def granted(self, job: str) -> None:
-        """`job` holds the lock with its state on the GPUs: nothing pending about it."""
+        """`job` holds the lock with its state on the GPUs: nothing pending about it (a hold of
+        it that ended unreleased is superseded: its client holds again)."""
         self._granted_at[job] = self._g.clock()
         self._restore_failures.pop(job, None)
         self._fenced.discard(job)
         self._lapsed.discard(job)
+        self._unreleased.pop(job, None)
 
-    def lapsed(self, job: str) -> None:
-        """`job`'s lease lapsed while it held: cut off, not gone, it may still compute, so it
-        leaves the GPUs before anyone is granted."""
-        if self._g.spec.backend != "none":
+    def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> None:
+        """`job`'s lease lapsed while it held (or was revoked: `hold`, the hold that ended, and
+        `why`): cut off, not gone, it may still compute, so it leaves the GPUs before anyone is
+        granted. On backend `app` only once its client released (`unreleased`)."""
+        if self._g.spec.backend == names.BACKEND_APP:
+            self._unreleased[job] = (hold, why)
+        elif self._g.spec.backend != names.BACKEND_NONE:
             self._lapsed.add(job)
+
+    def unreleased(self, excluding: str = "") -> list[str]:
+        """Jobs on backend `app`, still on the GPUs, whose hold ended without their client's
+        release (`lapsed`: its lease revoked at `maxHoldSeconds` or by a merge, or lapsed): the
+        client may still be generating on its engine, which the agent calls but does not stop,
+        so the engine is not slept, and nobody who needs its room is granted, until its client
+        released (`released`), its job is dropped (its processes are done: pods gone, claim set
+        left, `Leave`), or it holds again (`granted`)."""
+        g = self._g
+        return sorted(j for j in self._unreleased if j != excluding and j in g.residency.residents)
+
+    def unreleased_hold(self, job: str) -> tuple[Hold | None, str] | None:
+        """(the hold that ended unreleased, None when not known: adopted or carried without it,
+        and why) of an `unreleased` job; None for any other."""
+        return self._unreleased.get(job)
+
+    def released(self, job: str) -> None:
+        """Every caller of `job`'s unreleased hold released: its engine may sleep."""
+        self._unreleased.pop(job, None)
+
+    def woken(self, job: str) -> bool:
+        """Whether `job`'s engine (backend `app`) was woken without a grant since its last one
+        (a failed switch's rollback woke it, or a restore for nobody): its next grant says
+        restored, so its client learns that its engine reloaded its state (a vLLM sleep of
+        level 2 discards the weights; a wake does not bring them back). Reported once."""
+        if job not in self._woken:
+            return False
+        self._woken.discard(job)
+        return True
 
     def dropped(self, job: str, held: bool) -> None:
         """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job,
@@ -115,23 +160,35 @@ class MemoryMoves:
         until a switch has checkpointed (or frozen, or found gone) its processes; then, like
         one dropped while checkpointed, it is restored when the group is idle, then forgotten."""
         g = self._g
-        if (held or job in self._lapsed | self._fenced | self._evicting) and g.spec.backend != "none" \
-                and job in g.residency.residents:  # dropped again while fenced: it stays fenced
+        if (held or job in self._lapsed | self._fenced | self._evicting | self._unreleased.keys()) \
+                and g.spec.backend != "none" and job in g.residency.residents:  # dropped again while fenced: it stays
             self._fenced.add(job)  # (being evicted: an orphan once out)
         elif job in g.residency.checkpointed and g.spec.backend != "none":
             g.idle.unowned(job)
         else:
             g.residency.forget(job)
         self._lapsed.discard(job)
+        self._unreleased.pop(job, None)  # its processes are done: its engine may sleep
         self._restore_failures.pop(job, None)
         self._granted_at.pop(job, None)
 
     # -- grants ------------------------------------------------------------------------
     def grant_or_switch(self, head: Waiter) -> None:
         """The lock is free and `head` waits first: grant its job (or the resident one that
-        goes before it) at once when nothing must move, else start the switch that grants."""
+        goes before it) at once when nothing must move, else start the switch that grants.
+        While a job is `unreleased` nothing is moved: a waiter of its own is granted (its
+        engine is awake: nothing moves for it, and its release may never come, e.g. from a
+        client that died and started again), any other waits for its release."""
         g = self._g
         incoming = next_job(g, head)
+        awake = self.unreleased(excluding=incoming)
+        if awake:
+            own = next((w.job_id for w in g.queue if w.job_id in awake), None)
+            if own is None or self.unreleased(excluding=own):
+                log.info("grant of %s waits group=%s: the engine of %s stays awake until its client releases (%s)",
+                         incoming, g.id, ", ".join(awake), "; ".join(self._unreleased[j][1] for j in awake))
+                return
+            incoming = own
         r = g.residency
         restore = incoming in r.checkpointed
         if g.spec.backend == "none" or (self.memory_aware and incoming in r.residents
@@ -225,8 +282,9 @@ class MemoryMoves:
     def must_leave(self, incoming: str) -> list[str]:
         """Holders preempted mid-phase, dropped, or whose lease lapsed, that are still on the
         GPUs: they must leave whether or not the incoming job fits beside them (their
-        processes may still be computing)."""
-        jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed)
+        processes may still be computing; on backend `app` once their client released:
+        `unreleased`)."""
+        jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed | self._unreleased.keys())
         return [j for j in dict.fromkeys(jobs) if j != incoming and j in self._g.residency.residents]
 
     def stage_next(self) -> None:
@@ -444,6 +502,8 @@ class MemoryMoves:
             g.counters.failed_switches += 1
             for job in err.off_gpu:
                 r.moved_out(job)
+            if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
+                self._woken.update(j for j in evict or () if j not in err.off_gpu)
             log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
             g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
@@ -466,6 +526,8 @@ class MemoryMoves:
                 r.held(incoming)
             elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
                 r.forget(incoming)
+                if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
+                    self._woken.add(incoming)
             elif restore and record is not None:
                 r.moved_in(incoming, next_up=beside is not None)
         finally:

@@ -6,7 +6,13 @@ preempted. With a checkpointing backend it is *parked*: switched out like a rele
 holder and queued again behind the jobs already waiting at its priority under its own
 lease (its keep-alives and release stay valid, the lease does not lapse while it waits),
 and restored when its turn comes, so the preemption is invisible to its code. With `none`
-(nothing to checkpoint) or `cooperative` its lease is revoked like a lapsed one.
+(nothing to checkpoint) or `cooperative` its lease is revoked like a lapsed one. With `app`
+too: the agent puts the job's engine to sleep but does not stop its client, which may be
+mid-phase, sending requests that a sleeping engine fails; and a wake under a hold its
+client believes uninterrupted would not tell it that its engine reloaded (vLLM level 2
+discards the weights). Its keep-alives and release are refused (its client raises
+`LeaseLost`), and its engine sleeps only once its client released (`MemoryMoves.unreleased`);
+its next grant is a new one, restored.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
 from timeslice.controller.orchestrator.lock_queue import Waiter
+from timeslice.driver import names
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -82,9 +89,13 @@ class Preemption:
         log.info("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", g.id, h.job_id,
                  h.epoch, limit, len(g.queue))
         g.notify("preempted", h.job_id, h.epoch)
-        g.end_hold(h, f"maxHoldSeconds {limit:g} exceeded while others waited")
-        if g.spec.backend not in ("none", "cooperative"):  # checkpointed by the switch, re-queued keeping its lease
-            self.park(h)
+        why = f"maxHoldSeconds {limit:g} exceeded while others waited"
+        g.end_hold(h, why)
+        if g.spec.backend == names.BACKEND_APP:  # revoked: its engine sleeps once its client released
+            g.moves.lapsed(h.job_id, h, why)
+            g.record_placement()  # it must leave before anyone is granted, also after a restart
+        elif g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE):  # checkpointed by the switch,
+            self.park(h)  # re-queued keeping its lease
         g.dispatch()
 
     def switch_ended(self) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
 from timeslice.controller.orchestrator.state_file import Placement, StateFile
+from timeslice.driver import names
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -87,9 +88,12 @@ def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -
     from a job that is checkpointed here, comes from a holder switched out mid-phase under
     that leader (preempted, or lapsed while cut off): its process is stopped on the GPU,
     so it is queued again with that lease rather than left stopped for good. True when
-    queued."""
+    queued. Never on backend `app`: its engine would be woken under the hold its client
+    believes uninterrupted (a vLLM sleep of level 2 discards the weights); the keep-alive
+    is refused, and its client's next acquire is granted restored."""
     h = g.holder
-    if (h is not None and h.job_id == job_id) or job_id not in g.checkpointed or not lease_id \
+    if g.spec.backend == names.BACKEND_APP or (h is not None and h.job_id == job_id) \
+            or job_id not in g.checkpointed or not lease_id \
             or lease_id == ADOPTED or not 0 < epoch <= g.epoch or g.leases.known(lease_id):
         return False
     now = g.clock()
@@ -113,7 +117,8 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
     has no holder; else it is preempted (`Preemption.park`): it keeps its lease, leaves the
     GPUs (checkpointed, or frozen) before `new` grants anyone, and is restored in its turn,
     invisibly to its code; with `none` or `cooperative` (nothing stops it) its lease is
-    revoked and it must leave as a lapsed holder. Callers carry the old group of the
+    revoked and it must leave as a lapsed holder, with `app` once its client released
+    (`MemoryMoves.unreleased`, which carries along). Callers carry the old group of the
     highest-priority holder first."""
     new.epoch = max(new.epoch, old.epoch)
     r_old, r_new = old.residency, new.residency
@@ -126,7 +131,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
             r_new.peaks[job] = dict(r_old.peaks[job])
     for job in old.moves.must_leave(""):
         if job in jobs:
-            new.moves.lapsed(job)
+            new.moves.lapsed(job, *(old.moves.unreleased_hold(job) or (None, "its lease lapsed")))
     for w in old.queue:
         if w.job_id not in jobs:
             continue
@@ -152,8 +157,9 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
         else:
             old.end_hold(h, f"preempted: its claim set moved to group {new.id}, which has another holder")
             r_new.moved_in(h.job_id)
-            if new.spec.backend in ("none", "cooperative"):  # nothing stops it: its lease is revoked
-                new.moves.lapsed(h.job_id)
+            if new.spec.backend in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP):
+                # nothing stops it: its lease is revoked (app: its engine sleeps once its client released)
+                new.moves.lapsed(h.job_id, h, f"its claim set moved to group {new.id}, which has another holder")
             else:  # as if preempted: it keeps its lease, leaves the GPUs before any grant, is restored in turn
                 new.leases.remember(h.lease_id)
                 new.preemption.park(h)
