@@ -871,7 +871,7 @@ async def test_a_newcomer_that_runs_alone_waits_for_the_memory_of_a_job_that_lef
     process still held its memory; a newcomer that declared nothing was granted at once
     and ran out of GPU memory. It now waits (its client asks again) until NVML shows that
     memory freed."""
-    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    orch, gpu, _, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
     g = orch.group("g")
     b = TimeSliceOrchestratorClient(clients["c"]._s.target, "b", "g")  # the same orchestrator
     try:

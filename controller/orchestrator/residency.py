@@ -175,9 +175,9 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
             known = sum(b.get(dev, 0) for b in snap.device_bytes.values())
             unaccounted = mem.total - mem.free - known
             if unaccounted > int(headroom[0] * mem.total) + headroom[1]:
-                raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and {_gb(unaccounted)} "
-                             f"of {dev} is held by processes of no job of this group (one that left and is still "
-                             f"exiting?): {incoming} waits for it to be freed")
+                raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
+                             f"{_gb(unaccounted)} of {dev} is held by processes of no job of this group (one that "
+                             f"left and is still exiting?): {incoming} waits for it to be freed")
     strict = {dev: short for dev, (short, must) in lacking.items() if must}
     if strict:
         dev, short = next(iter(strict.items()))
