@@ -141,6 +141,18 @@ async def jobs(target: str, sa: FakeStore, sb: FakeStore, **kw: object) -> tuple
     return clients
 
 
+async def jobs_a_and_b(coop, **fields: object) -> tuple[Orchestrator, FakeStore, FakeStore,
+                                                       TimeSliceOrchestratorClient, TimeSliceOrchestratorClient]:
+    """Jobs a and b (`FakeStore`s, clients that raise a failed switch at once) on group g with
+    `fields` of its GroupSpec changed."""
+    orch, target = await coop()
+    spec = orch.group("g").spec
+    orch.add_group(type(spec)(**{**spec.model_dump(), **fields}))
+    sa, sb = FakeStore("a"), FakeStore("b")
+    a, b = await jobs(target, sa, sb, **AT_ONCE)
+    return orch, sa, sb, a, b
+
+
 async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through_the_pool(coop) -> None:
     orch, target = await coop()
     sa, sb = FakeStore("a"), FakeStore("b")
@@ -333,11 +345,7 @@ async def test_state_never_leaves_a_job_inside_its_hold_even_when_its_lease_is_r
     """maxHoldSeconds revokes a cooperative holder (it cannot be switched out mid-phase); its
     process must refuse to move state while its code is still inside the hold (before: its
     storages were freed under a running phase)."""
-    orch, target = await coop()
-    spec = orch.group("g").spec
-    orch.add_group(type(spec)(**{**spec.model_dump(), "max_hold_seconds": 0.2, "residency": "exclusive"}))
-    sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = await jobs(target, sa, sb, **AT_ONCE)
+    _, sa, _, a, b = await jobs_a_and_b(coop, max_hold_seconds=0.2, residency="exclusive")
     try:
         await asyncio.to_thread(a.acquire)  # a stays inside its phase
         with pytest.raises(SwitchFailed, match="inside its GPU phase"):
@@ -382,11 +390,7 @@ async def test_a_restore_answered_late_is_checkpointed_again_not_left_on_a_gpu_g
     """Issue 22: a restore command that timed out still ran later, onto a GPU the group had
     given to others (it counted the job checkpointed). Its late answer is undone like a late
     checkpoint's: the process is checkpointed again, and its next grant restores it."""
-    orch, target = await coop()
-    spec = orch.group("g").spec
-    orch.add_group(type(spec)(**{**spec.model_dump(), "step_timeout_seconds": 0.3, "residency": "exclusive"}))
-    sa, sb = FakeStore("a"), FakeStore("b")
-    a, b = await jobs(target, sa, sb, **AT_ONCE)
+    orch, sa, _, a, b = await jobs_a_and_b(coop, step_timeout_seconds=0.3, residency="exclusive")
     try:
         await asyncio.to_thread(a.acquire)
         await asyncio.to_thread(a.release)
