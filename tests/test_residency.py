@@ -8,6 +8,7 @@ grant or a condition (`eventually`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -122,16 +123,21 @@ def test_a_newcomer_that_declared_nothing_is_placed_alone() -> None:
     assert plan_room("n", ["a", "b"], s, {}, parse_headroom("10%"), declared={"n": 55 * GB}) == ["a"]
 
 
-def test_a_job_that_runs_alone_waits_for_memory_no_job_of_the_group_holds() -> None:
+def test_a_job_that_runs_alone_waits_for_memory_no_checkpoint_frees() -> None:
     """Randomized schedules, seed 1252: a job finished (its client left, so the group forgot
     it) while its process still held 73.7 GB; a restarted job that declared nothing was
     granted at once ("nobody to make room from") and ran out of memory loading its model.
-    Alone means no memory of anybody else: more than the headroom held by processes of no
-    job the report names is waited for (NoRoom: its client asks again)."""
-    with pytest.raises(NoRoom, match=r"73\.70 GB .* held by processes of no job of this group"):
+    Seed 1231: a newcomer was granted beside a resident that had registered no state yet.
+    Alone means no memory of anybody else: more than the headroom that the plan's
+    checkpoints would not free is waited for (NoRoom: its client asks again)."""
+    with pytest.raises(NoRoom, match=r"74\.50 GB .* would stay held by others"):
         plan_room("n", [], snap(free=25.5, c=0.8), {}, parse_headroom("10%"), alone=True)
     assert plan_room("n", [], snap(free=92, c=0.8), {}, parse_headroom("10%"), alone=True) == []  # 7.2 GB: thin
     assert plan_room("n", ["a"], snap(free=26.3, a=73.7), {}, parse_headroom("10%"), alone=True) == ["a"]
+    # seed 1231: a resident that registered no state yet (nothing to move) holds 48.2 GB
+    unmovable = dataclasses.replace(snap(free=51, a=48.2, c=0.8), movable_bytes={"a": {DEV: 0}})
+    with pytest.raises(NoRoom, match=r"49\.00 GB .* would stay held by others"):
+        plan_room("n", ["a"], unmovable, {}, parse_headroom("10%"), alone=True)
 
 
 def test_no_room_even_after_evicting_everyone() -> None:

@@ -19,8 +19,9 @@ its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their fi
 cache in generate; measured on the H200: a GRPO job held 36 GB at its first hold and 47 GB
 after its first train step, bench/results/rl-grpo-*.json), so its peak so far is no bound
 yet. An unsettled job is never placed beside others on a guess: it is granted *alone*
-(every idle resident on its GPUs is checkpointed first, and more than the headroom held by
-processes of no job of the group, e.g. one that left and is still exiting, is waited for),
+(every idle resident on its GPUs is checkpointed first, and while more than the headroom
+would stay held by others, residents with nothing to move or processes of no job of the
+group such as one that left and is still exiting, it waits),
 nothing is staged or restored beside it while it holds, and its grant waits until it is alone. The *room* a job lacks
 is need - what it holds now + headroom - free. Residents are checkpointed least recently
 held first until no device lacks room; a checkpoint also needs host memory for its bytes
@@ -167,17 +168,18 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                 del lacking[dev]
             else:
                 lacking[dev] = (short, must)
-    if alone:  # alone means no memory of anybody else: also none held by processes of no job it knows
+    if alone:  # alone means no memory of anybody else: none that a checkpoint here would not free
         for dev in sorted(mine):
             mem = snap.devices.get(dev)
             if mem is None:
                 continue
-            known = sum(b.get(dev, 0) for b in snap.device_bytes.values())
-            unaccounted = mem.total - mem.free - known
-            if unaccounted > int(headroom[0] * mem.total) + headroom[1]:
+            freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
+            others = mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
+            if others > int(headroom[0] * mem.total) + headroom[1]:
                 raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
-                             f"{_gb(unaccounted)} of {dev} is held by processes of no job of this group (one that "
-                             f"left and is still exiting?): {incoming} waits for it to be freed")
+                             f"{_gb(others)} of {dev} would stay held by others: residents with nothing to move "
+                             f"(registered no state yet) or processes of no job of this group (one that left and "
+                             f"is still exiting); {incoming} waits for it to be freed")
     strict = {dev: short for dev, (short, must) in lacking.items() if must}
     if strict:
         dev, short = next(iter(strict.items()))
