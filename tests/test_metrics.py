@@ -98,7 +98,8 @@ async def test_group_metrics_follow_grants_waits_switches_failures_and_preemptio
     assert value(s, "timeslice_switch_duration_seconds_bucket", group="g", result="ok", le="600.0") == 1
     assert value(s, "timeslice_acquire_wait_seconds_count", group="g") == 2
     assert value(s, "timeslice_acquire_wait_seconds_sum", group="g") >= 0.3  # b waited behind a
-    assert value(s, "timeslice_acquire_wait_seconds_bucket", group="g", le="0.001") >= 1  # a did not wait
+    # a did not wait for another job: only for the memory report its first grant plans with
+    assert value(s, "timeslice_acquire_wait_seconds_bucket", group="g", le="0.1") >= 1
     assert value(s, "timeslice_group_held_seconds_total", group="g") >= held2  # a's ended hold is kept
 
     c.backends["node-0"].fail.add("checkpoint")  # b -> a fails and rolls back

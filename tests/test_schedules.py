@@ -13,6 +13,7 @@ crashes a server.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -130,7 +131,8 @@ SEEDS = range(1, 21)
 @pytest.mark.slow  # about 2 minutes on a loaded 2-core machine
 @pytest.mark.timeout(1200)
 def test_random_schedules_with_kills_and_pauses_keep_every_job_whole() -> None:
-    with ProcessPoolExecutor(max_workers=2) as ex:
+    # spawned, not forked: this process runs gRPC threads, and a forked worker died of them
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as ex:
         results = list(ex.map(schedules.run_one, SEEDS))
     failing = [f"seed {r['seed']} ({', '.join(r['faults']) or 'no fault'}): {f['class']}: {f['reason']}"
                for r in results for f in r["failures"]]
