@@ -547,7 +547,7 @@ async def test_a_resident_that_stays_unmovable_past_the_grace_fails_the_waiter_w
     try:
         a._memory_loops[0].close()  # its process keeps its 60 GB and never exits
         await eventually(lambda: orch.cooperative.departing("g", "a"))
-        with pytest.raises(SwitchFailed, match="no room for c|c runs alone .* would stay held by others"):
+        with pytest.raises(SwitchFailed, match=r"no room for c|c runs alone .* would stay held by others"):
             await asyncio.to_thread(c.acquire)
         assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
         assert orch.group("g").holder is None  # the group serves on
