@@ -98,11 +98,11 @@ async def test_holder_killed_with_sigkill_loses_the_lock_after_the_lease(make_cl
     c = await make_cluster(lease_seconds=0.5)
     child = python_child(f"""
         from timeslice import TimeSliceOrchestratorClient
-        import time
+        import signal
         c = TimeSliceOrchestratorClient("{c.target}", "victim", "g")
         c.acquire()
         print("held", flush=True)
-        time.sleep(600)
+        signal.pause()  # holds until the test kills it
     """)
     children.append(child)
     assert await asyncio.to_thread(child.stdout.readline) == "held\n"
