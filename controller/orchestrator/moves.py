@@ -221,13 +221,14 @@ class MemoryMoves:
             return False
         seconds = move_seconds(g, head.job_id)
         now = g.clock()
-        if seconds is None or now - head.enqueued_at >= pass_bound(g, head):
+        bound = pass_bound(g, head)
+        if seconds is None or now - head.enqueued_at >= bound:
             return False
         active = [now - self._granted_at[j] for j in g.residency.lru(excluding=[head.job_id])
                   if now - self._granted_at.get(j, -math.inf) < seconds]
         if not active:
             return False
-        wait = min(pass_bound(g, head) - (now - head.enqueued_at), seconds - max(active))
+        wait = min(bound - (now - head.enqueued_at), seconds - max(active))
         if self._deferred is not None:
             self._deferred.cancel()
         self._deferred = asyncio.get_running_loop().call_later(wait, g.dispatch)
