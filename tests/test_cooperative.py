@@ -949,3 +949,44 @@ async def test_a_reconnect_fails_the_commands_its_old_stream_never_sent() -> Non
     await old.aclose()
     await new.aclose()
     await jobs.close()
+
+
+async def test_three_jobs_of_which_two_fit_swap_through_a_host_that_holds_two_states(coop) -> None:
+    """H200, 3 x 47 GB states, two fit on the GPU, host memory for two states: once two were
+    out, the third could not be checkpointed ("no host memory") and ran all its phases alone
+    while the others waited (bench/results/rl-grpo-b-serve-cooperative-h200.json). The
+    waiter is now restored first, beside the resident (nobody computes during a switch), and
+    the resident checkpointed into the host memory that freed: every job is served, the
+    host never holds three states, and every restore had room."""
+    stores: dict[str, FakeStore] = {}
+    gpu = GpuModel(stores, {j: 40 * GB for j in "abc"}, {"a": 101, "b": 102, "c": 103})
+    out = lambda: sum(s.device is None for s in stores.values())  # noqa: E731
+    most_out = [0]
+
+    def host() -> int:  # the host holds 100 GB of checkpoints: two states
+        most_out[0] = max(most_out[0], out())
+        return 100 * GB - 40 * GB * out()
+
+    agent = NodeAgent(StaticProcessResolver({"a": [101], "b": [102], "c": [103]}), memory_probe=gpu.probe,
+                      host_probe=host)
+    orch, target = await coop(agent=agent, pool_bytes=0)
+    clients = {}
+    try:
+        for name in "abc":  # nothing declared: each runs alone at first, so the others go out for it
+            stores[name] = SizedStore(name, 40 * GB, gpu)
+            clients[name] = job(target, name, stores[name])
+            await connected(clients[name])
+            await asyncio.to_thread(clients[name].acquire)
+            await asyncio.to_thread(clients[name].release)
+        assert out() == 2
+        for name in "abab":
+            await asyncio.to_thread(clients[name].acquire, timeout=30)
+            assert stores[name].device == bytearray(stores[name].original)
+            await asyncio.to_thread(clients[name].release)
+        g = orch.group("g")
+        assert any(r.ok and r.bytes_restored and r.evicted for r in g.recent)
+        assert most_out[0] <= 2 and all(free >= 40 * GB for s in stores.values()
+                                         for free in s.free_at_restore)  # type: ignore[attr-defined]
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)

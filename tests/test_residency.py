@@ -154,6 +154,16 @@ def test_no_host_memory_for_the_checkpoint_it_would_need() -> None:
     assert plan_room("c", ["a", "b"], s, {}, parse_headroom("10%"), host_checked=False) == ["a"]
 
 
+def test_a_restore_first_lends_the_checkpoints_its_host_memory_where_its_state_fits_beside_them() -> None:
+    s = snap(free=55, ckpt={"n": 40}, host=20, a=40)  # n unsettled: alone; a's 40 GB do not fit in 20
+    with pytest.raises(NoRoom, match="no host memory to checkpoint a"):
+        plan_room("n", ["a"], s, {}, parse_headroom("10%"), alone=True)
+    assert plan_room("n", ["a"], s, {}, parse_headroom("10%"), alone=True, restore_first=True) == ["a"]
+    s = snap(free=45, ckpt={"n": 40}, host=20, a=40)  # 40 GB beside a would leave less than the headroom
+    with pytest.raises(NoRoom, match=r"do not fit beside them to be restored first \(35.00 GB free"):
+        plan_room("n", ["a"], s, {}, parse_headroom("10%"), alone=True, restore_first=True)
+
+
 # -- a group driving it ------------------------------------------------------------------
 
 
@@ -211,6 +221,43 @@ async def test_no_host_memory_fails_cleanly_and_the_job_stays_resident() -> None
     with pytest.raises(SwitchFailed, match="no host memory to checkpoint a"):
         await g.acquire("c", 0, "c-1", timeout=None)
     assert gpu.calls == [] and "a" in g.residency.residents
+    await g.close()
+
+
+class HostGpu(FakeGpu):
+    """A `FakeGpu` whose host holds the checkpoints: `host` bytes in all, less what is out;
+    a switch honours `restore_first`, and `host_peak` is the most the host ever held."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.host_peak = 0
+
+    async def __call__(self, spec, evict, incoming, restore, restore_first=False) -> SwitchRecord:
+        if restore and restore_first:
+            await super().__call__(spec, (), incoming, True)
+        await super().__call__(spec, evict, incoming, restore and not restore_first)
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    async def memory(self, spec, jobs, **watch) -> MemorySnapshot:
+        self.host_peak = max(self.host_peak, sum(self.off.values()))
+        snap = await super().memory(spec, jobs, **watch)
+        return dataclasses.replace(snap, host_available={"agent-0": self.host - sum(self.off.values())})
+
+
+async def test_a_job_whose_residents_have_no_host_memory_to_leave_is_restored_first() -> None:
+    """H200, 3 jobs of 47 GB checkpoints, two fit, a pool of 101 GB: two were out and the
+    third ran all its phases alone while they waited ("no host memory to checkpoint"),
+    bench/results/rl-grpo-b-serve-cooperative-h200.json. The waiter's state fits beside the
+    resident: it is restored first, and the resident is checkpointed into what it freed."""
+    gpu = HostGpu(host=100 * GB, c=40)
+    gpu.off.update(a=40 * GB, b=40 * GB)
+    g = group(gpu, declare=False)  # nothing declared: each runs alone
+    for job in ("a", "b"):
+        g.residency.moved_out(job)
+    await hold(g, "c")
+    grant = await hold(g, "a")
+    assert grant.restored and gpu.calls == [("restore", "a"), ("checkpoint", "c")]
+    assert gpu.host_peak <= 100 * GB and set(gpu.off) == {"b", "c"}
     await g.close()
 
 

@@ -201,3 +201,25 @@ async def test_a_node_without_agent_fails_the_switch_clearly_and_rolls_back(make
         await a.acquire()
     for cl in (a, b):
         await cl.close()
+
+
+async def test_a_restore_first_whose_checkpoint_fails_puts_both_jobs_back(make_cluster) -> None:
+    """A switch that restores the incoming job first (its residents' checkpoints need the host
+    memory its restore gives back) and then fails a checkpoint: the resident is restored
+    where it was checkpointed and the incoming job checkpointed again, as before the switch."""
+    from timeslice.controller.orchestrator.group_model import SwitchError
+
+    c = await make_cluster(backend="cuda", nodes=2)
+    g = c.orchestrator.group("g")
+    await g.switcher(g.spec, ("b",), "a", False)  # b checkpointed on both nodes, a resident
+    c.backends["node-1"].fail.add(f"checkpoint:{pids(c, 1, 'a')[0]}")
+    c.calls.clear()
+    with pytest.raises(SwitchError, match=r"checkpoint of a failed .* rolled back") as err:
+        await g.switcher(g.spec, ("a",), "b", True, restore_first=True)
+    steps = sorted((node, step, job) for node, step, p in c.calls
+                   for job in "ab" if p == tuple(pids(c, int(node[-1]), job)))
+    assert steps == [("node-0", "checkpoint", "a"), ("node-0", "checkpoint", "b"), ("node-0", "restore", "a"),
+                     ("node-0", "restore", "b"), ("node-1", "checkpoint", "a"), ("node-1", "checkpoint", "b"),
+                     ("node-1", "restore", "b")]
+    assert {s for _, s, _ in c.calls[:2]} == {"restore"}  # b's restore came first, on both nodes
+    assert not err.value.off_gpu and err.value.record.failed_step == "checkpoint"

@@ -55,14 +55,16 @@ class SwitchError(SwitchFailed):
 class Switcher(Protocol):
     """Moves GPU state for a group (`SwitchCoordinator`). `__call__(spec, evict, incoming,
     restore)`: checkpoint every job of `evict`, then restore `incoming` when `restore`;
-    raises SwitchError. A switcher that can also report memory has `memory(spec, jobs) ->
-    MemorySnapshot | None`; without it the group keeps one resident job. One that can tell
-    residents whose memory is about to be freed has `departing(spec, jobs) -> list[str]`: a
-    plan without room waits for them (bounded by their grace) instead of failing. One that
-    can ask the node agents has `confirm(spec, job) -> bool`: whether the job's state is on
-    the GPUs by their records, asked before a job believed resident is granted. One that
-    knows cooperative processes has `streaming(spec, job) -> bool`: whether one of the job's
-    keeps its memory command stream open (a holder past its lease then keeps the lock)."""
+    raises SwitchError. A plan that needs the restore first (`Plan.restore_first`) passes
+    `restore_first=True`; only a switcher that reports memory is given one. A switcher
+    that can also report memory has `memory(spec, jobs) -> MemorySnapshot | None`; without
+    it the group keeps one resident job. One that can tell residents whose memory is about
+    to be freed has `departing(spec, jobs) -> list[str]`: a plan without room waits for
+    them (bounded by their grace) instead of failing. One that can ask the node agents has
+    `confirm(spec, job) -> bool`: whether the job's state is on the GPUs by their records,
+    asked before a job believed resident is granted. One that knows cooperative processes
+    has `streaming(spec, job) -> bool`: whether one of the job's keeps its memory command
+    stream open (a holder past its lease then keeps the lock)."""
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord: ...

@@ -105,7 +105,7 @@ class IdleRestores:
                 return
             for job in sorted(g.residency.checkpointed - self._failed):
                 try:
-                    if await g.moves.plan(job, allow_evictions=False) == [] and self.now():
+                    if not (await g.moves.plan(job, allow_evictions=False)).evict and self.now():
                         log.info("background restore group=%s job=%s: the group is idle and it fits", g.id, job)
                         g.moves.start_switch([], job, restore=True, grant=False)
                         return

@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
@@ -46,6 +46,7 @@ from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.move_cost import move_seconds, pass_bound, switch_speed
 from timeslice.controller.orchestrator.residency import (
     MemorySnapshot,
+    NoHostRoom,
     NoRoom,
     lacking_room,
     need_of,
@@ -73,6 +74,14 @@ DEPARTING_POLL_SECONDS = 0.25
 # (`AgentClient.memory(watch=...)`), answering at least this often (seconds) with the
 # holder's peak, and at once when a GPU's free memory falls under the headroom.
 HOLDER_WATCH_SECONDS = 2.0
+
+
+class Plan(NamedTuple):
+    """What a switch moves: `evict`, the residents to checkpoint, in order; `restore_first`:
+    the incoming job's checkpoint is restored before theirs are taken (`plan_room`)."""
+
+    evict: list[str]
+    restore_first: bool = False
 
 
 class MemoryMoves:
@@ -417,10 +426,14 @@ class MemoryMoves:
         g.residency.observe(snap)
         return snap
 
-    async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> list[str]:
+    async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> Plan:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
         holders first. `beside`: a holder that stays, with room to grow to its need (its peak
-        or what it declared, `need_of`). Raises NoRoom."""
+        or what it declared, `need_of`). When their checkpoints lack host memory and
+        `incoming` is checkpointed, it is restored first where its checkpoint fits beside
+        them (H200, 3 jobs of 47 GB checkpoints, a 101 GB pool: two were out, and the third
+        ran all its phases alone while they waited, bench/results/
+        rl-grpo-b-serve-cooperative-h200.json). Raises NoRoom."""
         g = self._g
         forced = self.must_leave(incoming) if allow_evictions else []
         waited = False
@@ -429,7 +442,7 @@ class MemoryMoves:
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
                     raise NoRoom(f"no memory reports: {incoming} is not restored beside {beside}")
-                return g.residency.lru(excluding=[incoming]) if allow_evictions else []
+                return Plan(g.residency.lru(excluding=[incoming]) if allow_evictions else [])
             residents = g.residency.lru(excluding=[incoming, *forced, *([beside] if beside else [])]) \
                 if allow_evictions else []
             freed: dict[str, int] = {}
@@ -450,10 +463,20 @@ class MemoryMoves:
             if beside is not None and not (r.known(incoming) and r.known(beside)):
                 raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
                              f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")
+            headroom = parse_headroom(g.spec.memory_headroom)
             try:
-                plan = plan_room(incoming, residents, snap, r.peaks, parse_headroom(g.spec.memory_headroom),
-                                 declared=r.declared,
-                                 alone=not r.known(incoming))
+                try:
+                    plan = Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
+                                          alone=not r.known(incoming)))
+                except NoHostRoom as err:
+                    if incoming not in r.checkpointed or beside is not None or forced:
+                        raise
+                    try:
+                        plan = Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
+                                              alone=not r.known(incoming), restore_first=True), restore_first=True)
+                    except NoRoom as first:
+                        log.info("no restore first group=%s job=%s: %s", g.id, incoming, first)
+                        raise err from None
             except NoRoom:
                 departing = g.switcher.departing(g.spec, g.residency.residents) \
                     if hasattr(g.switcher, "departing") else []
@@ -465,7 +488,7 @@ class MemoryMoves:
                     waited = True
                 await asyncio.sleep(DEPARTING_POLL_SECONDS)
                 continue
-            return [*forced, *plan]
+            return Plan([*forced, *plan.evict], plan.restore_first)
 
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:
@@ -473,19 +496,21 @@ class MemoryMoves:
         g = self._g
         record: SwitchRecord | None = None
         r = g.residency
+        first = False
         try:
             if evict is None:
-                evict = await self.plan(incoming, allow_evictions=True, beside=beside)
+                evict, first = await self.plan(incoming, allow_evictions=True, beside=beside)
                 self.switching = (evict[0] if evict else None, incoming)
             if not evict and not restore:
                 record = None
             else:
-                log.info("switch start group=%s evict=%s to=%s restore=%s%s", g.id, evict, incoming, restore,
-                         f" beside={beside}" if beside else "")
+                log.info("switch start group=%s evict=%s to=%s restore=%s%s%s", g.id, evict, incoming, restore,
+                         " (restore first)" if first else "", f" beside={beside}" if beside else "")
                 g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
                 self._evicting = frozenset(evict)
                 try:
-                    record = await g.switcher(g.spec, tuple(evict), incoming, restore)
+                    record = await g.switcher(g.spec, tuple(evict), incoming, restore,
+                                              **({"restore_first": True} if first else {}))
                 finally:
                     self._evicting = frozenset()
         except NoRoom as err:

@@ -25,9 +25,11 @@ group such as one that left and is still exiting, it waits),
 nothing is staged or restored beside it while it holds, and its grant waits until it is alone. The *room* a job lacks
 is need - what it holds now + headroom - free. Residents are checkpointed least recently
 held first until no device lacks room; a checkpoint also needs host memory for its bytes
-on that node. Without room for what the job must add, the plan raises `NoRoom` naming the
-device and the numbers, and nothing is attempted; a resident job that only finds the
-headroom thin is granted anyway.
+on that node; when the host lacks it, a checkpointed incoming job whose state fits beside
+the residents now is restored first, and its host memory holds theirs (`restore_first`).
+Without room for what the job must add, the plan raises `NoRoom` naming the device and
+the numbers, and nothing is attempted; a resident job that only finds the headroom thin
+is granted anyway.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.headroom import parse_headroom
 
-__all__ = ["MemorySnapshot", "NoRoom", "Residency", "lacking_room", "parse_headroom", "plan_room"]
+__all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room", "parse_headroom", "plan_room"]
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
@@ -51,6 +53,10 @@ SETTLE_MIN_HOLDS = 2
 
 class NoRoom(FailedPrecondition):
     """No plan makes room: the job stays where it is (checkpointed or not granted)."""
+
+
+class NoHostRoom(NoRoom):
+    """A checkpoint the plan needs has no host memory on its node (`plan_room`)."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mappin
 def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
               peaks: Mapping[str, Mapping[str, int]], headroom: tuple[float, int],
               host_checked: bool = True, declared: Mapping[str, int] | None = None,
-              alone: bool = False) -> list[str]:
+              alone: bool = False, restore_first: bool = False) -> list[str]:
     """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
 
     `residents_lru`: the idle resident jobs, least recently held first (never the incoming
@@ -139,14 +145,27 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     `host_checked`: each checkpoint must fit in its node's available host memory (the
     backends that copy device memory to host memory). `declared`: job -> bytes per GPU it
     declared. `alone`: `incoming` is unsettled (module docstring): every resident that
-    holds memory on its devices is checkpointed, whether or not it seems to fit. Raises
-    NoRoom when the job must grow and cannot, or when a checkpoint it needs has no host
-    memory.
+    holds memory on its devices is checkpointed, whether or not it seems to fit.
+    `restore_first`: `incoming`'s checkpoint is restored before the residents are
+    checkpointed (nobody computes during a switch), so the host memory its restore gives
+    back holds theirs; then each device must have room for its checkpoint now, beside
+    everybody, plus the headroom. Raises NoHostRoom when a checkpoint it needs has no host
+    memory, NoRoom when the job must grow and cannot (or, `restore_first`, its checkpoint
+    does not fit beside the residents).
     """
     lacking = lacking_room(incoming, snap, peaks, headroom, declared)
     mine = devices_of(incoming, snap, peaks)
     evict: list[str] = []
     host = dict(snap.host_available)
+    if restore_first:
+        for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
+            mem = snap.devices.get(dev)
+            room = mem.free - int(headroom[0] * mem.total) - headroom[1] if mem is not None else 0
+            if n > room:
+                raise NoRoom(f"no host memory to checkpoint the residents of {dev} for {incoming}, and its "
+                             f"{_gb(n)} do not fit beside them to be restored first ({_gb(room)} free above the "
+                             f"headroom); {incoming} stays where it is")
+            host[agent_of(dev)] = host.get(agent_of(dev), 0) + n
     for job in residents_lru:
         if not lacking and not alone:
             break
@@ -156,7 +175,7 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
         if host_checked:
             for agent, n in _per_agent(held).items():
                 if n > host.get(agent, 0):
-                    raise NoRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
+                    raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
                                  f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
                                  "stays where it is)")
                 host[agent] -= n

@@ -3,9 +3,11 @@
 Owned by the orchestrator; called by `LockGroup` when a waiter that is not resident
 is to be granted. Steps (DESIGN.md): checkpoint each job to evict on all its nodes (in
 parallel over nodes, one job after the other), then restore the incoming job on all
-nodes, then the group grants. Rollback: a failed checkpoint restores that job where it
-was checkpointed and the jobs evicted before it; a failed restore checkpoints the
-incoming job where it was restored and restores the evicted jobs. The outcome is raised
+nodes, then the group grants; or, when the plan says so (`restore_first`: the
+checkpoints need the host memory the restore gives back), the restore first. Rollback:
+a failed checkpoint restores that job where it was checkpointed and the jobs evicted
+before it (then, after a restore first, checkpoints the incoming job again); a failed
+restore checkpoints the incoming job where it was restored and restores the evicted jobs. The outcome is raised
 as `SwitchError` with the record. Groups on the `cooperative` backend are moved by the
 jobs' own processes (`CooperativeJobs`); their agents only report memory (`memory`).
 
@@ -71,7 +73,10 @@ class SwitchCoordinator:
         return PRIOR_BYTES_PER_SECOND.get(spec.backend)
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
-                       restore: bool) -> SwitchRecord:
+                       restore: bool, restore_first: bool = False) -> SwitchRecord:
+        """`restore_first` (with `restore`): restore `incoming` before the checkpoints, whose
+        host memory its restore gives back (the plan checked that it fits beside them; nobody
+        computes during a switch). A failed checkpoint then also checkpoints `incoming` again."""
         rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
         if restore and spec.backend == names.BACKEND_COOPERATIVE:
             try:  # before anyone is evicted for it
@@ -79,6 +84,9 @@ class SwitchCoordinator:
             except TimeSliceServerError as err:
                 rec.ok, rec.error = False, f"restore of {incoming} cannot start: {err}; nothing moved"
                 raise SwitchError(rec.error, rec) from err
+        first = restore and restore_first
+        if first:
+            await self._restore_incoming(spec, rec, incoming, [])
         t0 = time.monotonic()
         before = await self.memory(spec, evict, for_plan=False) \
             if evict and spec.backend == names.BACKEND_COOPERATIVE else None
@@ -95,31 +103,44 @@ class SwitchCoordinator:
                 rec.checkpoint_seconds = time.monotonic() - t0
                 back = await self._undo(self._current([*done, *_unknown(failures)]), "restore", spec, job)
                 stuck = await self._restore_all(spec, out)
-                raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures, back and not stuck,
-                                   stuck + ([] if back else [job]))
+                undone = await self._unrestore(spec, incoming, first)
+                raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures,
+                                   back and undone and not stuck, stuck + ([] if back else [job]))
             out.append(job)
         held = sum(sum(before.on_device(j).values()) for j in gone) if before is not None else 0
         if before is not None and (rec.bytes_checkpointed or held) and \
                 not await self._freed(spec, out, before, rec.bytes_checkpointed + held):
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
+            back = await self._unrestore(spec, incoming, first)
             rec.ok, rec.failed_step = False, "checkpoint"
             rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes"
                          + (f"; {', '.join(gone)} had no process to command, holding {held} bytes" if gone else "")
                          + f") but the GPU memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
-                         + ("rolled back" if not stuck else "ROLLBACK INCOMPLETE"))
+                         + ("rolled back" if back and not stuck else "ROLLBACK INCOMPLETE"))
             raise SwitchError(rec.error, rec, stuck)
         rec.checkpoint_seconds = time.monotonic() - t0
-        if restore:
-            t0 = time.monotonic()
-            done, failures = await self._on_all(self._targets(spec, incoming), "restore", spec, incoming)
-            rec.restore_seconds = time.monotonic() - t0
-            rec.bytes_restored = sum(r.bytes for r in done.values())
-            if failures:
-                await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
-                stuck = await self._restore_all(spec, out)
-                raise self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
+        if restore and not first:
+            await self._restore_incoming(spec, rec, incoming, out)
         return rec
+
+    async def _restore_incoming(self, spec: GroupSpec, rec: SwitchRecord, incoming: str, out: list[str]) -> None:
+        """The restore step of `incoming`; a failure checkpoints it again where it was
+        restored, restores the evicted jobs `out`, and raises SwitchError."""
+        t0 = time.monotonic()
+        done, failures = await self._on_all(self._targets(spec, incoming), "restore", spec, incoming)
+        rec.restore_seconds = time.monotonic() - t0
+        rec.bytes_restored = sum(r.bytes for r in done.values())
+        if failures:
+            await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
+            stuck = await self._restore_all(spec, out)
+            raise self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
+
+    async def _unrestore(self, spec: GroupSpec, incoming: str, restored: bool) -> bool:
+        """Roll back a restore-first (`restored`): checkpoint `incoming` again, once the
+        evicted jobs are back (their host memory free again). True when nothing is left to
+        roll back."""
+        return not restored or await self._undo(self._targets(spec, incoming), "checkpoint", spec, incoming)
 
     async def confirm(self, spec: GroupSpec, job: str) -> bool:
         """Whether `job`'s state is on the GPUs by its node agents' records (written ahead of
