@@ -83,11 +83,8 @@ class ModelStore:
     def nbytes(self) -> int:
         return self.size
 
-    def use_pool(self, pool: mmap.mmap) -> None:
+    def attach_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
-
-    def pin_pool(self) -> None:
-        pass
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         with self.lock:

@@ -22,10 +22,9 @@ move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file
 mapped here and registered with `cudaHostRegister`, CUDA Runtime API, in a background
-thread as soon as the command stream opens, so that no switch waits for the pinning (a
-copy into a part not pinned yet runs at pageable speed); in chunks of
-`REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own threads and
-its lease keep-alive run while tens of GB pin), else a pinned buffer of
+thread as soon as the command stream opens, so that no switch waits for the pinning; in
+chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own
+threads and its lease keep-alive run while tens of GB pin), else a pinned buffer of
 this process allocated on the first checkpoint and reused (pageable when the host cannot
 pin that much). Copies run on a side stream made at registration, each direction at the
 link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -130,22 +129,11 @@ class TorchState:
                 return sum(n for _, _, n in self._moved)
             return sum(s.nbytes() for s in self._storages())
 
-    def use_pool(self, pool: mmap.mmap) -> None:
-        """Checkpoint into `pool` from now on (not pinned yet: `pin_pool`)."""
-        with self._lock:
-            self._pool = torch.frombuffer(pool, dtype=torch.uint8)
-
-    def pin_pool(self) -> None:
-        """Register the pool with CUDA, `REGISTER_CHUNK_BYTES` per call, letting the other
-        threads run between calls. A copy into a chunk not yet registered runs at pageable
-        speed (H200: 12.4 GB/s out, 5.9 GB/s in, reference/checkpoint-h200.md) rather than
-        waiting for the whole pool: pinning 101 GB took 9.7 s, and a job's first checkpoint
-        waited for it (bench/results/rl-grpo-b-serve-cooperative-h200.json). Raises
-        RuntimeError (a registration failed: the chunks registered before it are
-        unregistered; the pool stays in use, pageable)."""
-        host = self._pool
-        if host is None:
-            return
+    def attach_pool(self, pool: mmap.mmap) -> None:
+        """Register `pool` with CUDA, `REGISTER_CHUNK_BYTES` per call, letting the other
+        threads run between calls. Raises RuntimeError (a registration failed: the chunks
+        registered before it are unregistered)."""
+        host = torch.frombuffer(pool, dtype=torch.uint8)
         cudart, base, done = torch.cuda.cudart(), host.data_ptr(), list[int]()
         for start in range(0, host.numel(), REGISTER_CHUNK_BYTES):
             err = cudart.cudaHostRegister(base + start, min(REGISTER_CHUNK_BYTES, host.numel() - start), 0)
@@ -155,6 +143,8 @@ class TorchState:
                 raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
             done.append(base + start)
             time.sleep(0)  # let the other threads take the GIL between chunks
+        with self._lock:
+            self._pool = host
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         """Returns (host bytes used: storages packed at 4 KiB boundaries; in the pool)."""
