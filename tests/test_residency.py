@@ -950,3 +950,18 @@ async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_the_last
     await hold(g, "b", memory=30 * GB)
     assert gpu.calls == [("checkpoint", "a")]
     await g.close()
+
+
+def test_the_switch_speed_is_the_fastest_each_way_not_an_average_with_a_first_switchs_one_off_costs() -> None:
+    """H200, cooperative: each process's first checkpoint also pinned the pool (47 GB in
+    8-17 s), then ~1 s; the average kept a waiter deferred 37 s behind 2 s moves."""
+    from timeslice.controller.orchestrator.move_cost import switch_speed
+
+    g = LockGroup(GroupSpec(id="g", backend="cooperative", agents=("agent-0",)), FakeGpu())
+    assert switch_speed(g) is None  # no prior for cooperative, nothing measured
+    g.recent.append(SwitchRecord("a", "b", checkpoint_seconds=17.0, bytes_checkpointed=47 * GB))
+    assert switch_speed(g) == (47 * GB / 17.0, 47 * GB / 17.0)  # no restore measured: as fast as out
+    g.recent.append(SwitchRecord("b", "a", checkpoint_seconds=1.0, bytes_checkpointed=50 * GB,
+                                 restore_seconds=0.5, bytes_restored=47 * GB))
+    g.recent.append(SwitchRecord("a", "b", ok=False, checkpoint_seconds=0.1, bytes_checkpointed=50 * GB))
+    assert switch_speed(g) == (50 * GB, 94 * GB)

@@ -2,7 +2,7 @@
 
 Pure functions of a `LockGroup`'s records (owned by `MemoryMoves`, which decides with them;
 DESIGN.md, "Lock groups and the orchestrator"): the bytes per second its switches moved
-(`switch_speed`), the seconds the switch that grants a job would take (`move_seconds`), and
+(`switch_speed`, each way), the seconds the switch that grants a job would take (`move_seconds`), and
 how long resident waiters may pass that job (`pass_bound`).
 """
 
@@ -37,10 +37,10 @@ def pass_bound(g: LockGroup, head: Waiter) -> float:
 
 def move_seconds(g: LockGroup, job: str) -> float | None:
     """Estimated seconds of the switch that grants `job`: its checkpoint restored, and the
-    idle residents its plan evicts (`plan_room`) checkpointed, at the bytes per second the
-    group's recent switches moved (the driver's checkpoint on the H200: ~2 GB/s; a
-    cooperative one: ~45 GB/s), before the first one the switcher's `prior_speed`. None: no
-    estimate (no memory report yet, no speed, or no plan makes room)."""
+    idle residents its plan evicts (`plan_room`) checkpointed, at the speeds of
+    `switch_speed` (the driver's checkpoint on the H200: ~1.5 GB/s out, ~4 GB/s in; a
+    cooperative one: ~50 GB/s each way). None: no estimate (no memory report yet, no
+    speed, or no plan makes room)."""
     r = g.residency
     speed = switch_speed(g)
     if not speed or r.snapshot is None:
@@ -52,13 +52,21 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
         return None
     snap = r.snapshot
     out = sum(sum(snap.movable_bytes.get(j, snap.on_device(j)).values()) for j in evict)
-    return (out + sum(snap.checkpointed_bytes.get(job, {}).values())) / speed
+    return out / speed[0] + sum(snap.checkpointed_bytes.get(job, {}).values()) / speed[1]
 
 
-def switch_speed(g: LockGroup) -> float | None:
-    """Bytes per second (out and in together) the group's recent switches moved, before the
-    first one its switcher's `prior_speed`; None: unknown."""
-    moved = [rec for rec in g.recent if rec.ok and rec.seconds > 0 and rec.bytes_checkpointed + rec.bytes_restored]
-    if moved:
-        return sum(rec.bytes_checkpointed + rec.bytes_restored for rec in moved) / sum(rec.seconds for rec in moved)
-    return g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
+def switch_speed(g: LockGroup) -> tuple[float, float] | None:
+    """(out, in) bytes per second: the fastest of the group's recent switches in each
+    direction (a process's first cooperative checkpoint also pins the pool: on the H200
+    47 GB took 8-17 s once, then ~1 s, bench/results/rl-grpo-b-serve-cooperative-h200.json;
+    an average of the two kept a waiter deferred for 37 s behind moves of 2 s), where none
+    was measured the switcher's `prior_speed` (out and in together), else the other
+    direction's; None: unknown."""
+    ok = [rec for rec in g.recent if rec.ok]
+    out = max((rec.bytes_checkpointed / rec.checkpoint_seconds for rec in ok
+               if rec.bytes_checkpointed and rec.checkpoint_seconds > 0), default=None)
+    in_ = max((rec.bytes_restored / rec.restore_seconds for rec in ok
+               if rec.bytes_restored and rec.restore_seconds > 0), default=None)
+    prior = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
+    out, in_ = out or prior or in_, in_ or prior or out
+    return (out, in_) if out and in_ else None
