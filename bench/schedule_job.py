@@ -83,8 +83,11 @@ class ModelStore:
     def nbytes(self) -> int:
         return self.size
 
-    def attach_pool(self, pool: mmap.mmap) -> None:
+    def use_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
+
+    def pin_pool(self) -> None:
+        pass
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         with self.lock:

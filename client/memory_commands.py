@@ -153,8 +153,14 @@ class StateStore(Protocol):
         """Bytes a checkpoint would move now."""
         ...
 
-    def attach_pool(self, pool: mmap.mmap) -> None:
-        """The node's pinned pool, mapped (called once, before the first command that uses it)."""
+    def use_pool(self, pool: mmap.mmap) -> None:
+        """The node's pinned pool, mapped: checkpoint into it from now on (called once, before
+        the first command that uses it)."""
+        ...
+
+    def pin_pool(self) -> None:
+        """Pin the pool for copies at the link's speed (slow: seconds for tens of GB; called
+        once after `use_pool`, in a background thread, while commands may run)."""
         ...
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
@@ -187,6 +193,7 @@ class MemoryCommandLoop:
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
         self._attaching: threading.Thread | None = None  # maps and registers the pool offered by "hello"
+        self._pool_mapped = threading.Event()  # the pool offered is mapped (usable), or unusable
         self.pool_attached = threading.Event()  # the pool offered is mapped and registered, or unusable
         # out of the GPU: (pool ranges, none: its own memory; bytes; checksum, None until computed)
         self._saved: tuple[Ranges, int, int | None] | None = None
@@ -289,7 +296,7 @@ class MemoryCommandLoop:
 
     def _run_command(self, command: pb.MemoryCommand, ranges: Ranges, ack: pb.MemoryCommandAck) -> None:
         if ranges and self._attaching is not None:
-            self._attaching.join()  # a command that came before the pool was registered waits for it
+            self._pool_mapped.wait()  # a command that came before the pool was mapped waits for that, not the pinning
         if command.kind == "checkpoint":
             if self._in_hold():  # a revoked or lapsed holder may still be computing: never under it
                 raise RuntimeError(f"job {self._s.job_id} is inside its GPU phase on group {self.group} (it "
@@ -331,11 +338,10 @@ class MemoryCommandLoop:
         return moved
 
     def _attach(self, path: str, size: int) -> None:
-        """Map the pool and let the store register it, in its own thread as soon as the
-        orchestrator offers it: registering pins every page (seconds for tens of GB; measured
-        on the H200, 12-16 s inside a job's first checkpoint when it was done there,
-        bench/results/rl-grpo-b-h200.json), so it runs while the job computes, not inside a
-        switch."""
+        """Map the pool and let the store use and register it, in its own thread as soon as
+        the orchestrator offers it: registering pins every page (seconds for tens of GB;
+        measured on the H200, 9.7 s for 101 GB), so it runs while the job computes; a
+        command that comes meanwhile has the store pin what it copies through first."""
         t0 = time.monotonic()
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -344,11 +350,19 @@ class MemoryCommandLoop:
                 pool = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
-            self.store.attach_pool(pool)
-            self._pool = pool
-            log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
+            self.store.use_pool(pool)
         except Exception as err:  # no pool: checkpoints go to the store's own memory
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
+            self._pool_mapped.set()
+            self.pool_attached.set()
+            return
+        self._pool = pool
+        self._pool_mapped.set()
+        try:
+            self.store.pin_pool()
+            log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
+        except Exception as err:  # the pool stays in use, at pageable speed
+            log.warning("pinned pool %s not pinned, copies into it run at pageable speed: %s", path, err)
         finally:
             self.pool_attached.set()
 

@@ -22,9 +22,9 @@ move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file
 mapped here and registered with `cudaHostRegister`, CUDA Runtime API, in a background
-thread as soon as the command stream opens, so that no switch waits for the pinning; in
-chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own
-threads and its lease keep-alive run while tens of GB pin), else a pinned buffer of
+thread as soon as the command stream opens, a command pinning the parts it copies
+through first; in chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that
+the job's own threads and its lease keep-alive run while tens of GB pin), else a pinned buffer of
 this process allocated on the first checkpoint and reused (pageable when the host cannot
 pin that much). Copies run on a side stream made at registration, each direction at the
 link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -89,6 +89,7 @@ class TorchState:
         self._moved: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, host offset, bytes)
         self._in_pool = False
         self._ranges: Ranges = []  # the pool ranges the state is in
+        self._pinned: set[int] = set()  # the pool's chunks registered with CUDA (`REGISTER_CHUNK_BYTES` each)
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -129,22 +130,35 @@ class TorchState:
                 return sum(n for _, _, n in self._moved)
             return sum(s.nbytes() for s in self._storages())
 
-    def attach_pool(self, pool: mmap.mmap) -> None:
-        """Register `pool` with CUDA, `REGISTER_CHUNK_BYTES` per call, letting the other
-        threads run between calls. Raises RuntimeError (a registration failed: the chunks
-        registered before it are unregistered)."""
-        host = torch.frombuffer(pool, dtype=torch.uint8)
-        cudart, base, done = torch.cuda.cudart(), host.data_ptr(), list[int]()
-        for start in range(0, host.numel(), REGISTER_CHUNK_BYTES):
-            err = cudart.cudaHostRegister(base + start, min(REGISTER_CHUNK_BYTES, host.numel() - start), 0)
-            if int(err) != 0:
-                for ptr in done:
-                    cudart.cudaHostUnregister(ptr)
-                raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
-            done.append(base + start)
-            time.sleep(0)  # let the other threads take the GIL between chunks
+    def use_pool(self, pool: mmap.mmap) -> None:
+        """Checkpoint into `pool` from now on; each command pins the parts it copies
+        through first, `pin_pool` the rest."""
         with self._lock:
-            self._pool = host
+            self._pool = torch.frombuffer(pool, dtype=torch.uint8)
+
+    def pin_pool(self) -> None:
+        """Register the whole pool with CUDA, `REGISTER_CHUNK_BYTES` per call, taking the
+        store's lock per chunk only (a command that comes meanwhile pins what it needs
+        first: on the H200 the whole 101 GB pool took 9.7 s, and a job's first checkpoint
+        waited for all of it, bench/results/rl-grpo-b-serve-cooperative-h200.json). Raises
+        RuntimeError (a registration failed: the pool stays in use, pageable where not pinned)."""
+        if self._pool is None:
+            return
+        for chunk in range(0, self._pool.numel(), REGISTER_CHUNK_BYTES):
+            with self._lock:
+                self._pin(chunk // REGISTER_CHUNK_BYTES)
+            time.sleep(0)  # let the other threads take the GIL between chunks
+
+    def _pin(self, index: int) -> None:
+        """Register chunk `index` of the pool unless it is (under `_lock`)."""
+        if index in self._pinned or self._pool is None:
+            return
+        start = index * REGISTER_CHUNK_BYTES
+        n = min(REGISTER_CHUNK_BYTES, self._pool.numel() - start)
+        err = torch.cuda.cudart().cudaHostRegister(self._pool.data_ptr() + start, n, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
+        self._pinned.add(index)
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         """Returns (host bytes used: storages packed at 4 KiB boundaries; in the pool)."""
@@ -211,8 +225,13 @@ class TorchState:
         in the storage, length)], in the pool `ranges` or in the store's own buffer `own`."""
         if own is not None:
             return [(own[start:start + n], 0, n)]
-        return [(self._pool[off:off + k], src, k)  # type: ignore[index]
-                for off, src, k in chunked(pieces(ranges, start, n))]
+        places = chunked(pieces(ranges, start, n))
+        try:
+            for off, _, _ in places:
+                self._pin(off // REGISTER_CHUNK_BYTES)
+        except RuntimeError as err:  # the copies still run, at pageable speed
+            log.warning("%s: copying at pageable speed", err)
+        return [(self._pool[off:off + k], src, k) for off, src, k in places]  # type: ignore[index]
 
     def _own_buffer(self, total: int) -> torch.Tensor:
         """This process's host buffer (reused): pinned, else pageable when pinning fails (host

@@ -67,8 +67,9 @@ class CpuStore:
         self.pool, self.ranges, self.n = None, None, 0
     def nbytes(self):
         return sum(t.numel() * t.element_size() for t in tensors)
-    def attach_pool(self, pool):
+    def use_pool(self, pool):
         self.pool = torch.frombuffer(pool, dtype=torch.uint8)
+    def pin_pool(self): pass
     def checkpoint(self, ranges):
         if self.ranges is not None:
             return self.n, True

@@ -49,7 +49,8 @@ from timeslice import TimeSliceOrchestratorClient
 class Store:
     on_gpu = True
     def nbytes(self): return 4096
-    def attach_pool(self, pool): pass
+    def use_pool(self, pool): pass
+    def pin_pool(self): pass
     def checkpoint(self, ranges):
         print("checkpoint", flush=True)
         self.on_gpu = False
@@ -188,7 +189,10 @@ class Store:
     def nbytes(self) -> int:
         return 4096
 
-    def attach_pool(self, pool: object) -> None:
+    def use_pool(self, pool: object) -> None:
+        pass
+
+    def pin_pool(self) -> None:
         pass
 
     def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
