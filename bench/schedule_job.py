@@ -86,7 +86,7 @@ class ModelStore:
     def use_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
 
-    def pin_pool(self) -> None:
+    def pin_pool(self, paused: object) -> None:
         pass
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:

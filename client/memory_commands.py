@@ -158,9 +158,10 @@ class StateStore(Protocol):
         the first command that uses it)."""
         ...
 
-    def pin_pool(self) -> None:
+    def pin_pool(self, paused: Callable[[], bool]) -> None:
         """Pin the pool for copies at the link's speed (slow: seconds for tens of GB; called
-        once after `use_pool`, in a background thread, while commands may run)."""
+        once after `use_pool`, in a background thread, while commands may run), waiting
+        while `paused()` (the job holds its GPU)."""
         ...
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
@@ -359,7 +360,7 @@ class MemoryCommandLoop:
         self._pool = pool
         self._pool_mapped.set()
         try:
-            self.store.pin_pool()
+            self.store.pin_pool(self._in_hold)
             log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
         except Exception as err:  # the pool stays in use, at pageable speed
             log.warning("pinned pool %s not pinned, copies into it run at pageable speed: %s", path, err)

@@ -38,7 +38,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ CONNECT_TIMEOUT_SECONDS = 30.0
 # them) stopped until the lease lapsed (issue 21). A copy never spans two chunks: CUDA
 # pins per registration, and a copy across two would not run at the pinned speed.
 REGISTER_CHUNK_BYTES = 256 << 20
+# While the job holds its GPU, pinning the rest of the pool waits; it looks again this often, seconds.
+PIN_PAUSE_POLL_SECONDS = 0.05
 
 
 def _align(n: int) -> int:
@@ -136,15 +138,20 @@ class TorchState:
         with self._lock:
             self._pool = torch.frombuffer(pool, dtype=torch.uint8)
 
-    def pin_pool(self) -> None:
+    def pin_pool(self, paused: Callable[[], bool]) -> None:
         """Register the whole pool with CUDA, `REGISTER_CHUNK_BYTES` per call, taking the
         store's lock per chunk only (a command that comes meanwhile pins what it needs
         first: on the H200 the whole 101 GB pool took 9.7 s, and a job's first checkpoint
-        waited for all of it, bench/results/rl-grpo-b-serve-cooperative-h200.json). Raises
-        RuntimeError (a registration failed: the pool stays in use, pageable where not pinned)."""
+        waited for all of it, bench/results/rl-grpo-b-serve-cooperative-h200.json), and
+        never while `paused()` (the job holds its GPU: each registration stalls the job's
+        own CUDA calls; a 3 s generate took 17 s while 101 GB pinned,
+        bench/results/rl-grpo-a-serve-h200.json). Raises RuntimeError (a registration
+        failed: the pool stays in use, pageable where not pinned)."""
         if self._pool is None:
             return
         for chunk in range(0, self._pool.numel(), REGISTER_CHUNK_BYTES):
+            while paused():
+                time.sleep(PIN_PAUSE_POLL_SECONDS)
             with self._lock:
                 self._pin(chunk // REGISTER_CHUNK_BYTES)
             time.sleep(0)  # let the other threads take the GIL between chunks

@@ -69,7 +69,7 @@ class CpuStore:
         return sum(t.numel() * t.element_size() for t in tensors)
     def use_pool(self, pool):
         self.pool = torch.frombuffer(pool, dtype=torch.uint8)
-    def pin_pool(self): pass
+    def pin_pool(self, paused): pass
     def checkpoint(self, ranges):
         if self.ranges is not None:
             return self.n, True
