@@ -8,6 +8,7 @@ grant or a condition (`eventually`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -965,3 +966,74 @@ def test_the_switch_speed_is_the_fastest_each_way_not_an_average_with_a_first_sw
                                  restore_seconds=0.5, bytes_restored=47 * GB))
     g.recent.append(SwitchRecord("a", "b", ok=False, checkpoint_seconds=0.1, bytes_checkpointed=50 * GB))
     assert switch_speed(g) == (50 * GB, 94 * GB)
+
+
+class SampledGpu(FakeGpu):
+    """A FakeGpu whose agent samples what each job holds as it changes (`set`) and reports the
+    most since its last report, each sample once, as the node agent does (`peak_bytes`; a
+    watch, asked with `watch`, answers at the next change or after `watch` seconds). It can be
+    down (its report fails: the snapshot names it unanswered, as `Switcher.memory` does) and
+    restart (another incarnation; what it sampled until then is lost)."""
+
+    def __init__(self, **on_gpu: int) -> None:
+        super().__init__(**on_gpu)
+        self.up, self.run = True, 1
+        self.sampled: dict[str, int] = {}
+        self.changed = asyncio.Event()
+        self.watches = 0
+
+    def set(self, job: str, gb: int) -> None:
+        """`job` holds `gb` GB now (it allocated or freed)."""
+        self.on[job] = gb * GB
+        if self.up:
+            self.sampled[job] = max(self.sampled.get(job, 0), gb * GB)
+        self.changed.set()
+
+    def restart(self) -> None:
+        self.up, self.run, self.sampled = True, self.run + 1, {}
+
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
+        if not self.up:
+            return MemorySnapshot(unanswered={"agent-0"})
+        if watch:
+            self.watches += 1
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), watch)
+        snap = await super().memory(spec, jobs)
+        snap.incarnations = {"agent-0": f"run-{self.run}"}
+        snap.peak_bytes = {j: {DEV: max(b, self.sampled.pop(j, 0))} for j, b in self.on.items()}
+        return snap
+
+
+async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> None:
+    """Randomized schedules, seed 1242: the node agent was down (SIGTERM, then started again)
+    through a's second and third holds; the third, a generate, held a 20 GB KV cache that no
+    report carried (the agent started again had not sampled it). Counted anyway, those holds
+    let a's fourth (a train step, no growth) settle it at 55 GB, and its next generate was
+    placed beside b: OOM. A hold that a failed report or an agent restart hid neither counts
+    toward settling nor settles: a still runs alone."""
+    gpu = SampledGpu(b=30)
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a", then=lambda: gpu.set("a", 40))  # its model; b leaves (a declared nothing: alone)
+    await hold(g, "b", memory=30 * GB)  # restored beside a
+    gpu.up = False  # the agent is killed
+    await hold(g, "a", then=lambda: gpu.set("a", 55))  # its optimizer state
+    await hold(g, "b", memory=30 * GB)
+
+    def generate() -> None:
+        gpu.set("a", 75)  # its KV cache, unsampled...
+        gpu.set("a", 55)  # ... freed at the phase's end
+        gpu.restart()
+
+    await hold(g, "a", then=generate)
+    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a")  # a train step: no growth
+    await hold(g, "b", memory=30 * GB)  # restored beside a: 55 + 30 of 100
+    assert "a" not in g.residency.settled
+    calls = len(gpu.calls)
+    await hold(g, "a", then=lambda: gpu.set("a", 75))  # its next generate: b leaves first
+    assert gpu.calls[calls:] == [("checkpoint", "b")]
+    await g.close()
+

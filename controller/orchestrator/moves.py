@@ -352,11 +352,12 @@ class MemoryMoves:
                                                low_free=low)
             except Exception as err:  # an agent that does not answer: the next grant plans afresh
                 log.warning("memory watch failed group=%s holder=%s: %s", g.id, h.job_id, err)
+                r.unobserved()
                 await asyncio.sleep(HOLDER_WATCH_SECONDS)
                 continue
-            if g.holder is h and snap is not None and snap.devices:
-                r.observe(snap)
-                if await self._room_for_holder(snap, h.job_id):
+            if g.holder is h and snap is not None:
+                r.observe(snap)  # without devices too: a failed report leaves the hold unobserved
+                if snap.devices and await self._room_for_holder(snap, h.job_id):
                     continue
             # an agent that answers at once (low memory and nothing to move, a test double) is asked again later
             await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
@@ -383,6 +384,7 @@ class MemoryMoves:
             return False
         log.warning("holder %s outgrew its reservation group=%s (free %s): checkpointing idle %s", holder,
                     g.id, {d: m.free for d, m in snap.devices.items()}, evict)
+        r.unobserved()  # nothing samples the holder while they leave
         await self._make_room_now(evict, holder)
         return True
 
@@ -421,10 +423,10 @@ class MemoryMoves:
         g = self._g
         jobs = sorted({*g.residency.residents, *g.residency.checkpointed, *(w.job_id for w in g.queue)})
         snap = await g.switcher.memory(g.spec, jobs)  # type: ignore[attr-defined]
-        if snap is None or not snap.devices:
+        if snap is None:
             return None
-        g.residency.observe(snap)
-        return snap
+        g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
+        return snap if snap.devices else None
 
     async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> Plan:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
