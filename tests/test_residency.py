@@ -879,6 +879,7 @@ class WatchedGpu(FakeGpu):
         super().__init__(**kw)
         self.changed = asyncio.Event()
         self.watches = 0
+        self.lows: list[int] = []  # each watch's low_free
 
     def grow(self, job: str, nbytes: int) -> None:
         self.on[job] = nbytes
@@ -887,6 +888,7 @@ class WatchedGpu(FakeGpu):
     async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
         if watch:
             self.watches += 1
+            self.lows.append(low_free)
             while self.total - sum(self.on.values()) >= low_free:
                 self.changed.clear()
                 try:
@@ -911,6 +913,20 @@ async def test_a_holder_that_outgrows_its_reservation_makes_idle_residents_leave
     assert ("checkpoint", "a") not in gpu.calls and ("checkpoint", "c") not in gpu.calls
     assert g.holder is not None and g.holder.job_id == "a"
     await eventually(lambda: g.residency.peaks["a"][DEV] == 42 * GB)
+    g.release("a", grant.lease_id, grant.epoch)
+    await g.close()
+
+
+async def test_a_holder_short_of_headroom_with_nothing_to_move_is_watched_on_without_a_gap() -> None:
+    """A watch answers at once while free memory is under the headroom; when no idle resident
+    can leave, the next one watches on without that threshold. It was a sleep until the next
+    watch, and what the holder held meanwhile was sampled by nobody."""
+    gpu = WatchedGpu(a=95)
+    g = group(gpu)
+    await hold(g, "a")
+    grant = await g.acquire("a", 0, "a-1", timeout=None)
+    await eventually(lambda: len(gpu.lows) >= 2, what="two watches")
+    assert gpu.lows[:2] == [10 * GB, 0]
     g.release("a", grant.lease_id, grant.epoch)
     await g.close()
 
@@ -1037,3 +1053,25 @@ async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> 
     assert gpu.calls[calls:] == [("checkpoint", "b")]
     await g.close()
 
+
+async def test_a_watch_that_answers_after_its_hold_ended_is_still_learned_from() -> None:
+    """The holder's watch (a long poll) may answer after the hold ended and the next resident
+    was granted at once, without a report: the answer carries the most each job held since the
+    agent's last report (each sample is reported once), the next holder's first samples
+    included. It was dropped: b's 40 GB KV cache, held early in its hold, entered no report."""
+    gpu = SampledGpu(a=10, b=10)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "b")
+    grant = await g.acquire("a", 0, "a-1", timeout=None)
+    await eventually(lambda: gpu.watches > 0, what="a's watch")
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1, what="b waiting")
+    g.release("a", grant.lease_id, grant.epoch)
+    grant = await b_waits
+    assert gpu.watches == 1  # b granted at once: resident, with room
+    gpu.set("b", 40)
+    gpu.set("b", 10)  # a's watch, still in flight, answers
+    await eventually(lambda: g.residency.peaks.get("b", {}).get(DEV) == 40 * GB, what="b's peak learned")
+    g.release("b", grant.lease_id, grant.epoch)
+    await g.close()

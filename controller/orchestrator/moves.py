@@ -339,12 +339,17 @@ class MemoryMoves:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name=f"watch-{self._g.id}")
 
     async def _watch(self) -> None:
+        """Watch the holder without a gap (`Residency.unobserved` where one is left): a report
+        is observed also when the hold it began in has ended (it carries the peaks since the
+        agent's last report, the next holder's included), and a watch that answered early for
+        low memory, nothing being able to leave, is followed by one that does not."""
         g = self._g
+        quiet = False  # the last watch answered for low memory: watch on without the threshold
         while g.holder is not None:
             h, r = g.holder, g.residency
             fraction, fixed = parse_headroom(g.spec.memory_headroom)
             totals = [d.total for d in r.snapshot.devices.values()] if r.snapshot else []
-            low = int(fraction * min(totals)) + fixed if totals else 0
+            low = int(fraction * min(totals)) + fixed if totals and not quiet else 0
             jobs = sorted({*r.residents, *r.checkpointed})
             started = time.monotonic()
             try:
@@ -355,12 +360,13 @@ class MemoryMoves:
                 r.unobserved()
                 await asyncio.sleep(HOLDER_WATCH_SECONDS)
                 continue
-            if g.holder is h and snap is not None:
-                r.observe(snap)  # without devices too: a failed report leaves the hold unobserved
-                if snap.devices and await self._room_for_holder(snap, h.job_id):
+            if snap is not None:
+                r.observe(snap)
+                if g.holder is h and snap.devices and await self._room_for_holder(snap, h.job_id):
                     continue
-            # an agent that answers at once (low memory and nothing to move, a test double) is asked again later
-            await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
+            quiet = bool(low) and snap is not None and any(m.free < low for m in snap.devices.values())
+            if not quiet:  # an agent that answers at once (a test double) is asked again later
+                await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
 
     async def _room_for_holder(self, snap: MemorySnapshot, holder: str) -> bool:
         """Checkpoint idle residents on the GPUs where `snap` shows less free than the
