@@ -8,6 +8,7 @@ grant or a condition (`eventually`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -878,6 +879,7 @@ class WatchedGpu(FakeGpu):
         super().__init__(**kw)
         self.changed = asyncio.Event()
         self.watches = 0
+        self.lows: list[int] = []  # each watch's low_free
 
     def grow(self, job: str, nbytes: int) -> None:
         self.on[job] = nbytes
@@ -886,6 +888,7 @@ class WatchedGpu(FakeGpu):
     async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
         if watch:
             self.watches += 1
+            self.lows.append(low_free)
             while self.total - sum(self.on.values()) >= low_free:
                 self.changed.clear()
                 try:
@@ -910,6 +913,20 @@ async def test_a_holder_that_outgrows_its_reservation_makes_idle_residents_leave
     assert ("checkpoint", "a") not in gpu.calls and ("checkpoint", "c") not in gpu.calls
     assert g.holder is not None and g.holder.job_id == "a"
     await eventually(lambda: g.residency.peaks["a"][DEV] == 42 * GB)
+    g.release("a", grant.lease_id, grant.epoch)
+    await g.close()
+
+
+async def test_a_holder_short_of_headroom_with_nothing_to_move_is_watched_on_without_a_gap() -> None:
+    """A watch answers at once while free memory is under the headroom; when no idle resident
+    can leave, the next one watches on without that threshold. It was a sleep until the next
+    watch, and what the holder held meanwhile was sampled by nobody."""
+    gpu = WatchedGpu(a=95)
+    g = group(gpu)
+    await hold(g, "a")
+    grant = await g.acquire("a", 0, "a-1", timeout=None)
+    await eventually(lambda: len(gpu.lows) >= 2, what="two watches")
+    assert gpu.lows[:2] == [10 * GB, 0]
     g.release("a", grant.lease_id, grant.epoch)
     await g.close()
 
@@ -965,3 +982,96 @@ def test_the_switch_speed_is_the_fastest_each_way_not_an_average_with_a_first_sw
                                  restore_seconds=0.5, bytes_restored=47 * GB))
     g.recent.append(SwitchRecord("a", "b", ok=False, checkpoint_seconds=0.1, bytes_checkpointed=50 * GB))
     assert switch_speed(g) == (50 * GB, 94 * GB)
+
+
+class SampledGpu(FakeGpu):
+    """A FakeGpu whose agent samples what each job holds as it changes (`set`) and reports the
+    most since its last report, each sample once, as the node agent does (`peak_bytes`; a
+    watch, asked with `watch`, answers at the next change or after `watch` seconds). It can be
+    down (its report fails: the snapshot names it unanswered, as `Switcher.memory` does) and
+    restart (another incarnation; what it sampled until then is lost)."""
+
+    def __init__(self, **on_gpu: int) -> None:
+        super().__init__(**on_gpu)
+        self.up, self.run = True, 1
+        self.sampled: dict[str, int] = {}
+        self.changed = asyncio.Event()
+        self.watches = 0
+
+    def set(self, job: str, gb: int) -> None:
+        """`job` holds `gb` GB now (it allocated or freed)."""
+        self.on[job] = gb * GB
+        if self.up:
+            self.sampled[job] = max(self.sampled.get(job, 0), gb * GB)
+        self.changed.set()
+
+    def restart(self) -> None:
+        self.up, self.run, self.sampled = True, self.run + 1, {}
+
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
+        if not self.up:
+            return MemorySnapshot(unanswered={"agent-0"})
+        if watch:
+            self.watches += 1
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), watch)
+        snap = await super().memory(spec, jobs)
+        snap.incarnations = {"agent-0": f"run-{self.run}"}
+        snap.peak_bytes = {j: {DEV: max(b, self.sampled.pop(j, 0))} for j, b in self.on.items()}
+        return snap
+
+
+async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> None:
+    """Randomized schedules, seed 1242: the node agent was down (SIGTERM, then started again)
+    through a's second and third holds; the third, a generate, held a 20 GB KV cache that no
+    report carried (the agent started again had not sampled it). Counted anyway, those holds
+    let a's fourth (a train step, no growth) settle it at 55 GB, and its next generate was
+    placed beside b: OOM. A hold that a failed report or an agent restart hid neither counts
+    toward settling nor settles: a still runs alone."""
+    gpu = SampledGpu(b=30)
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a", then=lambda: gpu.set("a", 40))  # its model; b leaves (a declared nothing: alone)
+    await hold(g, "b", memory=30 * GB)  # restored beside a
+    gpu.up = False  # the agent is killed
+    await hold(g, "a", then=lambda: gpu.set("a", 55))  # its optimizer state
+    await hold(g, "b", memory=30 * GB)
+
+    def generate() -> None:
+        gpu.set("a", 75)  # its KV cache, unsampled...
+        gpu.set("a", 55)  # ... freed at the phase's end
+        gpu.restart()
+
+    await hold(g, "a", then=generate)
+    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a")  # a train step: no growth
+    await hold(g, "b", memory=30 * GB)  # restored beside a: 55 + 30 of 100
+    assert "a" not in g.residency.settled
+    calls = len(gpu.calls)
+    await hold(g, "a", then=lambda: gpu.set("a", 75))  # its next generate: b leaves first
+    assert gpu.calls[calls:] == [("checkpoint", "b")]
+    await g.close()
+
+
+async def test_a_watch_that_answers_after_its_hold_ended_is_still_learned_from() -> None:
+    """The holder's watch (a long poll) may answer after the hold ended and the next resident
+    was granted at once, without a report: the answer carries the most each job held since the
+    agent's last report (each sample is reported once), the next holder's first samples
+    included. It was dropped: b's 40 GB KV cache, held early in its hold, entered no report."""
+    gpu = SampledGpu(a=10, b=10)
+    g = group(gpu)
+    await hold(g, "a")
+    await hold(g, "b")
+    grant = await g.acquire("a", 0, "a-1", timeout=None)
+    await eventually(lambda: gpu.watches > 0, what="a's watch")
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1, what="b waiting")
+    g.release("a", grant.lease_id, grant.epoch)
+    grant = await b_waits
+    assert gpu.watches == 1  # b granted at once: resident, with room
+    gpu.set("b", 40)
+    gpu.set("b", 10)  # a's watch, still in flight, answers
+    await eventually(lambda: g.residency.peaks.get("b", {}).get(DEV) == 40 * GB, what="b's peak learned")
+    g.release("b", grant.lease_id, grant.epoch)
+    await g.close()

@@ -91,6 +91,57 @@ async def test_the_node_agent_reports_the_model_gpu_in_place_of_nvml(short_tmp: 
     assert dict(rep.jobs[0].device_bytes) == {"GPU-model-0": 42 * MB}
 
 
+async def test_a_hold_that_a_node_agent_restart_cut_through_does_not_settle_its_job(short_tmp: Path,
+                                                                                     sleeper) -> None:
+    """Randomized schedules, seed 1242, with the real node agent and the orchestrator's memory
+    reports: the agent is killed while job mj holds, mj's KV cache comes and goes while it is
+    away, and it is started again. Its reports carry another incarnation (its peak samples
+    started over): that hold counts as unobserved, so it does not settle mj on a peak that
+    misses the cache (it did, after two observed holds: mj was then placed beside another
+    job, and its next generate hit an OOM)."""
+    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.residency import Residency
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    gpu.alloc(sleeper.pid, 40 * MB)
+    listen = f"unix://{short_tmp / 'agent.sock'}"
+    args = ("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"))
+
+    async def start_agent():  # -> asyncio.subprocess.Process
+        os.environ[ENV] = str(gpu.path)  # inherited by the agent only
+        try:
+            return (await start(*args, ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+        finally:
+            del os.environ[ENV]
+
+    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
+    pool = AgentPool()
+    switcher, r = SwitchCoordinator(pool), Residency()
+    agent = await start_agent()
+    try:
+        for _ in range(2):  # two holds that its reports covered: they count, and settle nothing yet
+            r.held("mj")
+            r.hold_ended("mj")
+            r.observe(await switcher.memory(spec, ["mj"]))
+        assert r.holds["mj"] == 2 and "mj" not in r.settled
+        r.held("mj")
+        agent.kill()
+        await agent.wait()
+        gpu.alloc(sleeper.pid, 20 * MB, "generate")  # its KV cache, while no agent samples
+        gpu.free(sleeper.pid, 20 * MB)
+        agent = await start_agent()
+        r.hold_ended("mj")
+        snap = await switcher.memory(spec, ["mj"])
+        r.observe(snap)
+        assert snap.peak_bytes["mj"] == {f"{listen}/GPU-model-0": 40 * MB}  # the cache is in no report
+        assert r.holds["mj"] == 2 and "mj" not in r.settled
+    finally:
+        await stop(agent)
+        await pool.close()
+
+
 def test_the_schedule_of_a_seed_is_always_the_same_and_every_job_fits_alone() -> None:
     for seed in range(200):
         s = schedules.make_schedule(seed)

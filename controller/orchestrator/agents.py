@@ -74,13 +74,15 @@ class StepResult:
 @dataclass(frozen=True)
 class AgentMemory:
     """One node's `GetMemory` answer: `gpus` uuid -> (total, free) bytes; per job, bytes by
-    GPU uuid on the GPUs now and checkpointed; host bytes available for checkpoints."""
+    GPU uuid on the GPUs now and checkpointed; host bytes available for checkpoints;
+    `incarnation`: the answering agent's run (a new one after a restart; "" from older agents)."""
 
     gpus: dict[str, tuple[int, int]]
     device_bytes: dict[str, dict[str, int]]
     checkpointed_bytes: dict[str, dict[str, int]]
     host_available: int
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch (`memory(watch=...)`)
+    incarnation: str = ""
 
 
 class AgentClient:
@@ -181,7 +183,8 @@ class AgentClient:
                            {j.job_id: dict(j.device_bytes) for j in resp.jobs},
                            {j.job_id: dict(j.checkpointed_bytes) for j in resp.jobs if j.checkpointed_bytes},
                            int(resp.host_available_bytes),
-                           {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes})
+                           {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes},
+                           resp.incarnation)
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",

@@ -339,12 +339,17 @@ class MemoryMoves:
             self._watch_task = asyncio.get_running_loop().create_task(self._watch(), name=f"watch-{self._g.id}")
 
     async def _watch(self) -> None:
+        """Watch the holder without a gap (`Residency.unobserved` where one is left): a report
+        is observed also when the hold it began in has ended (it carries the peaks since the
+        agent's last report, the next holder's included), and a watch that answered early for
+        low memory, nothing being able to leave, is followed by one that does not."""
         g = self._g
+        quiet = False  # the last watch answered for low memory: watch on without the threshold
         while g.holder is not None:
             h, r = g.holder, g.residency
             fraction, fixed = parse_headroom(g.spec.memory_headroom)
             totals = [d.total for d in r.snapshot.devices.values()] if r.snapshot else []
-            low = int(fraction * min(totals)) + fixed if totals else 0
+            low = int(fraction * min(totals)) + fixed if totals and not quiet else 0
             jobs = sorted({*r.residents, *r.checkpointed})
             started = time.monotonic()
             try:
@@ -352,14 +357,16 @@ class MemoryMoves:
                                                low_free=low)
             except Exception as err:  # an agent that does not answer: the next grant plans afresh
                 log.warning("memory watch failed group=%s holder=%s: %s", g.id, h.job_id, err)
+                r.unobserved()
                 await asyncio.sleep(HOLDER_WATCH_SECONDS)
                 continue
-            if g.holder is h and snap is not None and snap.devices:
+            if snap is not None:
                 r.observe(snap)
-                if await self._room_for_holder(snap, h.job_id):
+                if g.holder is h and snap.devices and await self._room_for_holder(snap, h.job_id):
                     continue
-            # an agent that answers at once (low memory and nothing to move, a test double) is asked again later
-            await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
+            quiet = bool(low) and snap is not None and any(m.free < low for m in snap.devices.values())
+            if not quiet:  # an agent that answers at once (a test double) is asked again later
+                await asyncio.sleep(max(0.0, HOLDER_WATCH_SECONDS - (time.monotonic() - started)))
 
     async def _room_for_holder(self, snap: MemorySnapshot, holder: str) -> bool:
         """Checkpoint idle residents on the GPUs where `snap` shows less free than the
@@ -383,6 +390,7 @@ class MemoryMoves:
             return False
         log.warning("holder %s outgrew its reservation group=%s (free %s): checkpointing idle %s", holder,
                     g.id, {d: m.free for d, m in snap.devices.items()}, evict)
+        r.unobserved()  # nothing samples the holder while they leave
         await self._make_room_now(evict, holder)
         return True
 
@@ -421,10 +429,10 @@ class MemoryMoves:
         g = self._g
         jobs = sorted({*g.residency.residents, *g.residency.checkpointed, *(w.job_id for w in g.queue)})
         snap = await g.switcher.memory(g.spec, jobs)  # type: ignore[attr-defined]
-        if snap is None or not snap.devices:
+        if snap is None:
             return None
-        g.residency.observe(snap)
-        return snap
+        g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
+        return snap if snap.devices else None
 
     async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> Plan:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted

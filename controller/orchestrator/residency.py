@@ -13,12 +13,18 @@ A job's *need* on a device (its reservation) is max(what it declared, the most i
 while holding (its peak), its checkpoint's size). It declares with the claim's
 consumable-capacity `memory` request or `TimeSliceConfig.memory` (cluster), or
 `TIMESLICE_MEMORY` / `acquire(memory=)` (its client; bytes per GPU). A job that declared
-nothing is *unsettled* until one of its holds, after its first two, ended without raising
-its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their first hold
-(the model is built inside it, optimizer state appears at the first train step, the KV
+nothing is *unsettled* until one of its observed holds, after its first two, ended without
+raising its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their first
+hold (the model is built inside it, optimizer state appears at the first train step, the KV
 cache in generate; measured on the H200: a GRPO job held 36 GB at its first hold and 47 GB
 after its first train step, bench/results/rl-grpo-*.json), so its peak so far is no bound
-yet. An unsettled job is never placed beside others on a guess: it is granted *alone*
+yet. A hold is *observed* when memory reports covered it throughout, each from the same run
+of its node agent. One that went unwatched for a while (a report failed or an agent was
+down; an agent answered as another `incarnation` than before: restarted, its peak samples
+started over; idle residents were checkpointed for the holder; the hold was adopted at the
+orchestrator's start) may have peaked where no report saw it: it neither counts among the
+first two nor settles its job. An unsettled job is never placed beside others on a guess: it
+is granted *alone*
 (every idle resident on its GPUs is checkpointed first, and while more than the headroom
 would stay held by others, residents with nothing to move or processes of no job of the
 group such as one that left and is still exiting, it waits),
@@ -47,7 +53,8 @@ __all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room"
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
-# `SETTLE_MIN_HOLDS` holds (the first builds the job, the next ones add its phases' state).
+# `SETTLE_MIN_HOLDS` observed holds (the first builds the job, the next ones add its phases'
+# state); see the module docstring.
 SETTLE_GROWTH = 0.01
 SETTLE_MIN_HOLDS = 2
 
@@ -81,6 +88,8 @@ class MemorySnapshot:
     # 100 ms while the orchestrator watches a hold); at least device_bytes
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     unseen: set[str] = field(default_factory=set)  # jobs whose device bytes are what they registered, not NVML's
+    unanswered: set[str] = field(default_factory=set)  # agent targets whose report failed
+    incarnations: dict[str, str] = field(default_factory=dict)  # agent target -> the run that answered
     taken_at: float = field(default_factory=time.monotonic)
 
     def on_device(self, job: str) -> dict[str, int]:
@@ -217,6 +226,15 @@ def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+@dataclass
+class _Hold:
+    """A hold in progress, or ended and not yet reported: its job's peak at the grant
+    (`before`), and whether memory reports covered it so far (`observed`, module docstring)."""
+
+    before: dict[str, int]
+    observed: bool = True
+
+
 class Residency:
     """Where each job of a group is: resident (least recently held first) or checkpointed,
     the last `MemorySnapshot`, each job's peak bytes per device seen while resident (a
@@ -229,32 +247,47 @@ class Residency:
         self.peaks: dict[str, dict[str, int]] = {}
         self.declared: dict[str, int] = {}
         self.settled: set[str] = set()
-        self.holds: dict[str, int] = {}  # job -> holds ended
-        self._peak_at_grant: dict[str, dict[str, int]] = {}  # the holder's peak at its grant
-        self._ended: dict[str, dict[str, int]] = {}  # holds ended since the last snapshot: peak at grant
+        self.holds: dict[str, int] = {}  # job -> observed holds ended
+        self._holding: dict[str, _Hold] = {}  # the holder's hold
+        self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
+        self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
         self.snapshot: MemorySnapshot | None = None
 
-    def held(self, job: str) -> None:
-        """`job` was granted: it is resident and the most recently held."""
+    def held(self, job: str, observed: bool = True) -> None:
+        """`job` was granted: it is resident and the most recently held. Not `observed`: its
+        hold began before this group watched it (adopted at a restart, or carried from
+        another group)."""
         self.checkpointed.discard(job)
         self.residents[job] = None
         self.residents.move_to_end(job)
-        self._peak_at_grant[job] = dict(self.peaks.get(job, {}))
+        self._holding[job] = _Hold(dict(self.peaks.get(job, {})), observed)
 
     def hold_ended(self, job: str) -> None:
         """`job`'s hold ended: the next snapshot (which carries the most it held) decides
-        whether it settled: this hold, after its first `SETTLE_MIN_HOLDS`, raised its peak
-        by at most `SETTLE_GROWTH` of each device."""
-        if job in self._peak_at_grant:
-            self._ended[job] = self._peak_at_grant.pop(job)
+        whether it settled: this hold, observed, after its first `SETTLE_MIN_HOLDS`, raised
+        its peak by at most `SETTLE_GROWTH` of each device. Two holds that end before a
+        snapshot count as one, observed only when both were."""
+        h = self._holding.pop(job, None)
+        if h is not None:
+            prev = self._ended.get(job)
+            self._ended[job] = h if prev is None else _Hold(prev.before, prev.observed and h.observed)
+
+    def unobserved(self) -> None:
+        """A memory report failed, or the holder went unwatched for a while: the hold in
+        progress and those ended since the last snapshot may have peaked unseen; they neither
+        count toward settling nor settle their jobs (module docstring)."""
+        for h in (*self._holding.values(), *self._ended.values()):
+            h.observed = False
 
     def _settle(self, snap: MemorySnapshot) -> None:
-        for job, before in self._ended.items():
+        for job, h in self._ended.items():
+            if not h.observed:
+                continue  # its peak may have been missed: no evidence that the job stopped growing
             n = self.holds[job] = self.holds.get(job, 0) + 1
             peak = self.peaks.get(job, {})
             if n <= SETTLE_MIN_HOLDS or job in self.settled or not peak:
                 continue
-            if all(b - before.get(dev, 0) <= SETTLE_GROWTH * snap.devices[dev].total
+            if all(b - h.before.get(dev, 0) <= SETTLE_GROWTH * snap.devices[dev].total
                    for dev, b in peak.items() if dev in snap.devices):
                 self.settled.add(job)
         self._ended.clear()
@@ -290,7 +323,7 @@ class Residency:
         self.declared.pop(job, None)
         self.settled.discard(job)
         self.holds.pop(job, None)
-        self._peak_at_grant.pop(job, None)
+        self._holding.pop(job, None)
         self._ended.pop(job, None)
 
     def lru(self, excluding: Iterable[str] = ()) -> list[str]:
@@ -318,7 +351,7 @@ class Residency:
         if snap is None:
             return None
         grown: dict[str, int] = {}
-        for job in {*self._peak_at_grant, *self._ended} - {excluding}:
+        for job in {*self._holding, *self._ended} - {excluding}:
             held = snap.on_device(job)
             for dev, b in self.need(job).items():
                 grown[dev] = grown.get(dev, 0) + max(0, b - held.get(dev, 0))
@@ -329,7 +362,16 @@ class Residency:
 
     def observe(self, snap: MemorySnapshot) -> None:
         """Take a new snapshot: residents' peaks grow to the most they held (`peak_bytes`,
-        else what they hold now)."""
+        else what they hold now), and the holds ended since the last one settle their jobs or
+        not. A snapshot that an agent did not answer, or answered as another incarnation than
+        before (restarted), makes the holds it should have covered `unobserved`; one with no
+        devices (no agent answered) does only that."""
+        restarted = any(self._incarnations.get(agent, run) != run for agent, run in snap.incarnations.items())
+        self._incarnations.update(snap.incarnations)
+        if snap.unanswered or restarted:
+            self.unobserved()
+        if not snap.devices:
+            return
         self.snapshot = snap
         for job in self.residents:
             peak = self.peaks.setdefault(job, {})

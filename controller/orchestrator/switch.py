@@ -158,7 +158,8 @@ class SwitchCoordinator:
     async def memory(self, spec: GroupSpec, jobs: Sequence[str], watch: float = 0.0,
                      low_free: int = 0, *, for_plan: bool = True) -> MemorySnapshot:
         """One snapshot of the group's memory from all its node agents (in parallel). An
-        agent that does not answer is left out (logged); its devices are then unknown.
+        agent that does not answer is left out (logged, and named in `unanswered`); its
+        devices are then unknown.
         `watch` > 0 seconds: each agent samples its GPUs for that long or until one has less
         than `low_free` bytes free (`AgentClient.memory`), and the snapshot carries each
         job's peak over the samples. `for_plan` (and no watch): on `cooperative`, the
@@ -171,6 +172,7 @@ class SwitchCoordinator:
         for target, rep in zip(targets, reports):
             if isinstance(rep, BaseException):
                 log.warning("memory report failed group=%s agent=%s: %s", spec.id, target, rep)
+                snap.unanswered.add(target)
                 continue
             for uuid, (total, free) in rep.gpus.items():
                 snap.devices[f"{target}/{uuid}"] = DeviceMemory(total, free)
@@ -181,6 +183,8 @@ class SwitchCoordinator:
             for job, per in rep.peak_bytes.items():
                 snap.peak_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             snap.host_available[target] = rep.host_available
+            if rep.incarnation:
+                snap.incarnations[target] = rep.incarnation
         if spec.backend == names.BACKEND_COOPERATIVE and for_plan and not watch:
             await self.cooperative.refresh(spec.id, jobs)  # sizes as the processes see them now
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:

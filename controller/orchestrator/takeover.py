@@ -43,7 +43,7 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
         g.residency.moved_in(job)
         g.moves.lapsed(job)
     if resident is not None:
-        g.residency.held(resident)
+        g.residency.held(resident, observed=False)  # it held before this orchestrator watched it
     g.epoch = epoch
     if resident is not None:
         now = g.clock()
@@ -151,7 +151,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
             old.preemption.stop_clock()
             new.holder = h
             new.leases.remember(h.lease_id)
-            r_new.held(h.job_id)
+            r_new.held(h.job_id, observed=False)  # `old` watched it until now
             new.leases.arm()
             log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
         else:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 from timeslice.driver import names
 from timeslice.driver.errors import (
@@ -56,13 +57,14 @@ HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
 @dataclass
 class MemoryView:
     """`GetMemory`'s answer: the GPUs, per job its bytes per GPU uuid now and checkpointed,
-    and the host memory available (bytes)."""
+    and the host memory available (bytes); `incarnation`: the answering agent's."""
 
     gpus: list[GpuInfo]
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available: int = 0
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
+    incarnation: str = ""
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -139,6 +141,8 @@ class NodeAgent:
         # job -> GPU uuid -> the most it held in any sample (of any report or watch) since a
         # report of it last answered: a watch in flight shares its samples with plain reports
         self._peaks: dict[str, dict[str, int]] = {}
+        # names this run of the agent in its memory reports: a restart loses `_peaks`
+        self.incarnation = uuid4().hex
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
         self.operations = Operations()
@@ -412,7 +416,7 @@ class NodeAgent:
         when a hold ends before its watch answers still learns the hold's peak)."""
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
-        view = MemoryView(gpu_list, host_available=host)
+        view = MemoryView(gpu_list, host_available=host, incarnation=self.incarnation)
         pids_of: dict[str, list[int]] = {}
         for job in jobs:
             record = self.records.jobs.get(job.job_id)

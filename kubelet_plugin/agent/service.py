@@ -127,7 +127,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
             jobs=[apb.JobMemory(job_id=n, device_bytes=view.device_bytes.get(n, {}),
                                 checkpointed_bytes=view.checkpointed_bytes.get(n, {}),
                                 peak_device_bytes=view.peak_bytes.get(n, {})) for n in names],
-            host_available_bytes=view.host_available)
+            host_available_bytes=view.host_available, incarnation=view.incarnation)
 
     @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,
