@@ -9,7 +9,8 @@ between fails the job with "checkpoint lost" (never a silent resume); a planted 
 link or a pool file open to other users stops the orchestrator with a clear message. An
 orchestrator killed after a job's restore ran but before its answer came back (the state file
 still says checkpointed) counts that job as on the GPU after its restart: it is moved out
-before another job is restored beside it.
+before another job is restored beside it; one killed while a job's checkpoint command is out
+waits for that job's process to say where its state is before it takes it as moved out.
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ from timeslice import TimeSliceOrchestratorClient
 from timeslice.memory_commands import pieces
 
 job, target = sys.argv[1], sys.argv[2]
-# "stall": a restore, once done, waits for the line "go" before it returns (and is acknowledged),
-# and an acquire cut off by an orchestrator outage fails at once (it is not resent to the next one)
-stall = sys.argv[3:] == ["stall"]
+# options: "hold-checkpoint": a checkpoint waits for the line "go" before it starts; "hold-restore": a
+# restore, once done, waits for "go" before it returns (and is acknowledged); "no-resend": an acquire cut
+# off by an orchestrator outage fails at once (it is not resent to the next orchestrator)
+options = set(sys.argv[3:])
 go = threading.Event()
 torch.manual_seed(sum(map(ord, job)))
 tensors = [torch.randn(1000, 250), torch.randn(777, dtype=torch.float64), torch.randint(0, 1 << 30, (333,))]
@@ -78,6 +80,9 @@ class CpuStore:
         self.pool = torch.frombuffer(pool, dtype=torch.uint8)
     def pin_pool(self, paused): pass
     def checkpoint(self, ranges):
+        if "hold-checkpoint" in options:
+            say("checkpointing")
+            go.wait()
         if self.ranges is not None:
             return self.n, True
         n = self.nbytes()
@@ -103,11 +108,11 @@ class CpuStore:
             start += k
         self.ranges = None
         say("restored")
-        if stall:
+        if "hold-restore" in options:
             go.wait()
         return start
 
-client = TimeSliceOrchestratorClient(target, job, "g", **({"unavailable_timeout": 0} if stall else {}))
+client = TimeSliceOrchestratorClient(target, job, "g", **({"unavailable_timeout": 0} if "no-resend" in options else {}))
 loop = client.serve_memory_commands(CpuStore())
 loop.connected.wait(60)
 say("ready", digest())
@@ -311,7 +316,7 @@ async def test_a_restore_done_but_not_recorded_when_the_orchestrator_dies_counts
     job beside it, which ran out of memory). Restarted, it counts a on the GPU until a's process
     says where its state is, and b's grant moves a out first: a's process reconnects (its state
     on the GPU) before b asks, or while b's switch waits to checkpoint it."""
-    a, b, before = await _checkpointed_a(box, "stall")
+    a, b, before = await _checkpointed_a(box, "hold-restore", "no-resend")
     a.send("acquire")
     await b.expect("checkpointed")
     await a.expect("restored")  # done in a's process; its answer waits for "go"
@@ -339,6 +344,45 @@ async def test_a_restore_done_but_not_recorded_when_the_orchestrator_dies_counts
     await b.expect("released")
     a.send("acquire")  # and back, bit for bit
     await b.expect("checkpointed")
+    await a.expect("restored")
+    assert (await a.expect("granted"))[1] == before
+
+
+async def test_a_job_whose_checkpoint_was_out_when_the_orchestrator_died_is_waited_for_before_it_counts_as_moved(
+        box) -> None:
+    """The other window: the orchestrator dies while a's checkpoint command is out (the state
+    file has the ranges offered, no answer). Restarted, b's grant must move a out: a's process
+    has not reconnected, and its state may still be on the GPU, so the checkpoint waits for it
+    (it was taken for a job with no process, nothing to move, and b was granted beside a)."""
+    await _serving(box.orchestrator())
+    a, b = box.job("a", "hold-checkpoint"), box.job("b", "no-resend")
+    _, before = await a.expect("ready")
+    await b.expect("ready")
+    a.send("acquire")
+    await a.expect("granted")
+    a.send("release")
+    await a.expect("released")
+    b.send("acquire")
+    await a.expect("checkpointing")  # the command reached a's process, which waits for "go"
+    _kill(box.children[0], signal.SIGKILL)
+    assert box.checkpoints()["a"]["bytes"] is None  # offered, not answered
+    await b.expect("error")  # its acquire died with the orchestrator
+    orch = box.orchestrator()
+    await _serving(orch)
+    await eventually(lambda: any("process connected" in line and "job=b " in line for line in orch.err),
+                     timeout=DEADLINE, what="b's process reconnected")
+    b.send("acquire")
+    await eventually(lambda: any("switch start" in line and "evict=['a']" in line for line in orch.err),
+                     timeout=DEADLINE, what="b's switch moving a out")
+    a.send("go")  # the checkpoint runs now; a's process reconnects and says so
+    await a.expect("checkpointed")
+    await b.expect("granted")
+    lines = [line for line in orch.err if ("job=a " in line and "checkpoint confirmed" in line)
+             or ("switch done" in line and "evict=['a']" in line)]
+    assert "checkpoint confirmed" in lines[0], lines  # the switch went on only once a's process had said
+    b.send("release")
+    await b.expect("released")
+    a.send("acquire")  # and back, bit for bit
     await a.expect("restored")
     assert (await a.expect("granted"))[1] == before
 
