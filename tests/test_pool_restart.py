@@ -6,7 +6,11 @@ tensors checkpointed into the pool. The orchestrator is killed (SIGKILL, SIGTERM
 a job is checkpointed and started again with the same configuration: the pool file is
 reopened, not rewritten, and the job comes back bit for bit; a pool range corrupted in
 between fails the job with "checkpoint lost" (never a silent resume); a planted symbolic
-link or a pool file open to other users stops the orchestrator with a clear message.
+link or a pool file open to other users stops the orchestrator with a clear message. An
+orchestrator killed after a job's restore ran but before its answer came back (the state file
+still says checkpointed) counts that job as on the GPU after its restart: it is moved out
+before another job is restored beside it; one killed while a job's checkpoint command is out
+waits for that job's process to say where its state is before it takes it as moved out.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ from timeslice import TimeSliceOrchestratorClient
 from timeslice.memory_commands import pieces
 
 job, target = sys.argv[1], sys.argv[2]
+# options: "hold-checkpoint": a checkpoint waits for the line "go" before it starts; "hold-restore": a
+# restore, once done, waits for "go" before it returns (and is acknowledged); "no-resend": an acquire cut
+# off by an orchestrator outage fails at once (it is not resent to the next orchestrator)
+options = set(sys.argv[3:])
+go = threading.Event()
 torch.manual_seed(sum(map(ord, job)))
 tensors = [torch.randn(1000, 250), torch.randn(777, dtype=torch.float64), torch.randint(0, 1 << 30, (333,))]
 
@@ -71,6 +80,9 @@ class CpuStore:
         self.pool = torch.frombuffer(pool, dtype=torch.uint8)
     def pin_pool(self, paused): pass
     def checkpoint(self, ranges):
+        if "hold-checkpoint" in options:
+            say("checkpointing")
+            go.wait()
         if self.ranges is not None:
             return self.n, True
         n = self.nbytes()
@@ -96,9 +108,11 @@ class CpuStore:
             start += k
         self.ranges = None
         say("restored")
+        if "hold-restore" in options:
+            go.wait()
         return start
 
-client = TimeSliceOrchestratorClient(target, job, "g")
+client = TimeSliceOrchestratorClient(target, job, "g", **({"unavailable_timeout": 0} if "no-resend" in options else {}))
 loop = client.serve_memory_commands(CpuStore())
 loop.connected.wait(60)
 say("ready", digest())
@@ -110,6 +124,8 @@ for line in sys.stdin:
         elif line.strip() == "release":
             client.release()
             say("released")
+        elif line.strip() == "go":
+            go.set()
     except Exception as err:
         say("error", type(err).__name__, str(err).replace("\n", " "))
 '''
@@ -176,8 +192,8 @@ class Box:
         self.children.append(child)
         return child
 
-    def job(self, name: str) -> Child:
-        child = Child([sys.executable, "-c", JOB, name, self.target])
+    def job(self, name: str, *options: str) -> Child:
+        child = Child([sys.executable, "-c", JOB, name, self.target, *options])
         self.children.append(child)
         return child
 
@@ -219,10 +235,10 @@ async def _serving(orch: Child) -> None:
     assert orch.proc.poll() is None, f"orchestrator exited: {orch.err[-10:]}"
 
 
-async def _checkpointed_a(box: Box) -> tuple[Child, Child, str]:
+async def _checkpointed_a(box: Box, *a_options: str) -> tuple[Child, Child, str]:
     """Jobs a and b running; a checkpointed into the pool for b. Returns (a, b, a's digest)."""
     await _serving(box.orchestrator())
-    a, b = box.job("a"), box.job("b")
+    a, b = box.job("a", *a_options), box.job("b")
     _, before = await a.expect("ready")
     await b.expect("ready")
     a.send("acquire")
@@ -289,6 +305,86 @@ async def test_a_pool_range_corrupted_while_the_orchestrator_is_down_fails_the_j
     assert "checkpoint lost" in " ".join(words), words
     b.send("acquire")  # the others go on
     await b.expect("granted")
+
+
+@pytest.mark.parametrize("reconnect", ["before b asks", "while b's switch waits for it"])
+async def test_a_restore_done_but_not_recorded_when_the_orchestrator_dies_counts_the_job_on_the_gpu(
+        box, reconnect) -> None:
+    """a's restore (for a's grant, b moved out) ran in a's process; the orchestrator is killed
+    before a's answer reaches it, so the state file still records a checkpointed (seed 1247 of
+    bench/schedules.py: the restarted orchestrator took a for checkpointed, restored the other
+    job beside it, which ran out of memory). Restarted, it counts a on the GPU until a's process
+    says where its state is, and b's grant moves a out first: a's process reconnects (its state
+    on the GPU) before b asks, or while b's switch waits to checkpoint it."""
+    a, b, before = await _checkpointed_a(box, "hold-restore", "no-resend")
+    a.send("acquire")
+    await b.expect("checkpointed")
+    await a.expect("restored")  # done in a's process; its answer waits for "go"
+    _kill(box.children[0], signal.SIGKILL)
+    assert box.checkpoints()["a"]["bytes"] and box.checkpoints()["b"]["bytes"]  # both recorded checkpointed
+    await a.expect("error")  # its acquire died with the orchestrator: nobody asks for a now
+    if reconnect == "before b asks":
+        a.send("go")  # its answer finds no orchestrator; its stream reconnects with its state on the GPU
+    orch = box.orchestrator()
+    await _serving(orch)
+    if reconnect == "before b asks":
+        await eventually(lambda: any("state on the GPU, recorded as checkpointed" in line and "job=a " in line
+                                     for line in orch.err), timeout=DEADLINE, what="a's process reconnected")
+    await eventually(lambda: any("checkpoint confirmed" in line and "job=b " in line for line in orch.err),
+                     timeout=DEADLINE, what="b's process reconnected")
+    b.send("acquire")
+    if reconnect != "before b asks":
+        await eventually(lambda: any("switch start" in line and "evict=['a']" in line for line in orch.err),
+                         timeout=DEADLINE, what="b's switch moving a out")
+        a.send("go")
+    await a.expect("checkpointed")  # moved out before b is restored beside it
+    await b.expect("restored")
+    await b.expect("granted")
+    b.send("release")
+    await b.expect("released")
+    a.send("acquire")  # and back, bit for bit
+    await b.expect("checkpointed")
+    await a.expect("restored")
+    assert (await a.expect("granted"))[1] == before
+
+
+async def test_a_job_whose_checkpoint_was_out_when_the_orchestrator_died_is_waited_for_before_it_counts_as_moved(
+        box) -> None:
+    """The other window: the orchestrator dies while a's checkpoint command is out (the state
+    file has the ranges offered, no answer). Restarted, b's grant must move a out: a's process
+    has not reconnected, and its state may still be on the GPU, so the checkpoint waits for it
+    (it was taken for a job with no process, nothing to move, and b was granted beside a)."""
+    await _serving(box.orchestrator())
+    a, b = box.job("a", "hold-checkpoint"), box.job("b", "no-resend")
+    _, before = await a.expect("ready")
+    await b.expect("ready")
+    a.send("acquire")
+    await a.expect("granted")
+    a.send("release")
+    await a.expect("released")
+    b.send("acquire")
+    await a.expect("checkpointing")  # the command reached a's process, which waits for "go"
+    _kill(box.children[0], signal.SIGKILL)
+    assert box.checkpoints()["a"]["bytes"] is None  # offered, not answered
+    await b.expect("error")  # its acquire died with the orchestrator
+    orch = box.orchestrator()
+    await _serving(orch)
+    await eventually(lambda: any("process connected" in line and "job=b " in line for line in orch.err),
+                     timeout=DEADLINE, what="b's process reconnected")
+    b.send("acquire")
+    await eventually(lambda: any("switch start" in line and "evict=['a']" in line for line in orch.err),
+                     timeout=DEADLINE, what="b's switch moving a out")
+    a.send("go")  # the checkpoint runs now; a's process reconnects and says so
+    await a.expect("checkpointed")
+    await b.expect("granted")
+    lines = [line for line in orch.err if ("job=a " in line and "checkpoint confirmed" in line)
+             or ("switch done" in line and "evict=['a']" in line)]
+    assert "checkpoint confirmed" in lines[0], lines  # the switch went on only once a's process had said
+    b.send("release")
+    await b.expect("released")
+    a.send("acquire")  # and back, bit for bit
+    await a.expect("restored")
+    assert (await a.expect("granted"))[1] == before
 
 
 async def test_a_planted_symlink_or_a_pool_open_to_others_stops_the_orchestrator_clearly(box) -> None:

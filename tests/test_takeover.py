@@ -172,3 +172,80 @@ async def test_a_rank_that_gives_up_does_not_end_an_adopted_hold_its_peers_use()
     assert g.cancel("a", "rank-1") == "granted"
     assert g.holder is not None and g.holder.job_id == "a"
     await g.close()
+
+
+async def test_a_job_whose_checkpoint_only_the_state_file_records_counts_as_resident_until_its_processes_say() -> None:
+    """Seed 1247 of bench/schedules.py: the orchestrator died after a cooperative job's restore
+    ran and before its answer was recorded; restarted, it took the job for checkpointed (its
+    state file said so) and restored another job beside it. Now such a job is adopted as
+    resident (`adopt_standalone`'s `unconfirmed`): placing another job moves it out first, and
+    its own grant goes through a restore (refused while its processes have not reconnected,
+    never granted on a guess). The process-level run: tests/test_pool_restart.py."""
+    from timeslice.controller.orchestrator import takeover
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
+    from timeslice.controller.orchestrator.residency import MemorySnapshot
+    from timeslice.driver.errors import SwitchFailed
+
+    class Switcher:
+        """Cooperative processes: "a"'s has not reconnected since the restart."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[tuple[str, ...], str, bool]] = []
+            self.reconnecting = {"a"}
+
+        async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+            self.calls.append((tuple(evict), incoming, restore))
+            rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+            if restore and incoming in self.reconnecting:
+                rec.ok, rec.error = False, f"restore of {incoming} cannot start: reconnecting; try again"
+                raise SwitchError(rec.error, rec)
+            return rec
+
+        def unconfirmed(self, spec, job) -> bool:
+            return job in self.reconnecting
+
+        async def memory(self, spec, jobs, **watch) -> MemorySnapshot:
+            return MemorySnapshot()  # no GPU reports: one resident at a time
+
+        async def confirm(self, spec, job) -> bool:
+            return True
+
+    sw = Switcher()
+    g = LockGroup(GroupSpec(id="g", backend="cooperative", agents=("agent",), lease_seconds=60), sw)
+    takeover.adopt_standalone(g, None, set(), {"a"})
+    assert list(g.residency.residents) == ["a"] and not g.residency.checkpointed and g.holder is None
+    with pytest.raises(SwitchFailed, match="reconnecting"):
+        await g.acquire("a", 0, "a1", None)
+    assert sw.calls == [((), "a", True)] and g.holder is None  # a restore, which its processes decide
+    gb = await asyncio.wait_for(g.acquire("b", 0, "b1", None), 10)
+    assert sw.calls[-1] == (("a",), "b", False) and g.residency.checkpointed == {"a"}  # a moved out first
+    g.release("b", gb.lease_id, gb.epoch)
+    await g.close()
+
+
+async def test_a_checkpoint_confirmed_while_a_switch_moves_the_job_out_is_placed_by_that_switch() -> None:
+    """After a restart, a's process confirms its recorded checkpoint while b's switch moves a
+    out; that switch then fails and rolls back, which restores a. a is on the GPU: the group
+    must not have taken the confirmation for where a is (the switch's outcome places it)."""
+    from timeslice.controller.orchestrator import takeover
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.driver.errors import SwitchFailed
+
+    async def switcher(spec, evict, incoming, restore) -> SwitchRecord:
+        orch.cooperative._on_learned("g", "a")  # a's process reconnects: its checkpoint is confirmed
+        rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict), ok=False,
+                           error="checkpoint of c failed; rolled back")  # a restored with the rest
+        raise SwitchError(rec.error, rec)
+
+    orch = Orchestrator([GroupSpec(id="g", backend="cooperative", agents=("agent",), lease_seconds=60)],
+                        switcher=switcher)
+    g = orch.group("g")
+    takeover.adopt_standalone(g, None, set(), {"a"})
+    with pytest.raises(SwitchFailed, match="rolled back"):
+        await g.acquire("b", 0, "b1", None)
+    assert "a" in g.residency.residents and "a" not in g.residency.checkpointed
+    await orch.close()

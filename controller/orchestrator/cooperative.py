@@ -32,14 +32,18 @@ once); its client also restores by itself when a grant finds its state out.
 Restarts (`adopt`): every checkpoint into the pool is written to the state file (the ranges
 offered before the command is sent, then the bytes its process acknowledged, and the
 checksum it reports), so a restarted orchestrator, which reopens the pool file untouched
-(`PinnedPool`), knows which jobs are checkpointed and which ranges nobody else may have.
-Each process reports its checkpoint (ranges, bytes, checksum) when its stream
-(re)connects: a report that matches the record confirms it; one the orchestrator has no
-record of is adopted when its ranges are free; anything else (another place or checksum,
-ranges taken by another job) cannot be proven intact, and the job fails with the reason
-"checkpoint lost" (`on_lost`), as it does when its client finds the pool bytes no longer
-match the checksum at a restore. A reopened pool with no records (no state file) offers
-no range for `RECONNECT_GRACE_SECONDS`, while its processes reconnect and report.
+(`PinnedPool`), knows which ranges nobody else may have. Where each job's state is comes
+from its processes, not from the record: the orchestrator may have died after a command ran
+and before its answer was recorded (a restore done, a checkpoint taken). Each process reports
+its checkpoint (ranges, bytes, checksum), or none (its state on the GPU), when its stream
+(re)connects: a report that matches the record confirms it; none frees the recorded ranges;
+one the orchestrator has no record of is adopted when its ranges are free; anything else
+(another place or checksum, ranges taken by another job) cannot be proven intact, and the job
+fails with the reason "checkpoint lost" (`on_lost`), as it does when its client finds the pool
+bytes no longer match the checksum at a restore. Until a recorded process has reconnected
+(`unconfirmed`) its job may be on the GPU: its checkpoint waits for the reconnect, and its
+restore is refused until then (`check_restore`). A reopened pool with no records (no state
+file) offers no range for `RECONNECT_GRACE_SECONDS`, while its processes reconnect and report.
 """
 
 from __future__ import annotations
@@ -123,8 +127,9 @@ class CooperativeJobs:
                  on_streams_closed: Callable[[str, str], None] | None = None) -> None:
         """`state`: where checkpoints into `pool` persist (`adopt` reads them back);
         `on_lost(group, job, reason)`: a job's checkpoint cannot be proven intact (it must
-        fail); `on_learned(group, job)`: a checkpoint the orchestrator had no record of,
-        reported by its process (the group must restore the job before it computes);
+        fail); `on_learned(group, job)`: a checkpoint its process reported, one the
+        orchestrator had no record of or a recorded one it confirmed after a restart (the
+        group must restore the job before it computes);
         `on_streams_closed(group, job)`: the last open stream of a job closed."""
         self.pool = pool
         self._state = state
@@ -268,14 +273,23 @@ class CooperativeJobs:
     def departing(self, group: str, job: str) -> bool:
         """The job's last process closed its command stream, with its state on the GPU, less
         than `RECONNECT_GRACE_SECONDS` ago: it is exiting (its memory is about to be freed) or
-        reconnecting. Either way nothing can move it now."""
+        reconnecting; or it is `unconfirmed`. Either way nothing can move it now."""
         left = self._left.get((group, job))
-        return left is not None and time.monotonic() - left < RECONNECT_GRACE_SECONDS
+        return (left is not None and time.monotonic() - left < RECONNECT_GRACE_SECONDS) or self.unconfirmed(group, job)
+
+    def unconfirmed(self, group: str, job: str) -> bool:
+        """A process of the job that the state file records (`adopt`) has not reconnected
+        since this orchestrator started, less than `RECONNECT_GRACE_SECONDS` ago: whether its
+        state is on the GPU or checkpointed is not known until it says."""
+        now = time.monotonic()
+        return any(p.adopted and now - p.disconnected_at < RECONNECT_GRACE_SECONDS
+                   for p in self._procs.get((group, job), {}).values())
 
     async def checkpoint(self, group: str, job: str, timeout: float) -> StepResult:
         """Every process of the job copies its state out and frees the GPU memory, all at
         once. All or nothing: on a failure the processes that succeeded restore. A job whose streams just
-        closed (`departing`), also while they were being checkpointed, is waited for until it
+        closed (`departing`), also while they were being checkpointed, or a process of which
+        has not reconnected since a restart (`unconfirmed`), is waited for until it
         reconnects (then it is checkpointed) or the grace has passed (it left: nothing of it
         to move). Raises NotFound (no process of the job is connected: nothing to move, e.g.
         it exited), BackendError (a process refused, or has not answered an earlier command:
@@ -296,11 +310,11 @@ class CooperativeJobs:
     async def _checkpoint_live(self, group: str, job: str, t0: float, timeout: float) -> tuple[int, bool]:
         """One round of `checkpoint` over the job's connected processes: (bytes moved,
         whether a process closed its stream mid-command while the others succeeded)."""
-        while not self.connected(group, job) and self.departing(group, job):
+        while self.unconfirmed(group, job) or (not self.connected(group, job) and self.departing(group, job)):
             if time.monotonic() - t0 > timeout:
                 raise StepTimeout(f"job {job}'s processes closed their memory command streams with their state on "
-                                  f"the GPU and neither came back nor passed the {RECONNECT_GRACE_SECONDS:g} s grace "
-                                  f"within {timeout:g} s")
+                                  "the GPU, or have not reconnected since a restart, and neither came back nor "
+                                  f"passed the {RECONNECT_GRACE_SECONDS:g} s grace within {timeout:g} s")
             await asyncio.sleep(DEPARTING_POLL_SECONDS)  # exiting (its memory is freed) or reconnecting
         if not self.connected(group, job):
             self._left.pop((group, job), None)
@@ -344,22 +358,23 @@ class CooperativeJobs:
 
     def check_restore(self, group: str, job: str) -> None:
         """Raise before anything moves when the job's checkpoint cannot be restored now: a
-        checkpointed process is reconnecting (ProcessGone, retry later) or has not answered
-        an earlier command (BackendError). A checkpointed process gone for longer than
-        `RECONNECT_GRACE_SECONDS` took its state with it: it is forgotten (its pool ranges
-        freed, a warning logged) and the job's other processes restore alone."""
+        checkpointed process, or one the state file records that has not reconnected since a
+        restart (`unconfirmed`: its state may be out), is reconnecting (ProcessGone, retry
+        later) or has not answered an earlier command (BackendError). Such a process gone for
+        longer than `RECONNECT_GRACE_SECONDS` took its state with it: it is forgotten (its pool
+        ranges freed, a warning logged) and the job's other processes restore alone."""
         now = time.monotonic()
         procs = self._procs.get((group, job), {})
         for stream_id, p in list(procs.items()):
-            if p.checkpointed and not p.connected and now - p.disconnected_at > RECONNECT_GRACE_SECONDS:
+            if (p.checkpointed or p.adopted) and not p.connected and now - p.disconnected_at > RECONNECT_GRACE_SECONDS:
                 log.warning("cooperative process gone while checkpointed group=%s job=%s pid=%d: its state is lost",
                             group, job, p.pid)
                 self._forget(p)
                 del procs[stream_id]
-        waiting = [p.pid for p in procs.values() if p.checkpointed and not p.connected]
+        waiting = [p.pid for p in procs.values() if (p.checkpointed or p.adopted) and not p.connected]
         if waiting:
-            raise ProcessGone(f"job {job}: process(es) {waiting} hold a checkpoint and are reconnecting (their command "
-                              f"stream closed less than {RECONNECT_GRACE_SECONDS:g} s ago); try again")
+            raise ProcessGone(f"job {job}: process(es) {waiting} may hold a checkpoint and are reconnecting (their "
+                              f"command stream closed less than {RECONNECT_GRACE_SECONDS:g} s ago); try again")
         for p in procs.values():
             self._check_answered(p)
 
@@ -386,10 +401,13 @@ class CooperativeJobs:
     def adopt(self) -> dict[str, set[str]]:
         """Standalone start: take back the checkpoints the state file records (their ranges
         are handed to nobody else; each process confirms its own when it reconnects, or is
-        taken as gone after `RECONNECT_GRACE_SECONDS`). Returns group ->
-        its jobs checkpointed (restored before they compute again). A record whose ranges
-        do not fit the pool is reported lost (`on_lost`). A reopened pool the state file
-        knows nothing of offers no range for the grace (see the module docstring)."""
+        taken as gone after `RECONNECT_GRACE_SECONDS`). Returns group -> its jobs with a
+        checkpoint recorded (acknowledged, or its command out): `unconfirmed`, they may be on
+        the GPU (the orchestrator may have died after their restore ran, or before their
+        checkpoint did); a process that confirms a checkpoint is reported to `on_learned`. A
+        record whose ranges do not fit the pool is reported lost (`on_lost`). A reopened pool
+        the state file knows nothing of offers no range for the grace (see the module
+        docstring)."""
         if self.pool is None:
             return {}
         recorded = self._state.pool_checkpoints() if self._state is not None else None
@@ -418,7 +436,7 @@ class CooperativeJobs:
                 p.offered = list(rec.ranges)
             else:
                 p.checkpointed, p.pool_ranges, p.nbytes, p.checksum = True, list(rec.ranges), rec.nbytes, rec.checksum
-                found.setdefault(rec.group, set()).add(rec.job)
+            found.setdefault(rec.group, set()).add(rec.job)
             log.info("cooperative checkpoint adopted group=%s job=%s pid=%d ranges=%d bytes=%s", rec.group, rec.job,
                      rec.pid, len(rec.ranges), rec.nbytes)
         self._persist()
@@ -450,8 +468,9 @@ class CooperativeJobs:
             self._on_learned(p.group, p.job)
 
     def _confirm(self, p: _Process, report: pb.PoolCheckpoint | None) -> None:
-        """An adopted process reconnected with its `report`: it confirms the record, or the
-        state is lost."""
+        """An adopted process reconnected with its `report`: it confirms the record (a
+        checkpoint is reported to `on_learned`), says its state is on the GPU, or the state
+        is lost."""
         p.adopted = False
         ranges = [(r.offset, r.length) for r in report.ranges] if report is not None else []
         if p.offered:  # the command's answer was never seen: the process says what it did
@@ -479,6 +498,8 @@ class CooperativeJobs:
             return
         else:
             p.checksum = report.checksum
+            if self._on_learned is not None:
+                self._on_learned(p.group, p.job)
         log.info("cooperative checkpoint confirmed group=%s job=%s pid=%d checkpointed=%s", p.group, p.job, p.pid,
                  p.checkpointed)
         self._persist()

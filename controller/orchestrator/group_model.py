@@ -64,7 +64,10 @@ class Switcher(Protocol):
     `confirm(spec, job) -> bool`: whether the job's state is on the GPUs by their records,
     asked before a job believed resident is granted. One that knows cooperative processes
     has `streaming(spec, job) -> bool`: whether one of the job's keeps its memory command
-    stream open (a holder past its lease then keeps the lock)."""
+    stream open (a holder past its lease then keeps the lock), and `unconfirmed(spec, job)
+    -> bool`: whether one that the state file records checkpointed has not said since a
+    restart where its state is (the job counts as resident, and is granted only through a
+    restore)."""
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord: ...

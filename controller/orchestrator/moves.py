@@ -132,6 +132,21 @@ class MemoryMoves:
         elif self._g.spec.backend != names.BACKEND_NONE:
             self._lapsed.add(job)
 
+    def evicting(self, job: str) -> bool:
+        """Whether the switch in flight moves `job` off the GPUs (its outcome says where it is)."""
+        return job in self._evicting
+
+    def unconfirmed(self, job: str) -> bool:
+        """Whether a process of `job` has not said since a restart whether its state is on the
+        GPUs or checkpointed (`SwitchCoordinator.unconfirmed`; the state file alone does not
+        tell: the orchestrator may have died after a restore ran and before its answer was
+        recorded). Such a job counts as resident: its memory counts against the GPUs, and room
+        made beside it checkpoints it, which waits for its processes. It is never granted as
+        resident: its grant restores it, refused (its client asks again) until they have
+        reconnected."""
+        unconfirmed = getattr(self._g.switcher, "unconfirmed", None)
+        return unconfirmed is not None and bool(unconfirmed(self._g.spec, job))
+
     def unreleased(self, excluding: str = "") -> list[str]:
         """Jobs on backend `app`, still on the GPUs, whose hold ended without their client's
         release (`lapsed`: its lease revoked at `maxHoldSeconds` or by a merge, or lapsed): the
@@ -185,7 +200,8 @@ class MemoryMoves:
         goes before it) at once when nothing must move, else start the switch that grants.
         While a job is `unreleased` nothing is moved: a waiter of its own is granted (its
         engine is awake: nothing moves for it, and its release may never come, e.g. from a
-        client that died and started again), any other waits for its release."""
+        client that died and started again), any other waits for its release. A job that is
+        `unconfirmed` is granted through a restore, which its processes' reconnect decides."""
         g = self._g
         incoming = next_job(g, head)
         awake = self.unreleased(excluding=incoming)
@@ -197,7 +213,7 @@ class MemoryMoves:
                 return
             incoming = own
         r = g.residency
-        restore = incoming in r.checkpointed
+        restore = incoming in r.checkpointed or self.unconfirmed(incoming)
         if g.spec.backend == "none" or (self.memory_aware and incoming in r.residents
                                         and not self.must_leave(incoming) and roomy(g, incoming)):
             self._grant_on_gpu(incoming)
@@ -632,10 +648,12 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     growth plus the headroom once the jobs that held since that report are taken to have
     grown to their need (`Residency.worst_case`: that holder may have built its model or
     optimizer state since): grant at once. Otherwise the grant waits for a fresh report
-    and a plan."""
+    and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`)."""
     r = g.residency
     if not r.known(incoming) and r.lru(excluding=[incoming]):
         return False  # unsettled: granted alone, after a plan
+    if g.moves.unconfirmed(incoming):
+        return False
     snap = r.worst_case(excluding=incoming)
     if snap is None or r.snapshot is None:
         return True

@@ -165,13 +165,13 @@ class Orchestrator:
         (`StateFile`) and the jobs its node agents report checkpointed (they are restored
         before they are granted again): `takeover.adopt_standalone`; an idle `freeze` group
         then thaws them, as it would any frozen job while nobody holds. The cooperative
-        jobs checkpointed into the pinned pool come from the state file
-        (`CooperativeJobs.adopt`)."""
-        cooperative = self.cooperative.adopt()
+        jobs the state file records checkpointed into the pinned pool
+        (`CooperativeJobs.adopt`) count as resident until their processes confirm it
+        (`_checkpoint_learned`): their restore may have run after the record."""
+        unconfirmed = self.cooperative.adopt()
         for group in self.groups():
             checkpointed = await self.checkpointed_jobs(group) if group.spec.agents else set()
-            checkpointed |= cooperative.get(group.id, set())
-            takeover.adopt_standalone(group, self._state, checkpointed)
+            takeover.adopt_standalone(group, self._state, checkpointed, unconfirmed.get(group.id, set()))
             group.idle.refresh_memory()  # idle: a freeze group thaws what it adopted frozen (no one may ask)
 
     def _checkpoint_lost(self, group_id: str, job: str, reason: str) -> None:
@@ -186,10 +186,12 @@ class Orchestrator:
         group.notify("job-failed", job)
 
     def _checkpoint_learned(self, group_id: str, job: str) -> None:
-        """A cooperative job reported a checkpoint this orchestrator had no record of: it is
-        restored before it computes again (unless it holds)."""
+        """A cooperative job's process reported a checkpoint this orchestrator had no record
+        of, or confirmed a recorded one after a restart: it is restored before it computes
+        again (unless it holds, or the switch in flight moves it out: that switch's outcome
+        places it, and a rollback restores it)."""
         group = self._groups.get(group_id)
-        if group is not None and (group.holder is None or group.holder.job_id != job):
+        if group is not None and (group.holder is None or group.holder.job_id != job) and not group.moves.evicting(job):
             group.residency.moved_out(job)
 
     def drop_job(self, group_id: str, job: str, reason: str) -> None:

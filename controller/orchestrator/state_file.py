@@ -15,7 +15,9 @@ And, per node pinned pool (cooperative backend), where each process's checkpoint
 ranges offered to a checkpoint command before it is sent (write-ahead: after a restart
 they are handed to nobody else until that process reconnects and says what it did, or
 the reconnect grace has passed), then its bytes and checksum once acknowledged; dropped
-once restored or forgotten. Written by `CooperativeJobs`.
+once restored or forgotten. Written by `CooperativeJobs`. A record does not make its job
+checkpointed after a restart (the process may have restored after it was written): until
+the process confirms it, its job counts as on the GPUs.
 Every write is `write_atomic` (fsync'd). File format (JSON):
 
     {"apiVersion": "timeslice.dev/orchestrator-state/v1",

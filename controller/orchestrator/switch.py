@@ -238,10 +238,17 @@ class SwitchCoordinator:
     def departing(self, spec: GroupSpec, jobs: Iterable[str]) -> list[str]:
         """Those of `jobs` whose processes just closed their cooperative command streams with
         their state on the GPU (exiting or reconnecting: their memory cannot move now, and may
-        be freed in a moment)."""
+        be freed in a moment), or have not reconnected since a restart (`unconfirmed`)."""
         if spec.backend != names.BACKEND_COOPERATIVE:
             return []
         return [j for j in jobs if self.cooperative.departing(spec.id, j)]
+
+    def unconfirmed(self, spec: GroupSpec, job: str) -> bool:
+        """Whether a process of `job` that the state file records checkpointing has not
+        reconnected since this orchestrator started (`cooperative` groups; False on the
+        others): whether its state is on the GPUs or checkpointed is not known yet
+        (`CooperativeJobs.unconfirmed`)."""
+        return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.unconfirmed(spec.id, job)
 
     def streaming(self, spec: GroupSpec, job: str) -> bool:
         """Whether a process of `job` keeps its cooperative memory command stream open

@@ -55,15 +55,19 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
              sorted(checkpointed), sorted(must_leave), list(g.residency.residents), epoch)
 
 
-def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[str]) -> None:
+def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[str],
+                     unconfirmed: set[str] | frozenset[str] = frozenset()) -> None:
     """A standalone orchestrator's start: adopt `state`'s epoch floor and placement and the
-    jobs the node agents report `checkpointed`. The job granted last, unless checkpointed,
-    is the presumptive holder; the jobs that had to leave the GPUs still must; the others
-    that may be on the GPUs are residents."""
+    jobs the node agents report `checkpointed`. `unconfirmed`: jobs whose checkpoint only
+    `state` records (cooperative: the orchestrator may have died after their restore ran):
+    residents, their memory counted on the GPUs, until their processes say (`CooperativeJobs`
+    reports a confirmed checkpoint, and the group moves the job out). The job granted last,
+    unless checkpointed or recorded so, is the presumptive holder; the jobs that had to leave
+    the GPUs still must; the others that may be on the GPUs are residents."""
     start, placed = (state.start(g.id), state.placement(g.id)) if state else (0, Placement())
-    holder = placed.holder if placed.holder not in checkpointed else None
+    holder = placed.holder if placed.holder not in checkpointed | unconfirmed else None
     adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder},
-          set(placed.residents) - checkpointed)
+          (set(placed.residents) | unconfirmed) - checkpointed)
 
 
 def record_placement(g: LockGroup, incoming: str | None = None) -> None:
