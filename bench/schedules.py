@@ -25,6 +25,7 @@ orchestrator or agent crashes (an exit nobody asked for).
 
     python bench/schedules.py --count 1000 --seed 1 --workers 3 --out bench/results/schedules-cpu.json
     python bench/schedules.py --count 1 --seed 123 --keep -v     # one schedule again, logs kept
+    python bench/schedules.py --count 500 --workers 20 --out OUT/s.json --failing-logs OUT/failing.tar  # elsewhere
 
 Writes counts and, per failing schedule, its seed and a one-line reason per failure.
 """
@@ -39,6 +40,7 @@ import random
 import shutil
 import signal
 import sys
+import tarfile
 import tempfile
 import time
 from collections import Counter
@@ -473,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--register-late", action="store_true",
                     help="about half the jobs register their state after their first hold (model on the GPU), not "
                          "before it (default: all before, when it is 0 bytes)")
+    ap.add_argument("--failing-logs", metavar="FILE.tar",
+                    help="add each failing schedule's work directory to this tar as it fails (a run on another "
+                         "machine, e.g. the lent GPU host, brings its logs back)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each schedule's result as it ends")
     args = ap.parse_args(argv)
     seeds = list(range(args.seed, args.seed + args.count))
@@ -484,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             if args.verbose or r["failures"]:
                 print(json.dumps(r), file=sys.stderr, flush=True)
+            if args.failing_logs and r["failures"] and "workdir" in r:
+                with tarfile.open(args.failing_logs, "a") as tar:
+                    tar.add(r["workdir"], arcname=Path(r["workdir"]).name)
             if len(results) % 25 == 0:
                 print(f"# {len(results)}/{len(seeds)} schedules, {sum(1 for x in results if x['failures'])} failed, "
                       f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
