@@ -495,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(results) % 25 == 0:
                 print(f"# {len(results)}/{len(seeds)} schedules, {sum(1 for x in results if x['failures'])} failed, "
                       f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-                if args.out:  # so far: a run stopped early still leaves its counts
-                    Path(args.out).write_text(json.dumps(summarize(sorted(results, key=lambda r: r["seed"]), args,
-                                                                   time.monotonic() - t0), indent=2) + "\n")
+                if args.out:  # so far: a run stopped early still leaves its counts and its machine
+                    so_far = summarize(sorted(results, key=lambda r: r["seed"]), args, time.monotonic() - t0)
+                    Path(args.out).write_text(json.dumps({**so_far, "machine": machine.describe()}, indent=2) + "\n")
     results.sort(key=lambda r: r["seed"])
     summary = summarize(results, args, time.monotonic() - t0)
     machine.emit(summary, args.out)
