@@ -539,7 +539,8 @@ async def sized_jobs(coop, monkeypatch, grace: float, **kw: object) -> tuple[Orc
     stores: dict[str, FakeStore] = {}
     gpu = GpuModel(stores, {"a": 60 * GB, "c": 60 * GB}, {"a": 101, "c": 103})
     stores["c"] = SizedStore("c", 60 * GB, gpu)
-    agent = NodeAgent(StaticProcessResolver({"a": [101], "c": [103]}), memory_probe=gpu.probe,
+    gpu.resolver = StaticProcessResolver({"a": [101], "c": [103]})  # type: ignore[attr-defined]
+    agent = NodeAgent(gpu.resolver, memory_probe=gpu.probe,  # type: ignore[attr-defined]
                       host_probe=lambda: 1000 * GB)  # the host holds any checkpoint: the GPU is the limit here
     orch, target = await coop(agent=agent)
     c = job(target, "c", stores["c"], **kw)
@@ -906,6 +907,29 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
             with pytest.raises(SwitchError, match="not freed"):
                 await asyncio.wait_for(moving, 10)
             assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)
+
+
+async def test_a_job_that_left_unseen_by_nvml_during_its_switch_is_waited_for_by_the_restore(coop, monkeypatch) -> None:
+    """Randomized schedules, seed 3299: a job ended as the switch that evicted it began, and the
+    node agent no longer told its exiting process as the job's (NVML showed the bytes, not
+    whose): the switch did not wait, and the waiter's restore ran out of GPU memory. The
+    restore now waits until the GPU has room for what the waiter registered."""
+    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    g = orch.group("g")
+    try:
+        await asyncio.to_thread(clients["a"].close)  # a ends and leaves; its process holds 60 GB, unattributed
+        gpu.resolver._jobs.pop("a")  # type: ignore[attr-defined]
+        moving = asyncio.create_task(g.switcher(g.spec, ("a",), "c", True))  # as planned while a was connected
+        polls = gpu.probes
+        await eventually(lambda: gpu.probes >= polls + 3 or moving.done())
+        assert not moving.done() and stores["c"].device is None
+        gpu.exited.add("a")  # a's process exits: NVML shows its memory free
+        record = await asyncio.wait_for(moving, 10)
+        assert record.ok and stores["c"].device == bytearray(stores["c"].original)
+        assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)

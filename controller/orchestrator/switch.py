@@ -108,8 +108,12 @@ class SwitchCoordinator:
                                    back and undone and not stuck, stuck + ([] if back else [job]))
             out.append(job)
         held = sum(sum(before.on_device(j).values()) for j in gone) if before is not None else 0
-        if before is not None and (rec.bytes_checkpointed or held) and \
-                not await self._freed(spec, out, before, rec.bytes_checkpointed + held):
+        # a job gone whose exiting processes NVML did not show as its own (schedules seed 3299): the
+        # restore waits until the GPU has room for what the incoming job registered
+        room = self.cooperative.registered_bytes(spec.id, incoming) if restore and not first and \
+            before is not None and any(not before.on_device(j) for j in gone) else 0
+        if before is not None and (rec.bytes_checkpointed or held or room) and \
+                not await self._freed(spec, out, before, rec.bytes_checkpointed + held, room):
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
             back = await self._unrestore(spec, incoming, first)
@@ -207,14 +211,16 @@ class SwitchCoordinator:
                         snap.unseen.add(job)
         return snap
 
-    async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int) -> bool:
+    async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int,
+                     room: int = 0) -> bool:
         """Whether NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
         checkpoints moved (a cooperative process answers once it dropped its tensors; the
         CUDA caching allocator or a late stream may still hold them), plus all that those
         with no process to command held (they are exiting: a job that ended between the
         plan and its checkpoint frees its memory only when its processes are gone). Per job
         by its processes' bytes where NVML sees them, else by the devices' free bytes.
-        Polled every `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`."""
+        With `room`, also until the GPUs have that many bytes free. Polled every
+        `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`."""
         if not before.devices:
             return True  # no GPU report (no NVML): nothing to check against
         seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
@@ -227,7 +233,7 @@ class SwitchCoordinator:
                 dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
             else:
                 dropped = sum(d.free for d in now.devices.values()) - free0
-            if dropped >= want or not now.devices:
+            if not now.devices or (dropped >= want and sum(d.free for d in now.devices.values()) >= room):
                 return True
             if time.monotonic() >= deadline:
                 log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed", spec.id,
