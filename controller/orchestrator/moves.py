@@ -487,20 +487,8 @@ class MemoryMoves:
             if beside is not None and not (r.known(incoming) and r.known(beside)):
                 raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
                              f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")
-            headroom = parse_headroom(g.spec.memory_headroom)
             try:
-                try:
-                    plan = Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
-                                          alone=not r.known(incoming)))
-                except NoHostRoom as err:
-                    if incoming not in r.checkpointed or beside is not None or forced:
-                        raise
-                    try:
-                        plan = Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
-                                              alone=not r.known(incoming), restore_first=True), restore_first=True)
-                    except NoRoom as first:
-                        log.info("no restore first group=%s job=%s: %s", g.id, incoming, first)
-                        raise err from None
+                plan = self._place(incoming, residents, snap, first_ok=beside is None and not forced)
             except NoRoom:
                 departing = g.switcher.departing(g.spec, g.residency.residents) \
                     if hasattr(g.switcher, "departing") else []
@@ -513,6 +501,25 @@ class MemoryMoves:
                 await asyncio.sleep(DEPARTING_POLL_SECONDS)
                 continue
             return Plan([*forced, *plan.evict], plan.restore_first)
+
+    def _place(self, incoming: str, residents: list[str], snap: MemorySnapshot, first_ok: bool) -> Plan:
+        """`plan_room` over `snap`; where the checkpoints lack host memory, `first_ok` (nobody
+        stays computing beside the switch) and `incoming` is checkpointed, the plan with its
+        restore first. Raises NoRoom (the host's lack, when the restore first does not fit)."""
+        r = self._g.residency
+        headroom = parse_headroom(self._g.spec.memory_headroom)
+        try:
+            return Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
+                                  alone=not r.known(incoming)))
+        except NoHostRoom as err:
+            if incoming not in r.checkpointed or not first_ok:
+                raise
+            try:
+                return Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
+                                      alone=not r.known(incoming), restore_first=True), restore_first=True)
+            except NoRoom as first:
+                log.info("no restore first group=%s job=%s: %s", self._g.id, incoming, first)
+                raise err from None
 
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:
