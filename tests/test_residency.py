@@ -683,14 +683,18 @@ async def test_no_staging_without_room_beside_the_holders_peak_then_resident_wai
     await g.close()
 
 
-@pytest.mark.parametrize("case", ["resident first", "acquire timeout", "prior speed", "measured speed"])
+@pytest.mark.parametrize("case", ["resident first", "acquire timeout", "prior speed", "measured speed",
+                                  "residents mostly idle", "tiny switch"])
 def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
     """The head a (checkpointed: 50 GB to restore, and the resident b's 30 GB out: a declared
     nothing, so it is granted alone) is passed by the resident waiter b for
     resident_first_seconds (30 s); for half its acquire timeout when that is shorter (issue
     22: a waiter whose timeout was under 30 s starved while resident jobs kept passing it);
-    for 3x the move's seconds when that is longer, at the speed the switcher expects before
-    any switch (2 GB/s: 3 x 40 s) or the group measured (2 GB/s)."""
+    when 3x the move's seconds is longer, at the speed the switcher expects before any
+    switch (2 GB/s: 3 x 40 s) or the group measured (2 GB/s), until the residents have held
+    that long (120 s), or twice that in wall-clock seconds when they held only a quarter of
+    the time. A switch of 64 KiB (0.014 s) measures no speed (CI: it made a 40 GB move look
+    like 8300 s and deferred a waiter past its test's deadline)."""
     now = [0.0]
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=30), FakeGpu(),
                   clock=lambda: now[0])
@@ -701,17 +705,26 @@ def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
                                           checkpointed_bytes={"a": {"agent-0/gpu0": 50 * GB}})
     if case == "prior speed":
         g.switcher.prior_speed = lambda spec: 2e9  # type: ignore[attr-defined]  # as SwitchCoordinator's
-    if case == "measured speed":
+    if case in ("measured speed", "residents mostly idle"):
         g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=10.0, bytes_checkpointed=20 * GB))
-    bound = {"resident first": 30.0, "acquire timeout": 5.0}.get(case, 120.0)
+    if case == "tiny switch":
+        g.recent.append(SwitchRecord("b", "c", checkpoint_seconds=0.014, bytes_checkpointed=64 * 1024))
+    bound = {"resident first": 30.0, "acquire timeout": 5.0, "tiny switch": 30.0,
+             "residents mostly idle": 240.0}.get(case, 120.0)
+    busy = 0.25 if case == "residents mostly idle" else 1.0
+
+    def at(t: float) -> None:  # b held for `busy` of every 4 s until t
+        now[0] = t
+        g.recent_holds.clear()
+        g.recent_holds.extend((s, min(t, s + 4 * busy)) for s in range(0, int(t), 4))
     loop = asyncio.new_event_loop()
     try:
         head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future(),
                             timeout=10.0 if case == "acquire timeout" else None)
         g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
-        now[0] = bound - 0.1
+        at(bound - 0.1)
         assert next_job(g, head) == "b"
-        now[0] = bound
+        at(bound)
         assert next_job(g, head) == "a"
     finally:
         loop.close()

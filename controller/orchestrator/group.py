@@ -63,6 +63,7 @@ from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, Switc
 log = logging.getLogger("timeslice.orchestrator")
 
 RECENT_SWITCHES = 16
+RECENT_HOLDS = 512  # (granted, ended) clock() seconds of the last holds: `move_cost.held_since`
 
 
 class LockGroup:
@@ -81,6 +82,7 @@ class LockGroup:
         self.epoch = 0
         self.counters = Counters()
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
+        self.recent_holds: deque[tuple[float, float]] = deque(maxlen=RECENT_HOLDS)
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self.warnings: tuple[str, ...] = ()  # configuration conflicts among its claims (set by the reconciler)
         self.moves = MemoryMoves(self)
@@ -271,8 +273,10 @@ class LockGroup:
 
     # -- internals -------------------------------------------------------------
     def end_hold(self, h: Hold, why: str) -> None:
-        held = max(0.0, self.clock() - h.granted_at)
+        now = self.clock()
+        held = max(0.0, now - h.granted_at)
         self.counters.held_seconds += held
+        self.recent_holds.append((h.granted_at, now))
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
                  h.epoch, held, why)
         self.holder = None

@@ -3,7 +3,7 @@
 Pure functions of a `LockGroup`'s records (owned by `MemoryMoves`, which decides with them;
 DESIGN.md, "Lock groups and the orchestrator"): the bytes per second its switches moved
 (`switch_speed`, each way), the seconds the switch that grants a job would take (`move_seconds`), and
-how long resident waiters may pass that job (`pass_bound`).
+how long resident waiters may pass that job (`pass_remaining`).
 """
 
 from __future__ import annotations
@@ -16,23 +16,54 @@ from timeslice.controller.orchestrator.residency import NoRoom, parse_headroom, 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
 
-# A waiter whose grant moves memory waits at most this many times the move's seconds while
-# resident waiters pass it (`pass_bound`): the moves then cost at most a quarter of the GPU's time.
+# A waiter whose grant moves memory is passed by resident waiters until they have held the
+# GPUs for this many times the move's seconds (`pass_remaining`): the moves then cost at most a
+# quarter of the GPUs' time, however much of it the residents leave idle between their phases.
 SWITCH_COST_FACTOR = 3
+# ... and for at most this many times that bound in wall-clock seconds (residents that hold
+# less than half the time: RL jobs' GPU phases are 40-60% of their time).
+PASS_WALL_FACTOR = 2
+# A switch that moved fewer bytes measures its fixed costs (RPCs, signals, the node agent's
+# memory check: tens of milliseconds), not a speed (`switch_speed`): one of 64 KiB made a
+# 40 GB move look like 8300 s.
+MIN_SPEED_SAMPLE_BYTES = 1 << 30
 
 
-def pass_bound(g: LockGroup, head: Waiter) -> float:
-    """Seconds resident waiters may pass `head` when its grant would move memory:
-    `resident_first_seconds` (0: never), or `SWITCH_COST_FACTOR` times that move's estimated
-    seconds (`move_seconds`) when that is longer (a backend that moves slowly switches at
-    most once per that many seconds of the residents' phases); never more than half of
-    what `head`'s caller waits (`Waiter.timeout`), so that a short acquire timeout is not
-    spent while residents pass it."""
-    bound = g.spec.resident_first_seconds
+def pass_remaining(g: LockGroup, head: Waiter) -> float:
+    """Wall-clock seconds, at the least, during which resident waiters may still pass `head`
+    when its grant would move memory; 0: no longer (or never: `resident_first_seconds` 0).
+    They pass it for `resident_first_seconds`; when `SWITCH_COST_FACTOR` times the move's
+    estimated seconds (`move_seconds`) is longer, until the group's holders have held that
+    long since `head` queued (`held_since`), or `PASS_WALL_FACTOR` times that has passed;
+    never for more than half of what `head`'s caller waits (`Waiter.timeout`), so that a
+    short acquire timeout is not spent while residents pass it. Measured on the H200 with
+    the driver's checkpoint (`cuda`, ~1.5 GB/s out): 2 jobs of 19 GB, unsettled, with a
+    bound in wall-clock seconds, switched every 24 s of which the holder computed half:
+    8 switches of 4-13 s, 0.77x of one after the other (bench/results/rl-grpo-a-serve-h200.json)."""
+    first = g.spec.resident_first_seconds
+    if first <= 0:
+        return 0.0
+    waited = g.clock() - head.enqueued_at
+    cap = float("inf") if head.timeout is None else head.timeout / 2 - waited
     seconds = move_seconds(g, head.job_id)
-    if bound > 0 and seconds is not None:
-        bound = max(bound, SWITCH_COST_FACTOR * seconds)
-    return bound if head.timeout is None else min(bound, head.timeout / 2)
+    if seconds is None or SWITCH_COST_FACTOR * seconds <= first:
+        return max(0.0, min(cap, first - waited))
+    bound = SWITCH_COST_FACTOR * seconds
+    left = min(bound - held_since(g, head.enqueued_at), PASS_WALL_FACTOR * bound - waited, cap)
+    return max(0.0, left)
+
+
+def held_since(g: LockGroup, since: float) -> float:
+    """Seconds the group's holders held its GPUs since clock() time `since` (the current hold
+    included); infinite when `since` is older than the holds the group remembers."""
+    now = g.clock()
+    holds = g.recent_holds
+    if len(holds) == holds.maxlen and holds[0][0] > since:
+        return float("inf")
+    held = sum(max(0.0, end - max(start, since)) for start, end in holds if end > since)
+    if g.holder is not None:
+        held += max(0.0, now - max(g.holder.granted_at, since))
+    return held
 
 
 def move_seconds(g: LockGroup, job: str) -> float | None:
@@ -56,17 +87,17 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
 
 
 def switch_speed(g: LockGroup) -> tuple[float, float] | None:
-    """(out, in) bytes per second: the fastest of the group's recent switches in each
-    direction (a process's first cooperative checkpoint also pins the pool: on the H200
+    """(out, in) bytes per second: the fastest of the group's recent switches that moved at
+    least `MIN_SPEED_SAMPLE_BYTES` in each direction (a process's first cooperative checkpoint also pins the pool: on the H200
     47 GB took 8-17 s once, then ~1 s, bench/results/rl-grpo-b-serve-cooperative-h200.json;
     an average of the two kept a waiter deferred for 37 s behind moves of 2 s), where none
     was measured the switcher's `prior_speed` (out and in together), else the other
     direction's; None: unknown."""
     ok = [rec for rec in g.recent if rec.ok]
     out = max((rec.bytes_checkpointed / rec.checkpoint_seconds for rec in ok
-               if rec.bytes_checkpointed and rec.checkpoint_seconds > 0), default=None)
+               if rec.bytes_checkpointed >= MIN_SPEED_SAMPLE_BYTES and rec.checkpoint_seconds > 0), default=None)
     in_ = max((rec.bytes_restored / rec.restore_seconds for rec in ok
-               if rec.bytes_restored and rec.restore_seconds > 0), default=None)
+               if rec.bytes_restored >= MIN_SPEED_SAMPLE_BYTES and rec.restore_seconds > 0), default=None)
     prior = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
     out, in_ = out or prior or in_, in_ or prior or out
     return (out, in_) if out and in_ else None

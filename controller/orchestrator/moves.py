@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.controller.orchestrator.move_cost import move_seconds, pass_bound, switch_speed
+from timeslice.controller.orchestrator.move_cost import move_seconds, pass_remaining, switch_speed
 from timeslice.controller.orchestrator.residency import (
     MemorySnapshot,
     NoHostRoom,
@@ -228,7 +228,7 @@ class MemoryMoves:
 
     def _defer(self, head: Waiter) -> bool:
         """Whether `head`'s grant, which moves memory, waits (one job after the other on
-        purpose): while `head` has waited less than its `pass_bound` and an idle resident on
+        purpose): while resident waiters may pass `head` (`pass_remaining`) and an idle resident on
         its GPUs was granted more recently than the move would take (`move_seconds`): it is
         between its phases and will be back before moving it out pays. The lock stays free
         for the residents; a timer dispatches again when the deferral ends. Without a memory
@@ -246,14 +246,14 @@ class MemoryMoves:
             return False
         seconds = move_seconds(g, head.job_id)
         now = g.clock()
-        bound = pass_bound(g, head)
-        if seconds is None or now - head.enqueued_at >= bound:
+        left = pass_remaining(g, head)
+        if seconds is None or left <= 0:
             return False
         active = [now - self._granted_at[j] for j in g.residency.lru(excluding=[head.job_id])
                   if now - self._granted_at.get(j, -math.inf) < seconds]
         if not active:
             return False
-        wait = min(bound - (now - head.enqueued_at), seconds - max(active))
+        wait = min(left, seconds - max(active))
         if self._deferred is not None:
             self._deferred.cancel()
         self._deferred = asyncio.get_running_loop().call_later(wait, g.dispatch)
@@ -631,15 +631,13 @@ class MemoryMoves:
 def next_job(g: LockGroup, head: Waiter) -> str:
     """The job to grant next: the head waiter's, unless its grant would move memory and a
     waiter of its priority is resident and fits (residency `auto`): that one goes first,
-    while the head has waited less than its `pass_bound`. Jobs that alternate on
+    while resident waiters may pass it (`pass_remaining`). Jobs that alternate on
     a GPU that holds only some of them then make one switch per run of phases instead of
     one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
     this; bench/results/rl-grpo-b-h200.json)."""
     r = g.residency
-    bound = pass_bound(g, head)
-    if not g.moves.memory_aware or bound <= 0 or g.clock() - head.enqueued_at >= bound \
-            or g.moves.must_leave(""):  # a preempted or dropped holder leaves first anyway
-        return head.job_id
+    if not g.moves.memory_aware or g.moves.must_leave("") or pass_remaining(g, head) <= 0:
+        return head.job_id  # (a preempted or dropped holder leaves first anyway)
     if head.job_id in r.residents and roomy(g, head.job_id):
         return head.job_id
     for w in g.queue:

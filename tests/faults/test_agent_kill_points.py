@@ -38,7 +38,9 @@ POINTS = ["checkpoint:before", "checkpoint:after", "checkpoint:recorded", "resto
 
 
 async def _step(target: str, rpc: str, operation_id: str) -> apb.SwitchStepResponse:
-    async with grpc.aio.insecure_channel(target) as channel:
+    # A channel of its own subchannels: from the global pool, the resend could be written onto
+    # the killed agent's connection before gRPC saw it break (UNAVAILABLE "Stream removed").
+    async with grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         return await getattr(apb_grpc.NodeAgentStub(channel), rpc)(
             apb.SwitchStepRequest(job_id="a", backend="freeze", timeout_seconds=30, operation_id=operation_id),
             wait_for_ready=True, timeout=30)
