@@ -326,6 +326,40 @@ def test_a_thin_headroom_is_restored_by_evicting_idle_residents_but_never_fails_
     assert plan_room("b", [], s, {"b": {DEV: 45 * GB}}, parse_headroom("10%")) == []  # granted anyway
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_job_that_fills_the_gpu_alone_needs_no_headroom_beside_nobody(checkpointed: bool) -> None:
+    """Seed 3718 of bench/schedules.py: a job whose peak is 95 GB of a 100 GB GPU, alone on
+    it (resident with 60 GB now, or checkpointed), was refused forever for the headroom
+    (10 GB) that protects nobody's growth: its acquires failed "0.00 GB short" until its
+    deadline. What it must add must fit, no more; an idle resident is still checkpointed
+    first; memory held by others than the group's residents keeps the headroom strict."""
+    peaks = {"b": {DEV: 95 * GB}}
+    if checkpointed:
+        alone, beside, held = snap(free=100, ckpt={"b": 95}), snap(free=97, ckpt={"b": 95}, a=3), \
+            snap(free=80, ckpt={"b": 95}, c=20)
+    else:
+        alone, beside, held = snap(free=40, b=60), snap(free=37, b=60, a=3), snap(free=20, b=60, c=20)
+    assert plan_room("b", [], alone, peaks, parse_headroom("10%")) == []
+    assert plan_room("b", ["a"], beside, peaks, parse_headroom("10%")) == ["a"]
+    with pytest.raises(NoRoom, match="no room for b"):  # c: a process of no job here, 20 GB > the headroom
+        plan_room("b", [], held, peaks, parse_headroom("10%"))
+    with pytest.raises(NoRoom, match="no room for b"):  # what it must add does not fit at all
+        plan_room("b", [], alone, {"b": {DEV: 101 * GB}}, parse_headroom("10%"))
+
+
+async def test_a_job_that_fills_the_gpu_is_granted_again_between_its_phases() -> None:
+    """The group over a model GPU: b (95 of 100 GB at its peak) releases holding 60 GB
+    (between phases) and acquires again: granted, nothing moved."""
+    gpu = FakeGpu(total=100 * GB, b=95)
+    g = group(gpu)
+    await hold(g, "b", memory=95 * GB)
+    gpu.on["b"] = 60 * GB
+    grant = await asyncio.wait_for(g.acquire("b", 0, "b-again", timeout=10, memory=95 * GB), 10)
+    assert not grant.restored and gpu.calls == []
+    g.release("b", grant.lease_id, grant.epoch)
+    await g.close()
+
+
 async def test_a_resident_is_granted_at_once_only_while_the_last_report_shows_room() -> None:
     gpu = FakeGpu(a=30, b=30)
     g = group(gpu)

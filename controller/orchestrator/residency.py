@@ -196,19 +196,23 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                 del lacking[dev]
             else:
                 lacking[dev] = (short, must)
+    others = {dev: _others(incoming, dev, mem, snap, evict) for dev, mem in snap.devices.items() if dev in mine}
     if alone:  # alone means no memory of anybody else: none that a checkpoint here would not free
-        for dev in sorted(mine):
-            mem = snap.devices.get(dev)
-            if mem is None:
-                continue
-            freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
-            others = mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
-            if others > int(headroom[0] * mem.total) + headroom[1]:
+        for dev in sorted(others):
+            mem = snap.devices[dev]
+            if others[dev] > int(headroom[0] * mem.total) + headroom[1]:
                 raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
-                             f"{_gb(others)} of {dev} would stay held by others: residents with nothing to move "
+                             f"{_gb(others[dev])} of {dev} would stay held by others: residents with nothing to move "
                              f"(registered no state yet) or processes of no job of this group (one that left and "
                              f"is still exiting); {incoming} waits for it to be freed")
-    strict = {dev: short for dev, (short, must) in lacking.items() if must}
+    strict = {}
+    for dev, (short, must) in lacking.items():
+        mem = snap.devices[dev]
+        reserve = int(headroom[0] * mem.total) + headroom[1]
+        if must and others.get(dev, 0) <= reserve:
+            short -= reserve  # nobody's growth to keep room for: what the job must add must fit, no more
+        if must and short > 0:
+            strict[dev] = short
     if strict:
         dev, short = next(iter(strict.items()))
         mem = snap.devices[dev]
@@ -217,6 +221,12 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                      f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "
                      f"would leave it {_gb(short)} short; {incoming} stays where it is")
     return evict
+
+
+def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:
+    """Bytes of `dev` held by others than `incoming` once the jobs of `evict` are checkpointed."""
+    freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
+    return mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
 
 
 def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
