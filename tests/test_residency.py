@@ -328,11 +328,12 @@ def test_a_thin_headroom_is_restored_by_evicting_idle_residents_but_never_fails_
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_job_that_fills_the_gpu_alone_needs_no_headroom_beside_nobody(checkpointed: bool) -> None:
-    """Seed 3718 of bench/schedules.py: a job whose peak is 95 GB of a 100 GB GPU, alone on
-    it (resident with 60 GB now, or checkpointed), was refused forever for the headroom
-    (10 GB) that protects nobody's growth: its acquires failed "0.00 GB short" until its
-    deadline. What it must add must fit, no more; an idle resident is still checkpointed
-    first; memory held by others than the group's residents keeps the headroom strict."""
+    """A job whose peak is 95 GB of a 100 GB GPU, alone on it (resident with 60 GB now, or
+    checkpointed), was refused forever for the headroom (10 GB) that protects nobody's
+    growth: every acquire failed "0.00 GB short" (seed 3718 of bench/schedules.py, where a
+    dead process's checkpoint inflated the job's need to 90 GB). What it must add must fit,
+    no more; an idle resident is still checkpointed first; memory held by others than the
+    group's residents keeps the headroom strict."""
     peaks = {"b": {DEV: 95 * GB}}
     if checkpointed:
         alone, beside, held = snap(free=100, ckpt={"b": 95}), snap(free=97, ckpt={"b": 95}, a=3), \

@@ -530,18 +530,25 @@ class CooperativeJobs:
         except OSError as err:
             log.error("pinned pool checkpoints not persisted: %s", err)
 
-    def _reap(self) -> None:
-        """Forget the processes gone for longer than the grace while holding pool ranges
-        (their state went with them), so that their ranges serve others."""
-        now = time.monotonic()
+    def reap(self) -> None:
+        """Forget the processes gone for longer than the grace while checkpointed or holding
+        pool ranges (their state went with them: a job's process that starts again starts
+        from scratch), so that their ranges serve others and their bytes count for nobody
+        (schedules seed 3718: a killed process's adopted checkpoint, never restored, stayed
+        counted in its restarted job's size, 123 MB on a 100 MB model GPU, and the job was
+        never granted again)."""
+        now, reaped = time.monotonic(), False
         for procs in self._procs.values():
             for stream_id, p in list(procs.items()):
                 if not p.connected and now - p.disconnected_at > RECONNECT_GRACE_SECONDS and \
-                        (p.pool_ranges or p.offered) and not p.unanswered:
-                    log.warning("cooperative process gone while checkpointed group=%s job=%s pid=%d: its pool ranges "
-                                "are freed", p.group, p.job, p.pid)
+                        (p.checkpointed or p.adopted or p.pool_ranges or p.offered) and not p.unanswered:
+                    log.warning("cooperative process gone while checkpointed group=%s job=%s pid=%d: its state "
+                                "went with it", p.group, p.job, p.pid)
                     self._forget(p)
                     del procs[stream_id]
+                    reaped = True
+        if reaped:
+            self._persist()
 
     # -- internals -----------------------------------------------------------------
     def _forget(self, p: _Process) -> None:
@@ -566,7 +573,7 @@ class CooperativeJobs:
         their registered bytes each, while it lasts ([]: it keeps its own host copy)."""
         if self.pool is None or time.monotonic() < self._quiet_until:
             return [[] for _ in procs]
-        self._reap()
+        self.reap()
         offers = [self.pool.take_all()] if len(procs) == 1 else [self.pool.take(p.registered) for p in procs]
         for p, offered in zip(procs, offers):
             p.offered = offered

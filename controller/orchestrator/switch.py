@@ -191,6 +191,8 @@ class SwitchCoordinator:
                 snap.incarnations[target] = rep.incarnation
         if spec.backend == names.BACKEND_COOPERATIVE and for_plan and not watch:
             await self.cooperative.refresh(spec.id, jobs)  # sizes as the processes see them now
+        if spec.backend == names.BACKEND_COOPERATIVE:
+            self.cooperative.reap()  # what the processes gone for good registered counts for nobody
         if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
             (dev,) = snap.devices
             pool = self.cooperative.pool
