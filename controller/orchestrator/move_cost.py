@@ -23,10 +23,10 @@ SWITCH_COST_FACTOR = 3
 # ... and for at most this many times that bound in wall-clock seconds (residents that hold
 # less than half the time: RL jobs' GPU phases are 40-60% of their time).
 PASS_WALL_FACTOR = 2
-# A switch that moved fewer bytes measures its fixed costs (RPCs, signals, the node agent's
-# memory check: tens of milliseconds), not a speed (`switch_speed`): one of 64 KiB made a
-# 40 GB move look like 8300 s.
-MIN_SPEED_SAMPLE_BYTES = 1 << 30
+# A switch that moved less than this fraction of a GPU's memory measures its fixed costs (RPCs,
+# signals, the node agent's memory check: tens of milliseconds), not a speed (`switch_speed`):
+# one of 64 KiB made a 40 GB move look like 8300 s.
+MIN_SPEED_SAMPLE_FRACTION = 0.01
 
 
 def pass_remaining(g: LockGroup, head: Waiter) -> float:
@@ -88,16 +88,19 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
 
 def switch_speed(g: LockGroup) -> tuple[float, float] | None:
     """(out, in) bytes per second: the fastest of the group's recent switches that moved at
-    least `MIN_SPEED_SAMPLE_BYTES` in each direction (a process's first cooperative checkpoint also pins the pool: on the H200
+    least `MIN_SPEED_SAMPLE_FRACTION` of a GPU (by the last memory report; any without one:
+    it only decides whether to ask for a report) in each direction (a process's first cooperative checkpoint also pins the pool: on the H200
     47 GB took 8-17 s once, then ~1 s, bench/results/rl-grpo-b-serve-cooperative-h200.json;
     an average of the two kept a waiter deferred for 37 s behind moves of 2 s), where none
     was measured the switcher's `prior_speed` (out and in together), else the other
     direction's; None: unknown."""
+    snap = g.residency.snapshot
+    least = MIN_SPEED_SAMPLE_FRACTION * min((d.total for d in snap.devices.values()), default=0) if snap else 0
     ok = [rec for rec in g.recent if rec.ok]
     out = max((rec.bytes_checkpointed / rec.checkpoint_seconds for rec in ok
-               if rec.bytes_checkpointed >= MIN_SPEED_SAMPLE_BYTES and rec.checkpoint_seconds > 0), default=None)
+               if rec.bytes_checkpointed >= least and rec.checkpoint_seconds > 0), default=None)
     in_ = max((rec.bytes_restored / rec.restore_seconds for rec in ok
-               if rec.bytes_restored >= MIN_SPEED_SAMPLE_BYTES and rec.restore_seconds > 0), default=None)
+               if rec.bytes_restored >= least and rec.restore_seconds > 0), default=None)
     prior = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
     out, in_ = out or prior or in_, in_ or prior or out
     return (out, in_) if out and in_ else None
