@@ -1102,6 +1102,25 @@ async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> 
     await g.close()
 
 
+async def test_a_hold_that_ended_without_its_release_neither_counts_nor_settles_its_job() -> None:
+    """A hold that ended by its lease lapsing (or preempted, or its caller gone) may still
+    compute and grow after it ended: it does not count toward settling its job."""
+    gpu = FakeGpu(a=40)
+    g = group(gpu, declare=False)
+    for _ in range(2):
+        await hold(g, "a")
+        await g.moves.snapshot()
+    assert g.residency.holds["a"] == 2
+    await g.acquire("a", 0, "a-lapsing", timeout=None)
+    g.end_hold(g.holder, "lease expired")  # type: ignore[arg-type]
+    await g.moves.snapshot()
+    assert g.residency.holds["a"] == 2 and "a" not in g.residency.settled
+    await hold(g, "a")  # released, no growth: settles
+    await g.moves.snapshot()
+    assert g.residency.holds["a"] == 3 and "a" in g.residency.settled
+    await g.close()
+
+
 async def test_a_watch_that_answers_after_its_hold_ended_is_still_learned_from() -> None:
     """The holder's watch (a long poll) may answer after the hold ended and the next resident
     was granted at once, without a report: the answer carries the most each job held since the

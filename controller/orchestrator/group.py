@@ -280,7 +280,9 @@ class LockGroup:
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
                  h.epoch, held, why)
         self.holder = None
-        self.residency.hold_ended(h.job_id)
+        # a hold that ended otherwise than by its release (lease lapsed, preempted, its caller
+        # left) may still compute and grow unwatched: it does not settle its job
+        self.residency.hold_ended(h.job_id, observed=why == "released")
         self.leases.stop()
         self.preemption.stop_clock()
 

@@ -272,13 +272,15 @@ class Residency:
         self.residents.move_to_end(job)
         self._holding[job] = _Hold(dict(self.peaks.get(job, {})), observed)
 
-    def hold_ended(self, job: str) -> None:
+    def hold_ended(self, job: str, observed: bool = True) -> None:
         """`job`'s hold ended: the next snapshot (which carries the most it held) decides
         whether it settled: this hold, observed, after its first `SETTLE_MIN_HOLDS`, raised
         its peak by at most `SETTLE_GROWTH` of each device. Two holds that end before a
-        snapshot count as one, observed only when both were."""
+        snapshot count as one, observed only when both were. Not `observed`: it ended
+        otherwise than by its job's release (the job may still compute)."""
         h = self._holding.pop(job, None)
         if h is not None:
+            h.observed = h.observed and observed
             prev = self._ended.get(job)
             self._ended[job] = h if prev is None else _Hold(prev.before, prev.observed and h.observed)
 
