@@ -136,3 +136,19 @@ async def test_a_report_carries_the_peak_a_watch_in_flight_sampled_once(agent) -
         assert a.peak_device_bytes["GPU-0"] == 5 * GB
     finally:
         watch.cancel()
+
+
+async def test_a_phase_between_two_reports_enters_the_next_ones_peak(agent) -> None:
+    """No watch in flight (the orchestrator stopped between two: schedules seed 2289 on a
+    16-core host, SIGSTOP for 1.8 s): a job named in a report keeps being sampled, so a KV
+    cache held only between two reports is in the next one's peak (it was in none: the job
+    settled without it, and a later generate ran out of memory beside another job)."""
+    stub, knobs, _, _ = agent
+    request = [apb.SwitchStepRequest(job_id="a")]
+    await stub.GetMemory(apb.GetMemoryRequest(jobs=request))  # a plain report: no watch follows
+    knobs["a0"] = 19 * GB
+    probes = knobs["probes"]
+    await eventually(lambda: knobs["probes"] > probes + 1, what="the agent sampling between reports")
+    knobs["a0"] = 5 * GB
+    (a,) = (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).jobs
+    assert a.device_bytes["GPU-0"] == 5 * GB and a.peak_device_bytes["GPU-0"] == 19 * GB
