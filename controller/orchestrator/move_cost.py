@@ -87,13 +87,13 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
 
 
 def switch_speed(g: LockGroup) -> tuple[float, float] | None:
-    """(out, in) bytes per second: the fastest of the group's recent switches that moved at
-    least `MIN_SPEED_SAMPLE_FRACTION` of a GPU (by the last memory report; any without one:
-    it only decides whether to ask for a report) in each direction (a process's first cooperative checkpoint also pins the pool: on the H200
-    47 GB took 8-17 s once, then ~1 s, bench/results/rl-grpo-b-serve-cooperative-h200.json;
-    an average of the two kept a waiter deferred for 37 s behind moves of 2 s), where none
-    was measured the switcher's `prior_speed` (out and in together), else the other
-    direction's; None: unknown."""
+    """(out, in) bytes per second: the fastest of the group's recent switches in each
+    direction that moved at least `MIN_SPEED_SAMPLE_FRACTION` of a GPU (by the last memory
+    report; any without one: it only decides whether to ask for a report). A process's first
+    cooperative checkpoint also pins the pool: on the H200 47 GB took 8-17 s once, then ~1 s
+    (bench/results/rl-grpo-b-serve-cooperative-h200.json; an average of the two kept a
+    waiter deferred for 37 s behind moves of 2 s). Where none was measured, the switcher's
+    `prior_speed` (out and in together), else the other direction's; None: unknown."""
     snap = g.residency.snapshot
     least = MIN_SPEED_SAMPLE_FRACTION * min((d.total for d in snap.devices.values()), default=0) if snap else 0
     ok = [rec for rec in g.recent if rec.ok]
