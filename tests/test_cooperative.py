@@ -498,6 +498,7 @@ class GpuModel:
         self.stores, self.sizes, self.pids = stores, sizes, pids
         self.exited: set[str] = set()
         self.probes = 0
+        self.failing = False  # NVML failing: the node agent's reports fail
 
     def on_gpu(self) -> dict[int, int]:
         return {self.pids[j]: self.sizes[j] for j, s in self.stores.items()
@@ -507,6 +508,8 @@ class GpuModel:
         return 100 * GB - sum(self.on_gpu().values())
 
     def probe(self) -> list[GpuInfo]:
+        if self.failing:
+            raise RuntimeError("NVML: the GPU query failed")
         self.probes += 1
         return [GpuInfo("GPU-0", 0, 100 * GB, self.free(), self.on_gpu())]
 
@@ -912,6 +915,32 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
             with pytest.raises(SwitchError, match="not freed"):
                 await asyncio.wait_for(moving, 10)
             assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
+    finally:
+        for client in clients.values():
+            await asyncio.to_thread(client.close)
+
+
+async def test_a_switch_whose_node_agent_does_not_answer_restores_nothing_beside_a_job_that_left(
+        coop, monkeypatch) -> None:
+    """Randomized schedules, seed 5112: the node agent was killed as job a ended (its
+    process still held its memory); the switch that moved a out for c read the failed
+    memory report as "no NVML, nothing to check", restored c beside a's 60 GB and c ran out
+    of memory. A report that fails shows nothing freed: the switch fails, c stays
+    checkpointed and asks again; once the agent answers and a's memory is free, c is
+    restored."""
+    orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
+    g = orch.group("g")
+    try:
+        await asyncio.to_thread(clients["a"].close)  # a ends; its process holds 60 GB until it exits
+        gpu.failing = True
+        with pytest.raises(SwitchError, match="did not answer"):
+            await asyncio.wait_for(g.switcher(g.spec, ("a",), "c", True), 10)
+        assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
+        gpu.failing = False
+        gpu.exited.add("a")
+        record = await asyncio.wait_for(g.switcher(g.spec, ("a",), "c", True), 10)
+        assert record.ok and stores["c"].device == bytearray(stores["c"].original)
+        assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)

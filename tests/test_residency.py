@@ -1076,15 +1076,17 @@ async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> 
     report carried (the agent started again had not sampled it). Counted anyway, those holds
     let a's fourth (a train step, no growth) settle it at 55 GB, and its next generate was
     placed beside b: OOM. A hold that a failed report or an agent restart hid neither counts
-    toward settling nor settles: a still runs alone."""
+    toward settling nor settles: a still runs alone. (While the agent is down, a resident's
+    grant may move others out, but nothing is restored: b waits for the agent.)"""
     gpu = SampledGpu(b=30)
     g = group(gpu, declare=False)
     await hold(g, "b", memory=30 * GB)
     await hold(g, "a", then=lambda: gpu.set("a", 40))  # its model; b leaves (a declared nothing: alone)
     await hold(g, "b", memory=30 * GB)  # restored beside a
     gpu.up = False  # the agent is killed
-    await hold(g, "a", then=lambda: gpu.set("a", 55))  # its optimizer state
-    await hold(g, "b", memory=30 * GB)
+    await hold(g, "a", then=lambda: gpu.set("a", 55))  # its optimizer state (b leaves: a runs alone)
+    with pytest.raises(SwitchFailed, match="did not answer"):  # b's restore waits for the agent
+        await g.acquire("b", 0, "b-down", timeout=None, memory=30 * GB)
 
     def generate() -> None:
         gpu.set("a", 75)  # its KV cache, unsampled...

@@ -76,6 +76,10 @@ DEPARTING_POLL_SECONDS = 0.25
 HOLDER_WATCH_SECONDS = 2.0
 
 
+class AgentsUnanswered(NoRoom):
+    """A memory report a plan needs was not answered by every node agent (`MemoryMoves.snapshot`)."""
+
+
 class Plan(NamedTuple):
     """What a switch moves: `evict`, the residents to checkpoint, in order; `restore_first`:
     the incoming job's checkpoint is restored before theirs are taken (`plan_room`)."""
@@ -441,13 +445,19 @@ class MemoryMoves:
             self._switch(evict, incoming, restore, grant), name=f"switch-{self._g.id}")
 
     async def snapshot(self) -> MemorySnapshot | None:
-        """Fresh memory reports of the group's jobs (None: the agents report no GPU memory)."""
+        """Fresh memory reports of the group's jobs (None: the agents report no GPU memory).
+        Raises AgentsUnanswered when a node agent did not answer: its GPUs' memory is unknown, not
+        absent (schedules seed 5112: with the agent killed, an idle group's plan read "no
+        memory reports" and restored a job beside one that had ended and still held 60 GB)."""
         g = self._g
         jobs = sorted({*g.residency.residents, *g.residency.checkpointed, *(w.job_id for w in g.queue)})
         snap = await g.switcher.memory(g.spec, jobs)  # type: ignore[attr-defined]
         if snap is None:
             return None
         g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
+        if snap.unanswered:
+            raise AgentsUnanswered(f"node agent(s) {', '.join(sorted(snap.unanswered))} did not answer a memory "
+                                   "report: no memory is added to their GPUs until they do")
         return snap if snap.devices else None
 
     async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> Plan:
@@ -462,7 +472,13 @@ class MemoryMoves:
         forced = self.must_leave(incoming) if allow_evictions else []
         waited = False
         while True:
-            snap = await self.snapshot()
+            try:
+                snap = await self.snapshot()
+            except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
+                if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
+                        self.unconfirmed(incoming):
+                    raise
+                snap = None
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
                     raise NoRoom(f"no memory reports: {incoming} is not restored beside {beside}")

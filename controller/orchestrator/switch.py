@@ -112,16 +112,16 @@ class SwitchCoordinator:
         # restore waits until the GPU has room for what the incoming job registered
         room = self.cooperative.registered_bytes(spec.id, incoming) if restore and not first and \
             before is not None and any(not before.on_device(j) for j in gone) else 0
-        if before is not None and (rec.bytes_checkpointed or held or room) and \
-                not await self._freed(spec, out, before, rec.bytes_checkpointed + held, room):
+        unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room) \
+            if before is not None and (rec.bytes_checkpointed or held or room) else None
+        if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
             back = await self._unrestore(spec, incoming, first)
             rec.ok, rec.failed_step = False, "checkpoint"
-            rec.error = (f"checkpoint of {', '.join(out)} acknowledged ({rec.bytes_checkpointed} bytes"
+            rec.error = (f"checkpoint of {', '.join(out or gone)} acknowledged ({rec.bytes_checkpointed} bytes"
                          + (f"; {', '.join(gone)} had no process to command, holding {held} bytes" if gone else "")
-                         + f") but the GPU memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML); "
-                         + ("rolled back" if back and not stuck else "ROLLBACK INCOMPLETE"))
+                         + f") but {unfreed}; " + ("rolled back" if back and not stuck else "ROLLBACK INCOMPLETE"))
             raise SwitchError(rec.error, rec, stuck)
         rec.checkpoint_seconds = time.monotonic() - t0
         if restore and not first:
@@ -214,33 +214,40 @@ class SwitchCoordinator:
         return snap
 
     async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int,
-                     room: int = 0) -> bool:
-        """Whether NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
+                     room: int = 0) -> str | None:
+        """None once NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
         checkpoints moved (a cooperative process answers once it dropped its tensors; the
         CUDA caching allocator or a late stream may still hold them), plus all that those
         with no process to command held (they are exiting: a job that ended between the
         plan and its checkpoint frees its memory only when its processes are gone). Per job
         by its processes' bytes where NVML sees them, else by the devices' free bytes.
         With `room`, also until the GPUs have that many bytes free. Polled every
-        `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`."""
+        `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`; else why not (a node agent
+        that does not answer shows nothing freed: schedules seed 5112, the agent killed as a
+        job ended, a restore ran beside the ended job's 82 MB and ran out of memory)."""
+        if before.unanswered:
+            return f"node agent(s) {', '.join(sorted(before.unanswered))} did not answer: the GPU memory freed is unknown"
         if not before.devices:
-            return True  # no GPU report (no NVML): nothing to check against
+            return None  # no GPU report (no NVML): nothing to check against
         seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
         want = int(FREED_FRACTION * nbytes)
         free0 = sum(d.free for d in before.devices.values())
         deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
+        dropped = 0
         while True:
             now = await self.memory(spec, jobs, for_plan=False)  # NVML only, every FREED_POLL_SECONDS
-            if seen:
-                dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
-            else:
-                dropped = sum(d.free for d in now.devices.values()) - free0
-            if not now.devices or (dropped >= want and sum(d.free for d in now.devices.values()) >= room):
-                return True
+            if not now.unanswered:
+                if seen:
+                    dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
+                else:
+                    dropped = sum(d.free for d in now.devices.values()) - free0
+                if not now.devices or (dropped >= want and sum(d.free for d in now.devices.values()) >= room):
+                    return None
             if time.monotonic() >= deadline:
-                log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed", spec.id,
-                          list(jobs), dropped, nbytes)
-                return False
+                log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed%s", spec.id,
+                          list(jobs), dropped, nbytes, " (a node agent did not answer)" if now.unanswered else "")
+                return (f"the GPU memory was not freed within {FREED_TIMEOUT_SECONDS:.0f} s (NVML"
+                        + ("; a node agent did not answer" if now.unanswered else "") + ")")
             await asyncio.sleep(FREED_POLL_SECONDS)
 
     def departing(self, spec: GroupSpec, jobs: Iterable[str]) -> list[str]:
