@@ -87,7 +87,11 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
             raise ValueError(f"--config {cfg.groups_file}: {err}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"--config {cfg.groups_file}: want a mapping with `groups:`")
-        groups = [dict(g) for g in raw.get("groups") or [] if isinstance(g, dict)]
+        listed = raw.get("groups") or []
+        if not isinstance(listed, list) or not all(isinstance(g, dict) for g in listed):
+            raise ValueError(f"--config {cfg.groups_file}: `groups:` is a list of mappings, one per group "
+                             "(`groups: [{id: g, backend: freeze}]`)")
+        groups = [dict(g) for g in listed]
         for g in groups:
             if g.get("backend", "none") != names.BACKEND_NONE and not g.get("agents"):
                 g["agents"] = [agent_target]

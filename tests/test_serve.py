@@ -20,7 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from timeslice.cli.serve import gpu_count
+from timeslice.cli.serve import ServeConfig, gpu_count, orchestrator_config
 from timeslice.driver.errors import PermissionDenied
 from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope
 from timeslice.v1 import orchestrator_pb2 as pb
@@ -161,6 +161,34 @@ def test_serve_without_groups_or_gpus_says_what_to_do(tmp_path) -> None:
     assert out.returncode == 2 and "no NVIDIA GPU found" in out.stderr and "--config" in out.stderr, out
     assert "Traceback" not in out.stderr
     assert Path(tmp_path / "s.sock").exists() is False
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("groups: [gpu0]", "a list of mappings"),
+    ("groups: {id: g, backend: freeze}", "a list of mappings"),
+    ("groups: []", "no groups"),
+    ("groups: [{id: g, backend: cooperative, memoryHeadroom: lots}]", "memory headroom 'lots'"),
+    ("groups: [{id: g, backend: app}]", "apps: {<job>: {engine: vllm|sglang, url: http://127.0.0.1:PORT}} (name"),
+])
+def test_a_config_file_that_is_not_a_list_of_groups_says_so(tmp_path, text: str, error: str) -> None:
+    """A new user's mistakes (issue 21's trial): a list of names or one mapping read as "no
+    groups"; the app backend's example printed doubled braces."""
+    (tmp_path / "groups.yaml").write_text(text)
+    cfg = ServeConfig(socket=tmp_path / "s.sock", groups_file=tmp_path / "groups.yaml")
+    with pytest.raises(ValueError, match=re.escape(error)):
+        orchestrator_config(cfg, "unix:///agent.sock", tmp_path)
+
+
+def test_a_config_file_names_fields_as_the_readme_and_timeslice_config_do(tmp_path) -> None:
+    """The README names the residency settings as TimeSliceConfig does (`memoryHeadroom`,
+    `residentFirstSeconds`); `serve --config` refused them ("Extra inputs are not
+    permitted")."""
+    (tmp_path / "groups.yaml").write_text("groups: [{id: g, backend: cooperative, memoryHeadroom: 8Gi, "
+                                          "residentFirstSeconds: 5, lease_seconds: 3}]")
+    cfg = ServeConfig(socket=tmp_path / "s.sock", groups_file=tmp_path / "groups.yaml")
+    (g,) = orchestrator_config(cfg, "unix:///agent.sock", tmp_path).groups
+    assert (g.memory_headroom, g.resident_first_seconds, g.lease_seconds, g.agents) == \
+        ("8Gi", 5.0, 3.0, ("unix:///agent.sock",))
 
 
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:

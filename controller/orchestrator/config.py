@@ -11,6 +11,7 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 from timeslice.driver import names
 from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.headroom import parse_headroom
@@ -60,9 +61,11 @@ class GroupSpec(BaseModel):
     priority whose grant would move memory; `exclusive` checkpoints at every hand-off.
     `apps` (backend app, static mode): each job's inference engine by job name, in the
     wire form of TimeSliceConfig `app` (`{engine: vllm, url: "http://127.0.0.1:8000"}`).
+    A config file may name each field as here or as TimeSliceConfig does (`memoryHeadroom`,
+    `residentFirstSeconds`, `leaseSeconds`).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
     id: str = Field(min_length=1, max_length=253)
     backend: Backend = "none"
@@ -105,7 +108,7 @@ class GroupSpec(BaseModel):
                              f"{self.backend!r}")
         if self.backend == "app" and not self.apps and not self.members:
             raise ValueError(f"group {self.id!r}: backend app needs each job's engine: apps: {{<job>: {{engine: "
-                             "vllm|sglang, url: http://127.0.0.1:PORT}}}} (name the jobs: TIMESLICE_JOB)")
+                             "vllm|sglang, url: http://127.0.0.1:PORT}} (name the jobs: TIMESLICE_JOB)")
         return self
 
 
