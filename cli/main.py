@@ -203,9 +203,12 @@ def _status(a: argparse.Namespace) -> int:
         for d in g.devices:
             print(f"  device {d.device}: {_size(d.free_bytes)} of {_size(d.total_bytes)} free "
                   f"({d.age_seconds:.1f}s ago)")
-        for j in g.jobs if g.devices else ():  # footprints need a memory report
-            reserved = f"reserved {_size(j.reserved_bytes)}" if j.settled else "unsettled: runs alone"
+        for j in g.jobs:
             declared = f"  declared {_size(j.declared_bytes)}" if j.declared_bytes else ""
+            if not g.devices:  # footprints need a memory report
+                print(f"  job {j.job_id}: {j.state}{declared}  (no GPU memory report: one job on the GPUs at a time)")
+                continue
+            reserved = f"reserved {_size(j.reserved_bytes)}" if j.settled else "unsettled: runs alone"
             print(f"  job {j.job_id}: {j.state}  on GPU {_size(j.device_bytes)}  peak {_size(j.peak_bytes)}  "
                   f"checkpointed {_size(j.checkpointed_bytes)}  {reserved}{declared}")
         for w in g.waiters:

@@ -60,7 +60,7 @@ def test_demo_rejects_bad_flags(args: list[str]) -> None:
 
 async def test_status_against_a_running_orchestrator(make_cluster, children) -> None:
     c = await make_cluster(groups=("g",))
-    holder = c.client("trainer-a")
+    holder = c.client("trainer-a", memory="20Gi")
     await holder.acquire()
     waiter = python_child(f"""
         from timeslice import TimeSliceOrchestratorClient
@@ -72,6 +72,8 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
     assert r.returncode == 0, r.stderr
     assert "group g  backend=none  residency=exclusive  phase=held  holder=trainer-a (epoch 1" in r.stdout
     assert "waiting #0: trainer-b priority=0" in r.stdout
+    # no GPU memory report here (backend none): the declared memory shows all the same
+    assert "job trainer-a: resident  declared 21.47 GB  (no GPU memory report" in r.stdout
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "g", "--json")
     assert json.loads(r.stdout)[0]["holder"]["job_id"] == "trainer-a"
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "missing")
