@@ -920,27 +920,32 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
             await asyncio.to_thread(client.close)
 
 
-async def test_a_switch_whose_node_agent_does_not_answer_restores_nothing_beside_a_job_that_left(
-        coop, monkeypatch) -> None:
+@pytest.mark.parametrize("incoming", ["c", "newcomer"])
+async def test_a_switch_whose_node_agent_does_not_answer_adds_nothing_beside_a_job_that_left(
+        coop, monkeypatch, incoming) -> None:
     """Randomized schedules, seed 5112: the node agent was killed as job a ended (its
     process still held its memory); the switch that moved a out for c read the failed
     memory report as "no NVML, nothing to check", restored c beside a's 60 GB and c ran out
-    of memory. A report that fails shows nothing freed: the switch fails, c stays
-    checkpointed and asks again; once the agent answers and a's memory is free, c is
-    restored."""
+    of memory; seed 6004: the same for a newcomer's grant (nothing to restore, nothing was
+    checked). A report that fails shows nothing freed: the switch fails, c stays
+    checkpointed (the newcomer waits) and asks again; once the agent answers and a's
+    memory is free, it goes through."""
     orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
     g = orch.group("g")
+    restore = incoming == "c"
     try:
         await asyncio.to_thread(clients["a"].close)  # a ends; its process holds 60 GB until it exits
         gpu.failing = True
         with pytest.raises(SwitchError, match="did not answer"):
-            await asyncio.wait_for(g.switcher(g.spec, ("a",), "c", True), 10)
+            await asyncio.wait_for(g.switcher(g.spec, ("a",), incoming, restore), 10)
         assert stores["c"].device is None and stores["c"].free_at_restore == []  # type: ignore[attr-defined]
         gpu.failing = False
         gpu.exited.add("a")
-        record = await asyncio.wait_for(g.switcher(g.spec, ("a",), "c", True), 10)
-        assert record.ok and stores["c"].device == bytearray(stores["c"].original)
-        assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
+        record = await asyncio.wait_for(g.switcher(g.spec, ("a",), incoming, restore), 10)
+        assert record.ok
+        if restore:
+            assert stores["c"].device == bytearray(stores["c"].original)
+            assert all(free >= 60 * GB for free in stores["c"].free_at_restore)  # type: ignore[attr-defined]
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)

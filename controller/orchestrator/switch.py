@@ -112,8 +112,11 @@ class SwitchCoordinator:
         # restore waits until the GPU has room for what the incoming job registered
         room = self.cooperative.registered_bytes(spec.id, incoming) if restore and not first and \
             before is not None and any(not before.on_device(j) for j in gone) else 0
+        # a job gone is checked too when the report showed it holding nothing: that report may have failed
+        # (schedules seed 6004: the agent down, a resident not yet reconnected after an orchestrator restart
+        # counted as gone, and a newcomer granted beside its 46 MB)
         unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room) \
-            if before is not None and (rec.bytes_checkpointed or held or room) else None
+            if before is not None and (rec.bytes_checkpointed or held or room or gone) else None
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)
