@@ -116,6 +116,13 @@ async def test_switch_with_freeze_skips_an_outgoing_job_whose_processes_are_gone
     await b.acquire(timeout=5)  # a's processes are gone: nothing to checkpoint, b is granted
     status = await c.status()
     assert status.holder.job_id == "b" and status.failed_switches == 0
+    # and a is forgotten: no later hand-off tries to move it (a new user's trial of `serve`: a job
+    # killed with its client stayed resident, "nothing to restore" at every switch, for good)
+    assert "a" not in [*status.resident_job_ids, *status.checkpointed_job_ids], status
+    switches = status.switches
+    await b.release()
+    await b.acquire(timeout=5)
+    assert (await c.status()).switches == switches
     for cl in (a, b):
         await cl.close()
 

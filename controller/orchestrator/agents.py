@@ -67,8 +67,12 @@ def new_operation_id() -> str:
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one step did on one node: bytes moved, seconds, and how many of the job's
+    processes it found there (None: not told, as by a cooperative job's processes)."""
+
     bytes: int
     seconds: float
+    processes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class AgentClient:
                 raise OutcomeUnknown(f"{known} (operation {operation_id}: the step's outcome is unknown: {why})",
                                      no_reply) from err
             raise known from err
-        return StepResult(int(resp.bytes), float(resp.seconds))
+        return StepResult(int(resp.bytes), float(resp.seconds), len(resp.processes))
 
     async def memory(self, jobs: Sequence[tuple[str, MemberSpec | None]], watch: float = 0.0,
                      low_free: int = 0) -> AgentMemory:

@@ -597,7 +597,7 @@ class CooperativeJobs:
         procs = [p for p in self._procs.get((group, job), {}).values() if p.connected]
         if not procs:
             raise NotFound(f"job {job} has no process connected for cooperative memory commands in group {group} "
-                           "(register its GPU state with timeslice.torch.register)")
+                           "(its processes exited, or never registered their GPU state: timeslice.torch.register)")
         return procs
 
     async def _restore_one(self, p: _Process, timeout: float) -> int:

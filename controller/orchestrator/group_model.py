@@ -32,6 +32,7 @@ class SwitchRecord:
     bytes_restored: int = 0
     finished_at_unix: float = 0.0
     evicted: tuple[str, ...] = ()
+    gone: tuple[str, ...] = ()  # of `evicted`: no live process on any of their nodes (nothing was moved)
     unreachable: bool = False  # failed only because agents did not answer: not the job's fault
     # the step that ran and failed: "checkpoint" (of an evicted job) or "restore" (of `to_job`);
     # "" when none did (a plan without room, a restore that could not start yet)

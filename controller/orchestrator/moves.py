@@ -544,6 +544,7 @@ class MemoryMoves:
         record: SwitchRecord | None = None
         r = g.residency
         first = False
+        vanished: list[str] = []  # evicted jobs with no process left anywhere: dropped once it ends
         try:
             if evict is None:
                 evict, first = await self.plan(incoming, allow_evictions=True, beside=beside)
@@ -584,6 +585,9 @@ class MemoryMoves:
             g.fail_job(incoming, SwitchFailed(f"group {g.id}: internal error: {err!r}"))
         else:
             for job in evict:
+                if record is not None and job in record.gone and not any(w.job_id == job for w in g.queue):
+                    vanished.append(job)
+                    continue
                 r.moved_out(job)
                 self._lapsed.discard(job)
                 if job in self._fenced:  # fenced, and checkpointed: restored when idle, then forgotten
@@ -604,6 +608,10 @@ class MemoryMoves:
         finally:
             self.switching, self._beside = None, None
             self._switch_task = None
+        for job in vanished:  # nothing of it is anywhere: a one-box job killed with its client took part
+            self._lapsed.discard(job)  # in every later hand-off ("nothing to restore"), for good
+            self._fenced.discard(job)
+            g.drop_job(job, "no process of it is left on its nodes")
         if record is not None:
             record.finished_at_unix = time.time()
             g.recent.append(record)

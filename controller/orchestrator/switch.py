@@ -94,8 +94,9 @@ class SwitchCoordinator:
         gone: list[str] = []  # no process to command: what they hold leaves when their processes exit
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
-            # A node where the job has no live process has nothing to move.
-            if not done and failures and all(isinstance(e, NotFound) for e in failures.values()):
+            # A node where the job has no live process has nothing to move; with none anywhere it is gone.
+            if (not done and failures and all(isinstance(e, NotFound) for e in failures.values())) or \
+                    (done and not failures and all(r.processes == 0 for r in done.values())):
                 gone.append(job)
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
             rec.bytes_checkpointed += sum(r.bytes for r in done.values())
@@ -127,6 +128,7 @@ class SwitchCoordinator:
                          + f") but {unfreed}; " + ("rolled back" if back and not stuck else "ROLLBACK INCOMPLETE"))
             raise SwitchError(rec.error, rec, stuck)
         rec.checkpoint_seconds = time.monotonic() - t0
+        rec.gone = tuple(gone)
         if restore and not first:
             await self._restore_incoming(spec, rec, incoming, out)
         return rec
