@@ -9,12 +9,15 @@ job of the caller's process group (or cgroup), whose processes the node agent mo
 config format; a group without `agents` uses this machine's agent) or are one per GPU.
 Cooperative groups get the node's pinned pool (`PinnedPool`, built by the orchestrator's
 `running` as for `timeslice orchestrator`): a file in a private directory (mode 0700)
-under /dev/shm, sized by `--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop.
+under /dev/shm, sized by `--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop;
+one that a killed serve left is removed at the next start with its state dir, once nothing
+maps it (`pinned_pool.remove_left`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -126,6 +129,9 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
     if config.pinned_pool is not None or not any(g.backend == names.BACKEND_COOPERATIVE for g in config.groups):
         yield config
         return
+    left = recorded_pool(config.state_file)  # before the size: what it takes of `shm` comes back
+    if left is not None:
+        pinned_pool.remove_left(left, shm)
     if size is None:
         size = pinned_pool.default_size(sum(g.total for g in gpus()), shm)
         if size == 0:
@@ -136,6 +142,16 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
         return
     with tempfile.TemporaryDirectory(prefix="timeslice-pool-", dir=shm) as folder:  # mkdtemp: mode 0700
         yield config.model_copy(update={"pinned_pool": PinnedPoolSpec(path=Path(folder) / "pool", bytes=size)})
+
+
+def recorded_pool(state_file: Path | None) -> Path | None:
+    """The pinned pool `state_file` names (an earlier start's), None when none or unreadable."""
+    try:
+        data = json.loads(state_file.read_text()) if state_file is not None else {}
+        path = data.get("pool", {}).get("path") if isinstance(data, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(path) if isinstance(path, str) else None
 
 
 async def serve(cfg: ServeConfig) -> None:

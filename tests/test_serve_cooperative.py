@@ -20,6 +20,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from timeslice.controller.orchestrator.pinned_pool import NO_GPU_BYTES, default_size
+from timeslice.controller.orchestrator.pinned_pool import NO_GPU_BYTES, default_size, remove_left
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -244,6 +245,47 @@ def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_t
                           "--pinned-pool-gb", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--pinned-pool-gb and the config's pinned_pool" in out.stderr, out
     assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
+
+
+def _left_pool(tmp_path: Path) -> Path:
+    """A pool folder as a killed serve leaves it, recorded in the state file of tmp_path/state."""
+    folder = Path(tempfile.mkdtemp(prefix="timeslice-pool-", dir="/dev/shm"))
+    (folder / "pool").write_bytes(b"\0" * 4096)
+    (tmp_path / "state").mkdir(exist_ok=True)
+    (tmp_path / "state" / "orchestrator-state.json").write_text(json.dumps({
+        "apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 7}, "groups": {},
+        "pool": {"path": str(folder / "pool"), "bytes": 4096, "checkpoints": []}}))
+    return folder / "pool"
+
+
+def test_a_left_pool_is_removed_once_nothing_maps_it(tmp_path) -> None:
+    """A new user's trial: serve killed with SIGKILL left its pool in /dev/shm (954 MB each
+    time); the next start made a new one. A pool a process still maps stays."""
+    pool = _left_pool(tmp_path)
+    with subprocess.Popen([sys.executable, "-c", "import mmap, sys\nf = open(sys.argv[1], 'r+b')\n"
+                           "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\n"
+                           "sys.stdin.readline()", str(pool)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True) as mapper:
+        try:
+            assert mapper.stdout is not None and mapper.stdout.readline().strip() == "mapped"
+            assert not remove_left(pool) and pool.exists()
+        finally:
+            mapper.kill()
+    assert remove_left(pool) and not pool.parent.exists()
+    other = tmp_path / "timeslice-pool-x" / "pool"  # not under /dev/shm: never touched
+    other.parent.mkdir()
+    other.write_bytes(b"x")
+    assert not remove_left(other) and other.exists()
+
+
+@pytest.mark.timeout(120)
+async def test_serve_removes_the_pool_a_killed_serve_left_with_its_state_dir(no_kubernetes, tmp_path,
+                                                                             short_tmp) -> None:
+    pool = _left_pool(tmp_path)
+    async with cooperative_serve(tmp_path, short_tmp / "orchestrator.sock", "--pinned-pool-gb", "0.004") as (
+            new, log):
+        assert not pool.parent.exists() and new.parent != pool.parent, log.read_text()[-2000:]
+        assert "removed the pinned pool" in log.read_text()
 
 
 def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves_nothing() -> None:

@@ -58,6 +58,42 @@ def default_size(gpu_bytes: int, shm: Path = SHM) -> int:
     return max(0, min(gpu_bytes or NO_GPU_BYTES, host * 3 // 4, shutil.disk_usage(shm).free))
 
 
+def in_use(path: Path) -> bool:
+    """Whether a process this user can see maps or holds open `path` (`/proc/<pid>/maps`
+    and `/proc/<pid>/fd`; processes of other users are not readable, and cannot open a
+    private pool anyway)."""
+    name = str(path)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if name in (proc / "maps").read_text():
+                return True
+            if any(os.readlink(fd) == name for fd in (proc / "fd").iterdir()):
+                return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False
+
+
+def remove_left(path: Path, shm: Path = SHM) -> bool:
+    """Remove `path`'s folder when it is a private pool an earlier `timeslice serve` left
+    under `shm` (`timeslice-pool-*`, this user's, not a symbolic link) and nothing uses it
+    (`in_use`): a serve that was killed (SIGKILL) did not remove its own, and each start
+    makes a new one. True when removed; a pool in use stays (its processes restore from it)."""
+    folder = path.parent
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    if folder.parent != shm or not folder.name.startswith("timeslice-pool-") or not stat.S_ISDIR(st.st_mode) \
+            or st.st_uid != os.getuid() or in_use(path):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    log.warning("removed the pinned pool %s an earlier orchestrator left (nothing maps it)", path)
+    return True
+
+
 class PoolRefused(OSError):
     """The pool file exists but is not one this orchestrator may reopen (a symbolic link,
     not a regular file, another owner, group or other access, another size)."""
