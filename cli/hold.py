@@ -147,6 +147,9 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
         except AcquireTimeout as err:
             print(f"{EX_TEMPFAIL} {err}", flush=True)
             return EX_TEMPFAIL
+        except ValueError as err:  # e.g. no group named (as `timeslice run` says, with its exit status)
+            print(f"2 {err}", flush=True)
+            return 2
         except TimeSliceError as err:
             print(f"{EX_UNAVAILABLE} {err}", flush=True)
             return EX_UNAVAILABLE

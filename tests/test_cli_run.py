@@ -132,6 +132,15 @@ async def test_acquire_that_gets_no_grant_in_time_exits_75_and_leaves_no_hold(ta
         await holder.close()
 
 
+async def test_acquire_without_a_group_says_so_as_run_does(target, tmp_path, monkeypatch) -> None:
+    """A new user's trial: with no group, `acquire` said only "the holder ended without a
+    grant" (exit 69; the reason went to a log it then deleted); `run` says what is missing."""
+    monkeypatch.delenv("TIMESLICE_GROUP", raising=False)
+    rc, err = await timeslice("acquire", "--target", target, "--job", "a", "--hold-file", str(tmp_path / "hold.json"))
+    assert rc == 2 and "no group id" in err, err
+    assert not (tmp_path / "hold.json").exists()
+
+
 async def test_a_killed_holder_is_reported_and_an_interrupted_acquire_leaves_no_hold(target, tmp_path) -> None:
     """Found by a new-user try: `release` after the holder was SIGKILLed answered 0, and a
     Ctrl-C on a waiting `acquire` left a hold file of a hold that never was."""
