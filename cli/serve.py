@@ -16,7 +16,9 @@ maps it (`pinned_pool.remove_left`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -161,8 +163,32 @@ async def serve(cfg: ServeConfig) -> None:
     state_dir = cfg.state_dir or default_state_dir()
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = signals.stop_event()
+    with lock_state_dir(state_dir):  # first: a second serve on this state dir stops here, touching nothing
+        await _serve(cfg, state_dir, stop)
+
+
+@contextlib.contextmanager
+def lock_state_dir(state_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock (`flock`, released by the kernel however the process ends) on
+    `state_dir`/serve.lock while serving. Raises OSError when another serve holds it: two
+    serves on one state dir share its agent's records, and the second one's stop thawed the
+    first one's frozen job while another job held (a new user's trial: two serves, other
+    sockets, the default state dir)."""
+    fd = os.open(state_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(f"{state_dir}: another timeslice serve uses this state dir (its jobs' records): stop "
+                          "it, or give this one --state-dir") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None:
     front = UnixFront(cfg.socket, cfg.socket_mode)
-    await front.bind()  # first: a second server on this socket stops here, touching nothing
+    await front.bind()  # a second server on this socket stops here, touching nothing
     try:
         with contextlib.ExitStack() as stack:
             private = stack.enter_context(tempfile.TemporaryDirectory(prefix="timeslice-agent-"))  # 0700: ours

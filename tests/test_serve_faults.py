@@ -137,6 +137,25 @@ async def test_a_second_serve_on_the_socket_is_refused_and_leaves_the_first_serv
         assert status.returncode == 0 and b"group g" in out, err
 
 
+async def test_a_second_serve_on_the_state_dir_is_refused_and_thaws_nothing(tmp_path) -> None:
+    """A new user's trial: a second serve on another socket but the same state dir (the
+    default one) started, and its stop thawed the first serve's frozen job B while A held."""
+    async with serve_process(tmp_path, lease_seconds=2) as (sock, _, _):
+        a, b = await b_frozen_behind_a(sock)
+        try:
+            second = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+                "--socket", str(tmp_path / "other.sock"), "--state-dir", str(tmp_path / "state"),
+                stderr=asyncio.subprocess.PIPE)
+            _, err = await asyncio.wait_for(second.communicate(), 60)
+            assert second.returncode == 2 and b"another timeslice serve uses this state dir" in err, err
+            assert not running(b.pid) and not (tmp_path / "other.sock").exists()  # B still frozen: A holds
+        finally:
+            os.killpg(a.pid, signal.SIGKILL)
+            await a.wait()
+        await finish(b)
+
+
 async def script(sock: str, body: str) -> asyncio.subprocess.Process:
     """A non-interactive shell script in its own session, with the serve socket set."""
     return await asyncio.create_subprocess_exec(
