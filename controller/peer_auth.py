@@ -5,13 +5,15 @@ the cluster's TokenReview authenticator (`auth.py`). A call must arrive through 
 `UnixFront` (its `SO_PEERCRED`); the caller acts for the job it names, or, naming none,
 for the job its process group or cgroup is bound to, else that scope's own (`pgid-<N>`,
 `cgroup-<name>`); a caller that names none in a process group led by a shell (a script,
-whose `&` jobs all share it) is refused with the way out (`setsid`, or a name). Binding the job
+whose `&` jobs all share it), or in cgroup scope in the root cgroup or serve's own (every
+program started beside it shares it), is refused with the way out. Binding the job
 makes the caller's scope part of it, so the node agent moves those processes with it
 (`PeerJobs`): nobody types PIDs, and nobody acts for another user's processes.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +48,13 @@ class PeerAuthenticator:
         self._front = front
         self._jobs = jobs
         self._scope = scope
+        # a job never shares the server's own cgroup (the unnamed programs started beside it would be one job)
+        self._own_cgroup = ""
+        if scope == "cgroup":
+            try:
+                self._own_cgroup = scope_of(os.getpid(), "cgroup").key
+            except ProcessGone:  # no cgroup v2 entry: every caller's lookup says so in its turn
+                pass
 
     async def identify(self, context: Any) -> PeerCaller:
         """Raises Unauthenticated: the call did not come through the unix socket, or its
@@ -59,6 +68,9 @@ class PeerAuthenticator:
         except ProcessGone:
             raise Unauthenticated(f"the calling process {creds.pid} is gone") from None
         bound = self._jobs.job_of(scope)
+        shared = self._shared(scope, creds.pid)
+        if shared:
+            return PeerCaller(creds, scope, "", refusal=shared)
         if bound is None and led_by_a_shell(scope, creds.pid):
             return PeerCaller(creds, scope, "", refusal=(
                 f"process {creds.pid} names no job and is in {scope}, whose leader is a shell: a script, whose "
@@ -72,5 +84,21 @@ class PeerAuthenticator:
         return f"uid {(await self.identify(context)).credentials.uid}"
 
     def admit(self, caller: PeerCaller, group: Any, job: str) -> None:
-        """The caller's scope joins `job`. Raises PermissionDenied (`PeerJobs.bind`)."""
+        """The caller's scope joins `job`. Raises PermissionDenied (`PeerJobs.bind`; a scope
+        that is no job's to have, `_shared`)."""
+        shared = self._shared(caller.scope, caller.credentials.pid)
+        if shared:
+            raise PermissionDenied(shared)
         self._jobs.bind(job, caller.credentials, caller.scope)
+
+    def _shared(self, scope: Scope, pid: int) -> str:
+        """Why `scope` can be no job's ("" when it can): the root cgroup, which every process
+        of the machine shares, or serve's own (a new user's trial: two unnamed programs in
+        cgroup / became one job, `cgroup-root`, and held at once; a job's checkpoint would
+        stop every process there)."""
+        if scope.kind != "cgroup" or scope.key not in ("/", self._own_cgroup):
+            return ""
+        where = "every process of this machine shares" if scope.key == "/" else "timeslice serve itself is in"
+        return (f"process {pid} is in cgroup {scope.key}, which {where}: it cannot be a job's (the job's "
+                "checkpoint would stop all of them). Run each job in its own cgroup (`systemd-run --user --scope "
+                "CMD`), or serve with --job-scope process-group")

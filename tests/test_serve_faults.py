@@ -156,6 +156,36 @@ async def test_a_second_serve_on_the_state_dir_is_refused_and_thaws_nothing(tmp_
         await finish(b)
 
 
+@pytest.mark.parametrize("named", [False, True])
+async def test_cgroup_scope_refuses_a_cgroup_every_program_shares(tmp_path, named) -> None:
+    """A new user's trial: `--job-scope cgroup` where every process is in cgroup / (this VM,
+    many containers): two unnamed programs became one job, `cgroup-root`, and held at once.
+    A cgroup of everyone (or serve's own) is no job's, named or not."""
+    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: freeze}\n")
+    sock = tmp_path / "orchestrator.sock"
+    log = tmp_path / "serve.log"
+    with log.open("ab") as err:
+        serve = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+            "--socket", str(sock), "--state-dir", str(tmp_path / "state"), "--job-scope", "cgroup",
+            stdout=asyncio.subprocess.PIPE, stderr=err)
+    assert serve.stdout is not None
+    try:
+        line = (await asyncio.wait_for(serve.stdout.readline(), 60)).decode()
+        assert line.startswith("ready "), log.read_text()
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from timeslice import TimeSliceOrchestratorClient\n"
+            "try:\n    TimeSliceOrchestratorClient(group_id='g').acquire(timeout=20)\n    print('granted')\n"
+            "except Exception as err:\n    print(type(err).__name__, err)",
+            env=env_for(str(sock), **({"TIMESLICE_JOB": "x"} if named else {})), stdout=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        out, _ = await asyncio.wait_for(client.communicate(), 60)
+        assert b"it cannot be a job's" in out and b"systemd-run" in out, out
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(serve.wait(), 30)
+
+
 async def script(sock: str, body: str) -> asyncio.subprocess.Process:
     """A non-interactive shell script in its own session, with the serve socket set."""
     return await asyncio.create_subprocess_exec(
