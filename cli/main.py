@@ -180,7 +180,7 @@ def _status(a: argparse.Namespace) -> int:
         print("timeslice status: no orchestrator address: pass --target or set TIMESLICE_ORCHESTRATOR",
               file=sys.stderr)
         return 2
-    with grpc.insecure_channel(a.target) as channel:
+    with grpc.insecure_channel(_rpc.address(a.target)) as channel:
         stub = pb_grpc.OrchestratorStub(channel)
         try:
             md = _rpc.call_metadata()

@@ -120,14 +120,16 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
     client of a `unix:` target (one-box mode, `timeslice serve`: the job of the calling
     process's process group, from the socket's peer credentials).
 
-    Raises ValueError when the target is set nowhere, the job id is set nowhere and there
-    is no token, or the memory is malformed.
+    A target that is an absolute path is that unix socket's (`address`). Raises
+    ValueError when the target is set nowhere, the job id is set nowhere and there is no
+    token, or the memory is malformed.
     """
     target = target or os.environ.get(ENV_TARGET)
     job_id = job_id or os.environ.get(ENV_JOB)
     group_id = group_id or os.environ.get(ENV_GROUP) or None
     if not target:
         raise ValueError(f"no orchestrator address: pass target= or set {ENV_TARGET}")
+    target = address(target)
     if not job_id and call_metadata() is None and not target.startswith("unix:"):
         raise ValueError(f"no job id: pass job_id= or set {ENV_JOB} (in a cluster pod, mount the projected token "
                          f"(audience timeslice.dev) at {DEFAULT_TOKEN_FILE} or ${ENV_TOKEN_FILE} instead: the "
@@ -136,6 +138,12 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
         raise ValueError("unavailable_timeout must be >= 0 seconds")
     return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory),
                     retry_failed_switches)
+
+
+def address(target: str) -> str:
+    """`target` as gRPC takes it: an absolute path is that unix socket's (`unix://PATH`, as
+    `timeslice serve --socket` names it)."""
+    return f"unix://{target}" if target.startswith("/") else target
 
 
 def call_metadata() -> tuple[tuple[str, str], ...] | None:

@@ -186,6 +186,23 @@ async def test_cgroup_scope_refuses_a_cgroup_every_program_shares(tmp_path, name
         await asyncio.wait_for(serve.wait(), 30)
 
 
+async def test_a_socket_path_is_an_address_as_serve_prints_it_with_unix(tmp_path) -> None:
+    """A new user's trial: TIMESLICE_ORCHESTRATOR=/path/orchestrator.sock (serve's --socket)
+    failed with "no job id ... mount the projected token" (run) and a DNS error (status)."""
+    async with serve_process(tmp_path) as (sock, _, _):
+        run = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "run", "--group", "g", "--", "true",
+            env={**env_for(sock), "TIMESLICE_ORCHESTRATOR": sock}, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True)
+        _, err = await asyncio.wait_for(run.communicate(), 60)
+        assert run.returncode == 0, err
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "status", "--target", sock, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(status.communicate(), 60)
+        assert status.returncode == 0 and b"group g" in out, err
+
+
 async def script(sock: str, body: str) -> asyncio.subprocess.Process:
     """A non-interactive shell script in its own session, with the serve socket set."""
     return await asyncio.create_subprocess_exec(
