@@ -93,6 +93,17 @@ def _node_agent(a: argparse.Namespace) -> int:
     return 0
 
 
+def _octal_mode(text: str) -> int:
+    """Permission bits written in octal (600, 0660); argparse reports a ValueError's message."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not octal permission bits (e.g. 600)") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r}: permission bits are 000 to 777")
+    return mode
+
+
 def _at_least(low: float, kind: type) -> Any:
     """An argparse type: `kind(text)`, at least `low`."""
     def parse(text: str) -> Any:
@@ -280,8 +291,9 @@ def parser() -> argparse.ArgumentParser:
                    help="backend of the default per-GPU groups (default cuda; cooperative: jobs move the state they "
                         "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb)")
     v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
-                                                    "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/...)")
-    v.add_argument("--socket-mode", type=lambda t: int(t, 8), default=0o600, metavar="OCTAL",
+                                                    "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/... "
+                                                    "or /tmp/timeslice-UID/timeslice/...)")
+    v.add_argument("--socket-mode", type=_octal_mode, default=0o600, metavar="OCTAL",
                    help="permission bits of the socket (default 600: only its owner's processes can call)")
     v.add_argument("--job-scope", choices=["process-group", "cgroup"], default="process-group",
                    help="a job's processes: the caller's process group (default) or its cgroup")

@@ -52,7 +52,8 @@ def test_demo_prints_a_timeline() -> None:
     assert lines[-1].startswith("summary: jobs=2, rounds=2, backend=none") and "data_ok=True" in lines[-1]
 
 
-@pytest.mark.parametrize("args", [["demo", "--jobs", "0"], ["demo", "--backend", "nope"]])
+@pytest.mark.parametrize("args", [["demo", "--jobs", "0"], ["demo", "--backend", "nope"],
+                                  ["serve", "--socket-mode", "999"], ["serve", "--socket-mode", "1777"]])
 def test_demo_rejects_bad_flags(args: list[str]) -> None:
     r = timeslice(*args)
     assert r.returncode == 2 and "error" in r.stderr
