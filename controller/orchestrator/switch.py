@@ -231,7 +231,8 @@ class SwitchCoordinator:
         that does not answer shows nothing freed: schedules seed 5112, the agent killed as a
         job ended, a restore ran beside the ended job's 82 MB and ran out of memory)."""
         if before.unanswered:
-            return f"node agent(s) {', '.join(sorted(before.unanswered))} did not answer: the GPU memory freed is unknown"
+            agents = ", ".join(sorted(before.unanswered))
+            return f"node agent(s) {agents} did not answer: the GPU memory freed is unknown"
         if not before.devices:
             return None  # no GPU report (no NVML): nothing to check against
         seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
