@@ -73,7 +73,7 @@ def _serve(a: argparse.Namespace) -> int:
     from timeslice.driver import logs
 
     logs.setup(a.log_level)
-    cfg = ServeConfig(socket=Path(a.socket) if a.socket else default_socket(), socket_mode=a.socket_mode,
+    cfg = ServeConfig(socket=Path(a.socket).absolute() if a.socket else default_socket(), socket_mode=a.socket_mode,
                       scope=a.job_scope, groups_file=Path(a.config) if a.config else None, backend=a.backend,
                       state_dir=Path(a.state_dir) if a.state_dir else None,
                       pinned_pool_bytes=None if a.pinned_pool_gb is None else int(a.pinned_pool_gb * 1e9))

@@ -203,6 +203,26 @@ async def test_a_socket_path_is_an_address_as_serve_prints_it_with_unix(tmp_path
         assert status.returncode == 0 and b"group g" in out, err
 
 
+async def test_a_relative_socket_path_prints_an_address_clients_can_use(tmp_path) -> None:
+    """`serve --socket rel.sock` printed `unix://rel.sock`, which gRPC reads as a host name."""
+    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: none}\n")
+    serve = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "serve", "--config", "groups.yaml", "--socket", "rel.sock",
+        "--state-dir", "state", cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert serve.stdout is not None
+    try:
+        line = (await asyncio.wait_for(serve.stdout.readline(), 60)).decode()
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{tmp_path / 'rel.sock'} "), line
+        address = line.split()[1].partition("=")[2]
+        run = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "run", "--group", "g", "--", "true",
+            env={**env_for(str(tmp_path / "rel.sock")), "TIMESLICE_ORCHESTRATOR": address}, start_new_session=True)
+        assert await asyncio.wait_for(run.wait(), 60) == 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(serve.wait(), 30)
+
+
 async def script(sock: str, body: str) -> asyncio.subprocess.Process:
     """A non-interactive shell script in its own session, with the serve socket set."""
     return await asyncio.create_subprocess_exec(
