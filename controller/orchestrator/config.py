@@ -61,11 +61,21 @@ class GroupSpec(BaseModel):
     priority whose grant would move memory; `exclusive` checkpoints at every hand-off.
     `apps` (backend app, static mode): each job's inference engine by job name, in the
     wire form of TimeSliceConfig `app` (`{engine: vllm, url: "http://127.0.0.1:8000"}`).
-    A config file may name each field as here or as TimeSliceConfig does (`memoryHeadroom`,
-    `residentFirstSeconds`, `leaseSeconds`).
+    A config file names each field as here (snake_case); a name as TimeSliceConfig spells it
+    (`memoryHeadroom`, camelCase: claims) is refused naming the one to use.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _snake_case(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name in cls.model_fields:
+                if to_camel(name) != name and to_camel(name) in data:
+                    raise ValueError(f"{to_camel(name)}: a group in this file names it {name} (snake_case; "
+                                     "the camelCase names are TimeSliceConfig's, in claims)")
+        return data
 
     id: str = Field(min_length=1, max_length=253)
     backend: Backend = "none"
