@@ -67,16 +67,6 @@ class GroupSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _snake_case(cls, data: object) -> object:
-        if isinstance(data, dict):
-            for name in cls.model_fields:
-                if to_camel(name) != name and to_camel(name) in data:
-                    raise ValueError(f"{to_camel(name)}: a group in this file names it {name} (snake_case; "
-                                     "the camelCase names are TimeSliceConfig's, in claims)")
-        return data
-
     id: str = Field(min_length=1, max_length=253)
     backend: Backend = "none"
     agents: tuple[str, ...] = ()
@@ -102,6 +92,16 @@ class GroupSpec(BaseModel):
             return None
         m = self.member(holder)
         return m.app if m is not None and m.app is not None else self.apps.get(holder)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _snake_case(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for name in cls.model_fields:
+                if to_camel(name) != name and to_camel(name) in data:
+                    raise ValueError(f"{to_camel(name)}: a group in this file names it {name} (snake_case; "
+                                     "the camelCase names are TimeSliceConfig's, in claims)")
+        return data
 
     @field_validator("memory_headroom")
     @classmethod
