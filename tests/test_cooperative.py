@@ -951,6 +951,34 @@ async def test_a_switch_whose_node_agent_does_not_answer_adds_nothing_beside_a_j
             await asyncio.to_thread(client.close)
 
 
+async def test_a_job_started_again_settles_its_memory_afresh(coop) -> None:
+    """Randomized schedules, seed 8370: job a, SIGTERMed while checkpointed and started again,
+    was still taken as settled on its first process's early phases; the new process repeated
+    them and its first generate beside another job ran out of memory. A new process of the
+    job with no checkpoint, none of the job's connected, starts its settling over; another
+    process of a running job does not."""
+    orch, target = await coop()
+    r = orch.group("g").residency
+    first = job(target, "a", FakeStore("a"))
+    try:
+        await connected(first)
+        r.settled.add("a")
+        r.holds["a"] = 5
+        second = job(target, "a", FakeStore("a-rank-1"))  # another process of the running job
+        await connected(second)
+        assert "a" in r.settled and r.holds["a"] == 5
+        await asyncio.to_thread(second.close)
+    finally:
+        await asyncio.to_thread(first.close)
+    again = job(target, "a", FakeStore("a-again"))  # the job started again
+    try:
+        await connected(again)
+        await eventually(lambda: "a" not in r.settled, what="a's settling started over")
+        assert "a" not in r.holds
+    finally:
+        await asyncio.to_thread(again.close)
+
+
 async def test_a_newcomer_that_runs_alone_waits_for_the_memory_of_a_job_that_left(coop, monkeypatch) -> None:
     """Randomized schedules, seed 1252: a finished and left (the group forgot it) while its
     process still held its memory; a newcomer that declared nothing was granted at once

@@ -176,7 +176,7 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
     assert "overlaps" in next(f["reason"] for f in failures if f["class"] == "double_computes")
 
 
-SEEDS = [*range(1, 21), 3718, 5112, 6004]  # and some that failed once (CHANGELOG)
+SEEDS = [*range(1, 21), 3718, 5112, 6004, 8370]  # and some that failed once (CHANGELOG)
 
 
 @pytest.mark.slow  # about 2 minutes on a loaded 2-core machine

@@ -124,18 +124,24 @@ class CooperativeJobs:
     def __init__(self, pool: PinnedPool | None = None, state: StateFile | None = None,
                  on_lost: Callable[[str, str, str], None] | None = None,
                  on_learned: Callable[[str, str], None] | None = None,
-                 on_streams_closed: Callable[[str, str], None] | None = None) -> None:
+                 on_streams_closed: Callable[[str, str], None] | None = None,
+                 on_started: Callable[[str, str], None] | None = None) -> None:
         """`state`: where checkpoints into `pool` persist (`adopt` reads them back);
         `on_lost(group, job, reason)`: a job's checkpoint cannot be proven intact (it must
         fail); `on_learned(group, job)`: a checkpoint its process reported, one the
         orchestrator had no record of or a recorded one it confirmed after a restart (the
         group must restore the job before it computes);
-        `on_streams_closed(group, job)`: the last open stream of a job closed."""
+        `on_streams_closed(group, job)`: the last open stream of a job closed;
+        `on_started(group, job)`: a new process of a job connected with no checkpoint of its
+        own while no other process of the job is connected: the job started (again: its
+        memory grows from nothing as at its first start), or, after an orchestrator restart,
+        a process with its state on the GPU came back (taken as started: it settles again)."""
         self.pool = pool
         self._state = state
         self._on_lost = on_lost
         self._on_learned = on_learned
         self._on_streams_closed = on_streams_closed
+        self._on_started = on_started
         self._quiet_until = 0.0  # monotonic: until then the pool offers nothing (reopened, records unknown)
         self._keep_pool = False
         self._procs: dict[tuple[str, str], dict[str, _Process]] = {}
@@ -154,9 +160,12 @@ class CooperativeJobs:
         self._left.pop((group, job), None)
         p = procs.get(stream_id)
         if p is None:
+            started = report is None and not any(q.connected for q in procs.values())
             p = procs[stream_id] = _Process(group, job, stream_id, pid, registered)
             if report is not None:
                 self._learn(p, report)
+            if started and self._on_started is not None:
+                self._on_started(group, job)
         else:  # a reconnect: keep its checkpoint; commands the old stream never sent fail now (the old
             old = p.commands  # stream's close fails nothing once the new one owns the process)
             p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()

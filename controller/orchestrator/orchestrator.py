@@ -46,7 +46,7 @@ class Orchestrator:
         self._observers: list[Observer] = [self.metrics.observe, *([observer] if observer else [])]
         self.cooperative = CooperativeJobs(pinned_pool, state, on_lost=self._checkpoint_lost,
                                            on_learned=self._checkpoint_learned,
-                                           on_streams_closed=self._streams_closed)
+                                           on_streams_closed=self._streams_closed, on_started=self._started)
         self._switcher: Switcher = switcher or SwitchCoordinator(self._pool, self.cooperative)
         self._groups: dict[str, LockGroup] = {}
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
@@ -78,6 +78,12 @@ class Orchestrator:
         group = self._groups.get(group_id)
         if group is not None:
             group.leases.streams_closed(job)
+
+    def _started(self, group_id: str, job: str) -> None:
+        """A cooperative job started (again): it settles its memory afresh (`Residency.started`)."""
+        group = self._groups.get(group_id)
+        if group is not None:
+            group.residency.started(job)
 
     def _observe(self, group: LockGroup, event: GroupEvent) -> None:
         for observer in self._observers:

@@ -304,6 +304,16 @@ class Residency:
                 self.settled.add(job)
         self._ended.clear()
 
+    def started(self, job: str) -> None:
+        """`job`'s processes started (again): its memory grows from nothing again, so the
+        holds of its earlier processes neither count nor settle it (schedules seed 8370: a job
+        SIGTERMed and started again was taken as settled on its first process's early phases,
+        the new one repeated them, then its first generate beside another job ran out of
+        memory). Its peaks stay: a need never shrinks on a guess."""
+        self.settled.discard(job)
+        self.holds.pop(job, None)
+        self._ended.pop(job, None)
+
     def declare(self, job: str, nbytes: int) -> None:
         """`job` declared it needs `nbytes` per GPU (0: nothing declared; a later
         declaration replaces an earlier one)."""
