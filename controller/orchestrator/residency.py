@@ -207,11 +207,12 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                              f"is still exiting); {incoming} waits for it to be freed")
     strict = {}
     for dev, (short, must) in lacking.items():
-        mem = snap.devices[dev]
-        reserve = int(headroom[0] * mem.total) + headroom[1]
-        if must and others.get(dev, 0) <= reserve:
+        if not must:
+            continue
+        reserve = int(headroom[0] * snap.devices[dev].total) + headroom[1]
+        if others.get(dev, 0) <= reserve:
             short -= reserve  # nobody's growth to keep room for: what the job must add must fit, no more
-        if must and short > 0:
+        if short > 0:
             strict[dev] = short
     if strict:
         dev, short = next(iter(strict.items()))

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 import weakref
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,12 @@ def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, i
         if n:
             out[g.uuid] = n
     return out
+
+
+def _raise(peak: dict[str, int], sample: Mapping[str, int]) -> None:
+    """Raise `peak` (GPU uuid -> bytes) to at least `sample`, uuid by uuid."""
+    for uuid, b in sample.items():
+        peak[uuid] = max(peak.get(uuid, 0), b)
 
 
 def job_state(processes: list[ProcState]) -> str:
@@ -444,16 +450,11 @@ class NodeAgent:
         while True:
             for job_id, pids in pids_of.items():
                 now = view.device_bytes[job_id] = _per_device(view.gpus, pids)
-                peak = view.peak_bytes.setdefault(job_id, {})
-                shared = self._peaks.setdefault(job_id, {})
-                for uuid, b in now.items():
-                    peak[uuid] = max(peak.get(uuid, 0), b)
-                    shared[uuid] = max(shared.get(uuid, 0), b)
+                _raise(view.peak_bytes.setdefault(job_id, {}), now)
+                _raise(self._peaks.setdefault(job_id, {}), now)
             if time.monotonic() >= deadline or any(g.free < low_free for g in view.gpus):
                 for job_id in pids_of:
-                    peak = view.peak_bytes[job_id]
-                    for uuid, b in self._peaks.pop(job_id, {}).items():
-                        peak[uuid] = max(peak.get(uuid, 0), b)
+                    _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)
@@ -472,9 +473,7 @@ class NodeAgent:
                 log.debug("memory sample failed: %s", err)
                 gpus = []
             for job_id, (pids, _) in self._sampled.items():
-                shared = self._peaks.setdefault(job_id, {})
-                for uuid, b in _per_device(gpus, pids).items():
-                    shared[uuid] = max(shared.get(uuid, 0), b)
+                _raise(self._peaks.setdefault(job_id, {}), _per_device(gpus, pids))
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
 
     async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
