@@ -86,9 +86,6 @@ class ModelStore:
     def use_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
 
-    def pin_pool(self, paused: object) -> None:
-        pass
-
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         with self.lock:
             if self.computing:  # the client's own check should have refused it

@@ -158,12 +158,6 @@ class StateStore(Protocol):
         the first command that uses it)."""
         ...
 
-    def pin_pool(self, paused: Callable[[], bool]) -> None:
-        """Pin the pool for copies at the link's speed (slow: seconds for tens of GB; called
-        once after `use_pool`, in a background thread, while commands may run), waiting
-        while `paused()` (the job holds its GPU)."""
-        ...
-
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         """Copy the state out and free it on the GPU: into the pool `ranges` (in order, as one
         buffer: see `pieces`) when it fits, else into the store's own host memory. Returns
@@ -193,9 +187,7 @@ class MemoryCommandLoop:
         self._closing = False  # set under _busy by close(): no new command runs
         self._call: grpc.Future | None = None
         self._pool: mmap.mmap | None = None
-        self._attaching: threading.Thread | None = None  # maps and registers the pool offered by "hello"
-        self._pool_mapped = threading.Event()  # the pool offered is mapped (usable), or unusable
-        self.pool_attached = threading.Event()  # the pool offered is mapped and registered, or unusable
+        self._pool_offered = False  # "hello" offered a pool (mapped then, or found unusable)
         # out of the GPU: (pool ranges, none: its own memory; bytes; checksum, None until computed)
         self._saved: tuple[Ranges, int, int | None] | None = None
         self._verify = False  # the stream broke while the state was out: check it before restoring
@@ -246,10 +238,9 @@ class MemoryCommandLoop:
 
     def _handle(self, command: pb.MemoryCommand) -> None:
         if command.kind == "hello":
-            if command.pool_path and self._attaching is None:  # once: a reconnect offers the same pool
-                self._attaching = threading.Thread(target=self._attach, args=(command.pool_path, command.pool_bytes),
-                                                   daemon=True, name=f"timeslice-pool-{self.group}")
-                self._attaching.start()
+            if command.pool_path and not self._pool_offered:  # once: a reconnect offers the same pool
+                self._pool_offered = True
+                self._attach(command.pool_path, command.pool_bytes)
             self.connected.set()
             self.ready.set()
             return
@@ -296,8 +287,6 @@ class MemoryCommandLoop:
         self.measured = self.store.nbytes()
 
     def _run_command(self, command: pb.MemoryCommand, ranges: Ranges, ack: pb.MemoryCommandAck) -> None:
-        if ranges and self._attaching is not None:
-            self._pool_mapped.wait()  # a command that came before the pool was mapped waits for that, not the pinning
         if command.kind == "checkpoint":
             if self._in_hold():  # a revoked or lapsed holder may still be computing: never under it
                 raise RuntimeError(f"job {self._s.job_id} is inside its GPU phase on group {self.group} (it "
@@ -339,11 +328,12 @@ class MemoryCommandLoop:
         return moved
 
     def _attach(self, path: str, size: int) -> None:
-        """Map the pool and let the store use and register it, in its own thread as soon as
-        the orchestrator offers it: registering pins every page (seconds for tens of GB;
-        measured on the H200, 9.7 s for 101 GB), so it runs while the job computes; a
-        command that comes meanwhile has the store pin what it copies through first."""
-        t0 = time.monotonic()
+        """Map the pool and let the store checkpoint into it. Nothing is pinned here: each
+        checkpoint pins (`cudaHostRegister`) the parts of the pool it copies through, once per
+        process. Pinning all of it in the background, while other jobs held the GPU, slowed
+        them: on the H200 two processes pinned a 101 GB pool for 32-37 s each, and the holder's
+        3.5 s generate took 4.6-8.1 s meanwhile (bench/results/rl-grpo-a-serve-h200.json at
+        commit 41317fd); pinned on demand, a job pins the few GB its state uses."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -354,18 +344,9 @@ class MemoryCommandLoop:
             self.store.use_pool(pool)
         except Exception as err:  # no pool: checkpoints go to the store's own memory
             log.warning("pinned pool %s unusable, using this process's own host memory: %s", path, err)
-            self._pool_mapped.set()
-            self.pool_attached.set()
             return
         self._pool = pool
-        self._pool_mapped.set()
-        try:
-            self.store.pin_pool(self._in_hold)
-            log.info("pinned pool attached path=%s bytes=%d seconds=%.3f", path, size, time.monotonic() - t0)
-        except Exception as err:  # the pool stays in use, at pageable speed
-            log.warning("pinned pool %s not pinned, copies into it run at pageable speed: %s", path, err)
-        finally:
-            self.pool_attached.set()
+        log.info("pinned pool mapped path=%s bytes=%d", path, size)
 
     def ensure_restored(self) -> int:
         """Bring the state back if it is still out (the client calls this when a grant

@@ -21,10 +21,9 @@ see README, "Cooperative backend"). Tensors that share a storage (tied weights, 
 move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file
-mapped here and registered with `cudaHostRegister`, CUDA Runtime API, in a background
-thread as soon as the command stream opens, a command pinning the parts it copies
-through first; in chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that
-the job's own threads and its lease keep-alive run while tens of GB pin), else a pinned buffer of
+mapped here; a checkpoint registers the parts it copies through with `cudaHostRegister`,
+CUDA Runtime API, once per process, in chunks of `REGISTER_CHUNK_BYTES`, each copy within
+one chunk, so that the job's own threads run while tens of GB pin), else a pinned buffer of
 this process allocated on the first checkpoint and reused (pageable when the host cannot
 pin that much). Copies run on a side stream made at registration, each direction at the
 link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -37,8 +36,7 @@ import contextlib
 import logging
 import mmap
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -53,8 +51,6 @@ CONNECT_TIMEOUT_SECONDS = 30.0
 # them) stopped until the lease lapsed (issue 21). A copy never spans two chunks: CUDA
 # pins per registration, and a copy across two would not run at the pinned speed.
 REGISTER_CHUNK_BYTES = 256 << 20
-# While the job holds its GPU, pinning the rest of the pool waits; it looks again this often, seconds.
-PIN_PAUSE_POLL_SECONDS = 0.05
 
 
 def _align(n: int) -> int:
@@ -134,27 +130,9 @@ class TorchState:
 
     def use_pool(self, pool: mmap.mmap) -> None:
         """Checkpoint into `pool` from now on; each command pins the parts it copies
-        through first, `pin_pool` the rest."""
+        through, once (`_places`)."""
         with self._lock:
             self._pool = torch.frombuffer(pool, dtype=torch.uint8)
-
-    def pin_pool(self, paused: Callable[[], bool]) -> None:
-        """Register the whole pool with CUDA, `REGISTER_CHUNK_BYTES` per call, taking the
-        store's lock per chunk only (a command that comes meanwhile pins what it needs
-        first: on the H200 the whole 101 GB pool took 9.7 s, and a job's first checkpoint
-        waited for all of it, bench/results/rl-grpo-b-serve-cooperative-h200.json), and
-        never while `paused()` (the job holds its GPU: each registration stalls the job's
-        own CUDA calls; a 3 s generate took 17 s while 101 GB pinned,
-        bench/results/rl-grpo-a-serve-h200.json). Raises RuntimeError (a registration
-        failed: the pool stays in use, pageable where not pinned)."""
-        if self._pool is None:
-            return
-        for chunk in range(0, self._pool.numel(), REGISTER_CHUNK_BYTES):
-            while paused():
-                time.sleep(PIN_PAUSE_POLL_SECONDS)
-            with self._lock:
-                self._pin(chunk // REGISTER_CHUNK_BYTES)
-            time.sleep(0)  # let the other threads take the GIL between chunks
 
     def _pin(self, index: int) -> None:
         """Register chunk `index` of the pool unless it is (under `_lock`)."""

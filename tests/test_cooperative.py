@@ -61,9 +61,6 @@ class FakeStore:
     def use_pool(self, pool: mmap.mmap) -> None:
         self.pool = pool
 
-    def pin_pool(self, paused: object) -> None:
-        pass
-
     def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
         self.commands.append("checkpoint")
         time.sleep(self.delay)
@@ -175,44 +172,6 @@ async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through
         assert all(r.bytes_checkpointed == 64 * 1024 for r in status.recent_switches)
         assert orch.cooperative.pool is not None and orch.cooperative.pool.used_bytes == 64 * 1024  # b's state
     finally:
-        await asyncio.to_thread(a.close)
-        await asyncio.to_thread(b.close)
-
-
-class SlowPinStore(FakeStore):
-    """Pinning the whole pool takes until `pinned` is set (on the H200, 9.7 s for 101 GB)."""
-
-    def __init__(self, seed: str) -> None:
-        super().__init__(seed)
-        self.pinning, self.pinned = threading.Event(), threading.Event()
-        self.paused: Callable[[], bool] = lambda: False
-
-    def pin_pool(self, paused: Callable[[], bool]) -> None:
-        self.paused = paused
-        self.pinning.set()
-        assert self.pinned.wait(60), "the test never let the pinning finish"
-
-
-async def test_a_switch_uses_the_pool_while_it_is_still_being_pinned_and_pinning_waits_for_the_holds(coop) -> None:
-    orch, target = await coop()
-    sa, sb = SlowPinStore("a"), SlowPinStore("b")
-    a, b = await jobs(target, sa, sb)
-    try:
-        assert await asyncio.to_thread(sa.pinning.wait, 10)
-        await asyncio.to_thread(a.acquire)
-        assert sa.paused()  # no pinning while the job computes (it stalls its CUDA calls)
-        await asyncio.to_thread(a.release)
-        assert not sa.paused()
-        await asyncio.to_thread(b.acquire)  # a's checkpoint does not wait for its whole pool to be pinned
-        assert sa.device is None and sa.own is None and sa.ranges and not sa.pinned.is_set()
-        assert orch.cooperative.pool is not None and orch.cooperative.pool.used_bytes == 64 * 1024
-        await asyncio.to_thread(b.release)
-        await asyncio.to_thread(a.acquire)
-        assert sa.device == bytearray(sa.original)
-        await asyncio.to_thread(a.release)
-    finally:
-        sa.pinned.set()
-        sb.pinned.set()
         await asyncio.to_thread(a.close)
         await asyncio.to_thread(b.close)
 

@@ -78,7 +78,6 @@ class CpuStore:
         return sum(t.numel() * t.element_size() for t in tensors)
     def use_pool(self, pool):
         self.pool = torch.frombuffer(pool, dtype=torch.uint8)
-    def pin_pool(self, paused): pass
     def checkpoint(self, ranges):
         if "hold-checkpoint" in options:
             say("checkpointing")

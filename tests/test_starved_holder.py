@@ -50,7 +50,6 @@ class Store:
     on_gpu = True
     def nbytes(self): return 4096
     def use_pool(self, pool): pass
-    def pin_pool(self, paused): pass
     def checkpoint(self, ranges):
         print("checkpoint", flush=True)
         self.on_gpu = False
@@ -190,9 +189,6 @@ class Store:
         return 4096
 
     def use_pool(self, pool: object) -> None:
-        pass
-
-    def pin_pool(self, paused: object) -> None:
         pass
 
     def checkpoint(self, ranges: list[tuple[int, int]]) -> tuple[int, bool]:
