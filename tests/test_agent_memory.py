@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.kubelet_plugin.agent import node_agent
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
 from timeslice.kubelet_plugin.agent.node_agent import HOST_RESERVE_BYTES, NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -38,18 +41,19 @@ async def agent(short_tmp: Path, sleeper: int) -> AsyncIterator[tuple[apb_grpc.N
     """(stub, knobs {"host": bytes}, backend calls, records file) for an agent whose job "a"
     is a real sleeping process holding 5 GB on GPU-0 and 1 GB on GPU-1 (per the probe)."""
     pid = sleeper
-    knobs = {"host": 100 * GB, "visible": True, "a0": 5 * GB, "probes": 0}
+    knobs: dict = {"host": 100 * GB, "visible": True, "a0": 5 * GB, "probes": 0}
     calls: list = []
 
-    def probe() -> list[GpuInfo]:
+    def nvml() -> list[GpuInfo]:
         knobs["probes"] += 1
         mine = knobs["visible"]  # NVML does not list a checkpointed process
         return [GpuInfo("GPU-0", 0, 80 * GB, 70 * GB, {**({pid: knobs["a0"]} if mine else {}), 4242: 5 * GB}),
                 GpuInfo("GPU-1", 1, 80 * GB, 79 * GB, {pid: 1 * GB} if mine else {})]
 
+    knobs["probe"] = nvml  # NVML as the agent sees it (a test may stall it)
     records = short_tmp / "records.json"
     node = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=[FakeBackend("n", calls, name="cuda")],
-                     records_path=records, memory_probe=probe, host_probe=lambda: knobs["host"])
+                     records_path=records, memory_probe=lambda: knobs["probe"](), host_probe=lambda: knobs["host"])
     target = f"unix://{short_tmp / 'agent.sock'}"
     server, _ = await create_server(node, target)
     channel = grpc.aio.insecure_channel(target)
@@ -152,3 +156,31 @@ async def test_a_phase_between_two_reports_enters_the_next_ones_peak(agent) -> N
     knobs["a0"] = 5 * GB
     (a,) = (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).jobs
     assert a.device_bytes["GPU-0"] == 5 * GB and a.peak_device_bytes["GPU-0"] == 19 * GB
+
+
+async def test_a_gap_in_the_agents_sampling_makes_its_reports_a_new_incarnation(agent) -> None:
+    """The agent stopped (SIGSTOP) or stalled between two samples may have missed a phase's
+    peak: its reports looked whole, and a hold that peaked in the gap could settle its job
+    without that peak. A gap over `SAMPLE_GAP_SECONDS` makes the next reports answer as a new
+    incarnation (the orchestrator counts the holds in progress as unobserved); samples at
+    their pace keep it."""
+    stub, knobs, _, _ = agent
+    request = [apb.SwitchStepRequest(job_id="a")]
+    first = (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).incarnation
+    probes = knobs["probes"]
+    await eventually(lambda: knobs["probes"] > probes + 3, what="the agent sampling between reports")
+    assert (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).incarnation == first
+    stalled = threading.Event()
+
+    def stall() -> list[GpuInfo]:  # the agent's sampling stops for longer than the gap allows
+        stalled.set()
+        time.sleep(node_agent.SAMPLE_GAP_SECONDS * 1.5)
+        return probe()
+
+    probe = knobs["probe"]
+    knobs["probe"] = stall
+    await asyncio.to_thread(stalled.wait, 30)
+    knobs["probe"] = probe
+    probes = knobs["probes"]
+    await eventually(lambda: knobs["probes"] > probes + 1, what="sampling again after the stall")
+    assert (await stub.GetMemory(apb.GetMemoryRequest(jobs=request))).incarnation != first

@@ -56,6 +56,11 @@ MAX_WATCH_SECONDS = 30.0  # bound on one watch (the orchestrator's call deadline
 # host: a 14 GB KV cache in no report, the job settled without it, then ran out of memory
 # beside another) still enters the next report's peaks.
 KEEP_SAMPLING_SECONDS = 30.0
+# Two samples further apart than this, while jobs are sampled, leave a gap a phase may have
+# peaked in unseen (the agent was stopped, or its event loop stalled: a SIGSTOP of 1.5 s gave
+# reports that looked whole): the agent then answers as a new `incarnation`, so the
+# orchestrator counts the holds in progress as unobserved (they settle no job), seconds.
+SAMPLE_GAP_SECONDS = 1.0
 # Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
 
@@ -63,7 +68,8 @@ HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
 @dataclass
 class MemoryView:
     """`GetMemory`'s answer: the GPUs, per job its bytes per GPU uuid now and checkpointed,
-    and the host memory available (bytes); `incarnation`: the answering agent's."""
+    and the host memory available (bytes); `incarnation`: the answering agent's run of
+    samples (new after a restart or a gap in its sampling, `SAMPLE_GAP_SECONDS`)."""
 
     gpus: list[GpuInfo]
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -155,8 +161,10 @@ class NodeAgent:
         self._peaks: dict[str, dict[str, int]] = {}
         self._sampled: dict[str, tuple[list[int], float]] = {}  # job -> (its pids, when a report named it)
         self._sampler: asyncio.Task[None] | None = None
-        # names this run of the agent in its memory reports: a restart loses `_peaks`
+        # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
+        # a gap (`SAMPLE_GAP_SECONDS`) misses what happened in it
         self.incarnation = uuid4().hex
+        self._last_sample: float | None = None  # monotonic seconds; None: nothing is sampled
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
         self.operations = Operations()
@@ -431,6 +439,8 @@ class NodeAgent:
         before its watch answers still learns the hold's peak)."""
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
+        if self._last_sample is not None:  # jobs are sampled: this sample may be the first after a gap
+            self._sampled_now()
         view = MemoryView(gpu_list, host_available=host, incarnation=self.incarnation)
         pids_of: dict[str, list[int]] = {}
         for job in jobs:
@@ -455,9 +465,11 @@ class NodeAgent:
             if time.monotonic() >= deadline or any(g.free < low_free for g in view.gpus):
                 for job_id in pids_of:
                     _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
+                view.incarnation = self.incarnation
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)
+            self._sampled_now()
 
     async def _sample(self) -> None:
         """Sample the GPUs every `WATCH_INTERVAL_SECONDS` into `_peaks` for the jobs a report
@@ -466,15 +478,27 @@ class NodeAgent:
             now = time.monotonic()
             self._sampled = {j: v for j, v in self._sampled.items() if now - v[1] < KEEP_SAMPLING_SECONDS}
             if not self._sampled:
+                self._last_sample = None
                 return
             try:
                 gpus = await asyncio.to_thread(self._memory_probe)
-            except Exception as err:  # NVML failing: the reports say so; sampling tries again
+                self._sampled_now()
+            except Exception as err:  # NVML failing: no sample, so the next one finds the gap
                 log.debug("memory sample failed: %s", err)
                 gpus = []
             for job_id, (pids, _) in self._sampled.items():
                 _raise(self._peaks.setdefault(job_id, {}), _per_device(gpus, pids))
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+
+    def _sampled_now(self) -> None:
+        """A sample was taken: after a gap (`SAMPLE_GAP_SECONDS`) the reports answer as a new
+        incarnation from now on."""
+        now = time.monotonic()
+        if self._last_sample is not None and now - self._last_sample > SAMPLE_GAP_SECONDS:
+            self.incarnation = uuid4().hex
+            log.warning("memory sampling had a gap of %.1f s (the agent was stopped or busy): the holds in "
+                        "progress count as unobserved", now - self._last_sample)
+        self._last_sample = now
 
     async def state(self, job_id: str, backend_name: str) -> list[ProcState]:
         record = self.records.jobs.get(job_id)
