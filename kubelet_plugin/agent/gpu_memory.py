@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+
+from timeslice.kubelet_plugin.agent import model_gpu
+from timeslice.kubelet_plugin.agent.gpu_info import GpuInfo
+
+__all__ = ["GpuInfo", "gpus", "host_available_bytes", "process_gpu_bytes", "process_gpus"]
 
 log = logging.getLogger("timeslice.agent")
 _lock = threading.Lock()
@@ -53,23 +57,9 @@ def process_gpus() -> dict[int, set[int]]:
     return out
 
 
-@dataclass(frozen=True)
-class GpuInfo:
-    """One GPU: NVML uuid and index, total and free bytes (`nvmlDeviceGetMemoryInfo`), and
-    bytes used by each process with a CUDA context on it (`nvmlDeviceGetComputeRunningProcesses`)."""
-
-    uuid: str
-    index: int
-    total: int
-    free: int
-    processes: dict[int, int] = field(default_factory=dict)
-
-
 def gpus() -> list[GpuInfo]:
     """Every GPU of the node; empty without NVML. With `$TIMESLICE_MODEL_GPU` (tests only),
     the one model GPU of that ledger instead (`model_gpu.py`)."""
-    from timeslice.kubelet_plugin.agent import model_gpu
-
     model = model_gpu.from_env()
     if model is not None:
         return [model.read()]

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
+from timeslice.kubelet_plugin.agent.gpu_info import GpuInfo
 
 ENV = "TIMESLICE_MODEL_GPU"
 
