@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 
 from timeslice.cli.run import EX_SOFTWARE, EX_TEMPFAIL, EX_UNAVAILABLE
+from timeslice.driver.private_paths import private_dir
 
 # Seconds `release` waits for the holder to release and end.
 RELEASE_TIMEOUT = 60.0
@@ -59,7 +60,11 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
         print(f"timeslice acquire: {path} exists: this job already holds the group (or a holder died: remove "
               "the file)", file=sys.stderr)
         return 2
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        private_dir(path.parent)
+    except OSError as err:
+        print(f"timeslice acquire: {err}", file=sys.stderr)
+        return 2
     argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
             "" if timeout is None else str(timeout), str(priority), str(os.getppid())]
     # its own log (next to the hold file): it must not keep the caller's terminal or pipes; it
@@ -87,6 +92,11 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
 
 
 def release(path: Path) -> int:
+    try:
+        private_dir(path.parent)
+    except OSError as err:
+        print(f"timeslice release: {err}", file=sys.stderr)
+        return 2
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as err:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from timeslice.driver.errors import PermissionDenied, ProcessGone
+from timeslice.driver.private_paths import private_dir
 
 log = logging.getLogger("timeslice.serve")
 
@@ -150,8 +151,9 @@ class UnixFront:
     async def bind(self) -> None:
         """Bind the socket, removing a stale socket file (never any other file). Raises
         OSError (the directory cannot be made; a live server holds the path; the path is not
-        a socket). Connections wait until `splice_to`."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        a socket; its directory, or one above it, is another user's or writable by others:
+        `private_paths.private_dir`). Connections wait until `splice_to`."""
+        private_dir(self.path.parent, mode=0o755)
         with contextlib.suppress(FileNotFoundError):
             if not stat.S_ISSOCK(self.path.lstat().st_mode):
                 raise OSError(f"{self.path} exists and is not a socket: remove it or choose another --socket")
