@@ -8,7 +8,8 @@ state}. `release` sends the holder SIGTERM and waits for it to end (a pidfd, Lin
 the holder releases, writes `state` ("released", or "lost" when the lease had lapsed), and
 exits. The holder logs to the hold file's name with `.log`. Exit codes as `timeslice run`
 (cli/run.py): 75 no grant within --timeout, 69 unavailable or the job failed, 70 the hold
-was lost before `release`, 2 usage (no hold file, a hold already there).
+was lost before `release`, 2 usage (no hold file, a hold already there, acquire run under a
+wrapper such as `timeout` that would end the hold at once: `FORKING_WRAPPERS`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from timeslice.driver.private_paths import private_dir
 
 # Seconds `release` waits for the holder to release and end.
 RELEASE_TIMEOUT = 60.0
+# Commands that run their argument as a child and end with it: under one of them, the hold of
+# `acquire` would end as soon as acquire returned (its owner is the process that ran it), and
+# `timeout` also puts it in a process group of its own (another job in one-box mode).
+FORKING_WRAPPERS = frozenset({"timeout", "flock", "time", "xargs", "strace", "ltrace", "sudo", "doas", "su",
+                              "setsid", "watch", "parallel"})
 
 
 def default_job(job: str | None, target: str | None) -> str | None:
@@ -54,8 +60,25 @@ def _write(path: Path, state: dict[str, object]) -> None:
     tmp.replace(path)
 
 
+def _wrapper() -> str | None:
+    """The name of this process's parent when it is a command that runs its argument as a
+    child and ends with it (`timeout`, `flock`, ...), else None."""
+    try:
+        name = Path(f"/proc/{os.getppid()}/comm").read_text().strip()
+    except OSError:
+        return None
+    return name if name in FORKING_WRAPPERS else None
+
+
 def acquire(path: Path, target: str | None, job: str | None, group: str | None, timeout: float | None,
             priority: int) -> int:
+    wrapper = _wrapper()
+    if wrapper is not None:
+        print(f"timeslice acquire: it runs under `{wrapper}`, which ends as soon as acquire returns, and the hold "
+              f"ends with the process that ran acquire (under `timeout` it would also be held for timeout's "
+              f"process group, not the script's): run acquire from the script itself (--timeout bounds the wait)",
+              file=sys.stderr)
+        return 2
     if path.exists():
         print(f"timeslice acquire: {path} exists: this job already holds the group (or a holder died: remove "
               "the file)", file=sys.stderr)

@@ -132,6 +132,18 @@ async def test_acquire_that_gets_no_grant_in_time_exits_75_and_leaves_no_hold(ta
         await holder.close()
 
 
+async def test_acquire_under_timeout_fails_loudly_and_holds_nothing(target, tmp_path) -> None:
+    """`timeout 60 timeslice acquire` exited 0 holding nothing: the hold ends with the process
+    that ran acquire, here `timeout`, which ends when acquire returns (and in one-box mode
+    `timeout`'s own process group would have been the job). It is refused, saying why."""
+    proc = await asyncio.create_subprocess_exec(
+        "timeout", "60", sys.executable, "-m", "timeslice.cli.main", "acquire", "--target", target, "--job", "a",
+        "--group", "g", "--hold-file", str(tmp_path / "hold.json"), stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2 and b"runs under `timeout`" in err, err
+    assert not (tmp_path / "hold.json").exists() and (await _status(target)).holder.job_id == ""
+
+
 async def test_acquire_without_a_group_says_so_as_run_does(target, tmp_path, monkeypatch) -> None:
     """A new user's trial: with no group, `acquire` said only "the holder ended without a
     grant" (exit 69; the reason went to a log it then deleted); `run` says what is missing."""
