@@ -70,6 +70,31 @@ def _wrapper() -> str | None:
     return name if name in FORKING_WRAPPERS else None
 
 
+def _claim(path: Path) -> bool:
+    """Create the hold file exclusively ({pid: this acquire, state: "acquiring"}), so that of
+    two acquires of one hold at once only one goes on (both went on: each started a holder,
+    and `release` ended the one whose file was written last, leaving the group held). A file
+    whose process has ended is left over (a killed acquire or holder): replaced. False: the
+    hold is taken. Raises OSError (the file cannot be made; a symbolic link in its place)."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            try:
+                pid = int(json.loads(path.read_text())["pid"])
+                os.close(os.pidfd_open(pid))
+                return False  # its process lives: the hold is taken (or being taken)
+            except (ProcessLookupError, FileNotFoundError):
+                path.unlink(missing_ok=True)  # left over: its process is gone
+                continue
+            except (OSError, ValueError, KeyError, TypeError):
+                return False  # unreadable: never removed on a guess
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "state": "acquiring"}, f)
+        return True
+    return False
+
+
 def acquire(path: Path, target: str | None, job: str | None, group: str | None, timeout: float | None,
             priority: int) -> int:
     wrapper = _wrapper()
@@ -79,14 +104,15 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
               f"process group, not the script's): run acquire from the script itself (--timeout bounds the wait)",
               file=sys.stderr)
         return 2
-    if path.exists():
-        print(f"timeslice acquire: {path} exists: this job already holds the group (or a holder died: remove "
-              "the file)", file=sys.stderr)
-        return 2
     try:
         private_dir(path.parent)
+        claimed = _claim(path)
     except OSError as err:
         print(f"timeslice acquire: {err}", file=sys.stderr)
+        return 2
+    if not claimed:
+        print(f"timeslice acquire: {path} exists: this job already holds the group, or another acquire of it "
+              "is under way", file=sys.stderr)
         return 2
     argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
             "" if timeout is None else str(timeout), str(priority), str(os.getppid())]
@@ -108,6 +134,7 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
     if line == "granted":
         return 0
     holder.wait()
+    path.unlink(missing_ok=True)
     path.with_suffix(".log").unlink(missing_ok=True)  # what it said is in `line`
     code, _, message = line.partition(" ")
     print(f"timeslice acquire: {message or 'the holder ended without a grant'}", file=sys.stderr)
@@ -126,6 +153,10 @@ def release(path: Path) -> int:
         print(f"timeslice release: no hold file {path}: {err}", file=sys.stderr)
         return 2
     pid = int(state["pid"])
+    if state.get("state") == "acquiring":
+        print(f"timeslice release: {path}: an acquire (pid {pid}) is under way and holds nothing yet",
+              file=sys.stderr)
+        return 2
     try:
         fd = os.pidfd_open(pid)
         ours = str(path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -144,6 +144,34 @@ async def test_acquire_under_timeout_fails_loudly_and_holds_nothing(target, tmp_
     assert not (tmp_path / "hold.json").exists() and (await _status(target)).holder.job_id == ""
 
 
+async def test_two_acquires_of_one_hold_at_once_start_one_holder_and_release_frees_the_group(target,
+                                                                                             tmp_path) -> None:
+    """Two `acquire`s of one hold from one script at once both went on: each started a
+    holder, and `release` ended only the one whose hold file was written last, so the group
+    stayed held. The hold file is claimed exclusively: one goes on, the other is refused."""
+    args = ["acquire", "--target", target, "--job", "a", "--group", "g", "--hold-file", str(tmp_path / "hold.json")]
+    results = await asyncio.gather(timeslice(*args), timeslice(*args))
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    assert "already holds" in next(err for rc, err in results if rc == 2)
+    assert (await _status(target)).holder.job_id == "a"
+    assert (await timeslice("release", *args[3:]))[0] == 0
+    await eventually(lambda: _free(target), timeout=30, what="the group free after release")
+
+
+async def test_a_hold_file_left_by_a_process_that_ended_is_replaced(target, tmp_path) -> None:
+    gone = await asyncio.create_subprocess_exec("true")
+    await gone.wait()  # its pid names no process now
+    (tmp_path / "hold.json").write_text(json.dumps({"pid": gone.pid, "state": "held"}))
+    hold = ["--job", "a", "--group", "g", "--hold-file", str(tmp_path / "hold.json")]
+    assert (await timeslice("acquire", "--target", target, *hold))[0] == 0
+    assert json.loads((tmp_path / "hold.json").read_text())["pid"] != gone.pid
+    assert (await timeslice("release", *hold))[0] == 0
+
+
+async def _free(target: str) -> bool:
+    return (await _status(target)).holder.job_id == ""
+
+
 async def test_acquire_without_a_group_says_so_as_run_does(target, tmp_path, monkeypatch) -> None:
     """A new user's trial: with no group, `acquire` said only "the holder ended without a
     grant" (exit 69; the reason went to a log it then deleted); `run` says what is missing."""
