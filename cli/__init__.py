@@ -3,3 +3,4 @@
 Only this package (and the demo in it) wires components together; each subcommand
 parses flags, builds one config object and starts the component.
 """
+

@@ -21,7 +21,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from timeslice.driver.names import install_hint
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class _Version(argparse.Action):
+    """`--version`: the client package's `__version__`, imported only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        import timeslice
+
+        print(f"timeslice-dra {timeslice.__version__}")
+        parser.exit()
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -236,6 +251,7 @@ def _status(a: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="timeslice", description="GPU time-slicing for RL jobs (DRA driver)")
+    p.add_argument("--version", action=_Version, help="print the installed version (timeslice.__version__) and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run the orchestrator, a node agent and synthetic RL jobs on this machine",
@@ -465,7 +481,7 @@ def parser() -> argparse.ArgumentParser:
                        description="Draw one row per job on one time axis: waits for the lock, holds, GPU phases, "
                                    "checkpoints and restores (with the bytes moved). RESULT: the JSON of `timeslice "
                                    "demo --json` or of bench/rl_grpo.py (a list: one panel each). Needs matplotlib: "
-                                   "pip install 'timeslice-dra[plot]'.")
+                                   f"{install_hint('plot')}.")
     g.add_argument("result", metavar="RESULT", help="a result JSON file")
     g.add_argument("-o", "--output", metavar="PNG",
                    help="the image (default: RESULT's name with .png, in the current directory; the suffix picks "
@@ -486,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(a.fn(a))
     except ModuleNotFoundError as err:  # a client-only install running a server command: name the extra
         top = (err.name or "").split(".")[0]
-        fix = f"pip install 'timeslice-dra[{EXTRAS[top]}]'" if top in EXTRAS else f"pip install {top}"
+        fix = install_hint(EXTRAS[top]) if top in EXTRAS else f"pip install {top}"
         print(f"timeslice {a.command}: error: it needs the Python package {top!r}, which is not installed: {fix}",
               file=sys.stderr)
         return 2

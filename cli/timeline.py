@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-INSTALL = "pip install 'timeslice-dra[plot]'"
+from timeslice.driver.names import install_hint
+
+INSTALL = install_hint("plot")
 KINDS = ("wait", "hold", "compute", "checkpoint", "restore", "failed")
 SWITCH_KINDS = ("checkpoint", "restore", "failed")
 

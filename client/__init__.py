@@ -10,7 +10,11 @@ A job marks its GPU phases so that independent jobs can time-share GPUs:
     def train_step(batch): ...
 
 Needs only `grpcio` and `protobuf`. The orchestrator API stubs live in `timeslice.v1`.
+`__version__`: the installed distribution's version (`timeslice-dra`), "0+unknown" when it
+is imported from a tree that was not installed.
 """
+
+from importlib.metadata import PackageNotFoundError, version
 
 from timeslice._rpc import Grant
 from timeslice.aio import AsyncTimeSliceOrchestratorClient
@@ -30,6 +34,11 @@ from timeslice.errors import (
 )
 from timeslice.scope import AcceleratorScope
 
+try:
+    __version__ = version("timeslice-dra")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "AcceleratorScope",
     "AccessDenied",
@@ -46,4 +55,5 @@ __all__ = [
     "SwitchFailed",
     "TimeSliceError",
     "TimeSliceOrchestratorClient",
+    "__version__",
 ]

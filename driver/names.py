@@ -58,3 +58,9 @@ AGENT_CERTIFICATE_ANNOTATION = LABEL_PREFIX + "agent-certificate"
 # cuda backends need of a multi-GPU NCCL job (kubelet_plugin/agent/backends/peer_memory.py),
 # and what TimeSliceConfig ncclPeerTransports: false puts in the claim's containers.
 NCCL_NO_PEER_MEMORY_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def install_hint(extra: str) -> str:
+    """How to install the extra `extra` (pyproject.toml) of this project, which is not on
+    PyPI: from its checkout (or a wheel built there)."""
+    return f"pip install '/path/to/timeslice-dra[{extra}]' (from your checkout: timeslice-dra is not on PyPI)"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from timeslice.driver.errors import GpuDiscoveryError
+from timeslice.driver.names import install_hint
 
 log = logging.getLogger("timeslice.kubelet_plugin")
 
@@ -140,7 +141,7 @@ def nvml_gpus() -> list[GpuInfo]:
     except ImportError as err:
         raise GpuDiscoveryError(
             "GPU discovery needs NVML: the nvidia-ml-py package is not installed "
-            "(pip install 'timeslice-dra[gpu]'), or run with --fake-gpus for tests") from err
+            f"({install_hint('gpu')}), or run with --fake-gpus for tests") from err
     nv: Any = pynvml
     try:
         nv.nvmlInit()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from timeslice.driver.names import install_hint
 
 from tests.conftest import eventually, python_child
 
@@ -89,6 +90,21 @@ async def _waiting(c) -> bool:
 def test_help_lists_the_subcommands() -> None:
     r = timeslice("--help")
     assert r.returncode == 0 and all(cmd in r.stdout for cmd in ("demo", "orchestrator", "status"))
+
+
+def test_the_version_is_the_installed_distributions_and_the_client_is_typed() -> None:
+    """Nobody could tell what version they ran (issue 25): `timeslice --version` and
+    `timeslice.__version__` report the distribution's; `py.typed` marks the client typed
+    (mypy said `import-untyped` for its users)."""
+    from importlib.metadata import version
+    from importlib.resources import files
+
+    import timeslice as client
+
+    r = timeslice("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"timeslice-dra {version('timeslice-dra')}"
+    assert client.__version__ == version("timeslice-dra")
+    assert files("timeslice").joinpath("py.typed").is_file()
 
 
 def test_kubelet_plugin_agent_auth_flags(monkeypatch, capsys) -> None:
@@ -188,7 +204,7 @@ def test_a_missing_extra_is_named_in_one_line(missing: str, command: list[str], 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"timeslice {command[0]}: error: it needs the Python package {missing!r}, which is "
-                                f"not installed: pip install 'timeslice-dra[{extra}]'")
+                                f"not installed: {install_hint(extra)}")
 
 
 def test_a_command_without_a_cluster_says_so_in_one_line(tmp_path) -> None:

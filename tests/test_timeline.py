@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 from timeslice.cli import timeline
 from timeslice.cli.timeline import Span, Timeline
+from timeslice.driver.names import install_hint
 
 from bench import rl_grpo
 
@@ -195,7 +196,7 @@ def test_demo_plot_into_a_missing_folder_fails_before_the_demo(tmp_path: Path) -
 
 def test_without_matplotlib_the_commands_name_the_extra(tmp_path: Path) -> None:
     """One line with the pip command, exit 2, before any work (the demo does not start)."""
-    fix = "pip install 'timeslice-dra[plot]'"
+    fix = install_hint("plot")
     for argv in (["plot", str(RESULTS / "demo-cpu-2core.json")], ["demo", "--plot", str(tmp_path / "d.png")]):
         r = without_matplotlib(f"from timeslice.cli.main import main; sys.exit(main({argv!r}))")
         assert r.returncode == 2 and r.stderr.strip().endswith(fix), r.stderr

@@ -21,8 +21,9 @@ after its first train step, bench/results/rl-grpo-*.json), so its peak so far is
 yet. A hold is *observed* when memory reports covered it throughout, each from the same run
 of its node agent. One that went unwatched for a while (a report failed or an agent was
 down; an agent answered as another `incarnation` than before: restarted, its peak samples
-started over, or stopped for a while, its samples have a gap; idle residents were checkpointed for the holder; the hold was adopted at the
-orchestrator's start) may have peaked where no report saw it: it neither counts among the
+started over, or stopped for a while, its samples have a gap; idle residents were
+checkpointed for the holder; the hold was adopted at the orchestrator's start) may have
+peaked where no report saw it: it neither counts among the
 first two nor settles its job. An unsettled job is never placed beside others on a guess: it
 is granted *alone*
 (every idle resident on its GPUs is checkpointed first, and while more than the headroom
