@@ -195,9 +195,34 @@ def _release(a: argparse.Namespace) -> int:
     return hold.release(hold.hold_file(a.group, hold.default_job(a.job, None), a.hold_file))
 
 
+def _plain(msg: Any) -> dict[str, Any]:
+    """A protobuf message as JSON-ready values: every field, zero ones too, under its proto
+    name; numbers as numbers (protobuf's JSON mapping writes 64-bit integers as strings and
+    leaves zero fields out), enums by name, maps as objects, lists as lists."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    def value(field: Any, v: Any) -> Any:
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            return _plain(v)
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            return field.enum_type.values_by_number[v].name if v in field.enum_type.values_by_number else v
+        return v
+
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        v = getattr(msg, field.name)
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            out[field.name] = {k: value(entry.fields_by_name["value"], x) for k, x in v.items()}
+        elif field.is_repeated:
+            out[field.name] = [value(field, x) for x in v]
+        else:
+            out[field.name] = value(field, v)
+    return out
+
+
 def _status(a: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
     from timeslice import _rpc
     from timeslice.v1 import orchestrator_pb2 as pb
     from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -216,7 +241,7 @@ def _status(a: argparse.Namespace) -> int:
             print(f"timeslice status: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     if a.json:
-        print(json.dumps([MessageToDict(g, preserving_proto_field_name=True) for g in groups], indent=2))
+        print(json.dumps([_plain(g) for g in groups], indent=2))
         return 0
     for g in groups:
         holder = (f"{g.holder.job_id} (epoch {g.holder.epoch}, held {g.holder.held_seconds:.1f}s, lease "

@@ -77,7 +77,12 @@ async def test_status_against_a_running_orchestrator(make_cluster, children) -> 
     # no GPU memory report here (backend none): the declared memory shows all the same
     assert "job trainer-a: resident  declared 21.47 GB  (no GPU memory report" in r.stdout
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "g", "--json")
-    assert json.loads(r.stdout)[0]["holder"]["job_id"] == "trainer-a"
+    (status,) = json.loads(r.stdout)
+    assert status["holder"]["job_id"] == "trainer-a"
+    # numbers as numbers and zero fields present (protobuf's JSON mapping gave "21474836480" and no zeros)
+    (job,) = [j for j in status["jobs"] if j["job_id"] == "trainer-a"]
+    assert job["declared_bytes"] == 20 * 2**30 and status["failed_switches"] == 0 and status["lease_expiries"] == 0
+    assert isinstance(status["holder"]["epoch"], int) and status["waiters"][0]["priority"] == 0
     r = await asyncio.to_thread(timeslice, "status", "--target", c.target, "--group", "missing")
     assert r.returncode == 1 and "NOT_FOUND: unknown group 'missing'" in r.stderr
     await holder.close()
