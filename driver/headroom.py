@@ -12,11 +12,19 @@ import re
 from timeslice.quantity import parse_bytes
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_BARE = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
 def parse_headroom(value: str | int | float) -> tuple[float, int]:
-    """`"10%"` -> (0.10, 0); `"8Gi"`, `"500M"`, `1073741824` -> (0, bytes). Units are the
-    Kubernetes quantity suffixes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti). Raises ValueError."""
+    """`"10%"` -> (0.10, 0); `"8Gi"`, `"500M"`, `"1073741824B"` -> (0, bytes); 0 -> (0, 0).
+    Units are the Kubernetes quantity suffixes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti) and B.
+    A bare number other than 0 is refused: `memory_headroom: 10` meant 10 bytes where its
+    writer meant 10% (issue 25). Raises ValueError."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    bare = number or (isinstance(value, str) and _BARE.match(value))
+    if bare and float(value) != 0:
+        raise ValueError(f"memory headroom {value!r}: a bare number is ambiguous; give a percent of device memory "
+                         f"(\"{value}%\") or a quantity with its unit (\"{value}Gi\", \"{value}B\")")
     if isinstance(value, str) and (m := _PERCENT.match(value)):
         number = float(m.group(1))
         if number > 90:

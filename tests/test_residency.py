@@ -91,8 +91,8 @@ def test_parse_headroom() -> None:
     assert parse_headroom("10%") == (0.10, 0)
     assert parse_headroom("8Gi") == (0.0, 8 * 2**30)
     assert parse_headroom("500M") == (0.0, 500 * 10**6)
-    assert parse_headroom(1024) == (0.0, 1024)
-    for bad in ("ten", "95%", "-1", "8 parsecs"):
+    assert parse_headroom("1024B") == (0.0, 1024) and parse_headroom(0) == parse_headroom("0") == (0.0, 0)
+    for bad in ("ten", "95%", "-1", "8 parsecs", 10, "10", 1073741824, 2.5, True):
         with pytest.raises(ValueError, match="memory headroom"):
             parse_headroom(bad)
     with pytest.raises(ValueError, match="headroom"):
