@@ -12,7 +12,7 @@ K8S_VERSION := $(shell sed -n 's/^K8S_VERSION=//p' hack/versions.env)
 .PHONY: help demo test unit unit-all e2e lint protos wheels cluster-up cluster-down bench stress-test
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -67,5 +67,5 @@ cluster-up: wheels ## start the local single-node cluster (hack/local-cluster.sh
 cluster-down: ## stop it and remove its state
 	hack/local-cluster.sh down
 
-bench: $(STAMP) ## CPU benchmarks, overwriting bench/results/ (GPU and cluster ones: README "Reproduce")
+bench: $(STAMP) ## CPU benchmarks, overwriting bench/results/ (GPU and cluster ones: docs/results.md)
 	$(BIN)/python bench/handoff.py --groups 100 --jobs 8 --hold 1.0 --seconds 20 --out bench/results/handoff-2core.json

@@ -3,7 +3,7 @@ r"""RL benchmark: N GRPO-shaped jobs (bench/rl_job.py) alone, then sharing one G
 
 Solo: each job runs alone with no client (`--no-orchestrator`), one after the other; the baseline
 is the sum of their wall times. Shared: the product's commands run as subprocesses, with their
-default settings, as a user runs them (README, "On one GPU machine, without Kubernetes"):
+default settings, as a user runs them (docs/one-box.md):
 
   --modes serve   `timeslice serve --config GROUPS.yaml` (one box). The jobs find it as the README
                   says a user's job does: `TIMESLICE_ORCHESTRATOR=unix://...` from serve's ready line,
@@ -11,7 +11,7 @@ default settings, as a user runs them (README, "On one GPU machine, without Kube
                   `setsid`), so it needs no job id.
   --modes agent   `timeslice node-agent` + `timeslice orchestrator --config GROUPS.yaml` on this
                   machine (loopback: the agent on a unix socket, the orchestrator on 127.0.0.1 with a
-                  port it picks; README, "Several machines"), each job started with `TIMESLICE_JOB=job-<i>`
+                  port it picks; docs/one-box.md, "Several machines"), each job started with `TIMESLICE_JOB=job-<i>`
                   and `TIMESLICE_ORCHESTRATOR=127.0.0.1:<port>`.
 
 GROUPS.yaml holds one group, `gpu`, with the backend (`--backends`: cuda, cooperative; freeze or none
@@ -407,7 +407,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             set_env = {"TIMESLICE_ORCHESTRATOR": target, "TIMESLICE_GROUP": GROUP}
             if mode == "agent":
                 set_env["TIMESLICE_JOB"] = name
-            if a.device == "cpu":  # no NVML: the agent moves only processes marked so (README, one-box mode)
+            if a.device == "cpu":  # no NVML: the agent moves only processes marked so (docs/one-box.md)
                 set_env["TIMESLICE_ACCELERATOR_PROCESS"] = "1"
             if (d := declared_memory(a, solo_runs, i)) is not None:
                 set_env["TIMESLICE_MEMORY"] = str(d[0])

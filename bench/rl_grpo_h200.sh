@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The committed H200 runs of bench/rl_grpo.py (README "Measured results"): GRPO-shaped jobs through the
+# The committed H200 runs of bench/rl_grpo.py (docs/results.md): GRPO-shaped jobs through the
 # product's own commands, default settings, solo vs shared. One call runs the stages it is given, in order:
 #   bench/rl_grpo_h200.sh OUTDIR STAGE ...
 # STAGE:

@@ -18,7 +18,7 @@ Each step, with B = --batch, P = --prompt-len, N = --new-tokens, V = vocab:
   train     one policy-gradient step: A = (r - group mean) / (group std + 1e-4) over groups of 4 (sample std),
             loss = -mean(A * sum of the completion's token log-probs) over the B rows; one AdamW step (lr 1e-5).
 
-The job is written as a user's job (README, "Using the client library"): the client comes from the environment
+The job is written as a user's job (docs/client.md): the client comes from the environment
 (`TimeSliceOrchestratorClient()`: $TIMESLICE_ORCHESTRATOR, $TIMESLICE_GROUP, $TIMESLICE_JOB when set, and
 whatever else the client reads from it, such as a declared memory), and its GPU memory grows after its first
 hold as a real job's does: the first hold ("init") builds the model on the GPU and the --extra-gb tensor; AdamW's

@@ -105,7 +105,7 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
         n = gpu_count()
         if n == 0:
             raise ValueError("no NVIDIA GPU found (NVML): name the groups in a file, --config FILE "
-                             "(`groups: [{id: g, backend: freeze}]`; README, \"On one GPU machine\")")
+                             "(`groups: [{id: g, backend: freeze}]`; docs/one-box.md)")
         raw = {"groups": [{"id": f"gpu{i}", "backend": cfg.backend, "agents": [agent_target]} for i in range(n)]}
     raw.setdefault("state_file", str(state_dir / "orchestrator-state.json"))
     try:

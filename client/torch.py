@@ -17,7 +17,7 @@ frees the storages (`UntypedStorage.resize_(0)`, then `torch.cuda.empty_cache()`
 NVML shows the memory free), and on the next grant, before `acquire()` returns, brings
 them back into the same tensor objects (`resize_` then copy). Addresses are not kept:
 fine for eager training and sampling, not for captured CUDA graphs (measured choice:
-see README, "Cooperative backend"). Tensors that share a storage (tied weights, views)
+see docs/backends.md). Tensors that share a storage (tied weights, views)
 move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file

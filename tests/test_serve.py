@@ -180,7 +180,7 @@ def test_a_config_file_that_is_not_a_list_of_groups_says_so(tmp_path, text: str,
 
 
 def test_a_config_file_in_timeslice_configs_names_is_told_the_static_ones(tmp_path) -> None:
-    """The README names the residency settings as TimeSliceConfig does (`memoryHeadroom`);
+    """The docs name the residency settings as TimeSliceConfig does (`memoryHeadroom`);
     `serve --config` said only "Extra inputs are not permitted". One style per file format:
     snake_case here, and the error names the field to use."""
     (tmp_path / "groups.yaml").write_text("groups: [{id: g, backend: cooperative, memoryHeadroom: 8Gi}]")

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("groups", ["exclusive", "default"])
 async def test_two_pytorch_scripts_share_gpu0_through_serve_with_cuda_checkpoints(groups: str, tmp_path: Path) -> None:
     """`exclusive`: a group file, every hand-off moves a job out and the other in; `default`:
-    the README's `timeslice serve` with no file (one group per GPU, residency auto): two jobs
+    the README's and docs/one-box.md's `timeslice serve` with no file (one group per GPU, residency auto): two jobs
     that fit share the GPU with nothing moved."""
     gb = float(os.environ.get("TIMESLICE_SERVE_GPU_GB", "8"))
     (tmp_path / "groups.yaml").write_text("groups:\n  - {id: gpu0, backend: cuda, residency: exclusive}\n")

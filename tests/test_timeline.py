@@ -208,10 +208,11 @@ def test_without_matplotlib_the_commands_name_the_extra(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())
 
 
-def test_the_readme_pictures_exist() -> None:
-    """The README shows a committed result drawn by `timeslice plot`, next to that result."""
-    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", (ROOT / "README.md").read_text())
-    assert "bench/results/interleave-60gb-h200.png" in images
+def test_the_docs_pictures_exist() -> None:
+    """The docs show a committed result drawn by `timeslice plot`, next to that result."""
+    images = [(page.parent / path).resolve() for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+              for path in re.findall(r"!\[[^]]*\]\(([^)]+)\)", page.read_text())]
+    assert ROOT / "bench/results/interleave-60gb-h200.png" in images
     for path in images:
-        assert_png(ROOT / path)
-        assert (ROOT / path).with_suffix(".json").exists()
+        assert_png(path)
+        assert path.with_suffix(".json").exists()
