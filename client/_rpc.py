@@ -200,7 +200,8 @@ class Retry:
     """The retry policy of one logical call, shared by the sync and asyncio clients.
 
     UNAVAILABLE and CANCELLED are retried (the caller resends the same request, so the same request id)
-    with exponential backoff for `unavailable_timeout` seconds; `deadline` (monotonic
+    with exponential backoff for `unavailable_timeout` seconds (the first UNAVAILABLE of a call
+    is logged as a warning: a command retrying in silence looked hung); `deadline` (monotonic
     seconds, or None) bounds the whole call with AcquireTimeout. With `retried_ok`, a
     FAILED_PRECONDITION after a retry means an earlier attempt did succeed. With
     `retry_switches` (an Acquire), SwitchFailed is asked again until the deadline (the
@@ -244,11 +245,16 @@ class Retry:
                 raise failed from err
             return self._switch_pause(failed, remaining)
         now = time.monotonic()
+        first = self._since is None
         self._since = self._since or now
         if code not in RETRIED or socket_refused(err) or now - self._since >= self._unavailable_timeout:
             translated = translate(err, self.what)
             final = self._timed_out(translated)
             raise final from (err if final is translated else final.__cause__)
+        if first and code == grpc.StatusCode.UNAVAILABLE:  # say so once: a silent retry looked like a hang
+            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            log.warning("%s: the orchestrator is unreachable (%s): trying again for up to %g s", self.what, details,
+                        self._unavailable_timeout)
         if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)

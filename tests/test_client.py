@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import subprocess
 import sys
@@ -203,11 +204,16 @@ async def test_orchestrator_started_late_is_reached_by_retries() -> None:
         await orch.close()
 
 
-async def test_unreachable_orchestrator_raises_unavailable() -> None:
+async def test_unreachable_orchestrator_raises_unavailable_and_says_at_once_that_it_retries(caplog) -> None:
+    """`timeslice run` against an orchestrator not up yet was silent for 30 s: the first
+    UNAVAILABLE of a call is a warning (once), naming how long it tries again."""
+    caplog.set_level(logging.WARNING, "timeslice")
     client = TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g", unavailable_timeout=0.3)
     with pytest.raises(OrchestratorUnavailable):
         await asyncio.to_thread(client.acquire)
     client.close()
+    said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(said) == 1 and "trying again for up to 0.3 s" in said[0], said
 
 
 def test_settings_come_from_the_environment(monkeypatch) -> None:
