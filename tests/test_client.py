@@ -339,3 +339,29 @@ def test_a_malformed_memory_is_refused_where_it_is_set(monkeypatch) -> None:
         client.memory = -1
     assert client.memory == 8 * 2**30
     client.close()
+
+
+def test_ray_methods_run_without_holding_when_no_orchestrator_is_configured(monkeypatch, caplog) -> None:
+    """An integration with no orchestrator configured raised where it should do nothing: the
+    decorated methods run, nothing is held, one warning says so (issue 25, item 4). The
+    decorator works on any class (Ray pickles it by reference), so no Ray is needed here."""
+    import timeslice.integrations.ray as ts_ray
+
+    monkeypatch.delenv("TIMESLICE_ORCHESTRATOR", raising=False)
+    ts_ray._unconfigured.cache_clear()
+    caplog.set_level(logging.WARNING, "timeslice")
+
+    class Trainer:
+        @ts_ray.on_accelerators("trainer")
+        def step(self, x: int) -> int:
+            return x + 1
+
+        @ts_ray.on_accelerators("trainer")
+        async def astep(self, x: int) -> int:
+            return x + 2
+
+    t = Trainer()
+    assert t.step(1) == 2 and t.step(2) == 3 and asyncio.run(t.astep(1)) == 3
+    assert ts_ray.CLIENT_ATTRIBUTE not in vars(t)
+    said = [r.getMessage() for r in caplog.records if "no orchestrator configured" in r.getMessage()]
+    assert len(said) == 1, said

@@ -206,3 +206,23 @@ def raising_step(target: str, tmp_path: Path) -> None:
     finally:
         client.close()
         other.close()
+
+
+def test_with_no_orchestrator_configured_the_callback_holds_nothing_and_says_so(monkeypatch, caplog) -> None:
+    """An integration with no orchestrator configured raised (building the client) where it
+    should do nothing: `TimeSliceCallback()` from an environment without
+    `$TIMESLICE_ORCHESTRATOR` lets the trainer run as without it, with one warning (issue 25)."""
+    import logging
+
+    monkeypatch.delenv("TIMESLICE_ORCHESTRATOR", raising=False)
+    caplog.set_level(logging.WARNING, "timeslice")
+    hold = TimeSliceCallback(group_id="g")
+    args, state, control = None, transformers.TrainerState(), transformers.TrainerControl()
+    with hold:
+        for _ in range(2):
+            hold.on_step_begin(args, state, control)
+            with hold.released():
+                pass
+            hold.on_step_end(args, state, control)
+        hold.on_train_end(args, state, control)
+    assert [r.getMessage() for r in caplog.records if "no orchestrator configured" in r.getMessage()]

@@ -21,17 +21,26 @@ the actor's own process (from `$TIMESLICE_ORCHESTRATOR`, `$TIMESLICE_JOB`, or th
 keeps it on the actor instance; every decorated method of the actor then uses it. Threaded
 actors (`max_concurrency > 1`) and async actors (`async def` methods: acquire and release run
 in a worker thread) are supported; the Ray actor itself stays picklable until its first call.
+With no orchestrator configured (no `target` and no `$TIMESLICE_ORCHESTRATOR` in the actor's
+process) the decorated methods run without holding anything, and one warning says so: the
+same code runs with and without time-slicing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from timeslice._rpc import ENV_TARGET
 from timeslice.client import TimeSliceOrchestratorClient
 from timeslice.scope import AcceleratorScope
+
+log = logging.getLogger("timeslice.integrations.ray")
 
 F = TypeVar("F", bound=Callable[..., Any])
 # The attribute of the actor instance that keeps its client (one per actor, made on first use).
@@ -71,7 +80,10 @@ def on_accelerators(group_id: str | None = None, *, timeout: float | None = None
     lapsed during the call.
     """
     def decorate(method: F) -> F:
-        def scope(actor: object) -> AcceleratorScope:
+        def scope(actor: object) -> AcceleratorScope | contextlib.nullcontext[None]:
+            if target is None and not os.environ.get(ENV_TARGET):
+                _unconfigured()
+                return contextlib.nullcontext()
             return client_of(actor, target=target, job_id=job_id).on_accelerators(
                 group_id, timeout=timeout, priority=priority)
 
@@ -88,3 +100,10 @@ def on_accelerators(group_id: str | None = None, *, timeout: float | None = None
                 return method(self, *args, **kwargs)
         return run  # type: ignore[return-value]
     return decorate
+
+
+@functools.cache
+def _unconfigured() -> None:
+    """Say once per process that decorated methods run without holding."""
+    log.warning("no orchestrator configured (%s is unset and no target was given): methods decorated with "
+                "timeslice.integrations.ray.on_accelerators run without holding a group", ENV_TARGET)

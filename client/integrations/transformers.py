@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
+from timeslice._rpc import ENV_TARGET
 from timeslice.client import TimeSliceOrchestratorClient
 from timeslice.errors import LeaseLost
 from timeslice.scope import decorate
@@ -82,6 +84,9 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]
     Args:
         client: the job's `TimeSliceOrchestratorClient` (one per process; each rank of a
             distributed run passes its own, with the same job id: a job's holds are shared).
+            None: one from the environment (`$TIMESLICE_ORCHESTRATOR`, ...); when no
+            orchestrator is configured there, the callback holds nothing and says so once
+            (a warning), so that one training script runs with and without time-slicing.
         group_id: the claim set to hold; None: the client's default (`$TIMESLICE_GROUP`).
         timeout: seconds one acquire may wait for the grant (None: no bound); past it the
             step raises `AcquireTimeout` out of `trainer.train()`.
@@ -93,8 +98,13 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]
     Thread-safe: `released()` may be entered from reward threads or tasks.
     """
 
-    def __init__(self, client: TimeSliceOrchestratorClient, group_id: str | None = None, *,
+    def __init__(self, client: TimeSliceOrchestratorClient | None = None, group_id: str | None = None, *,
                  timeout: float | None = None, priority: int | None = None) -> None:
+        if client is None and os.environ.get(ENV_TARGET):
+            client = TimeSliceOrchestratorClient()
+        elif client is None:
+            log.warning("no orchestrator configured (%s is unset): TimeSliceCallback holds nothing, the trainer "
+                        "runs as without it", ENV_TARGET)
         self._client = client
         self._group = group_id
         self._timeout = timeout
@@ -106,6 +116,8 @@ class TimeSliceCallback(TrainerCallback):  # type: ignore[misc]
 
     # -- the hold ------------------------------------------------------------
     def _hold(self, until: Until | None = None) -> None:
+        if self._client is None:  # no orchestrator configured: never holding, nothing to release
+            return
         with self._lock:
             if not self._holding:
                 self._client.acquire(self._group, timeout=self._timeout, priority=self._priority)
