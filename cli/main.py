@@ -534,8 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `timeslice status | head`: the reader left; no traceback (Python docs, signal)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except (OSError, ValueError) as err:  # a bad config file, flag value or address: one line, no traceback
-        print(f"timeslice {a.command}: error: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:  # a bad config file, flag value or address: a line per problem, no traceback
+        for line in str(err).splitlines() or [""]:
+            print(f"timeslice {a.command}: error: {line}", file=sys.stderr)
         return 2
     except Exception as err:
         if type(err).__name__ != "ConfigException":  # kubernetes.config: no cluster to talk to

@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 from timeslice.controller.orchestrator import pinned_pool
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import names, signals
+from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
 from timeslice.kubelet_plugin.agent.gpu_memory import gpus
 from timeslice.kubelet_plugin.agent.host_processes import PeerProcessResolver
@@ -110,8 +112,8 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
     raw.setdefault("state_file", str(state_dir / "orchestrator-state.json"))
     try:
         config = OrchestratorConfig.model_validate(raw)
-    except ValueError as err:
-        raise ValueError(f"--config {cfg.groups_file}: {err}") from None
+    except ValidationError as err:
+        raise ValueError("\n".join(problem_lines(err, f"--config {cfg.groups_file}: "))) from None
     if not config.groups:
         raise ValueError(f"--config {cfg.groups_file}: no groups")
     return config.model_copy(update={"listen": "127.0.0.1:0"})

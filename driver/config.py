@@ -103,9 +103,20 @@ def parse(parameters: Any, where: str) -> TimeSliceConfig:
 
 
 def problems(err: ValidationError, prefix: str = "") -> str:
-    """Every bad field of `err`, `<prefix><field path>: <message>`, joined by "; "."""
-    return "; ".join(f"{prefix}{'.'.join(str(p) for p in e['loc']) or '(object)'}: {e['msg']}"
-                     for e in err.errors())
+    """Every bad field of `err` (`problem_lines`), joined by "; "."""
+    return "; ".join(problem_lines(err, prefix))
+
+
+def problem_lines(err: ValidationError, prefix: str = "") -> list[str]:
+    """One line per bad field of `err`: `<prefix><field path>: <message>`, the path as
+    `groups[0].backend`, and the value given when it is a scalar (`(got 'freez')`)."""
+    lines = []
+    for e in err.errors():
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".") or "(object)"
+        given = e.get("input")
+        got = f" (got {given!r})" if isinstance(given, str | int | float | bool) and e["type"] != "missing" else ""
+        lines.append(f"{prefix}{path}: {e['msg']}{got}")
+    return lines
 
 
 def resolve(config_entries: Iterable[Mapping[str, Any]], requests: Iterable[str]) -> dict[str, TimeSliceConfig]:

@@ -179,6 +179,20 @@ def test_a_config_file_that_is_not_a_list_of_groups_says_so(tmp_path, text: str,
         orchestrator_config(cfg, "unix:///agent.sock", tmp_path)
 
 
+def test_a_config_with_several_bad_fields_is_one_line_per_field_naming_it(tmp_path) -> None:
+    """Config errors were pydantic's text (a count, the field on one line, the message on the
+    next, a URL on a third): now one line per bad field, its path and the value given."""
+    (tmp_path / "groups.yaml").write_text("groups: [{id: g, backend: freez, lease_seconds: -1}]\n")
+    out = subprocess.run([sys.executable, "-m", "timeslice.cli.main", "serve", "--config",
+                          str(tmp_path / "groups.yaml"), "--socket", str(tmp_path / "s.sock"), "--state-dir",
+                          str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    prefix = f"timeslice serve: error: --config {tmp_path / 'groups.yaml'}: groups[0]."
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"{prefix}backend: Input should be 'cuda', 'cuda-checkpoint', 'freeze', 'cooperative', 'app' or 'none' "
+        "(got 'freez')",
+        f"{prefix}lease_seconds: Input should be greater than 0 (got -1)"], out.stderr
+
+
 def test_a_config_file_in_timeslice_configs_names_is_told_the_static_ones(tmp_path) -> None:
     """The docs name the residency settings as TimeSliceConfig does (`memoryHeadroom`);
     `serve --config` said only "Extra inputs are not permitted". One style per file format:

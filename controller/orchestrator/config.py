@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from timeslice.driver import names
 from timeslice.driver.app_engine import AppEngine
+from timeslice.driver.config import problem_lines
 from timeslice.driver.headroom import parse_headroom
 
 Backend = Literal["cuda", "cuda-checkpoint", "freeze", "cooperative", "app", "none"]
@@ -163,11 +164,14 @@ class OrchestratorConfig(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> OrchestratorConfig:
-        """Load from a YAML file; raises pydantic.ValidationError (a ValueError), ValueError
-        for malformed YAML, or OSError."""
+        """Load from a YAML file; raises ValueError (malformed YAML; invalid settings: one
+        line per bad field, `<path>: groups[0].backend: ...`), or OSError."""
         with open(path) as f:
             try:
                 data = yaml.safe_load(f)
             except yaml.YAMLError as err:
                 raise ValueError(f"{path}: not valid YAML: {err}") from None
-        return cls.model_validate(data or {})
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as err:
+            raise ValueError("\n".join(problem_lines(err, f"{path}: "))) from None
