@@ -169,6 +169,8 @@ def test_serve_without_groups_or_gpus_says_what_to_do(tmp_path) -> None:
     ("groups: []", "no groups"),
     ("groups: [{id: g, backend: cooperative, memory_headroom: lots}]", "memory headroom 'lots'"),
     ("groups: [{id: g, backend: app}]", "apps: {<job>: {engine: vllm|sglang, url: http://127.0.0.1:PORT}} (name"),
+    ("groups: [{id: g, backend: app, apps: {j: {engine: vllm, url: 'http://127.0.0.1:1', timeoutSeconds: 5}}}]",
+     "apps.j.timeoutSeconds: a group in this file names it timeout_seconds"),
 ])
 def test_a_config_file_that_is_not_a_list_of_groups_says_so(tmp_path, text: str, error: str) -> None:
     """A new user's mistakes (issue 21's trial): a list of names or one mapping read as "no
@@ -205,6 +207,10 @@ def test_a_config_file_in_timeslice_configs_names_is_told_the_static_ones(tmp_pa
                                           "resident_first_seconds: 5, lease_seconds: 3}]")
     (g,) = orchestrator_config(cfg, "unix:///agent.sock", tmp_path).groups
     assert (g.memory_headroom, g.resident_first_seconds, g.lease_seconds) == ("8Gi", 5.0, 3.0)
+    (tmp_path / "groups.yaml").write_text("groups: [{id: g, backend: app, apps: {j: {engine: vllm, url: "
+                                          "'http://127.0.0.1:1', timeout_seconds: 5}}}]")
+    (g,) = orchestrator_config(cfg, "unix:///agent.sock", tmp_path).groups
+    assert g.apps["j"].timeoutSeconds == 5.0  # the file's style for the engine's keys too
 
 
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:

@@ -104,6 +104,23 @@ class GroupSpec(BaseModel):
                                      "the camelCase names are TimeSliceConfig's, in claims)")
         return data
 
+    @field_validator("apps", mode="before")
+    @classmethod
+    def _apps_snake_case(cls, apps: object) -> object:
+        """This file's style for an engine too: `timeout_seconds` (AppEngine's `timeoutSeconds`
+        is the claims' name); the camelCase one is refused naming the one to use."""
+        if not isinstance(apps, dict):
+            return apps
+        out = {}
+        for job, app in apps.items():
+            if isinstance(app, dict):
+                if "timeoutSeconds" in app:
+                    raise ValueError(f"apps.{job}.timeoutSeconds: a group in this file names it timeout_seconds "
+                                     "(snake_case; the camelCase names are TimeSliceConfig's, in claims)")
+                app = {("timeoutSeconds" if k == "timeout_seconds" else k): v for k, v in app.items()}
+            out[job] = app
+        return out
+
     @field_validator("memory_headroom")
     @classmethod
     def _headroom(cls, v: str | int) -> str | int:
