@@ -90,3 +90,15 @@ def test_the_readme_headline_gains_are_the_committed_results() -> None:
     for row, values in rows.items():
         line = next(line for line in README.splitlines() if line.startswith(f"| {row}"))
         assert all(v in line for v in values), (line, values)
+
+
+def test_the_changelog_has_a_release_of_the_installed_version_in_keep_a_changelog_form() -> None:
+    from importlib.metadata import version
+
+    text = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[([^]]+)\](?: - (\d{4}-\d{2}-\d{2}))?$", text, re.M)
+    assert releases[0] == ("Unreleased", "") and releases[1][0] == version("timeslice-dra") and releases[1][1]
+    for block in re.split(r"^## ", text, flags=re.M)[1:]:
+        kinds = re.findall(r"^### (\w+)$", block, re.M)
+        assert len(kinds) == len(set(kinds)) and set(kinds) <= {"Added", "Changed", "Deprecated", "Removed",
+                                                                "Fixed", "Security"}, kinds
