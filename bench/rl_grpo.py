@@ -410,7 +410,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             if a.device == "cpu":  # no NVML: the agent moves only processes marked so (docs/one-box.md)
                 set_env["TIMESLICE_ACCELERATOR_PROCESS"] = "1"
             if (d := declared_memory(a, solo_runs, i)) is not None:
-                set_env["TIMESLICE_MEMORY"] = str(d[0])
+                set_env["TIMESLICE_MEMORY"] = f"{d[0]}B"  # bytes, with their unit
                 declared[name] = {"bytes": d[0], "from": d[1]}
             argv = [*job_args(a, i), "--register", "all" if backend == "cooperative" else "none"]
             tasks.append(asyncio.create_task(run_job(name, i, argv, {**env, **set_env}, logs, deadline, started)))

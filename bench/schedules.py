@@ -239,7 +239,7 @@ class Run:
                     "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
                     "train_s": j.train_s, "register_late": j.register_late}
             env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
-                   **({"TIMESLICE_MEMORY": str(j.declare)} if j.declare else {})}
+                   **({"TIMESLICE_MEMORY": f"{j.declare}B"} if j.declare else {})}
             self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
                                      workdir / f"{j.name}.log")
         self.outcome: dict[str, str] = {}  # job -> done | oom | error (exit code) | running

@@ -102,12 +102,16 @@ class Settings:
 
 
 def memory_bytes(memory: str | int | None) -> int:
-    """Bytes per GPU of a `memory=` argument (a quantity such as "57Gi", or bytes), else of
-    $TIMESLICE_MEMORY; 0 when neither is set. Raises ValueError for a malformed value."""
+    """Bytes per GPU of a `memory=` argument (a quantity such as "57Gi", or an int of bytes),
+    else of $TIMESLICE_MEMORY; 0 when neither is set. Raises ValueError for a malformed value,
+    and for a string that is a bare number other than 0 ("57" was 57 bytes, meant as GB)."""
+    what = "memory"
     if memory is None:
-        env = os.environ.get(ENV_MEMORY)
-        return parse_bytes(env, f"${ENV_MEMORY}") if env else 0
-    return parse_bytes(memory)
+        memory, what = os.environ.get(ENV_MEMORY) or 0, f"${ENV_MEMORY}"
+    if isinstance(memory, str) and memory.strip().isdigit() and int(memory) != 0:
+        raise ValueError(f"{what} {memory!r}: a bare number is ambiguous; give its unit (\"{memory.strip()}Gi\", "
+                         f"\"{memory.strip()}G\", or \"{memory.strip()}B\" for bytes)")
+    return parse_bytes(memory, what)
 
 
 def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,

@@ -330,6 +330,9 @@ async def test_a_job_declares_its_memory_from_the_environment_the_client_or_one_
 
 
 def test_a_malformed_memory_is_refused_where_it_is_set(monkeypatch) -> None:
+    monkeypatch.setenv("TIMESLICE_MEMORY", "57")  # meant as GB, read as 57 bytes before: a unit is asked for
+    with pytest.raises(ValueError, match=r"\$TIMESLICE_MEMORY '57': a bare number is ambiguous; give its unit"):
+        TimeSliceOrchestratorClient("127.0.0.1:1", "a")
     monkeypatch.setenv("TIMESLICE_MEMORY", "lots")
     with pytest.raises(ValueError, match=r"\$TIMESLICE_MEMORY 'lots': use a quantity"):
         TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g")

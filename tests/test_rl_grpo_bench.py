@@ -77,6 +77,6 @@ def test_a_job_killed_by_the_timeout_is_lost_and_the_bench_exits_1(first: Any, t
     assert [j["job"] for j in result["jobs_lost"]] == ["job-0", "job-1"]
     assert all(j["exit_code"] == -9 and j["why"].startswith("killed after") for j in result["jobs_lost"])
     assert not result["bitwise_equal"] and result["jobs_finished"] == 0
-    assert [c["env"]["TIMESLICE_MEMORY"] for c in result["commands"][1:3]] == ["2000000000"] * 2
+    assert [c["env"]["TIMESLICE_MEMORY"] for c in result["commands"][1:3]] == ["2000000000B"] * 2
     [server] = result["servers"]
     assert server["exit_code"] == 0  # the servers still stopped cleanly
