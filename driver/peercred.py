@@ -26,6 +26,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -92,11 +93,15 @@ def led_by_a_shell(scope: Scope, caller: int, proc: Path = Path("/proc")) -> boo
         return False
 
 
-def members(scope: Scope, uid: int, proc: Path = Path("/proc")) -> list[int]:
+def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
+            elsewhere: Callable[[Scope], bool] = lambda _: False) -> list[int]:
     """Live PIDs in `scope` whose real uid is `uid` (any uid when `uid` is 0), ascending,
-    never this process itself (the server)."""
-    out = []
+    never this process itself (the server). For a process group, also their descendants
+    that left it (a worker that called `setsid`, as SGLang's and several launchers' do: it
+    kept computing while another job held), unless the group a descendant moved to is
+    another job's (`elsewhere`); a process reparented away (a double fork) is not followed."""
     me = os.getpid()
+    found: dict[int, tuple[int, str]] = {}  # pid -> (parent pid, its scope key)
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
@@ -104,18 +109,37 @@ def members(scope: Scope, uid: int, proc: Path = Path("/proc")) -> list[int]:
         try:
             if uid and _uid(pid, proc) != uid:
                 continue
-            here = str(_stat_pgid(pid, proc)) if scope.kind == "process-group" else _cgroup(pid, proc)
+            if scope.kind == "process-group":
+                ppid, pgid = _stat_ppid_pgid(pid, proc)
+                found[pid] = (ppid, str(pgid))
+            else:
+                found[pid] = (0, _cgroup(pid, proc))
         except (OSError, ValueError):  # gone meanwhile, a zombie, or not ours to read
             continue
-        if here == scope.key:
-            out.append(pid)
-    return sorted(out)
+    inside = {pid for pid, (_, key) in found.items() if key == scope.key}
+    if scope.kind == "process-group":
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in found.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = list(inside)
+        while todo:
+            for child in children.get(todo.pop(), []):
+                key = found[child][1]
+                if child not in inside and (key == scope.key or not elsewhere(Scope(scope.kind, key))):
+                    inside.add(child)
+                    todo.append(child)
+    return sorted(inside)
+
+
+def _stat_ppid_pgid(pid: int, proc: Path) -> tuple[int, int]:
+    stat_line = (proc / str(pid) / "stat").read_bytes()
+    # after "pid (comm) ": state ppid pgrp ... (proc(5)); comm may hold spaces and ')'
+    fields = stat_line[stat_line.rindex(b")") + 2:].split()
+    return int(fields[1]), int(fields[2])
 
 
 def _stat_pgid(pid: int, proc: Path) -> int:
-    stat_line = (proc / str(pid) / "stat").read_bytes()
-    # after "pid (comm) ": state ppid pgrp ... (proc(5)); comm may hold spaces and ')'
-    return int(stat_line[stat_line.rindex(b")") + 2:].split()[2])
+    return _stat_ppid_pgid(pid, proc)[1]
 
 
 def _uid(pid: int, proc: Path) -> int:

@@ -37,7 +37,8 @@ JOB = textwrap.dedent("""
     worker = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\\nwhile True:\\n  sys.stdout.write(repr(time.time()) + '\\\\n')\\n"
          "  sys.stdout.flush()\\n  time.sleep(0.005)"],
-        stdout=ticks, env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+        stdout=ticks, env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"},
+        start_new_session=sys.argv[4:] == ["setsid"])  # a worker that calls setsid (SGLang's do)
     client = TimeSliceOrchestratorClient(group_id="g")
     spans = []
     for _ in range(rounds):
@@ -108,11 +109,14 @@ def env_for(sock: str, **extra: str) -> dict[str, str]:
     return {**env, "TIMESLICE_ORCHESTRATOR": f"unix://{sock}", **extra}
 
 
-async def test_two_jobs_in_their_own_process_groups_share_the_group_and_the_other_is_frozen(served,
-                                                                                          tmp_path) -> None:
+@pytest.mark.parametrize("worker", ["in-group", "setsid"])
+async def test_two_jobs_in_their_own_process_groups_share_the_group_and_the_other_is_frozen(served, tmp_path,
+                                                                                          worker: str) -> None:
+    """Each job's worker is frozen while the other job holds, also a worker that left its
+    job's process group with `setsid` (issue 23: it kept running, an escaped job)."""
     sock, _ = served
     assert os.stat(sock).st_mode & 0o777 == 0o600
-    jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
+    jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3", worker,
                                                  env=env_for(sock), start_new_session=True) for name in "ab"]
     for job in jobs:
         assert await asyncio.wait_for(job.wait(), 90) == 0
@@ -211,6 +215,26 @@ def test_a_config_file_in_timeslice_configs_names_is_told_the_static_ones(tmp_pa
                                           "'http://127.0.0.1:1', timeout_seconds: 5}}}]")
     (g,) = orchestrator_config(cfg, "unix:///agent.sock", tmp_path).groups
     assert g.apps["j"].timeoutSeconds == 5.0  # the file's style for the engine's keys too
+
+
+def test_a_process_groups_members_follow_a_setsid_child_unless_it_joined_another_jobs_group() -> None:
+    from timeslice.driver.peercred import members
+
+    parent = subprocess.Popen(["sh", "-c", "setsid sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())  # its own session and group now, still sh's child
+        group = Scope("process-group", str(parent.pid))
+        assert child in members(group, os.getuid()) and parent.pid in members(group, os.getuid())
+        assert child not in members(group, os.getuid(), elsewhere=lambda s: s.key == str(child))
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        if child:
+            subprocess.run(["pkill", "-KILL", "-s", str(child)], check=False)  # its own session
+        parent.wait()
+        parent.stdout.close()  # type: ignore[union-attr]
 
 
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:

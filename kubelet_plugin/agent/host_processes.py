@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from timeslice.driver.errors import NotFound
-from timeslice.driver.peercred import PeerJobs, members
+from timeslice.driver.peercred import PeerJobs, Scope, members
 from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, environ, marked
 
 log = logging.getLogger("timeslice.agent")
@@ -78,8 +78,11 @@ class PeerProcessResolver(_HostResolver):
         self._jobs = jobs
 
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
+        def elsewhere(scope: Scope) -> bool:  # another job's scope: its processes are that job's
+            return self._jobs.job_of(scope) not in (None, job_id)
+
         scopes = self._jobs.scopes(job_id)
-        pids = sorted({p for scope, uid in scopes for p in members(scope, uid, self._proc)})
+        pids = sorted({p for scope, uid in scopes for p in members(scope, uid, self._proc, elsewhere)})
         return pids, f"in {', '.join(str(s) for s, _ in scopes) or 'no scope yet'}"
 
 
