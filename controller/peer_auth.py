@@ -18,7 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from timeslice.driver.errors import PermissionDenied, ProcessGone, Unauthenticated
-from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, ScopeKind, UnixFront, led_by_a_shell, scope_of
+from timeslice.driver.peercred import (
+    PeerCredentials,
+    PeerJobs,
+    Scope,
+    ScopeKind,
+    UnixFront,
+    cgroup2_root,
+    led_by_a_shell,
+    scope_of,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,9 @@ class PeerCaller:
 
 
 class PeerAuthenticator:
-    """`scope`: what a job is made of, "process-group" (default) or "cgroup"."""
+    """`scope`: what a job is made of, "process-group" (default) or "cgroup". Raises OSError
+    for "cgroup" where no cgroup v2 hierarchy is mounted (a job's cgroup could be neither
+    told apart nor watched)."""
 
     def __init__(self, front: UnixFront, jobs: PeerJobs, scope: ScopeKind = "process-group") -> None:
         self._front = front
@@ -50,6 +61,9 @@ class PeerAuthenticator:
         self._scope = scope
         # a job never shares the server's own cgroup (the unnamed programs started beside it would be one job)
         self._own_cgroup = ""
+        if scope == "cgroup" and cgroup2_root() is None:
+            raise OSError("--job-scope cgroup: no cgroup v2 hierarchy is mounted here (/proc/self/mountinfo has "
+                          "no cgroup2 mount): use --job-scope process-group")
         if scope == "cgroup":
             try:
                 self._own_cgroup = scope_of(os.getpid(), "cgroup").key

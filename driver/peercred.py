@@ -149,6 +149,24 @@ def _uid(pid: int, proc: Path) -> int:
     raise ValueError(f"no Uid line for {pid}")
 
 
+def cgroup2_root(mountinfo: str | None = None) -> Path | None:
+    """Where the cgroup v2 hierarchy is mounted, from `mountinfo` (default: this process's,
+    /proc/self/mountinfo; the mount whose filesystem type is cgroup2): /sys/fs/cgroup on a v2
+    host, /sys/fs/cgroup/unified on a hybrid one (v1 controllers beside v2: Ubuntu 20.04,
+    RHEL 8), where looking under /sys/fs/cgroup found no job's cgroup alive and every job
+    had nothing to checkpoint. None: no cgroup v2 hierarchy is mounted."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    for line in mountinfo.splitlines():
+        before, _, after = line.partition(" - ")
+        if after.split()[:1] == ["cgroup2"] and len(before.split()) > 4:
+            return Path(before.split()[4].replace("\\040", " "))
+    return None
+
+
 def _cgroup(pid: int, proc: Path) -> str:
     for line in (proc / str(pid) / "cgroup").read_text().splitlines():
         if line.startswith("0::"):  # the cgroup v2 unified hierarchy
@@ -318,4 +336,5 @@ class PeerJobs:
             except PermissionError:
                 return True
             return True
-        return (Path("/sys/fs/cgroup") / scope.key.lstrip("/")).is_dir()
+        root = cgroup2_root()
+        return root is not None and (root / scope.key.lstrip("/")).is_dir()

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -225,7 +226,11 @@ def test_a_process_groups_members_follow_a_setsid_child_unless_it_joined_another
     child = 0
     try:
         assert parent.stdout is not None
-        child = int(parent.stdout.readline())  # its own session and group now, still sh's child
+        child = int(parent.stdout.readline())  # soon in its own session and group, still sh's child
+        deadline = time.monotonic() + 30
+        while os.getpgid(child) != child:  # setsid(2) runs in the child after sh printed its pid
+            assert time.monotonic() < deadline, "the child never called setsid"
+            time.sleep(0.01)
         group = Scope("process-group", str(parent.pid))
         assert child in members(group, os.getuid()) and parent.pid in members(group, os.getuid())
         assert child not in members(group, os.getuid(), elsewhere=lambda s: s.key == str(child))

@@ -286,3 +286,19 @@ async def test_a_user_the_socket_refuses_is_told_at_once_not_retried(tmp_path) -
     seconds, _, message = out.decode().partition(" ")
     assert "does not let this user in" in message, (out, err)
     assert float(seconds) < 10  # no retrying for the unavailable timeout (30 s)
+
+
+def test_the_cgroup_v2_hierarchy_is_found_where_it_is_mounted_also_on_hybrid_hosts() -> None:
+    """On hybrid hosts (v1 controllers beside v2 under /sys/fs/cgroup/unified: Ubuntu 20.04,
+    RHEL 8, this VM) the liveness of a job's cgroup was looked up under /sys/fs/cgroup: no
+    job's cgroup was alive, every job had nothing to checkpoint, jobs computed side by side."""
+    from timeslice.driver.peercred import cgroup2_root
+
+    v2 = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+    hybrid = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+              "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+              "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime shared:5 - cgroup2 cgroup2 rw\n")
+    v1_only = "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    assert cgroup2_root(v2) == Path("/sys/fs/cgroup")
+    assert cgroup2_root(hybrid) == Path("/sys/fs/cgroup/unified")
+    assert cgroup2_root(v1_only) is None
