@@ -163,6 +163,7 @@ async def serve(cfg: ServeConfig) -> None:
     `ready TIMESLICE_ORCHESTRATOR=unix://<socket> groups=<id>(<backend>),...`. Raises
     ValueError (configuration) or OSError (the socket cannot be bound)."""
     state_dir = cfg.state_dir or default_state_dir()
+    orchestrator_config(cfg, "unix:///checked-first.sock", state_dir)  # a bad file says so before anything else
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = signals.stop_event()
     with lock_state_dir(state_dir):  # first: a second serve on this state dir stops here, touching nothing

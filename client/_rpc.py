@@ -165,7 +165,8 @@ def call_metadata() -> tuple[tuple[str, str], ...] | None:
 def group_of(s: Settings, group_id: str | None) -> str:
     group = group_id or s.group_id
     if not group:
-        raise ValueError(f"no group id: pass group_id= or set {ENV_GROUP}")
+        raise ValueError(f"no group id: name one (`--group` on the command line, `group_id=` in Python) or "
+                         f"set {ENV_GROUP}")
     return group
 
 

@@ -138,6 +138,16 @@ def _stat_ppid_pgid(pid: int, proc: Path) -> tuple[int, int]:
     return int(fields[1]), int(fields[2])
 
 
+def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22): with its
+    PID, it names one process however PIDs are reused. None when it is gone or a zombie."""
+    try:
+        fields = (proc / str(pid) / "stat").read_bytes().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
 def _stat_pgid(pid: int, proc: Path) -> int:
     return _stat_ppid_pgid(pid, proc)[1]
 
@@ -286,13 +296,14 @@ class PeerJobs:
     def __init__(self) -> None:
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
+        self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
 
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
         Raises PermissionDenied: the job is another uid's (root may act for any), or the
         scope already belongs to another job."""
         other = self._job_of.get(scope)
-        if other == job:
+        if other == job and self._alive(scope):
             return
         self._forget_empty()
         owner = self._owner.get(job)
@@ -307,6 +318,7 @@ class PeerJobs:
                 "each job in its own process group (its own shell command line, or `setsid`) or its own cgroup "
                 "(`systemd-run --user --scope`)")
         self._job_of[scope] = job
+        self._born[scope] = start_time(int(scope.key)) if scope.kind == "process-group" else None
         self._owner.setdefault(job, caller.uid)
         log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
 
@@ -324,17 +336,23 @@ class PeerJobs:
     def _forget_empty(self) -> None:
         for scope in [s for s in self._job_of if not self._alive(s)]:
             job = self._job_of.pop(scope)
+            self._born.pop(scope, None)
             if job not in self._job_of.values():
                 self._owner.pop(job, None)
 
     def _alive(self, scope: Scope) -> bool:
+        """Whether `scope` still holds the processes it was bound for. A process group whose
+        number now leads a newer process (its old processes all gone, the PID reused: with
+        `--socket-mode 660` another user's group took the victim's job binding, and the
+        agent never moved the victim's processes) is not."""
         if scope.kind == "process-group":
             try:
                 os.killpg(int(scope.key), 0)
             except ProcessLookupError:
                 return False
             except PermissionError:
-                return True
-            return True
+                pass
+            born, now = self._born.get(scope), start_time(int(scope.key))
+            return born is None or now is None or now == born
         root = cgroup2_root()
         return root is not None and (root / scope.key.lstrip("/")).is_dir()

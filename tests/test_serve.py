@@ -242,6 +242,25 @@ def test_a_process_groups_members_follow_a_setsid_child_unless_it_joined_another
         parent.stdout.close()  # type: ignore[union-attr]
 
 
+def test_a_process_group_number_reused_by_another_users_process_is_bound_afresh() -> None:
+    """With `--socket-mode 660`, another user's process group bound job `pgid-N`; after it
+    ended, a victim's new group got the number N, and its calls joined that binding (still
+    the other uid's): the agent then moved only that uid's processes, never the victim's. A
+    binding remembers its group leader's start time; a leader born since is a new group.
+    (Real PID reuse cannot be forced: the recorded birth is set to an earlier one here.)"""
+    leader = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        jobs, scope, job = PeerJobs(), Scope("process-group", str(leader.pid)), f"pgid-{leader.pid}"
+        jobs.bind(job, PeerCredentials(pid=leader.pid, uid=1001, gid=1001), scope)
+        assert jobs.scopes(job) == [(scope, 1001)]
+        jobs._born[scope] -= 1  # the group it was bound for was led by an older process of that number
+        jobs.bind(job, PeerCredentials(pid=leader.pid, uid=1002, gid=1002), scope)  # the victim's call
+        assert jobs.scopes(job) == [(scope, 1002)]
+    finally:
+        leader.kill()
+        leader.wait()
+
+
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:
     jobs = PeerJobs()
     group = Scope("process-group", str(os.getpgrp()))  # a live group, so that it is not forgotten

@@ -102,7 +102,7 @@ class Orchestrator:
         try:
             return self._groups[group_id]
         except KeyError:
-            raise NotFound(f"unknown group {group_id!r}") from None
+            raise NotFound(f"unknown group {group_id!r} (`timeslice status` lists the groups)") from None
 
     def set_aliases(self, aliases: Mapping[tuple[str, str], tuple[tuple[str, str], ...]]) -> None:
         """Replace the (job, handle) -> [(group id, member job)] table (the reconciler; a

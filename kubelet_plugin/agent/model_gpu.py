@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent.gpu_info import GpuInfo
 
 ENV = "TIMESLICE_MODEL_GPU"
@@ -38,16 +39,6 @@ class ModelGpuOom(MemoryError):
         super().__init__(f"model GPU out of memory: pid {record['pid']} asked for {record['want']} bytes "
                          f"({record['what']}), {record['free']} of {record['total']} free")
         self.record = record
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks after boot), None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
 
 
 class ModelGpu:
@@ -72,7 +63,7 @@ class ModelGpu:
         with open(self.path, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             state = json.loads(f.read())
-            state["procs"] = {pid: e for pid, e in state["procs"].items() if _start_time(int(pid)) == e["start"]}
+            state["procs"] = {pid: e for pid, e in state["procs"].items() if start_time(int(pid)) == e["start"]}
             yield state
             f.seek(0)
             f.write(json.dumps(state))
@@ -83,7 +74,7 @@ class ModelGpu:
         logged) when they do not fit, ValueError for a negative size or a process that is gone."""
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
-        start = _start_time(pid)
+        start = start_time(pid)
         if start is None:
             raise ValueError(f"process {pid} is gone")
         with self._locked() as state:
