@@ -84,11 +84,14 @@ SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "fish", "tcsh", 
 
 def led_by_a_shell(scope: Scope, caller: int, proc: Path = Path("/proc")) -> bool:
     """True when `scope` is a process group whose leader is a shell other than `caller`: a
-    script, whose commands (jobs started with `&` among them) all share its group."""
+    script, whose commands (jobs started with `&` among them) all share its group. The
+    shell is known by its name or its program's: a script run as `./script.sh` (a shebang)
+    is named `script.sh`, its program is `/bin/bash` (issue 23: two jobs of it became one)."""
     if scope.kind != "process-group" or scope.key == str(caller):
         return False
     try:
-        return (proc / scope.key / "comm").read_text().strip() in SHELLS
+        argv0 = (proc / scope.key / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        return (proc / scope.key / "comm").read_text().strip() in SHELLS or os.path.basename(argv0) in SHELLS
     except OSError:  # the leader is gone
         return False
 

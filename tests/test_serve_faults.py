@@ -244,6 +244,13 @@ async def test_unnamed_jobs_started_with_an_ampersand_from_one_script_are_refuse
         apart = await script(sock, f"setsid -w python {client} & setsid -w python {client} & wait")
         out = (await asyncio.wait_for(apart.communicate(), 90))[0].decode()
         assert out.split() == ["held", "held"], out
+        # run as `./both.sh` (a shebang): its leader is named both.sh, not bash; both were one job
+        both = tmp_path / "both.sh"
+        both.write_text(f"#!/bin/bash\npython {client} & python {client} & wait\n")
+        both.chmod(0o755)
+        shebang = await script(sock, f"exec {both}")
+        out = (await asyncio.wait_for(shebang.communicate(), 90))[0].decode()
+        assert out.count("refused:") == 2 and "held" not in out, out
 
 
 async def test_a_script_killed_between_acquire_and_release_does_not_keep_the_group(tmp_path) -> None:
