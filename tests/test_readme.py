@@ -102,3 +102,26 @@ def test_the_changelog_has_a_release_of_the_installed_version_in_keep_a_changelo
         kinds = re.findall(r"^### (\w+)$", block, re.M)
         assert len(kinds) == len(set(kinds)) and set(kinds) <= {"Added", "Changed", "Deprecated", "Removed",
                                                                 "Fixed", "Security"}, kinds
+
+
+def _gains(value: object) -> list[float]:
+    """Every `gain` in a committed result (a run, or a list or mapping of runs)."""
+    if isinstance(value, dict):
+        return [g for k, v in value.items() for g in ([v] if k == "gain" and isinstance(v, int | float) else _gains(v))]
+    if isinstance(value, list):
+        return [g for v in value for g in _gains(v)]
+    return []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_each_table_rows_gain_is_one_its_result_file_holds(page: Path) -> None:
+    """A table row that names a committed result (`rl-grpo-*.json`, ...) and a gain (`1.86x`)
+    shows a gain of that file (rounded to the hundredth)."""
+    wrong = []
+    for row in page.read_text().splitlines():
+        files, gains = re.findall(r"`([\w.-]+\.json)`", row), re.findall(r"(\d+\.\d+)x\b", row)
+        if row.startswith("|") and files and gains and (ROOT / "bench" / "results" / files[0]).exists():
+            held = _gains(json.loads((ROOT / "bench" / "results" / files[0]).read_text()))
+            if not any(abs(float(gains[0]) - g) <= 0.0051 for g in held):
+                wrong.append((files[0], gains[0], held))
+    assert not wrong, wrong
