@@ -20,8 +20,8 @@ def parse_headroom(value: str | int | float) -> tuple[float, int]:
     Units are the Kubernetes quantity suffixes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti) and B.
     A bare number other than 0 is refused: `memory_headroom: 10` meant 10 bytes where its
     writer meant 10% (issue 25). Raises ValueError."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    bare = number or (isinstance(value, str) and _BARE.match(value))
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    bare = is_number or (isinstance(value, str) and _BARE.match(value))
     if bare and float(value) != 0:
         raise ValueError(f"memory headroom {value!r}: a bare number is ambiguous; give a percent of device memory "
                          f"(\"{value}%\") or a quantity with its unit (\"{value}Gi\", \"{value}B\")")
