@@ -333,8 +333,8 @@ class MemoryCommandLoop:
         process. Pinning all of it in the background, while other jobs held the GPU, slowed
         them: on the H200 two processes pinned a 101 GB pool for 32-37 s each, and the holder's
         3.5 s generate took 4.6-8.1 s meanwhile (bench/results/rl-grpo-a-serve-h200.json at
-        commit 41317fd). Pinned on demand, a job pins the parts its checkpoints land in, while
-        no job computes on its behalf: with three jobs of ~50 GB rotating through a 101 GB pool,
+        commit 41317fd). Pinned on demand, a job pins the parts its checkpoints land in, once:
+        with three jobs of ~50 GB rotating through a 101 GB pool,
         each pinned all of it over its first two checkpoints (8-9.6 s each, then 1.0-1.5 s;
         bench/results/rl-grpo-b-serve-cooperative-declared-h200.json)."""
         try:
