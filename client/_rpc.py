@@ -24,7 +24,7 @@ from timeslice.errors import (
     SwitchFailed,
     TimeSliceError,
 )
-from timeslice.quantity import parse_bytes
+from timeslice.quantity import bare_number, parse_bytes
 from timeslice.v1 import orchestrator_pb2 as pb
 
 log = logging.getLogger("timeslice.client")
@@ -108,7 +108,7 @@ def memory_bytes(memory: str | int | None) -> int:
     what = "memory"
     if memory is None:
         memory, what = os.environ.get(ENV_MEMORY) or 0, f"${ENV_MEMORY}"
-    if isinstance(memory, str) and memory.strip().isdigit() and int(memory) != 0:
+    if isinstance(memory, str) and bare_number(memory):  # an int is bytes: the Python API's type says so
         raise ValueError(f"{what} {memory!r}: a bare number is ambiguous; give its unit (\"{memory.strip()}Gi\", "
                          f"\"{memory.strip()}G\", or \"{memory.strip()}B\" for bytes)")
     return parse_bytes(memory, what)

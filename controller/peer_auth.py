@@ -61,10 +61,10 @@ class PeerAuthenticator:
         self._scope = scope
         # a job never shares the server's own cgroup (the unnamed programs started beside it would be one job)
         self._own_cgroup = ""
-        if scope == "cgroup" and cgroup2_root() is None:
-            raise OSError("--job-scope cgroup: no cgroup v2 hierarchy is mounted here (/proc/self/mountinfo has "
-                          "no cgroup2 mount): use --job-scope process-group")
         if scope == "cgroup":
+            if cgroup2_root() is None:
+                raise OSError("--job-scope cgroup: no cgroup v2 hierarchy is mounted here (/proc/self/mountinfo "
+                              "has no cgroup2 mount): use --job-scope process-group")
             try:
                 self._own_cgroup = scope_of(os.getpid(), "cgroup").key
             except ProcessGone:  # no cgroup v2 entry: every caller's lookup says so in its turn

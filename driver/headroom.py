@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 
-from timeslice.quantity import parse_bytes
+from timeslice.quantity import bare_number, parse_bytes
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
-_BARE = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
 def parse_headroom(value: str | int | float) -> tuple[float, int]:
@@ -20,9 +19,7 @@ def parse_headroom(value: str | int | float) -> tuple[float, int]:
     Units are the Kubernetes quantity suffixes (decimal k/M/G/T, binary Ki/Mi/Gi/Ti) and B.
     A bare number other than 0 is refused: `memory_headroom: 10` meant 10 bytes where its
     writer meant 10% (issue 25). Raises ValueError."""
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    bare = is_number or (isinstance(value, str) and _BARE.match(value))
-    if bare and float(value) != 0:
+    if bare_number(value):
         raise ValueError(f"memory headroom {value!r}: a bare number is ambiguous; give a percent of device memory "
                          f"(\"{value}%\") or a quantity with its unit (\"{value}Gi\", \"{value}B\")")
     if isinstance(value, str) and (m := _PERCENT.match(value)):

@@ -134,10 +134,14 @@ def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
     return sorted(inside)
 
 
+def _stat(pid: int, proc: Path) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after "pid (comm) ": state ppid pgrp ... (proc(5); comm
+    may hold spaces and ')'). Raises OSError (gone)."""
+    return (proc / str(pid) / "stat").read_bytes().rpartition(b")")[2].split()
+
+
 def _stat_ppid_pgid(pid: int, proc: Path) -> tuple[int, int]:
-    stat_line = (proc / str(pid) / "stat").read_bytes()
-    # after "pid (comm) ": state ppid pgrp ... (proc(5)); comm may hold spaces and ')'
-    fields = stat_line[stat_line.rindex(b")") + 2:].split()
+    fields = _stat(pid, proc)
     return int(fields[1]), int(fields[2])
 
 
@@ -145,7 +149,7 @@ def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22): with its
     PID, it names one process however PIDs are reused. None when it is gone or a zombie."""
     try:
-        fields = (proc / str(pid) / "stat").read_bytes().rpartition(b")")[2].split()
+        fields = _stat(pid, proc)
     except OSError:
         return None
     return None if fields[0] == b"Z" else int(fields[19])
@@ -300,6 +304,7 @@ class PeerJobs:
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
+        self._cgroup2 = cgroup2_root()  # where cgroup scopes are looked up (mounted once, read once)
 
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
@@ -357,5 +362,4 @@ class PeerJobs:
                 pass
             born, now = self._born.get(scope), start_time(int(scope.key))
             return born is None or now is None or now == born
-        root = cgroup2_root()
-        return root is not None and (root / scope.key.lstrip("/")).is_dir()
+        return self._cgroup2 is not None and (self._cgroup2 / scope.key.lstrip("/")).is_dir()
