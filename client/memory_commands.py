@@ -57,6 +57,9 @@ _FINAL = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.S
           grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)
 
 
+# How often a store that pins the pool ahead (`MemoryCommandLoop._pin_ahead`) looks whether its job
+# stopped holding the group, seconds.
+PIN_AHEAD_POLL_SECONDS = 0.05
 # While a command runs, the GIL switch interval, seconds (see `_gil_at_once`).
 COMMAND_SWITCH_INTERVAL = 1e-4
 _interval_lock = threading.Lock()
@@ -147,7 +150,9 @@ def pool_checksum(pool: mmap.mmap, ranges: Ranges, nbytes: int) -> int:
 
 
 class StateStore(Protocol):
-    """What a job registered to leave the GPU. Sizes in bytes."""
+    """What a job registered to leave the GPU. Sizes in bytes. A store may also have
+    `pin_ahead() -> bool` (register the next part of the pool with CUDA; False when all of
+    it is): the loop calls it while the job does not hold the group (`_pin_ahead`)."""
 
     def nbytes(self) -> int:
         """Bytes a checkpoint would move now."""
@@ -328,15 +333,8 @@ class MemoryCommandLoop:
         return moved
 
     def _attach(self, path: str, size: int) -> None:
-        """Map the pool and let the store checkpoint into it. Nothing is pinned here: each
-        checkpoint pins (`cudaHostRegister`) the parts of the pool it copies through, once per
-        process. Pinning all of it in the background, while other jobs held the GPU, slowed
-        them: on the H200 two processes pinned a 101 GB pool for 32-37 s each, and the holder's
-        3.5 s generate took 4.6-8.1 s meanwhile (bench/results/rl-grpo-a-serve-h200.json at
-        commit 41317fd). Pinned on demand, a job pins the parts its checkpoints land in, once:
-        with three jobs of ~50 GB rotating through a 101 GB pool,
-        each pinned all of it over its first two checkpoints (8-9.6 s each, then 1.0-1.5 s;
-        bench/results/rl-grpo-b-serve-cooperative-declared-h200.json)."""
+        """Map the pool, let the store checkpoint into it, and start pinning it ahead of need
+        (`_pin_ahead`)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -350,6 +348,32 @@ class MemoryCommandLoop:
             return
         self._pool = pool
         log.info("pinned pool mapped path=%s bytes=%d", path, size)
+        if hasattr(self.store, "pin_ahead"):
+            threading.Thread(target=self._pin_ahead, daemon=True, name=f"timeslice-pin-{self.group}").start()
+
+    def _pin_ahead(self) -> None:
+        """Let the store pin (`cudaHostRegister`) the pool chunk by chunk while this job does
+        not hold the group and no command runs, until all of it is pinned. A process's first
+        checkpoint into a part of the pool pinned that part on the switch's path: with three
+        jobs of ~50 GB rotating through a 101 GB pool on the H200, each process's first two
+        checkpoints took 8-9.6 s, the later ones 1.0-1.5 s (bench/results/
+        rl-grpo-b-serve-cooperative-declared-h200.json). Pinned between phases instead, it costs
+        the others nothing measurable: 16 GB registered beside a GPU-busy process left its
+        median iteration at 9.8 ms (bench/results/pin-probe-h200.json; the slowdown seen
+        earlier, when whole pools pinned at once, came from pool pages first touched by the
+        pinning, which the orchestrator now populates when it creates the pool). A chunk takes
+        tens of milliseconds: a job that acquires meanwhile waits for nothing."""
+        store = self.store
+        while not self._stop.is_set():
+            if self._in_hold() or self._busy.locked():
+                self._stop.wait(PIN_AHEAD_POLL_SECONDS)
+                continue
+            try:
+                if not store.pin_ahead():  # type: ignore[attr-defined]
+                    return
+            except Exception as err:  # checkpoints pin what they copy through, as before
+                log.warning("pinning the pool ahead stopped group=%s: %s", self.group, err)
+                return
 
     def ensure_restored(self) -> int:
         """Bring the state back if it is still out (the client calls this when a grant

@@ -21,9 +21,10 @@ see docs/backends.md). Tensors that share a storage (tied weights, views)
 move once.
 
 Host memory: the node's pinned pool when the orchestrator offers one (a shared file
-mapped here; a checkpoint registers the parts it copies through with `cudaHostRegister`,
-CUDA Runtime API, once per process, in chunks of `REGISTER_CHUNK_BYTES`, each copy within
-one chunk, so that the job's own threads run while tens of GB pin), else a pinned buffer of
+mapped here, registered with `cudaHostRegister`, CUDA Runtime API, once per process, in
+chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own threads
+run while tens of GB pin: ahead of need while the job does not hold the GPU (`pin_ahead`),
+and by a checkpoint for the chunks it copies through that are not pinned yet), else a pinned buffer of
 this process allocated on the first checkpoint and reused (pageable when the host cannot
 pin that much). Copies run on a side stream made at registration, each direction at the
 link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -88,6 +89,7 @@ class TorchState:
         self._in_pool = False
         self._ranges: Ranges = []  # the pool ranges the state is in
         self._pinned: set[int] = set()  # the pool's chunks registered with CUDA (`REGISTER_CHUNK_BYTES` each)
+        self._pin_lock = threading.Lock()  # guards `_pinned` and each registration (a command and `pin_ahead`)
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -129,21 +131,42 @@ class TorchState:
             return sum(s.nbytes() for s in self._storages())
 
     def use_pool(self, pool: mmap.mmap) -> None:
-        """Checkpoint into `pool` from now on; each command pins the parts it copies
-        through, once (`_places`)."""
+        """Checkpoint into `pool` from now on; a command pins the parts it copies through
+        that `pin_ahead` has not pinned yet (`_places`)."""
         with self._lock:
             self._pool = torch.frombuffer(pool, dtype=torch.uint8)
 
+    def pin_ahead(self) -> bool:
+        """Register the pool's first chunk not registered yet; False when none is left (or
+        there is no pool or no CUDA). Called by the memory-command thread while this job
+        does not hold the GPU, chunk after chunk, so that checkpoints find the pool pinned:
+        a process's first checkpoint into a part of the pool pinned it on the switch's path
+        (8-10 s instead of 1-1.5 s for 50 GB on the H200: bench/results/
+        rl-grpo-b-serve-cooperative-declared-h200.json), and registering 16 GB beside a
+        GPU-busy process did not slow it (median iteration 9.8 ms alone and meanwhile;
+        bench/results/pin-probe-h200.json). Raises RuntimeError when CUDA refuses."""
+        pool = self._pool
+        if pool is None or not torch.cuda.is_available():
+            return False
+        chunks = -(-pool.numel() // REGISTER_CHUNK_BYTES)
+        with self._pin_lock:
+            index = next((i for i in range(chunks) if i not in self._pinned), None)
+        if index is None:
+            return False
+        self._pin(index)
+        return True
+
     def _pin(self, index: int) -> None:
-        """Register chunk `index` of the pool unless it is (under `_lock`)."""
-        if index in self._pinned or self._pool is None:
-            return
-        start = index * REGISTER_CHUNK_BYTES
-        n = min(REGISTER_CHUNK_BYTES, self._pool.numel() - start)
-        err = torch.cuda.cudart().cudaHostRegister(self._pool.data_ptr() + start, n, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
-        self._pinned.add(index)
+        """Register chunk `index` of the pool unless it is."""
+        with self._pin_lock:
+            if index in self._pinned or self._pool is None:
+                return
+            start = index * REGISTER_CHUNK_BYTES
+            n = min(REGISTER_CHUNK_BYTES, self._pool.numel() - start)
+            err = torch.cuda.cudart().cudaHostRegister(self._pool.data_ptr() + start, n, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
+            self._pinned.add(index)
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         """Returns (host bytes used: storages packed at 4 KiB boundaries; in the pool)."""

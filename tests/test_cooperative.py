@@ -176,6 +176,43 @@ async def test_state_leaves_only_for_a_waiter_and_comes_back_bit_for_bit_through
         await asyncio.to_thread(b.close)
 
 
+class PinningStore(FakeStore):
+    """Has `chunks` parts of the pool to pin ahead; records, at each `pin_ahead`, whether its
+    job held the group (`holding`, set once its client exists)."""
+
+    def __init__(self, seed: str, chunks: int = 5) -> None:
+        super().__init__(seed)
+        self.left = chunks
+        self.calls: list[bool] = []
+        self.holding: Callable[[], bool] = lambda: False
+
+    def pin_ahead(self) -> bool:
+        self.calls.append(self.holding())
+        if not self.left:
+            return False
+        self.left -= 1
+        return True
+
+
+async def test_the_pool_is_pinned_ahead_only_while_the_job_does_not_hold(coop) -> None:
+    """Pinning the pool ahead of need (`timeslice.torch`) runs between the job's phases,
+    never inside them, and stops once all of it is pinned."""
+    orch, target = await coop()
+    store = PinningStore("a")
+    client = TimeSliceOrchestratorClient(target, "a", "g")
+    store.holding = lambda: client.holding("g") is not None
+    try:
+        await asyncio.to_thread(client.acquire)  # it holds before its command stream opens
+        client.serve_memory_commands(store)
+        await connected(client)  # the pool is mapped and the pinning thread started
+        assert orch.group("g").view().holder.job_id == "a" and store.calls == []
+        await asyncio.to_thread(client.release)
+        await eventually(lambda: len(store.calls) == 6, what="the five chunks pinned, then none left")
+        assert store.left == 0 and not any(store.calls)
+    finally:
+        await asyncio.to_thread(client.close)
+
+
 async def test_a_pool_too_small_falls_back_to_the_process_memory_with_a_warning(coop, caplog) -> None:
     orch, target = await coop(pool_bytes=1024)
     sa, sb = FakeStore("a"), FakeStore("b")

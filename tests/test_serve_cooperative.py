@@ -305,28 +305,38 @@ def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
-def test_a_checkpoint_pins_only_the_pool_chunks_it_copies_through_and_each_once(monkeypatch) -> None:
-    """Nothing pins the whole pool in the background: on the H200 two processes pinning a
-    101 GB pool for 32-37 s each slowed the holder's 3.5 s generate to 4.6-8.1 s. A copy
-    registers (`cudaHostRegister`) the chunks it lies in, once per process."""
+def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoint_that_copies_through(
+        monkeypatch) -> None:
+    """A process's first checkpoint into a part of the pool pinned it on the switch's path
+    (8-10 s instead of ~1 s for 50 GB on the H200): `pin_ahead` pins the pool a chunk at a
+    time (the memory-command thread calls it while the job does not hold), and a copy
+    registers (`cudaHostRegister`) the chunks it lies in that are not pinned yet; each chunk
+    once per process, never the whole pool in one call."""
     torch = pytest.importorskip("torch")
     import timeslice.torch as torch_state
 
-    registered: list[int] = []
+    registered: list[tuple[int, int]] = []
 
     class Runtime:
         def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:
-            registered.append(ptr)
+            registered.append((ptr, n))
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
     c = torch_state.REGISTER_CHUNK_BYTES
-    pool = mmap.mmap(-1, 8 * c)
+    pool = mmap.mmap(-1, 6 * c + 4096)  # 7 chunks, the last one short
     state = torch_state.TorchState()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (after the state made no copy stream)
+    assert state.pin_ahead() is False  # no pool yet
     state.use_pool(pool)
     base = state._pool.data_ptr()
     assert registered == []  # mapped, nothing pinned
     ranges = [(3 * c + 10, 2 * c)]  # chunks 3, 4 and 5
     state._places(ranges, None, 0, 2 * c)
     state._places(ranges, None, 0, 2 * c)  # again: already pinned
-    assert registered == [base + 3 * c, base + 4 * c, base + 5 * c]
+    assert registered == [(base + 3 * c, c), (base + 4 * c, c), (base + 5 * c, c)]
+    while state.pin_ahead():
+        pass
+    assert registered[3:] == [(base, c), (base + c, c), (base + 2 * c, c), (base + 6 * c, 4096)]
+    state._places([(0, 7 * c)], None, 0, 6 * c)  # all pinned: nothing more
+    assert len(registered) == 7
