@@ -765,6 +765,30 @@ def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
         loop.close()
 
 
+@pytest.mark.parametrize("declared_gb, first", [(30, "c"), (100, "b"), (None, "b")])
+def test_a_newcomer_whose_grant_moves_nothing_is_not_passed_by_resident_waiters(declared_gb, first) -> None:
+    """The newcomer c waits first; the resident b waits behind it. c declared 30 GB, which
+    fit beside a and b (60 GB on a 150 GB GPU, 10% headroom): it goes first (on the H200 the
+    last of four fitting jobs was passed for 30 s and then 21 s, and finished 25 s after the
+    others). Declared 100 GB (a would leave) or nothing (granted alone): b passes it."""
+    g = LockGroup(GroupSpec(id="g", backend="cooperative", agents=("agent-0",), resident_first_seconds=30),
+                  FakeGpu(), clock=lambda: 0.0)
+    for job in "ab":
+        g.residency.held(job)
+        g.residency.declared[job] = 30 * GB
+    if declared_gb is not None:
+        g.residency.declared["c"] = declared_gb * GB
+    g.residency.snapshot = MemorySnapshot(devices={"agent-0/gpu0": DeviceMemory(total=150 * GB, free=90 * GB)},
+                                          device_bytes={"a": {"agent-0/gpu0": 30 * GB}, "b": {"agent-0/gpu0": 30 * GB}})
+    loop = asyncio.new_event_loop()
+    try:
+        head = g.queue.push("c-1", "c", 0, 0.0, loop.create_future())
+        g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
+        assert next_job(g, head) == first
+    finally:
+        loop.close()
+
+
 async def test_a_slow_move_waits_while_the_resident_is_between_phases() -> None:
     """One job after the other on purpose: b's switches were measured at 2 GB/s, so a's
     grant (60 GB in, b's 60 GB out: 60 s) waits while b, granted within those 60 s, is

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.controller.orchestrator.move_cost import move_seconds, pass_remaining, switch_speed
+from timeslice.controller.orchestrator.move_cost import move_seconds, moves_nothing, pass_remaining, switch_speed
 from timeslice.controller.orchestrator.residency import (
     MemorySnapshot,
     NoHostRoom,
@@ -653,7 +653,8 @@ class MemoryMoves:
 
 
 def next_job(g: LockGroup, head: Waiter) -> str:
-    """The job to grant next: the head waiter's, unless its grant would move memory and a
+    """The job to grant next: the head waiter's, unless its grant would move memory (it is
+    not resident, or not roomy, and `moves_nothing` cannot show otherwise) and a
     waiter of its priority is resident and fits (residency `auto`): that one goes first,
     while resident waiters may pass it (`pass_remaining`). Jobs that alternate on
     a GPU that holds only some of them then make one switch per run of phases instead of
@@ -662,7 +663,7 @@ def next_job(g: LockGroup, head: Waiter) -> str:
     r = g.residency
     if not g.moves.memory_aware or g.moves.must_leave("") or pass_remaining(g, head) <= 0:
         return head.job_id  # (a preempted or dropped holder leaves first anyway)
-    if head.job_id in r.residents and roomy(g, head.job_id):
+    if (head.job_id in r.residents and roomy(g, head.job_id)) or moves_nothing(g, head.job_id):
         return head.job_id
     for w in g.queue:
         if w.priority == head.priority and w.job_id in r.residents and roomy(g, w.job_id):
