@@ -67,6 +67,7 @@ def _plot(a: argparse.Namespace) -> int:
 
 
 def _orchestrator(a: argparse.Namespace) -> int:
+    from timeslice.cli.serve import private_pool
     from timeslice.controller.orchestrator.config import OrchestratorConfig
     from timeslice.controller.orchestrator.server import serve
     from timeslice.driver import logs
@@ -79,7 +80,11 @@ def _orchestrator(a: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"metrics_listen": a.metrics_listen})
     if a.state_file:
         cfg = cfg.model_copy(update={"state_file": Path(a.state_file)})
-    asyncio.run(serve(cfg))
+    # cooperative groups get the node's pool as under `timeslice serve`: without one, each job's
+    # checkpoint went to host memory of its own, and on the H200 host two jobs of 47 GB each
+    # were killed with their states (bench/results/rl-grpo-b-agent-cooperative-nopool-h200.json)
+    with private_pool(cfg, None if a.pinned_pool_gb is None else int(a.pinned_pool_gb * 1e9)) as cfg:
+        asyncio.run(serve(cfg))
     return 0
 
 
@@ -314,6 +319,12 @@ def parser() -> argparse.ArgumentParser:
                    help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
                         "a restart never repeats an epoch nor grants beside a job that may still compute "
                         "(overrides the config's state_file; default off)")
+    o.add_argument("--pinned-pool-gb", type=_at_least(0, float), metavar="GB",
+                   help="size of the pinned host pool that cooperative groups checkpoint into, as for `serve` (GB, "
+                        "1e9 bytes; 0: none, each job keeps its own host copy). Made at start in a private "
+                        "directory under /dev/shm and removed on stop, unless the config names its pinned_pool; "
+                        "only with a cooperative group. Default: this machine's GPUs' total memory, at most three "
+                        "quarters of the host's memory and the free space of /dev/shm")
     o.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     o.set_defaults(fn=_orchestrator)
 

@@ -221,6 +221,45 @@ async def test_node_agent_and_orchestrator_serve_jobs_without_kubernetes(no_kube
     check_hand_offs(tmp_path, "ab")
 
 
+@pytest.mark.timeout(180)
+async def test_node_agent_and_orchestrator_give_a_cooperative_group_the_default_pool(no_kubernetes, tmp_path,
+                                                                                      short_tmp) -> None:
+    """`timeslice orchestrator --config` with a cooperative group and no `pinned_pool` makes
+    the node's pool as `timeslice serve` does (a private folder under /dev/shm, the default
+    size, removed on stop): without it each job checkpointed into host memory of its own,
+    and on the H200 host two jobs of 47 GB were killed with their states."""
+    agent_sock = f"unix://{short_tmp / 'agent.sock'}"
+    agent, _ = await start("node-agent", "--listen", agent_sock, "--backends", "none", "--state-dir",
+                           str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen="), stream="stdout")
+    before = _pool_dirs()
+    config = {"listen": "127.0.0.1:0",
+              "groups": [{"id": "g", "backend": "cooperative", "agents": [agent_sock], "residency": "exclusive"}]}
+    (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
+    try:
+        orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
+                              ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+        try:
+            made = _pool_dirs() - before
+            assert len(made) == 1, made
+            pool = Path("/dev/shm") / made.pop() / "pool"
+            assert stat.S_IMODE(os.stat(pool.parent).st_mode) == 0o700 and os.stat(pool).st_size == default_size(0)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+            env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
+            jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", COOP_JOB, name, str(tmp_path), "3",
+                                                         str(STATE_BYTES), env={**env, "TIMESLICE_JOB": name}, cwd=ROOT)
+                    for name in "ab"]
+            for job in jobs:
+                assert await asyncio.wait_for(job.wait(), 120) == 0
+        finally:
+            await stop(orch)
+    finally:
+        await stop(agent)
+    assert orch.returncode == 0 and not pool.parent.exists()
+    results = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab"}
+    for r in results.values():  # each job's state left and came back through the pool
+        assert "restore" in r["commands"] and 0 < r["pooled"] == r["commands"].count("checkpoint"), results
+
+
 def test_the_default_pool_is_the_gpus_memory_within_three_quarters_of_the_host_and_the_free_space(tmp_path) -> None:
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 3 // 4
     free = shutil.disk_usage(tmp_path).free
