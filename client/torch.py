@@ -24,10 +24,10 @@ Host memory: the node's pinned pool when the orchestrator offers one (a shared f
 mapped here, registered with `cudaHostRegister`, CUDA Runtime API, once per process, in
 chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own threads
 run while tens of GB pin: ahead of need while the job does not hold the GPU (`pin_ahead`),
-and by a checkpoint for the chunks it copies through that are not pinned yet), else a pinned buffer of
-this process allocated on the first checkpoint and reused (pageable when the host cannot
-pin that much). Copies run on a side stream made at registration, each direction at the
-link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
+and by a checkpoint for the chunks it copies through that are not pinned yet), else a
+pageable buffer of this process of the state's size, allocated on the first checkpoint and
+reused (`_own_buffer`). Copies run on a side stream made at registration, through the pool
+at the link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
 bench/results/rl-grpo-b-h200-failed.log).
 """
 
@@ -242,20 +242,21 @@ class TorchState:
         return [(self._pool[off:off + k], src, k) for off, src, k in places]  # type: ignore[index]
 
     def _own_buffer(self, total: int) -> torch.Tensor:
-        """This process's host buffer (reused): pinned, else pageable when pinning fails (host
-        memory is short). Raises MemoryError when neither can be had."""
+        """This process's host buffer (reused), when the node has no pool or it is full:
+        pageable, of exactly `total` bytes (copies at ~12 GB/s out, ~6 GB/s in on the H200:
+        reference/checkpoint-h200.md). Not PyTorch's pinned memory: its host allocator rounds
+        a request up to a power of two (47 GB took 68.7 GB), and on the H200 host (128 GiB)
+        two jobs of 47 GB that checkpointed into such buffers were killed with their states
+        (bench/results/rl-grpo-b-agent-cooperative-nopool-h200.json). Raises MemoryError when
+        the host has not that much."""
         if self._own is not None and self._own.numel() >= total:
             return self._own
         self._own = None
-        try:  # with a pool, the pool is the node's bound on pinned memory: beyond it, pageable
-            self._own = torch.empty(total, dtype=torch.uint8, pin_memory=self._pool is None)
+        try:
+            self._own = torch.empty(total, dtype=torch.uint8)
         except RuntimeError as err:
-            log.warning("no pinned host memory for %d bytes (%s): using pageable memory, slower", total, err)
-            try:
-                self._own = torch.empty(total, dtype=torch.uint8)
-            except RuntimeError as err2:
-                raise MemoryError(f"no host memory for a {total}-byte checkpoint of this process's GPU state: "
-                                  f"{err2}") from err2
+            raise MemoryError(f"no host memory for a {total}-byte checkpoint of this process's GPU state: "
+                              f"{err}") from err
         return self._own
 
 

@@ -379,3 +379,16 @@ def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoi
     assert registered[3:] == [(base, c), (base + c, c), (base + 2 * c, c), (base + 6 * c, 4096)]
     state._places([(0, 7 * c)], None, 0, 6 * c)  # all pinned: nothing more
     assert len(registered) == 7
+
+
+def test_a_state_the_pool_cannot_take_goes_to_a_pageable_buffer_of_exactly_its_size() -> None:
+    """PyTorch's pinned host allocator rounds a request up to a power of two (47 GB took
+    68.7 GB): two such buffers got jobs killed on a 128 GiB host. The fallback buffer is
+    pageable and exactly the state's size, reused while large enough."""
+    pytest.importorskip("torch")
+    from timeslice.torch import TorchState
+
+    state = TorchState()
+    buf = state._own_buffer(3 * 2**20 + 5)
+    assert buf.numel() == buf.untyped_storage().nbytes() == 3 * 2**20 + 5 and not buf.is_pinned()
+    assert state._own_buffer(2**20) is buf and state._own_buffer(4 * 2**20).numel() == 4 * 2**20
