@@ -200,11 +200,14 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
                                                       cfg.pinned_pool_bytes))
             # cooperative jobs move their own state: their agent only reports memory
             backends = sorted({g.backend for g in config.groups} - {names.BACKEND_COOPERATIVE} | {names.BACKEND_NONE})
-            jobs = PeerJobs()
+            jobs = PeerJobs(state_dir / "jobs.json")
             agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
             agent_server, _ = await create_agent_server(agent, agent_target)
             try:
-                async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
+                async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (orchestrator, port):
+                    for g in orchestrator.groups():  # a holder that exited while no server ran: hand on now
+                        if g.holder is not None and jobs.gone(g.holder.job_id):
+                            g.adopted_holder_gone(g.holder.job_id)
                     front.splice_to(port)
                     groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
                     pool = config.pinned_pool

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from timeslice.driver.atomic import write_atomic
 from timeslice.driver.errors import PermissionDenied, ProcessGone
 from timeslice.driver.private_paths import private_dir
 
@@ -298,13 +300,53 @@ class PeerJobs:
     """Which scopes (process groups or cgroups) make up each job in one-box mode, and whose
     job it is: the one owner of these facts. The orchestrator's peer authenticator binds a
     caller's scope to the job it acts for; the node agent's resolver reads them.
-    Bounded: scopes whose processes are all gone are forgotten at the next bind."""
+    Bounded: scopes whose processes are all gone are forgotten at the next bind. With a
+    `path` (`timeslice serve`'s state dir) the bindings are written there at each bind and
+    read back at start, so that a restarted server knows which processes an adopted holder
+    was (`gone`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
         self._cgroup2 = cgroup2_root()  # where cgroup scopes are looked up (mounted once, read once)
+        self._path = path
+        if path is not None:
+            self._load(path)
+
+    def _load(self, path: Path) -> None:
+        """The bindings an earlier server wrote to `path`; none when it is missing or unreadable
+        (logged): then an adopted holder waits for its lease as before."""
+        try:
+            data = json.loads(path.read_text())
+            for entry in data["bindings"]:
+                scope = Scope(entry["kind"], str(entry["key"]))
+                self._job_of[scope] = str(entry["job"])
+                self._born[scope] = entry["born"]
+                self._owner.setdefault(str(entry["job"]), int(entry["uid"]))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("job bindings %s unreadable, starting without them: %s", path, err)
+            self._job_of.clear()
+            self._born.clear()
+            self._owner.clear()
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        data = {"bindings": [{"job": job, "kind": scope.kind, "key": scope.key, "born": self._born.get(scope),
+                              "uid": self._owner.get(job, 0)} for scope, job in self._job_of.items()]}
+        try:
+            write_atomic(self._path, json.dumps(data).encode())
+        except OSError as err:  # a restart then waits a lease for a holder that is gone, nothing worse
+            log.warning("job bindings not written to %s: %s", self._path, err)
+
+    def gone(self, job: str) -> bool:
+        """Whether `job` had processes bound and none of them is alive now (a restarted
+        server's adopted holder that exited: nothing of it can compute)."""
+        scopes = [s for s, j in self._job_of.items() if j == job]
+        return bool(scopes) and not any(self._alive(s) for s in scopes)
 
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
@@ -328,6 +370,7 @@ class PeerJobs:
         self._job_of[scope] = job
         self._born[scope] = start_time(int(scope.key)) if scope.kind == "process-group" else None
         self._owner.setdefault(job, caller.uid)
+        self._save()
         log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
 
     def job_of(self, scope: Scope) -> str | None:

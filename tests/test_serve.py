@@ -261,6 +261,30 @@ def test_a_process_group_number_reused_by_another_users_process_is_bound_afresh(
         leader.wait()
 
 
+def test_job_bindings_kept_in_the_state_dir_say_after_a_restart_which_jobs_are_gone(tmp_path, caplog) -> None:
+    """`timeslice serve` keeps its bindings in its state dir: a restarted server knows that an
+    adopted holder's processes are gone (its group ended, or its number now leads a newer
+    process) and that a live one is not; a job it never bound is not called gone. An
+    unreadable file is logged and ignored."""
+    leader = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()
+    try:
+        path = tmp_path / "jobs.json"
+        jobs = PeerJobs(path)
+        for p in (leader, ended):
+            jobs.bind(f"pgid-{p.pid}", PeerCredentials(pid=p.pid, uid=os.getuid(), gid=os.getgid()),
+                      Scope("process-group", str(p.pid)))
+        again = PeerJobs(path)
+        assert again.gone(f"pgid-{ended.pid}") and not again.gone(f"pgid-{leader.pid}") and not again.gone("other")
+        assert again.scopes(f"pgid-{leader.pid}") == [(Scope("process-group", str(leader.pid)), os.getuid())]
+        path.write_text("{not json")
+        assert not PeerJobs(path).gone(f"pgid-{ended.pid}") and "job bindings" in caplog.text
+    finally:
+        leader.kill()
+        leader.wait()
+
+
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:
     jobs = PeerJobs()
     group = Scope("process-group", str(os.getpgrp()))  # a live group, so that it is not forgotten

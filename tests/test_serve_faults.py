@@ -123,6 +123,36 @@ async def test_a_restarted_serve_thaws_the_job_a_killed_serve_left_frozen(tmp_pa
                 await p.wait()
 
 
+async def test_a_restarted_serve_hands_the_group_on_at_once_when_its_last_holder_is_gone(tmp_path) -> None:
+    """A holds when serve is killed, then A exits too. The restarted serve adopts A as the
+    presumptive holder (it may still compute) but knows A's process group from the bindings
+    in its state dir: it is gone, so the next job is granted at once, not after A's lease
+    (300 s here; issue 23: a full lease)."""
+    async with serve_process(tmp_path, lease_seconds=300) as (sock, _, serve):
+        a, b = await b_frozen_behind_a(sock)
+        serve.kill()
+        await serve.wait()
+    try:
+        os.killpg(a.pid, signal.SIGKILL)
+        await a.wait()
+        async with serve_process(tmp_path, lease_seconds=300, name="serve-again") as (sock, _, _):
+            c = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
+                                                     env=env_for(sock), start_new_session=True)
+            await line(c, "held")
+            await line(c, "done")
+            assert await asyncio.wait_for(c.wait(), 60) == 0
+            await line(b, "done")  # B was thawed and ended by itself
+            assert await asyncio.wait_for(b.wait(), 60) == 0
+        log = (tmp_path / "serve-again.log").read_text()
+        assert f"job=pgid-{a.pid}" in log and "its processes are gone (found at restart)" in log, log[-3000:]
+        assert "lease expired" not in log
+    finally:
+        for p in (a, b):
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
 async def test_a_second_serve_on_the_socket_is_refused_and_leaves_the_first_serving(tmp_path) -> None:
     async with serve_process(tmp_path) as (sock, _, _):
         second = await asyncio.create_subprocess_exec(

@@ -41,6 +41,7 @@ from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.callers import Callers
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group_model import (
+    ADOPTED,
     Counters,
     GrantInfo,
     GroupEvent,
@@ -239,6 +240,17 @@ class LockGroup:
         self.failed_jobs.pop(job_id, None)
         self.dispatch()
         self.idle.refresh_memory()
+
+    def adopted_holder_gone(self, job_id: str) -> bool:
+        """The adopted (presumptive) holder `job_id` has no process left (`timeslice serve`
+        knows from the bindings it keeps in its state dir): dropped now (`drop_job`), rather
+        than the next job waiting out its lease. Returns whether it was dropped: not when
+        `job_id` is not the adopted holder (its client showed its lease since)."""
+        h = self.holder
+        if h is None or h.job_id != job_id or h.lease_id != ADOPTED:
+            return False
+        self.drop_job(job_id, "its processes are gone (found at restart)")
+        return True
 
     def leave(self, job_id: str) -> str:
         """A process of `job_id` is done with the group (`Leave`). A job that neither holds
