@@ -124,6 +124,16 @@ def _octal_mode(text: str) -> int:
     return mode
 
 
+def _pinned_pool_gb(parser: argparse.ArgumentParser, unless: str = "") -> None:
+    """`--pinned-pool-gb` of `serve` and `orchestrator` (`cli.serve.private_pool`)."""
+    parser.add_argument("--pinned-pool-gb", type=_at_least(0, float), metavar="GB",
+                        help="size of the pinned host pool that cooperative groups checkpoint into (GB, 1e9 bytes; "
+                             "0: none, each job keeps its own host copy, slower). Made at start in a private "
+                             f"directory (mode 0700) under /dev/shm and removed on stop{unless}; only with a "
+                             "cooperative group. Default: the GPUs' total memory, at most three quarters of the "
+                             "host's memory and the free space of /dev/shm (1 GB without a GPU)")
+
+
 def _at_least(low: float, kind: type) -> Any:
     """An argparse type: `kind(text)`, at least `low`."""
     def parse(text: str) -> Any:
@@ -319,12 +329,7 @@ def parser() -> argparse.ArgumentParser:
                    help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
                         "a restart never repeats an epoch nor grants beside a job that may still compute "
                         "(overrides the config's state_file; default off)")
-    o.add_argument("--pinned-pool-gb", type=_at_least(0, float), metavar="GB",
-                   help="size of the pinned host pool that cooperative groups checkpoint into, as for `serve` (GB, "
-                        "1e9 bytes; 0: none, each job keeps its own host copy). Made at start in a private "
-                        "directory under /dev/shm and removed on stop, unless the config names its pinned_pool; "
-                        "only with a cooperative group. Default: this machine's GPUs' total memory, at most three "
-                        "quarters of the host's memory and the free space of /dev/shm")
+    _pinned_pool_gb(o, " (unless the config names its pinned_pool)")
     o.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     o.set_defaults(fn=_orchestrator)
 
@@ -351,12 +356,7 @@ def parser() -> argparse.ArgumentParser:
                    help="a job's processes: the caller's process group (default) or its cgroup")
     v.add_argument("--state-dir", help="agent records and epoch floors, kept across restarts (default "
                                        "/var/lib/timeslice as root, else $XDG_STATE_HOME/timeslice)")
-    v.add_argument("--pinned-pool-gb", type=_at_least(0, float), metavar="GB",
-                   help="size of the pinned host pool that cooperative groups checkpoint into (GB, 1e9 bytes; 0: "
-                        "none, each job keeps its own host copy, slower). Made at start in a private directory "
-                        "(mode 0700) under /dev/shm and removed on stop; only with a cooperative group. Default: "
-                        "the GPUs' total memory, at most three quarters of the host's memory and the free space of "
-                        "/dev/shm (1 GB without a GPU)")
+    _pinned_pool_gb(v)
     v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     v.set_defaults(fn=_serve)
 
