@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,30 +27,9 @@ from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 # A job: a worker (marked, so the agent moves it) that appends a timestamp to a file every
-# 5 ms, and the job's client (this script) that holds the group `rounds` times around a
-# short phase, recording each hold's span. Neither names a job nor a PID.
-JOB = textwrap.dedent("""
-    import json, os, subprocess, sys, time
-    from timeslice import TimeSliceOrchestratorClient
-    name, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    ticks = open(f"{out}/{name}.ticks", "w")
-    worker = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\\nwhile True:\\n  sys.stdout.write(repr(time.time()) + '\\\\n')\\n"
-         "  sys.stdout.flush()\\n  time.sleep(0.005)"],
-        stdout=ticks, env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"},
-        start_new_session=sys.argv[4:] == ["setsid"])  # a worker that calls setsid (SGLang's do)
-    client = TimeSliceOrchestratorClient(group_id="g")
-    spans = []
-    for _ in range(rounds):
-        with client.on_accelerators():
-            t0 = time.time()
-            time.sleep(0.3)
-            spans.append([name, t0, time.time()])
-        time.sleep(0.05)
-    client.close()
-    worker.kill()
-    open(f"{out}/{name}.spans", "w").write(json.dumps(spans))
-""")
+# 5 ms, and the job's client that holds the group `rounds` times around a short phase,
+# recording each hold's span: the one-box CPU example. Neither names a job nor a PID.
+JOB = (Path(__file__).resolve().parent.parent / "examples" / "cpu_job.py").read_text()
 
 
 def check_hand_offs(out: Path, jobs: str) -> None:
