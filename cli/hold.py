@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 
 from timeslice.cli.run import EX_SOFTWARE, EX_TEMPFAIL, EX_UNAVAILABLE
+from timeslice.cli.run import release as release_hold
 from timeslice.driver.private_paths import private_dir
 
 # Seconds `release` waits for the holder to release and end.
@@ -180,6 +181,9 @@ def release(path: Path) -> int:
     if state.get("state") == "lost":
         print("timeslice release: the hold was lost before release (its lease lapsed)", file=sys.stderr)
         return EX_SOFTWARE
+    if state.get("state") == "unreachable":
+        print(f"timeslice release: the orchestrator could not be reached to release {state.get('group')}; the hold "
+              "ends when its lease lapses", file=sys.stderr)
     return 0
 
 
@@ -196,7 +200,7 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
     `owner`, the process that ran `acquire`, a script, ends: a script that was killed
     cannot release), release."""
     from timeslice import TimeSliceOrchestratorClient
-    from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
+    from timeslice.errors import AcquireTimeout, TimeSliceError
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # until granted, a signal ends it (and its waiter with it)
@@ -226,17 +230,13 @@ def _hold(path: Path, target: str, job: str, group: str, timeout: str, priority:
             print("granted", flush=True)
         except BrokenPipeError:  # `acquire` is gone (interrupted): nobody will release, release now
             path.unlink(missing_ok=True)
-            client.release(grant.group_id)
+            release_hold(client, grant.group_id, "timeslice acquire")
             return 0
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # `acquire` has read its line and gone
         owner_ended = threading.Event()
         threading.Thread(target=_when_ended, args=(int(owner), stop, owner_ended), daemon=True).start()
         stop.wait()
-        try:
-            client.release(grant.group_id)
-            state["state"] = "released"
-        except LeaseLost:
-            state["state"] = "lost"
+        state["state"] = release_hold(client, grant.group_id, "timeslice release")  # released, lost, unreachable
         if owner_ended.is_set():  # nobody is left to `release`: no hold file either
             path.unlink(missing_ok=True)
             path.with_suffix(".log").unlink(missing_ok=True)

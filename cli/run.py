@@ -10,6 +10,8 @@ it ends, and exits with CMD's status. Exit codes besides CMD's own (sysexits.h):
                         for good (its state is lost: JobFailed; the message says which)
     70  EX_SOFTWARE     CMD succeeded but the hold was lost while it ran (its lease lapsed):
                         another job may have computed beside it
+A release that cannot reach the orchestrator (it was stopped meanwhile) is said in one line,
+and CMD's status stands: the hold ends when its lease lapses.
     2                   usage: no CMD, no orchestrator address or job id
 """
 
@@ -21,6 +23,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 EX_TEMPFAIL, EX_UNAVAILABLE, EX_SOFTWARE = 75, 69, 70
 
@@ -30,7 +33,7 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
     """Returns the exit status for the `timeslice run` process (see the module docstring).
     Raises ValueError for a missing address or job id."""
     from timeslice import TimeSliceOrchestratorClient
-    from timeslice.errors import AcquireTimeout, LeaseLost, TimeSliceError
+    from timeslice.errors import AcquireTimeout, TimeSliceError
 
     if shutil.which(cmd[0]) is None:  # before the grant: a command that cannot start holds nothing
         print(f"timeslice run: cannot start {cmd[0]}: not an executable file (nor found in PATH)", file=sys.stderr)
@@ -51,21 +54,38 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
             child = subprocess.Popen(list(cmd))
         except OSError as err:
             print(f"timeslice run: cannot start {cmd[0]}: {err}", file=sys.stderr)
-            client.release(grant.group_id)
+            release(client, grant.group_id, "timeslice run")
             return 127
         forward = _forward_signals(child)
         try:
             status = child.wait()
         finally:
             forward()
-        try:
-            client.release(grant.group_id)
-        except LeaseLost as err:  # the lock lapsed under CMD: say so, and fail a run that "succeeded"
-            print(f"timeslice run: {err}: the hold was lost while the command ran", file=sys.stderr)
+        if release(client, grant.group_id, "timeslice run") == "lost":  # another job may have computed beside it
             return status if status > 0 else EX_SOFTWARE
         return status if status >= 0 else 128 - status  # killed by a signal: as a shell reports it
     finally:
         client.close()
+
+
+def release(client: Any, group: str, who: str) -> str:
+    """Release `group` for `client` (a `TimeSliceOrchestratorClient`): "released"; "lost"
+    (`LeaseLost`: the lease had lapsed, said on stderr); or "unreachable" (the orchestrator
+    did not answer within the client's retries, e.g. `timeslice serve` was stopped: said on
+    stderr in one line; the hold ends when its lease lapses). Never raises a TimeSliceError:
+    a finished command's work is not failed for a release nobody can take."""
+    from timeslice.errors import LeaseLost, TimeSliceError
+
+    try:
+        client.release(group)
+    except LeaseLost as err:
+        print(f"{who}: {err}: the hold was lost while the command ran", file=sys.stderr)
+        return "lost"
+    except TimeSliceError as err:
+        print(f"{who}: the release of {group} did not reach the orchestrator ({err}); the hold ends when its "
+              "lease lapses", file=sys.stderr)
+        return "unreachable"
+    return "released"
 
 
 def _forward_signals(child: subprocess.Popen[bytes]) -> Callable[[], None]:

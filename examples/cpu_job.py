@@ -5,7 +5,8 @@ that a node agent without NVML moves it (the `freeze` backend stops it while ano
 the group, and continues it before this job's next grant). This script is the job's client: it
 holds the group `ROUNDS` times around a short phase. The worker appends a timestamp to
 `OUT/NAME.ticks` every 5 ms; each hold's span goes to `OUT/NAME.spans` (JSON), so that you
-can see that no worker ticked while the other job held. Run two, each in its own process
+can see that, once its job has held, no worker ticked while the other job held (a job is
+moved only after its first hold). Run two, each in its own process
 group, against a `timeslice serve --config` with a `freeze` group `g` (README, "without a GPU"):
 
     setsid python examples/cpu_job.py a /tmp/out 3 & setsid python examples/cpu_job.py b /tmp/out 3
@@ -23,6 +24,7 @@ import time
 from timeslice import TimeSliceOrchestratorClient
 
 name, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.makedirs(out, exist_ok=True)
 WORKER = "import sys, time\nwhile True:\n    print(repr(time.time()), flush=True)\n    time.sleep(0.005)\n"
 with open(f"{out}/{name}.ticks", "w") as ticks:
     worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=ticks,

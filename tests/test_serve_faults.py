@@ -153,6 +153,41 @@ async def test_a_restarted_serve_hands_the_group_on_at_once_when_its_last_holder
                 await p.wait()
 
 
+@pytest.mark.slow  # each release retries for the client's 30 s before it says so
+async def test_a_release_after_serve_stopped_says_so_in_a_line_and_the_commands_work_stands(tmp_path) -> None:
+    """A new user's trial: `timeslice run` whose command ended after `serve` was stopped exited
+    1 with a traceback (OrchestratorUnavailable at its release) although the command
+    succeeded; `timeslice release` of a hold likewise. Now one line each, the command's
+    status (0), and the hold ends with its lease."""
+    started, done = tmp_path / "started", tmp_path / "done"
+    wait_cmd = (f"import pathlib, time; pathlib.Path({str(started)!r}).touch()\n"
+                f"while not pathlib.Path({str(done)!r}).exists(): time.sleep(0.02)")
+    hold = str(tmp_path / "hold.json")
+    async with serve_process(tmp_path) as (sock, _, serve):
+        run = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "run", "--group", "g", "--", sys.executable, "-c", wait_cmd,
+            env=env_for(sock), stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        await eventually(started.exists, 60, what="the command running under its hold")
+        serve.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(serve.wait(), 30) == 0
+        done.touch()
+        _, err = await asyncio.wait_for(run.communicate(), 60)
+        assert run.returncode == 0 and b"did not reach the orchestrator" in err and b"Traceback" not in err, err
+    async with serve_process(tmp_path, name="serve-again") as (sock, _, serve):
+        acquire = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "acquire", "--group", "g", "--hold-file", hold,
+            env=env_for(sock), stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(acquire.communicate(), 60)
+        assert acquire.returncode == 0, err
+        serve.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(serve.wait(), 30) == 0
+    release = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "release", "--group", "g", "--hold-file", hold,
+        env=env_for(sock), stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(release.communicate(), 60)
+    assert release.returncode == 0 and b"could not be reached" in err and b"Traceback" not in err, err
+
+
 async def test_a_second_serve_on_the_socket_is_refused_and_leaves_the_first_serving(tmp_path) -> None:
     async with serve_process(tmp_path) as (sock, _, _):
         second = await asyncio.create_subprocess_exec(

@@ -56,7 +56,8 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
         if config.metrics_listen:
             metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
         server, port = await create_server(orchestrator, config.listen, authenticator)
-        log.info("orchestrator serving listen=%s port=%s groups=%d", config.listen, port or "-", len(config.groups))
+        log.info("orchestrator serving listen=%s port=%s groups=%d pinned_pool=%s", config.listen, port or "-",
+                 len(config.groups), f"{pool.path}({pool.size})" if pool else "-")
         gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
         yield orchestrator, port
     finally:
