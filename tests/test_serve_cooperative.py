@@ -243,6 +243,9 @@ async def test_node_agent_and_orchestrator_give_a_cooperative_group_the_default_
             assert len(made) == 1, made
             pool = Path("/dev/shm") / made.pop() / "pool"
             assert f"pinned_pool={pool}(".encode() in m.string, m.string  # its log says where
+            assert orch.stdout is not None  # and it says it is ready on stdout, as serve and node-agent do
+            ready = await asyncio.wait_for(orch.stdout.readline(), 30)
+            assert ready == b"ready listen=127.0.0.1:" + m.group(1) + b"\n", ready
             assert stat.S_IMODE(os.stat(pool.parent).st_mode) == 0o700 and os.stat(pool).st_size == default_size(0)
             env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
             env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"

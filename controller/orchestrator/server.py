@@ -72,7 +72,11 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
 
 
 async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
-    """`timeslice orchestrator`: run until SIGINT/SIGTERM (`running`)."""
+    """`timeslice orchestrator`: run until SIGINT/SIGTERM (`running`); prints
+    `ready listen=<host>:<port>` on stdout once it serves (the port it bound: `listen` may
+    name port 0), as `serve` and `node-agent` print theirs."""
     stop = signals.stop_event()
-    async with running(config, grace=grace):
+    async with running(config, grace=grace) as (_, port):
+        host = config.listen.rsplit(":", 1)[0]
+        print(f"ready listen={host}:{port}", flush=True)
         await stop.wait()
