@@ -245,7 +245,7 @@ class TorchState:
         """This process's host buffer (reused), when the node has no pool or it is full:
         pageable, of exactly `total` bytes (copies at ~12 GB/s out, ~6 GB/s in on the H200:
         reference/checkpoint-h200.md). Not PyTorch's pinned memory: its host allocator rounds
-        a request up to a power of two (47 GB took 68.7 GB), and on the H200 host (128 GiB)
+        a request up to a power of two (47 GB asks 2**36 B, 68.7 GB), and on the H200 host (128 GiB)
         two jobs of 47 GB that checkpointed into such buffers were killed with their states
         (bench/results/rl-grpo-b-agent-cooperative-nopool-h200.json). Raises MemoryError when
         the host has not that much."""

@@ -386,9 +386,10 @@ def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoi
 
 
 def test_a_state_the_pool_cannot_take_goes_to_a_pageable_buffer_of_exactly_its_size() -> None:
-    """PyTorch's pinned host allocator rounds a request up to a power of two (47 GB took
-    68.7 GB): two such buffers got jobs killed on a 128 GiB host. The fallback buffer is
-    pageable and exactly the state's size, reused while large enough."""
+    """PyTorch's pinned host allocator rounds a request up to a power of two (47 GB asks for
+    68.7 GB), and two jobs of 47 GB that checkpointed into such buffers were killed on a
+    128 GiB host. The fallback buffer is pageable and exactly the state's size, reused while
+    large enough."""
     pytest.importorskip("torch")
     from timeslice.torch import TorchState
 
