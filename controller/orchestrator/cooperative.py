@@ -60,6 +60,7 @@ from timeslice.controller.orchestrator.agents import StepResult
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import PoolCheckpoint, StateFile
 from timeslice.driver.errors import BackendError, NotFound, ProcessGone, StepTimeout
+from timeslice.driver.rollback import undo
 from timeslice.memory_commands import prefix
 from timeslice.v1 import orchestrator_pb2 as pb
 
@@ -354,11 +355,9 @@ class CooperativeJobs:
             moved += ack.bytes or p.registered
         self._persist()
         if failed is not None:
-            undo = await asyncio.gather(*(self._restore_one(q, timeout) for q in done), return_exceptions=True)
-            stuck = [f"pid {q.pid}: {e}" for q, e in zip(done, undo) if isinstance(e, BaseException)]
-            note = f"; ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"; rolled back {len(done)} process(es)"
+            note = await undo(done, lambda q: self._restore_one(q, timeout), lambda q: f"pid {q.pid}")
             if isinstance(failed, BackendError | StepTimeout | ProcessGone):
-                raise type(failed)(f"{failed}{note}") from failed
+                raise type(failed)(f"{failed}; {note}") from failed
             raise failed
         if departed is not None:
             log.info("cooperative process left while checkpointed for a switch group=%s job=%s: %s", group, job,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import BackendError, ProcessGone, TimeSliceServerError
+from timeslice.driver.rollback import undo
 
 log = logging.getLogger("timeslice.agent")
 
@@ -87,13 +88,9 @@ async def run_step(what: str, pids: Sequence[int], forward: Step, inverse: Step)
     failures = [(pid, r) for pid, r in zip(pids, results) if isinstance(r, BaseException)]
     if not failures:
         return done + gone
-    undo = await asyncio.gather(*(inverse(st.pid) for st in done), return_exceptions=True)
-    stuck = [f"pid {st.pid}: {err}" for st, err in zip(done, undo) if isinstance(err, BaseException)]
+    note = await undo(done, lambda st: inverse(st.pid), lambda st: f"pid {st.pid}")
     causes = "; ".join(f"pid {pid}: {err}" for pid, err in failures)
-    message = f"{what} failed ({causes}); " + (
-        f"ROLLBACK FAILED ({'; '.join(stuck)})" if stuck else f"rolled back {len(done)} process(es)")
-    if stuck:
-        log.error("%s", message)
+    message = f"{what} failed ({causes}); {note}"
     first = failures[0][1]
     cls = type(first) if isinstance(first, TimeSliceServerError) else BackendError
     raise cls(message) from first
