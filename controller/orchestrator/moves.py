@@ -539,75 +539,104 @@ class MemoryMoves:
 
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:
-        """`beside`: a staging (`stage_next`) next to this holder."""
+        """Plan (when `evict` is None), run the switch, record what moved, then grant, count a
+        failure or dispatch (`_ended`). `beside`: a staging (`stage_next`) next to this holder."""
         g = self._g
         record: SwitchRecord | None = None
-        r = g.residency
         first = False
         vanished: list[str] = []  # evicted jobs with no process left anywhere: dropped once it ends
         try:
             if evict is None:
                 evict, first = await self.plan(incoming, allow_evictions=True, beside=beside)
                 self.switching = (evict[0] if evict else None, incoming)
-            if not evict and not restore:
-                record = None
-            else:
-                log.info("switch start group=%s evict=%s to=%s restore=%s%s%s", g.id, evict, incoming, restore,
-                         " (restore first)" if first else "", f" beside={beside}" if beside else "")
-                g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
-                self._evicting = frozenset(evict)
-                try:
-                    record = await g.switcher(g.spec, tuple(evict), incoming, restore,
-                                              **({"restore_first": True} if first else {}))
-                finally:
-                    self._evicting = frozenset()
+            record = await self._run(evict, incoming, restore, first, beside)
         except NoRoom as err:
-            if beside is not None:  # not now: the hand-off plans again, without the holder
-                log.info("not staged group=%s job=%s beside %s: %s", g.id, incoming, beside, err)
-                self._unstaged = (g.holder.epoch if g.holder else 0, incoming)
-            else:
-                record = SwitchRecord(None, incoming, ok=False, error=str(err))
-                log.warning("no room group=%s job=%s: %s", g.id, incoming, err)
-                g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
+            record = self._no_room(incoming, beside, err)
         except SwitchError as err:
-            record = err.record
-            g.counters.failed_switches += 1
-            for job in err.off_gpu:
-                r.moved_out(job)
-            if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
-                self._woken.update(j for j in evict or () if j not in err.off_gpu)
-            log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
-            g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
+            record = self._failed(evict or [], incoming, err)
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
             log.exception("switch crashed group=%s evict=%s to=%s", g.id, evict, incoming)
             record = SwitchRecord(None, incoming, ok=False, error=f"internal error: {err!r}")
             g.counters.failed_switches += 1
             g.fail_job(incoming, SwitchFailed(f"group {g.id}: internal error: {err!r}"))
         else:
-            for job in evict:
-                if record is not None and job in record.gone and not any(w.job_id == job for w in g.queue):
-                    vanished.append(job)
-                    continue
-                r.moved_out(job)
-                self._lapsed.discard(job)
-                if job in self._fenced:  # fenced, and checkpointed: restored when idle, then forgotten
-                    self._fenced.discard(job)
-                    g.idle.unowned(job)
-            if record is not None:
-                g.counters.switches += 1
-                log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", g.id,
-                         evict, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
-            if grant:
-                r.held(incoming)
-            elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
-                r.forget(incoming)
-                if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
-                    self._woken.add(incoming)
-            elif restore and record is not None:
-                r.moved_in(incoming, next_up=beside is not None)
+            vanished = self._moved(evict, record, incoming, restore, grant, beside)
         finally:
             self.switching, self._beside = None, None
             self._switch_task = None
+        self._ended(incoming, record, vanished, restore, grant, beside)
+
+    async def _run(self, evict: list[str], incoming: str, restore: bool, first: bool,
+                   beside: str | None) -> SwitchRecord | None:
+        """The switcher's checkpoints of `evict` and restore of `incoming`; None when nothing
+        moves. Raises what the switcher raises (SwitchError, NoRoom)."""
+        g = self._g
+        if not evict and not restore:
+            return None
+        log.info("switch start group=%s evict=%s to=%s restore=%s%s%s", g.id, evict, incoming, restore,
+                 " (restore first)" if first else "", f" beside={beside}" if beside else "")
+        g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
+        self._evicting = frozenset(evict)
+        try:
+            return await g.switcher(g.spec, tuple(evict), incoming, restore,
+                                    **({"restore_first": True} if first else {}))
+        finally:
+            self._evicting = frozenset()
+
+    def _no_room(self, incoming: str, beside: str | None, err: NoRoom) -> SwitchRecord | None:
+        g = self._g
+        if beside is not None:  # not now: the hand-off plans again, without the holder
+            log.info("not staged group=%s job=%s beside %s: %s", g.id, incoming, beside, err)
+            self._unstaged = (g.holder.epoch if g.holder else 0, incoming)
+            return None
+        log.warning("no room group=%s job=%s: %s", g.id, incoming, err)
+        g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
+        return SwitchRecord(None, incoming, ok=False, error=str(err))
+
+    def _failed(self, evict: list[str], incoming: str, err: SwitchError) -> SwitchRecord:
+        g = self._g
+        g.counters.failed_switches += 1
+        for job in err.off_gpu:
+            g.residency.moved_out(job)
+        if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
+            self._woken.update(j for j in evict if j not in err.off_gpu)
+        log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
+        g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
+        return err.record
+
+    def _moved(self, evict: list[str], record: SwitchRecord | None, incoming: str, restore: bool, grant: bool,
+               beside: str | None) -> list[str]:
+        """Record a switch that succeeded; returns the evicted jobs found gone everywhere."""
+        g, r = self._g, self._g.residency
+        vanished = []
+        for job in evict:
+            if record is not None and job in record.gone and not any(w.job_id == job for w in g.queue):
+                vanished.append(job)
+                continue
+            r.moved_out(job)
+            self._lapsed.discard(job)
+            if job in self._fenced:  # fenced, and checkpointed: restored when idle, then forgotten
+                self._fenced.discard(job)
+                g.idle.unowned(job)
+        if record is not None:
+            g.counters.switches += 1
+            log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", g.id,
+                     evict, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
+        if grant:
+            r.held(incoming)
+        elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
+            r.forget(incoming)
+            if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
+                self._woken.add(incoming)
+        elif restore and record is not None:
+            r.moved_in(incoming, next_up=beside is not None)
+        return vanished
+
+    def _ended(self, incoming: str, record: SwitchRecord | None, vanished: list[str], restore: bool, grant: bool,
+               beside: str | None) -> None:
+        """After a switch, whatever its outcome: drop the jobs it found gone, keep its record,
+        grant, count a failed restore, and dispatch."""
+        g = self._g
         for job in vanished:  # nothing of it is anywhere: a one-box job killed with its client took part
             self._lapsed.discard(job)  # in every later hand-off ("nothing to restore"), for good
             self._fenced.discard(job)
