@@ -194,21 +194,33 @@ class PinningStore(FakeStore):
         return True
 
 
-async def test_the_pool_is_pinned_ahead_only_while_the_job_does_not_hold(coop) -> None:
-    """Pinning the pool ahead of need (`timeslice.torch`) runs between the job's phases,
-    never inside them, and stops once all of it is pinned."""
+async def test_the_pool_is_pinned_ahead_once_a_move_may_come_and_only_while_the_job_does_not_hold(coop) -> None:
+    """Pinning the pool ahead of need (`timeslice.torch`) waits for the orchestrator's "pin"
+    (a grant may move memory: `CooperativeJobs.pin_ahead`), runs between the job's phases,
+    never inside them, and stops once all of it is pinned; a process that connects later in
+    that group is told at once."""
     orch, target = await coop()
     store = PinningStore("a")
     client = TimeSliceOrchestratorClient(target, "a", "g")
     store.holding = lambda: client.holding("g") is not None
+    late = PinningStore("b")
     try:
         await asyncio.to_thread(client.acquire)  # it holds before its command stream opens
         client.serve_memory_commands(store)
         await connected(client)  # the pool is mapped and the pinning thread started
-        assert orch.group("g").view().holder.job_id == "a" and store.calls == []
+        assert orch.group("g").view().holder.job_id == "a"
+        await asyncio.to_thread(client.release)
+        await asyncio.to_thread(client.acquire)  # a round trip after "hello": no "pin" came, nothing pinned
+        assert store.calls == [] and not client._memory_loops[-1]._pin_wanted.is_set()
+        orch.cooperative.pin_ahead("g")
+        await eventually(lambda: client._memory_loops[-1]._pin_wanted.is_set(), what="the pin command")
+        assert store.calls == []  # it holds: nothing pins under its phase
         await asyncio.to_thread(client.release)
         await eventually(lambda: len(store.calls) == 6, what="the five chunks pinned, then none left")
         assert store.left == 0 and not any(store.calls)
+        other = job(target, "b", late)
+        await eventually(lambda: len(late.calls) == 6, what="a process connecting later pins too")
+        await asyncio.to_thread(other.close)
     finally:
         await asyncio.to_thread(client.close)
 

@@ -16,7 +16,7 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
 from timeslice.controller.orchestrator.moves import next_job
-from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, plan_room
+from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed
 from timeslice.driver.headroom import parse_headroom
 
@@ -166,6 +166,42 @@ def test_a_restore_first_lends_the_checkpoints_its_host_memory_where_its_state_f
 
 
 # -- a group driving it ------------------------------------------------------------------
+
+
+def test_moves_may_come_once_the_jobs_do_not_fit_together_or_one_need_is_unknown() -> None:
+    s, hr = snap(free=40, a=30, b=30), parse_headroom("10%")
+    peaks = {"a": {DEV: 30 * GB}, "b": {DEV: 30 * GB}}
+    known = {"a", "b", "c"}.__contains__
+    assert not moves_may_come(["a"], s, peaks, hr, known)  # one job: nothing to move for
+    assert not moves_may_come(["a", "b"], s, peaks, hr, known)  # 60 + 10 of 100
+    assert moves_may_come(["a", "b", "c"], s, peaks, hr, known, declared={"c": 31 * GB})  # 91 + 10
+    assert not moves_may_come(["a", "b", "c"], s, peaks, hr, known, declared={"c": 30 * GB})  # exactly full
+    assert moves_may_come(["a", "b", "n"], s, peaks, hr, known)  # n declared nothing, unsettled: it runs alone
+    assert not moves_may_come(["n"], s, peaks, hr, known)
+
+
+class PinningGpu(FakeGpu):
+    """A FakeGpu whose switcher is told when a grant may move memory (`pin_ahead`)."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.pins = 0
+
+    def pin_ahead(self, spec: GroupSpec) -> None:
+        self.pins += 1
+
+
+async def test_the_switcher_prepares_for_moves_only_once_jobs_do_not_fit_together() -> None:
+    gpu = PinningGpu(a=40, b=40)
+    g = group(gpu)
+    for _ in range(2):
+        await hold(g, "a")
+        await hold(g, "b")
+    assert gpu.pins == 0  # 80 + 10 of 100 GB: nothing will move
+    gpu.on["c"] = 0
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 30 * GB), memory=30 * GB)
+    assert gpu.pins >= 1 and gpu.calls  # told before (or with) the first move
+    await g.close()
 
 
 async def test_jobs_that_fit_together_stay_resident_and_hand_off_without_moving() -> None:

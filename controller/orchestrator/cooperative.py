@@ -111,6 +111,9 @@ class _Process:
     adopted: bool = False  # learned from the state file, not yet confirmed by its reconnect
 
 
+_PIN = pb.MemoryCommand(op_id="pin", kind="pin")
+
+
 @dataclass
 class _Command:
     process: _Process
@@ -151,6 +154,7 @@ class CooperativeJobs:
         self._rollbacks: set[asyncio.Task[None]] = set()
         # (group, job) -> monotonic seconds its last connected process left with its state on the GPU
         self._left: dict[tuple[str, str], float] = {}
+        self._pinning: set[str] = set()  # groups whose processes pin the pool ahead (`pin_ahead`)
 
     # -- the process side (RPCs) -------------------------------------------------
     async def stream(self, group: str, job: str, stream_id: str, pid: int, registered: int,
@@ -185,6 +189,8 @@ class CooperativeJobs:
         try:
             yield pb.MemoryCommand(op_id="hello", kind="hello", pool_path=str(self.pool.path) if self.pool else "",
                                    pool_bytes=self.pool.size if self.pool else 0)
+            if group in self._pinning:
+                yield _PIN
             while True:
                 yield await mine.get()
         finally:
@@ -201,6 +207,21 @@ class CooperativeJobs:
                          p.pid, p.checkpointed)
                 if self._on_streams_closed is not None and not self.connected(group, job):
                     self._on_streams_closed(group, job)
+
+    def pin_ahead(self, group: str) -> None:
+        """Tell `group`'s processes, now and whenever one connects, to register the pinned pool
+        with CUDA ahead of need ("pin", no answer): a grant may move memory from now on. Before
+        that they pin nothing: each process registers the whole pool, which costs host memory
+        and work that no move of jobs that fit together ever uses (docs/backends.md)."""
+        if self.pool is None or group in self._pinning:
+            return
+        self._pinning.add(group)
+        procs = [p for (g, _), by_stream in self._procs.items() if g == group for p in by_stream.values()
+                 if p.connected]
+        for p in procs:
+            p.commands.put_nowait(_PIN)
+        log.info("cooperative processes pin the pool ahead group=%s processes=%d (a grant may move memory)", group,
+                 len(procs))
 
     def ack(self, ack: pb.MemoryCommandAck) -> None:
         """A process's answer to a command, also one that came after the orchestrator gave up

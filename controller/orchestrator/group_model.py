@@ -68,7 +68,8 @@ class Switcher(Protocol):
     stream open (a holder past its lease then keeps the lock), and `unconfirmed(spec, job)
     -> bool`: whether one that the state file records checkpointed has not said since a
     restart where its state is (the job counts as resident, and is granted only through a
-    restore)."""
+    restore), and `pin_ahead(spec)`: a grant may move memory from now on (its processes
+    prepare their host memory ahead of need)."""
 
     async def __call__(self, spec: GroupSpec, evict: Sequence[str], incoming: str,
                        restore: bool) -> SwitchRecord: ...

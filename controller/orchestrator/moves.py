@@ -49,6 +49,7 @@ from timeslice.controller.orchestrator.residency import (
     NoHostRoom,
     NoRoom,
     lacking_room,
+    moves_may_come,
     need_of,
     parse_headroom,
     plan_room,
@@ -382,6 +383,7 @@ class MemoryMoves:
                 continue
             if snap is not None:
                 r.observe(snap)
+                self._pin_if_moves_may_come()
                 if g.holder is h and snap.devices and await self._room_for_holder(snap, h.job_id):
                     continue
             quiet = bool(low) and snap is not None and any(m.free < low for m in snap.devices.values())
@@ -444,6 +446,20 @@ class MemoryMoves:
         self._switch_task = asyncio.get_running_loop().create_task(
             self._switch(evict, incoming, restore, grant), name=f"switch-{self._g.id}")
 
+    def _pin_if_moves_may_come(self) -> None:
+        """Once a grant of this group may move memory by the last report (`moves_may_come`
+        over its residents, checkpointed jobs, waiters and holder), let the switcher prepare
+        for it (`Switcher.pin_ahead`)."""
+        g = self._g
+        r = g.residency
+        pin = getattr(g.switcher, "pin_ahead", None)
+        if pin is None or r.snapshot is None:
+            return
+        jobs = sorted({*r.residents, *r.checkpointed, *(w.job_id for w in g.queue),
+                       *([g.holder.job_id] if g.holder else [])})
+        if moves_may_come(jobs, r.snapshot, r.peaks, parse_headroom(g.spec.memory_headroom), r.known, r.declared):
+            pin(g.spec)
+
     async def snapshot(self) -> MemorySnapshot | None:
         """Fresh memory reports of the group's jobs (None: the agents report no GPU memory).
         Raises AgentsUnanswered when a node agent did not answer: its GPUs' memory is unknown, not
@@ -455,6 +471,7 @@ class MemoryMoves:
         if snap is None:
             return None
         g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
+        self._pin_if_moves_may_come()
         if snap.unanswered:
             raise AgentsUnanswered(f"node agent(s) {', '.join(sorted(snap.unanswered))} did not answer a memory "
                                    "report: no memory is added to their GPUs until they do")

@@ -44,13 +44,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.headroom import parse_headroom
 
-__all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room", "parse_headroom", "plan_room"]
+__all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room", "moves_may_come", "parse_headroom",
+           "plan_room"]
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
@@ -223,6 +224,26 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                      f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "
                      f"would leave it {_gb(short)} short; {incoming} stays where it is")
     return evict
+
+
+def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
+                    headroom: tuple[float, int], known: Callable[[str], bool],
+                    declared: Mapping[str, int] | None = None) -> bool:
+    """Whether a grant among the group's `jobs` may move memory by `snap`: two or more jobs
+    and one of them with no known need (it runs alone: the others leave for it), or, on some
+    device, their needs (`need_of`) together exceed its memory less the headroom. False for
+    one job. The `cooperative` backend pins its host pool ahead only then (`pin_ahead`):
+    registering the pool costs the jobs' phases when no move ever uses it."""
+    if len(jobs) < 2:
+        return False
+    if not all(known(j) for j in jobs):
+        return True
+    total: dict[str, int] = {}
+    for job in jobs:
+        for dev, n in need_of(job, snap, peaks, declared).items():
+            total[dev] = total.get(dev, 0) + n
+    return any(n + int(headroom[0] * snap.devices[dev].total) + headroom[1] > snap.devices[dev].total
+               for dev, n in total.items() if dev in snap.devices)
 
 
 def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:

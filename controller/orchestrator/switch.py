@@ -271,6 +271,13 @@ class SwitchCoordinator:
         (`CooperativeJobs.unconfirmed`)."""
         return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.unconfirmed(spec.id, job)
 
+    def pin_ahead(self, spec: GroupSpec) -> None:
+        """A grant in `spec`'s group may move memory (`residency.moves_may_come`): its
+        cooperative processes register the pinned pool ahead of need from now on
+        (`CooperativeJobs.pin_ahead`); nothing on the other backends."""
+        if spec.backend == names.BACKEND_COOPERATIVE:
+            self.cooperative.pin_ahead(spec.id)
+
     def streaming(self, spec: GroupSpec, job: str) -> bool:
         """Whether a process of `job` keeps its cooperative memory command stream open
         (`cooperative` groups; False on the others): it is alive and reachable, so as a
