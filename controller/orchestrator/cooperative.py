@@ -171,18 +171,8 @@ class CooperativeJobs:
                 self._learn(p, report)
             if started and self._on_started is not None:
                 self._on_started(group, job)
-        else:  # a reconnect: keep its checkpoint; commands the old stream never sent fail now (the old
-            old = p.commands  # stream's close fails nothing once the new one owns the process)
-            p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
-            while not old.empty():
-                c = self._pending.get(old.get_nowait().op_id)
-                if c is not None and not c.future.done():
-                    c.future.set_exception(_gone(p, c.kind))
-            if p.adopted:
-                self._confirm(p, report)
-            elif p.checkpointed and report is not None and p.checksum is None:
-                p.checksum = report.checksum
-                self._persist()
+        else:
+            self._reconnected(p, pid, registered, report)
         log.info("cooperative process connected group=%s job=%s pid=%d registered_bytes=%d checkpointed=%s",
                  group, job, pid, registered, p.checkpointed)
         mine = p.commands
@@ -207,6 +197,21 @@ class CooperativeJobs:
                          p.pid, p.checkpointed)
                 if self._on_streams_closed is not None and not self.connected(group, job):
                     self._on_streams_closed(group, job)
+
+    def _reconnected(self, p: _Process, pid: int, registered: int, report: pb.PoolCheckpoint | None) -> None:
+        """A process's stream reconnected: it keeps its checkpoint; the commands the old stream
+        never sent fail now (the old stream's close fails nothing once the new one owns it)."""
+        old = p.commands
+        p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
+        while not old.empty():
+            c = self._pending.get(old.get_nowait().op_id)
+            if c is not None and not c.future.done():
+                c.future.set_exception(_gone(p, c.kind))
+        if p.adopted:
+            self._confirm(p, report)
+        elif p.checkpointed and report is not None and p.checksum is None:
+            p.checksum = report.checksum
+            self._persist()
 
     def pin_ahead(self, group: str) -> None:
         """Tell `group`'s processes, now and whenever one connects, to register the pinned pool

@@ -502,20 +502,7 @@ class MemoryMoves:
                 return Plan(g.residency.lru(excluding=[incoming]) if allow_evictions else [])
             residents = g.residency.lru(excluding=[incoming, *forced, *([beside] if beside else [])]) \
                 if allow_evictions else []
-            freed: dict[str, int] = {}
-            for job in forced:  # what they hold is free once they leave
-                for dev, b in snap.on_device(job).items():
-                    freed[dev] = freed.get(dev, 0) + b
-            if beside is not None:  # it may still grow to its need (peak or declared) while it computes
-                held = snap.on_device(beside)
-                for dev, b in need_of(beside, snap, g.residency.peaks, g.residency.declared).items():
-                    freed[dev] = freed.get(dev, 0) - max(0, b - held.get(dev, 0))
-            if freed:
-                snap = dataclasses.replace(snap, devices=dict(snap.devices))
-            for dev, b in freed.items():
-                if dev in snap.devices:
-                    m = snap.devices[dev]
-                    snap.devices[dev] = type(m)(m.total, m.free + b)
+            snap = self._as_planned(snap, forced, beside)
             r = g.residency
             if beside is not None and not (r.known(incoming) and r.known(beside)):
                 raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
@@ -534,6 +521,28 @@ class MemoryMoves:
                 await asyncio.sleep(DEPARTING_POLL_SECONDS)
                 continue
             return Plan([*forced, *plan.evict], plan.restore_first)
+
+    def _as_planned(self, snap: MemorySnapshot, forced: list[str], beside: str | None) -> MemorySnapshot:
+        """`snap` with each device's free bytes as the plan counts them: what the `forced`
+        jobs hold is free once they leave; a holder staying `beside` may still grow to its
+        need (peak or declared) while it computes."""
+        r = self._g.residency
+        freed: dict[str, int] = {}
+        for job in forced:
+            for dev, b in snap.on_device(job).items():
+                freed[dev] = freed.get(dev, 0) + b
+        if beside is not None:
+            held = snap.on_device(beside)
+            for dev, b in need_of(beside, snap, r.peaks, r.declared).items():
+                freed[dev] = freed.get(dev, 0) - max(0, b - held.get(dev, 0))
+        if not freed:
+            return snap
+        devices = dict(snap.devices)
+        for dev, b in freed.items():
+            if dev in devices:
+                m = devices[dev]
+                devices[dev] = type(m)(m.total, m.free + b)
+        return dataclasses.replace(snap, devices=devices)
 
     def _place(self, incoming: str, residents: list[str], snap: MemorySnapshot, first_ok: bool) -> Plan:
         """`plan_room` over `snap`; where the checkpoints lack host memory, `first_ok` (nobody

@@ -138,7 +138,7 @@ def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mappin
         if mem is None:
             continue  # a device no agent reports (its node is gone): the switch step will say so
         growth = max(0, need.get(dev, 0) - have.get(dev, 0))
-        short = growth + int(headroom[0] * mem.total) + headroom[1] - mem.free
+        short = growth + _reserve(mem, headroom) - mem.free
         if short > 0:
             out[dev] = (short, growth > 0)
     return out
@@ -166,17 +166,10 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     """
     lacking = lacking_room(incoming, snap, peaks, headroom, declared)
     mine = devices_of(incoming, snap, peaks)
-    evict: list[str] = []
     host = dict(snap.host_available)
     if restore_first:
-        for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
-            mem = snap.devices.get(dev)
-            room = mem.free - int(headroom[0] * mem.total) - headroom[1] if mem is not None else 0
-            if n > room:
-                raise NoRoom(f"no host memory to checkpoint the residents of {dev} for {incoming}, and its "
-                             f"{_gb(n)} do not fit beside them to be restored first ({_gb(room)} free above the "
-                             f"headroom); {incoming} stays where it is")
-            host[agent_of(dev)] = host.get(agent_of(dev), 0) + n
+        _lend_host_memory(incoming, snap, headroom, host)
+    evict: list[str] = []
     for job in residents_lru:
         if not lacking and not alone:
             break
@@ -184,12 +177,7 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
         if not any(held.get(dev, 0) > 0 for dev in (mine if alone else lacking)):
             continue
         if host_checked:
-            for agent, n in _per_agent(held).items():
-                if n > host.get(agent, 0):
-                    raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
-                                 f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
-                                 "stays where it is)")
-                host[agent] -= n
+            _take_host_memory(job, incoming, held, host)
         evict.append(job)
         for dev in list(lacking):
             short, must = lacking[dev]
@@ -201,29 +189,74 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     others = {dev: _others(incoming, dev, mem, snap, evict) for dev, mem in snap.devices.items() if dev in mine}
     if alone:  # alone means no memory of anybody else: none that a checkpoint here would not free
         for dev in sorted(others):
-            mem = snap.devices[dev]
-            if others[dev] > int(headroom[0] * mem.total) + headroom[1]:
+            if others[dev] > _reserve(snap.devices[dev], headroom):
                 raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
                              f"{_gb(others[dev])} of {dev} would stay held by others: residents with nothing to move "
                              f"(registered no state yet) or processes of no job of this group (one that left and "
                              f"is still exiting); {incoming} waits for it to be freed")
-    strict = {}
+    _check_growth_fits(incoming, snap, peaks, headroom, declared, lacking, others)
+    return evict
+
+
+def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
+    """The headroom's bytes on a device of `mem.total` bytes."""
+    return int(headroom[0] * mem.total) + headroom[1]
+
+
+def _lend_host_memory(incoming: str, snap: MemorySnapshot, headroom: tuple[float, int],
+                      host: dict[str, int]) -> None:
+    """`plan_room(restore_first=True)`: `incoming`'s checkpoint must fit beside everybody now;
+    the host memory its restore gives back is added to `host` (per agent). Raises NoRoom."""
+    for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
+        mem = snap.devices.get(dev)
+        room = mem.free - _reserve(mem, headroom) if mem is not None else 0
+        if n > room:
+            raise NoRoom(f"no host memory to checkpoint the residents of {dev} for {incoming}, and its "
+                         f"{_gb(n)} do not fit beside them to be restored first ({_gb(room)} free above the "
+                         f"headroom); {incoming} stays where it is")
+        host[agent_of(dev)] = host.get(agent_of(dev), 0) + n
+
+
+def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: dict[str, int]) -> None:
+    """Take from `host` (per agent) the bytes `job`'s checkpoint needs. Raises NoHostRoom."""
+    for agent, n in _per_agent(held).items():
+        if n > host.get(agent, 0):
+            raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
+                             f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
+                             "stays where it is)")
+        host[agent] -= n
+
+
+def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
+                       headroom: tuple[float, int], declared: Mapping[str, int] | None,
+                       lacking: Mapping[str, tuple[int, bool]], others: Mapping[str, int]) -> None:
+    """Raise NoRoom where `incoming` must grow and, after the evictions, still lacks bytes
+    (`lacking`); the headroom counts only where others than it hold more than the headroom."""
     for dev, (short, must) in lacking.items():
         if not must:
             continue
-        reserve = int(headroom[0] * snap.devices[dev].total) + headroom[1]
+        reserve = _reserve(snap.devices[dev], headroom)
         if others.get(dev, 0) <= reserve:
             short -= reserve  # nobody's growth to keep room for: what the job must add must fit, no more
         if short > 0:
-            strict[dev] = short
-    if strict:
-        dev, short = next(iter(strict.items()))
-        mem = snap.devices[dev]
-        need = need_of(incoming, snap, peaks, declared)[dev]
-        raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
-                     f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle resident "
-                     f"would leave it {_gb(short)} short; {incoming} stays where it is")
-    return evict
+            mem = snap.devices[dev]
+            need = need_of(incoming, snap, peaks, declared)[dev]
+            raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
+                         f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle "
+                         f"resident would leave it {_gb(short)} short; {incoming} stays where it is")
+
+
+def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:
+    """Bytes of `dev` held by others than `incoming` once the jobs of `evict` are checkpointed."""
+    freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
+    return mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
+
+
+def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dev, n in per_device.items():
+        out[agent_of(dev)] = out.get(agent_of(dev), 0) + n
+    return out
 
 
 def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
@@ -242,21 +275,8 @@ def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str
     for job in jobs:
         for dev, n in need_of(job, snap, peaks, declared).items():
             total[dev] = total.get(dev, 0) + n
-    return any(n + int(headroom[0] * snap.devices[dev].total) + headroom[1] > snap.devices[dev].total
+    return any(n + _reserve(snap.devices[dev], headroom) > snap.devices[dev].total
                for dev, n in total.items() if dev in snap.devices)
-
-
-def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:
-    """Bytes of `dev` held by others than `incoming` once the jobs of `evict` are checkpointed."""
-    freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
-    return mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
-
-
-def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for dev, n in per_device.items():
-        out[agent_of(dev)] = out.get(agent_of(dev), 0) + n
-    return out
 
 
 @dataclass

@@ -194,29 +194,34 @@ class SwitchCoordinator:
             snap.host_available[target] = rep.host_available
             if rep.incarnation:
                 snap.incarnations[target] = rep.incarnation
-        if spec.backend == names.BACKEND_COOPERATIVE and for_plan and not watch:
-            await self.cooperative.refresh(spec.id, jobs)  # sizes as the processes see them now
         if spec.backend == names.BACKEND_COOPERATIVE:
+            if for_plan and not watch:
+                await self.cooperative.refresh(spec.id, jobs)  # sizes as the processes see them now
             self.cooperative.reap()  # what the processes gone for good registered counts for nobody
-        if spec.backend == names.BACKEND_COOPERATIVE and len(snap.devices) == 1:
-            (dev,) = snap.devices
-            pool = self.cooperative.pool
-            if pool is not None:  # a checkpoint lands in the pool's free ranges first, the rest in host memory
-                node = agent_of(dev)
-                snap.host_available[node] = snap.host_available.get(node, 0) + pool.size - pool.used_bytes
-            for job in jobs:  # what the job's processes registered is what they hold when restored
-                n = self.cooperative.registered_bytes(spec.id, job)
-                if self.cooperative.checkpointed(spec.id, job):
-                    if n:
-                        snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
-                elif not self.cooperative.connected(spec.id, job):
-                    snap.movable_bytes[job] = {dev: 0}  # no stream to command: what it holds cannot leave
-                else:
-                    snap.movable_bytes[job] = {dev: n}  # only what it registered leaves the GPU
-                    if n and not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
-                        snap.device_bytes[job] = {dev: n}
-                        snap.unseen.add(job)
+            if len(snap.devices) == 1:
+                self._cooperative_bytes(spec, jobs, snap)
         return snap
+
+    def _cooperative_bytes(self, spec: GroupSpec, jobs: Sequence[str], snap: MemorySnapshot) -> None:
+        """Complete `snap` of a one-GPU cooperative group from what the processes registered:
+        the pool's free bytes as host memory, checkpoint sizes, what can leave the GPU."""
+        (dev,) = snap.devices
+        pool = self.cooperative.pool
+        if pool is not None:  # a checkpoint lands in the pool's free ranges first, the rest in host memory
+            node = agent_of(dev)
+            snap.host_available[node] = snap.host_available.get(node, 0) + pool.size - pool.used_bytes
+        for job in jobs:  # what the job's processes registered is what they hold when restored
+            n = self.cooperative.registered_bytes(spec.id, job)
+            if self.cooperative.checkpointed(spec.id, job):
+                if n:
+                    snap.checkpointed_bytes.setdefault(job, {}).setdefault(dev, n)
+            elif not self.cooperative.connected(spec.id, job):
+                snap.movable_bytes[job] = {dev: 0}  # no stream to command: what it holds cannot leave
+            else:
+                snap.movable_bytes[job] = {dev: n}  # only what it registered leaves the GPU
+                if n and not snap.device_bytes.get(job):  # NVML does not see it (another PID namespace)
+                    snap.device_bytes[job] = {dev: n}
+                    snap.unseen.add(job)
 
     async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int,
                      room: int = 0) -> str | None:
