@@ -40,7 +40,7 @@ def pass_remaining(g: LockGroup, head: Waiter) -> float:
     short acquire timeout is not spent while residents pass it. Measured on the H200 with
     the driver's checkpoint (`cuda`, ~1.5 GB/s out): 2 jobs of 19 GB, unsettled, with a
     bound in wall-clock seconds, switched every 24 s of which the holder computed half:
-    8 switches of 4-13 s, 0.77x of one after the other (bench/results/rl-grpo-a-serve-h200.json)."""
+    8 switches of 4-13 s, 0.77x of one after the other (bench/results/rl-grpo-a-serve-41317fd-h200.json)."""
     first = g.spec.resident_first_seconds
     if first <= 0:
         return 0.0

@@ -240,8 +240,8 @@ class MemoryMoves:
         report yet, one is asked for first (once per epoch). Measured on the H200 with the
         driver's checkpoint (`cuda`): 3 jobs of 57 GB (two fit) switched every phase at ~30 s
         a switch, 0.54x of one after the other (bench/results/rl-grpo-b-serve-cuda-h200.json),
-        and 2 jobs of 19 GB that fit, while unsettled, every phase at 5-15 s, 0.67x
-        (bench/results/rl-grpo-a-serve-cuda-h200.json)."""
+        and 2 jobs of 19 GB that fit, while unsettled, every phase at 5-15 s, 0.67x (a run
+        not kept); with the deferral 0.83x, now 1.05x (bench/results/rl-grpo-a-serve-h200.json)."""
         g = self._g
         if g.residency.snapshot is None and switch_speed(g) is not None:
             if self._reported_at_epoch != g.epoch:  # measure first, then decide
