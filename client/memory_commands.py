@@ -360,10 +360,10 @@ class MemoryCommandLoop:
         """Once the orchestrator says a grant may move memory ("pin") or a checkpoint came, let
         the store pin (`cudaHostRegister`) the pool chunk by chunk while this job does
         not hold the group and no command runs, until all of it is pinned. Jobs that fit
-        together pin nothing: on the H200 two of 19.7 GB each, declared, with a 101 GB pool
-        that each process pinned whole while the other generated, ran their generate phases
-        in 3.5 s on average instead of 2.6-3.0 s (bench/results/
-        rl-grpo-a-agent-cooperative-declared-h200.json, 1.60x). A process's first
+        together pin nothing: no move uses the pool, and each process would register all of
+        it (101 GB per process on the H200 host; whether that slowed the others' phases was
+        not shown: bench/results/rl-grpo-a-agent-cooperative-declared*-h200.json ran at 1.60x
+        pinning and 1.66x not). A process's first
         checkpoint into a part of the pool pinned that part on the switch's path: with three
         jobs of ~50 GB rotating through a 101 GB pool on the H200, each process's first two
         checkpoints took 8-9.6 s, the later ones 1.0-1.5 s (bench/results/

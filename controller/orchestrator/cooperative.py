@@ -216,8 +216,8 @@ class CooperativeJobs:
     def pin_ahead(self, group: str) -> None:
         """Tell `group`'s processes, now and whenever one connects, to register the pinned pool
         with CUDA ahead of need ("pin", no answer): a grant may move memory from now on. Before
-        that they pin nothing: each process registers the whole pool, which costs host memory
-        and work that no move of jobs that fit together ever uses (docs/backends.md)."""
+        that they pin nothing: each process registers the whole pool, host memory locked and
+        work that no move of jobs that fit together ever uses (docs/one-box.md)."""
         if self.pool is None or group in self._pinning:
             return
         self._pinning.add(group)

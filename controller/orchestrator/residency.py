@@ -265,8 +265,8 @@ def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str
     """Whether a grant among the group's `jobs` may move memory by `snap`: two or more jobs
     and one of them with no known need (it runs alone: the others leave for it), or, on some
     device, their needs (`need_of`) together exceed its memory less the headroom. False for
-    one job. The `cooperative` backend pins its host pool ahead only then (`pin_ahead`):
-    registering the pool costs the jobs' phases when no move ever uses it."""
+    one job. The `cooperative` backend pins its host pool ahead only then (`pin_ahead`): a
+    pool no move uses need not be registered by every process."""
     if len(jobs) < 2:
         return False
     if not all(known(j) for j in jobs):
