@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,8 +373,31 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
         c = _parse_claim(obj, warnings)
         if c is not None:
             index[(c.ref.namespace, c.ref.name)] = c
+    for c in index.values():
+        for pool, device in c.devices:
+            if (pool, device) not in gpus:
+                warnings.append(GroupingWarning(
+                    c.ref, UNKNOWN_DEVICE, f"device {device} of pool {pool} is in no ResourceSlice of "
+                    f"{names.DRIVER_NAME}: it counts as a GPU of its own until its slice appears"))
+    sets: dict[str, ClaimSet] = {}
+    for (ns, job, source), (claim_names, pod_uids, handles) in _members(pods, index).items():
+        parts = sorted((index[(ns, n)] for n in claim_names), key=lambda c: c.ref)
+        cs = _claim_set(job, source, parts, pod_uids, handles, gpus, warnings)
+        sets[cs.id] = cs
+    groups: dict[str, Group] = {}
+    group_of: dict[str, str] = {}
+    for members in _components(list(sets.values())):
+        g = _group(sorted(members, key=lambda cs: cs.id), warnings)
+        groups[g.id] = g
+        group_of.update((cs.id, g.id) for cs in g.claim_sets)
+    return Snapshot(groups=dict(sorted(groups.items())), claim_sets=dict(sorted(sets.items())),
+                    group_of=dict(sorted(group_of.items())), warnings=tuple(sorted(set(warnings))), gpus=dict(gpus))
 
-    # (namespace, job, claim source) -> (claim names, pod uids, pod-level names)
+
+def _members(pods: Iterable[Mapping[str, Any]], index: Mapping[tuple[str, str], _Claim]
+             ) -> dict[tuple[str, str, str], tuple[set[str], set[str], set[str]]]:
+    """(namespace, job, claim source) -> (claim names, pod uids, pod-level names) of the pods
+    that have not finished, over the claims reserved for them."""
     members: dict[tuple[str, str, str], tuple[set[str], set[str], set[str]]] = \
         defaultdict(lambda: (set(), set(), set()))
     for pod in pods:
@@ -390,53 +413,39 @@ def compute(claims: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any
             claim_keys.add(claim_name)
             pod_uids.add(uid)
             handles.add(pod_claim)
+    return members
 
-    for c in index.values():
-        for pool, device in c.devices:
-            if (pool, device) not in gpus:
-                warnings.append(GroupingWarning(
-                    c.ref, UNKNOWN_DEVICE, f"device {device} of pool {pool} is in no ResourceSlice of "
-                    f"{names.DRIVER_NAME}: it counts as a GPU of its own until its slice appears"))
 
-    def gpu_of(d: DeviceRef) -> PhysicalGpu:
-        return gpus.get(d) or PhysicalGpu(f"{d[0]}/{d[1]}", d[0])
+def _claim_set(job: str, source: str, parts: list[_Claim], pod_uids: set[str], handles: set[str],
+               gpus: Mapping[DeviceRef, PhysicalGpu], warnings: list[GroupingWarning]) -> ClaimSet:
+    """The claim set of `parts` (sorted by reference; the oldest decides its config, the
+    others that differ get a warning)."""
+    devices = sorted({d for c in parts for d in c.devices})
+    placed = [gpus.get(d) or PhysicalGpu(f"{d[0]}/{d[1]}", d[0]) for d in devices]
+    oldest = parts[0]
+    for c in parts[1:]:
+        if c.config != oldest.config:
+            warnings.append(GroupingWarning(
+                c.ref, CONFLICTING_JOB_CONFIG,
+                f"claim {c.ref} asks {c.config.describe()}, but claim set {source!r} of job {job} follows "
+                f"its oldest claim {oldest.ref}: {oldest.config.describe()}"))
+    return ClaimSet(job=job, name=min(handles), claims=tuple(c.ref for c in parts), devices=tuple(devices),
+                    gpus=tuple(sorted({g.id for g in placed})), nodes=tuple(sorted({g.node for g in placed})),
+                    pods=tuple(sorted(pod_uids)), config=oldest.config, source=source,
+                    names=tuple(sorted(handles)))
 
-    sets: dict[str, ClaimSet] = {}
-    for (ns, job, source), (claim_names, pod_uids, handles) in members.items():
-        name = min(handles)
-        parts = sorted((index[(ns, n)] for n in claim_names), key=lambda c: c.ref)
-        devices = sorted({d for c in parts for d in c.devices})
-        placed = [gpu_of(d) for d in devices]
-        oldest = parts[0]
-        for c in parts[1:]:
-            if c.config != oldest.config:
-                warnings.append(GroupingWarning(
-                    c.ref, CONFLICTING_JOB_CONFIG,
-                    f"claim {c.ref} asks {c.config.describe()}, but claim set {source!r} of job {job} follows "
-                    f"its oldest claim {oldest.ref}: {oldest.config.describe()}"))
-        cs = ClaimSet(job=job, name=name, claims=tuple(c.ref for c in parts), devices=tuple(devices),
-                      gpus=tuple(sorted({g.id for g in placed})), nodes=tuple(sorted({g.node for g in placed})),
-                      pods=tuple(sorted(pod_uids)), config=oldest.config, source=source,
-                      names=tuple(sorted(handles)))
-        sets[cs.id] = cs
 
+def _components(sets: Sequence[ClaimSet]) -> list[list[ClaimSet]]:
+    """Claim sets joined by the GPUs they share (transitively)."""
     uf = _UnionFind()
-    for cs in sets.values():
+    for cs in sets:
         uf.find("cs:" + cs.id)
         for g in cs.gpus:
             uf.union("cs:" + cs.id, "gpu:" + g)
     components: dict[str, list[ClaimSet]] = defaultdict(list)
-    for cs in sets.values():
+    for cs in sets:
         components[uf.find("cs:" + cs.id)].append(cs)
-
-    groups: dict[str, Group] = {}
-    group_of: dict[str, str] = {}
-    for members_ in components.values():
-        g = _group(sorted(members_, key=lambda cs: cs.id), warnings)
-        groups[g.id] = g
-        group_of.update((cs.id, g.id) for cs in g.claim_sets)
-    return Snapshot(groups=dict(sorted(groups.items())), claim_sets=dict(sorted(sets.items())),
-                    group_of=dict(sorted(group_of.items())), warnings=tuple(sorted(set(warnings))), gpus=dict(gpus))
+    return list(components.values())
 
 
 def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group:
