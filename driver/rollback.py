@@ -18,14 +18,16 @@ log = logging.getLogger("timeslice.rollback")
 T = TypeVar("T")
 
 
-async def undo(done: Sequence[T], inverse: Callable[[T], Awaitable[object]], name: Callable[[T], str]) -> str:
+async def undo(done: Sequence[T], inverse: Callable[[T], Awaitable[object]], name: Callable[[T], str],
+               failure: str) -> str:
     """Run `inverse` on every part of `done` at once. Returns the note for the step's error:
-    "rolled back N process(es)", or "ROLLBACK FAILED (<name>: <error>; ...)" (also logged as
-    an error: those parts are left as the failed step left them)."""
+    "rolled back N process(es)", or "ROLLBACK FAILED (<name>: <error>; ...)", then also logged
+    as an error after `failure` (what failed, and why): those parts are left as the failed
+    step left them."""
     results = await asyncio.gather(*(inverse(part) for part in done), return_exceptions=True)
     stuck = [f"{name(part)}: {err}" for part, err in zip(done, results) if isinstance(err, BaseException)]
     if not stuck:
         return f"rolled back {len(done)} process(es)"
     note = f"ROLLBACK FAILED ({'; '.join(stuck)})"
-    log.error("%s", note)
+    log.error("%s; %s", failure, note)
     return note

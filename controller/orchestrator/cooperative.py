@@ -381,7 +381,8 @@ class CooperativeJobs:
             moved += ack.bytes or p.registered
         self._persist()
         if failed is not None:
-            note = await undo(done, lambda q: self._restore_one(q, timeout), lambda q: f"pid {q.pid}")
+            note = await undo(done, lambda q: self._restore_one(q, timeout), lambda q: f"pid {q.pid}",
+                              f"cooperative checkpoint group={group} job={job} failed ({failed})")
             if isinstance(failed, BackendError | StepTimeout | ProcessGone):
                 raise type(failed)(f"{failed}; {note}") from failed
             raise failed

@@ -448,17 +448,21 @@ class MemoryMoves:
 
     def _pin_if_moves_may_come(self) -> None:
         """Once a grant of this group may move memory by the last report (`moves_may_come`
-        over its residents, checkpointed jobs, waiters and holder), let the switcher prepare
+        over its jobs), let the switcher prepare
         for it (`Switcher.pin_ahead`)."""
         g = self._g
         r = g.residency
         pin = getattr(g.switcher, "pin_ahead", None)
         if pin is None or r.snapshot is None:
             return
-        jobs = sorted({*r.residents, *r.checkpointed, *(w.job_id for w in g.queue),
-                       *([g.holder.job_id] if g.holder else [])})
-        if moves_may_come(jobs, r.snapshot, r.peaks, parse_headroom(g.spec.memory_headroom), r.known, r.declared):
+        if moves_may_come(self._jobs(), r.snapshot, r.peaks, parse_headroom(g.spec.memory_headroom), r.known,
+                          r.declared):
             pin(g.spec)
+
+    def _jobs(self) -> list[str]:
+        """The group's jobs: resident (the holder among them), checkpointed or waiting."""
+        g = self._g
+        return sorted({*g.residency.residents, *g.residency.checkpointed, *(w.job_id for w in g.queue)})
 
     async def snapshot(self) -> MemorySnapshot | None:
         """Fresh memory reports of the group's jobs (None: the agents report no GPU memory).
@@ -466,8 +470,7 @@ class MemoryMoves:
         absent (schedules seed 5112: with the agent killed, an idle group's plan read "no
         memory reports" and restored a job beside one that had ended and still held 60 GB)."""
         g = self._g
-        jobs = sorted({*g.residency.residents, *g.residency.checkpointed, *(w.job_id for w in g.queue)})
-        snap = await g.switcher.memory(g.spec, jobs)  # type: ignore[attr-defined]
+        snap = await g.switcher.memory(g.spec, self._jobs())  # type: ignore[attr-defined]
         if snap is None:
             return None
         g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved

@@ -88,9 +88,9 @@ async def run_step(what: str, pids: Sequence[int], forward: Step, inverse: Step)
     failures = [(pid, r) for pid, r in zip(pids, results) if isinstance(r, BaseException)]
     if not failures:
         return done + gone
-    note = await undo(done, lambda st: inverse(st.pid), lambda st: f"pid {st.pid}")
     causes = "; ".join(f"pid {pid}: {err}" for pid, err in failures)
-    message = f"{what} failed ({causes}); {note}"
+    failure = f"{what} failed ({causes})"
+    message = f"{failure}; " + await undo(done, lambda st: inverse(st.pid), lambda st: f"pid {st.pid}", failure)
     first = failures[0][1]
     cls = type(first) if isinstance(first, TimeSliceServerError) else BackendError
     raise cls(message) from first
