@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One cooperative job process of a randomized schedule (`bench/schedules.py`), on a model GPU.
+"""One job process of a randomized schedule (`bench/schedules.py`), on a model GPU.
 
 Started (and restarted after a kill) by bench/schedules.py as
 `python bench/schedule_job.py SPEC_JSON`. It uses the real client
@@ -21,14 +21,24 @@ processes) to the job's event log (JSON lines, `log` in the spec), from which th
 finds two jobs computing at once. A `SwitchFailed` is retried here and counted (until the
 client retries it itself). SIGTERM ends the job cleanly (`client.close()`).
 
+Under a transparent backend (spec `backend` other than "cooperative": `cuda` over the fake
+driver of bench/fake_cuda) the job registers nothing: its state stays in its own memory and
+the agent moves it behind its back. Then every GPU step (an allocation, a free, each
+`TICK_SECONDS` of compute) is a call of the model GPU (`ModelGpu.call`), which waits while the
+driver has the process locked or checkpointed, as CUDA calls do; a wait, or a gap between
+ticks longer than `GAP_SECONDS` (the process was stopped), is logged as `paused`, so that only
+the time it could compute counts towards two jobs computing at once. A phase that starts while
+its state is not on the GPU (granted before its restore) is logged as altered.
+
 Spec keys: job, group, target, ledger, log, seed, steps, ctx, model, optim, kv (bytes),
 gen_s, reward_s, train_s (seconds), declare (bytes, 0: none; exported as
 `TIMESLICE_MEMORY` by the harness), register_late (open the memory-command stream after
-the first hold, when the model is on the GPU, rather than at start).
+the first hold, when the model is on the GPU, rather than at start), backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -37,6 +47,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from timeslice import TimeSliceOrchestratorClient
@@ -46,6 +57,8 @@ from timeslice.memory_commands import Ranges, pieces
 
 OOM_EXIT = 99
 ACQUIRE_TIMEOUT_SECONDS = 300.0
+TICK_SECONDS = 0.01  # transparent backends: compute runs in GPU calls this long
+GAP_SECONDS = 0.1  # transparent backends: a wait or a gap this long between GPU calls is logged as paused
 
 
 def content(seed: int, step: int, n: int) -> bytes:
@@ -138,13 +151,49 @@ class Job:
         self.client = TimeSliceOrchestratorClient(spec["target"], spec["job"], spec["group"])
         self.step = 0  # train steps done
         self.loaded = False
+        self.transparent = spec.get("backend", "cooperative") != "cooperative"
+        self.pid = os.getpid()
+
+    @contextlib.contextmanager
+    def gpu_call(self) -> Iterator[None]:
+        """One GPU step: under a transparent backend a call of the model GPU (it waits while the
+        process is locked or checkpointed; a wait is logged as paused)."""
+        if not self.transparent:
+            yield
+            return
+        t0 = time.monotonic()
+        with self.gpu.call(self.pid) as waited:
+            if waited >= GAP_SECONDS:
+                self.log("paused", start=t0, until=t0 + waited)
+            yield
 
     def alloc(self, n: int, what: str) -> None:
         try:
-            self.gpu.alloc(os.getpid(), n, what)
+            with self.gpu_call():
+                self.gpu.alloc(self.pid, n, what)
         except ModelGpuOom as err:
             self.log("oom", what=what, want=n, record=err.record)
             os._exit(OOM_EXIT)  # a CUDA OOM: the job dies inside its phase
+
+    def free(self, n: int) -> None:
+        with self.gpu_call():
+            self.gpu.free(self.pid, n)
+
+    def compute(self, seconds: float) -> None:
+        """`seconds` of compute; under a transparent backend in GPU calls of `TICK_SECONDS`,
+        a gap between them longer than `GAP_SECONDS` logged as paused."""
+        if not self.transparent:
+            time.sleep(seconds)
+            return
+        left, last = seconds, time.monotonic()
+        while left > 0:
+            with self.gpu_call():
+                t = time.monotonic()
+                if t - last >= GAP_SECONDS:  # stopped between two calls (SIGSTOP, a freeze)
+                    self.log("paused", start=last, until=t)
+                time.sleep(min(TICK_SECONDS, left))
+                last = time.monotonic()
+                left -= last - t
 
     def hold(self, kind: str, work: Any) -> None:
         group = self.spec["group"]
@@ -171,6 +220,9 @@ class Job:
         if s.device is None:
             self.log("altered", why=f"state not on the GPU {where} (step {self.step})")
             return
+        if self.transparent and self.gpu.cuda_state(self.pid) not in (None, "running"):
+            self.log("altered", why=f"state not on the GPU {where} (step {self.step}): the process is "
+                                    f"{self.gpu.cuda_state(self.pid)}")
         if bytes(s.device) != content(self.spec["seed"], self.step, len(s.device)):
             zero = not any(s.device)
             self.log("altered", why=f"state bytes differ {where} (step {self.step}){' (all zero)' if zero else ''}",
@@ -189,13 +241,13 @@ class Job:
             self._check(f"at the start of {kind}")
             s.computing = kind
         self.log("begin", kind=kind, step=self.step)
-        time.sleep(seconds)  # the compute
+        self.compute(seconds)
         self.log("end", kind=kind, step=self.step)
         with s.lock:
             s.computing = ""
             self._check(f"at the end of {kind}")
         if extra:
-            self.gpu.free(os.getpid(), extra)
+            self.free(extra)
         if kind == "train":
             if self.step == 0 and spec["optim"]:
                 self.alloc(spec["optim"], "optimizer")  # optimizer state appears at the first step
@@ -215,12 +267,12 @@ class Job:
         spec = self.spec
         self.log("start", job=spec["job"])
         late = spec.get("register_late", False)
-        if not late:  # registered before the model is on the GPU (0 bytes when the stream opens)
+        if not late and not self.transparent:  # registered before the model is on the GPU (0 bytes then)
             self.register()
         try:
             while self.step < spec["steps"]:
                 self.hold("generate", lambda: self.phase("generate", spec["gen_s"], spec["kv"]))
-                if late and self.step == 0:  # registered once the model is on the GPU, as the README shows
+                if late and self.step == 0 and not self.transparent:  # once the model is on the GPU (README)
                     late = False
                     self.register()
                 time.sleep(spec["reward_s"])  # the reward, on the CPU, outside any hold

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Randomized schedules of the real orchestrator, node agent and cooperative job processes on a
-model GPU, with kills and pauses of each (issue 21, item 6).
+"""Randomized schedules of the real orchestrator, node agent and job processes on a model GPU,
+with kills and pauses of each (issue 21, item 6), for backend `cooperative` or `cuda`.
 
 Each schedule (a pure function of its seed) runs, as real processes through the product's
 commands with default settings: `timeslice node-agent` (its GPU a model GPU: the ledger of
@@ -15,6 +15,13 @@ restarted with the same config and state). Sizes are in model GB of 10**6 bytes:
 GPU is "100 GB" (100 MB), so that the states the jobs copy stay small; the orchestrator's
 headroom is relative (10%), and each job's peak fits the GPU alone with that headroom, so
 every OOM is caused by placement.
+
+`--backend cuda` runs the same schedules with the agent's real `cuda` backend over a fake
+CUDA driver (bench/fake_cuda: the checkpoint API on the model GPU's ledger; job processes
+that register nothing, whose GPU calls wait while the driver has them locked), and adds
+0-2 driver faults per schedule (drawn apart from the rest of the schedule): a call of lock,
+checkpoint, restore or unlock that hangs for seconds, answers a CUDA error, or ends the agent
+after acting and before answering (a driver crash mid-step; the agent is started again).
 
 Found per schedule: OOMs (an allocation past the model GPU's total), altered states (a
 job's state bytes differ from the pure function of its seed and step at a phase's start
@@ -60,6 +67,9 @@ TOTAL = 100 * GB
 HEADROOM = 0.10  # the orchestrator's default memory_headroom
 POOL_BYTES = 200 * GB
 JOB_SCRIPT = Path(__file__).resolve().parent / "schedule_job.py"
+FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
+FAKE_CUDA_FAULTS_ENV = "TIMESLICE_FAKE_CUDA_FAULTS"  # bench/fake_cuda/cuda/bindings/driver.py
+DRIVER_DIE_EXIT = 86  # the fake driver ended the agent mid-step, as planned
 OOM_EXIT = 99
 SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
 READY_SECONDS = 60.0
@@ -84,6 +94,7 @@ class JobSpec:
     declare: int
     start_s: float
     register_late: bool = False
+    backend: str = "cooperative"
 
     @property
     def peak(self) -> int:
@@ -108,12 +119,32 @@ class Schedule:
     seed: int
     jobs: tuple[JobSpec, ...]
     faults: tuple[Fault, ...]
+    backend: str = "cooperative"
+    driver_faults: tuple[dict[str, Any], ...] = ()  # backend cuda: bench/fake_cuda's $TIMESLICE_FAKE_CUDA_FAULTS
 
 
-def make_schedule(seed: int, register_late: bool = False) -> Schedule:
+DRIVER_ERRORS = ("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_OUT_OF_MEMORY",
+                 "CUDA_ERROR_OPERATING_SYSTEM", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_NOT_INITIALIZED",
+                 "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NOT_SUPPORTED")
+
+
+def driver_faults(seed: int) -> tuple[dict[str, Any], ...]:
+    """0-2 faults of the fake CUDA driver for the schedule of `seed` (bench/fake_cuda)."""
+    rng = random.Random(f"{seed}:cuda")
+    out = []
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        kind = rng.choice(["hang", "error", "error", "die"])
+        out.append({"call": rng.choice(["lock", "checkpoint", "checkpoint", "restore", "restore", "unlock"]),
+                    "nth": rng.randint(1, 4), "kind": kind, "error": rng.choice(DRIVER_ERRORS),
+                    "seconds": round(rng.uniform(0.5, 12.0), 2)})
+    return tuple(out)
+
+
+def make_schedule(seed: int, register_late: bool = False, backend: str = "cooperative") -> Schedule:
     """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
     `register_late`: about half the jobs open their memory-command stream after their first
-    hold (drawn apart, so that the rest of the schedule stays that of the seed)."""
+    hold (drawn apart, so that the rest of the schedule stays that of the seed). `backend`
+    "cuda": the same jobs and faults, and faults of the fake driver (`driver_faults`)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(rng.randint(2, 4)):
@@ -146,7 +177,10 @@ def make_schedule(seed: int, register_late: bool = False) -> Schedule:
                   restart_s=rng.uniform(0.0, 0.5))
         busy[target] = at + f.pause_s + f.restart_s + 1.0
         faults.append(f)
-    return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)))
+    if backend != "cooperative":
+        jobs = [JobSpec(**{**asdict(j), "backend": backend, "register_late": False}) for j in jobs]
+    return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)), backend,
+                    driver_faults(seed) if backend == "cuda" else ())
 
 
 def _die_with_parent() -> None:
@@ -222,13 +256,18 @@ class Run:
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
         self.target = f"unix://{workdir / 'orch.sock'}"
         agent_target = f"unix://{workdir / 'agent.sock'}"
-        config = {"listen": self.target, "state_file": str(workdir / "orch-state.json"),
-                  "pinned_pool": {"path": str(self.pool), "bytes": POOL_BYTES},
-                  "groups": [{"id": "g", "backend": "cooperative", "agents": [agent_target]}]}
+        config: dict[str, Any] = {"listen": self.target, "state_file": str(workdir / "orch-state.json"),
+                                  "groups": [{"id": "g", "backend": sched.backend, "agents": [agent_target]}]}
+        agent_env = {**base, MODEL_GPU_ENV: str(self.ledger.path)}
+        if sched.backend == "cooperative":
+            config["pinned_pool"] = {"path": str(self.pool), "bytes": POOL_BYTES}
+        else:  # the agent's real backend over the fake driver (bench/fake_cuda)
+            agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
+            agent_env[FAKE_CUDA_FAULTS_ENV] = json.dumps(list(sched.driver_faults))
         (workdir / "config.json").write_text(json.dumps(config))  # YAML is a superset of JSON
         cli = [sys.executable, "-m", "timeslice.cli.main"]
         self.agent = Proc("agent", [*cli, "node-agent", "--listen", agent_target, "--state-dir",
-                                    str(workdir / "agent")], {**base, MODEL_GPU_ENV: str(self.ledger.path)},
+                                    str(workdir / "agent")], agent_env,
                           workdir / "agent.log", ready="ready listen=")
         self.orch = Proc("orchestrator", [*cli, "orchestrator", "--config", str(workdir / "config.json")], base,
                          workdir / "orchestrator.log")
@@ -237,7 +276,7 @@ class Run:
             spec = {"job": j.name, "group": "g", "target": self.target, "ledger": str(self.ledger.path),
                     "log": str(workdir / f"{j.name}.events"), "seed": j.seed, "steps": j.steps, "ctx": j.ctx,
                     "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
-                    "train_s": j.train_s, "register_late": j.register_late}
+                    "train_s": j.train_s, "register_late": j.register_late, "backend": j.backend}
             env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
                    **({"TIMESLICE_MEMORY": f"{j.declare}B"} if j.declare else {})}
             self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
@@ -271,7 +310,7 @@ class Run:
             code = await proc.wait()
             if done.is_set():
                 return
-            if not proc.signalled:
+            if not proc.signalled and not (proc is self.agent and code == DRIVER_DIE_EXIT):
                 self.crashes.append(f"{proc.name} exited by itself with code {code} at "
                                     f"{time.monotonic() - self.t0:.2f} s (see its log)")
             await asyncio.sleep(self._restart_delay.get(proc.name, 0.0))
@@ -374,6 +413,10 @@ def analyze(run: Run) -> tuple[list[dict[str, str]], dict[str, Any]]:
             last = e
             if e["ev"] == "begin":
                 open_[e["pid"]] = e
+            elif e["ev"] == "paused" and e["pid"] in open_:  # could not compute meanwhile: two intervals
+                b = open_[e["pid"]]
+                intervals.append((b["t"], e["start"], spec.name, e["pid"], b["kind"], b["step"]))
+                open_[e["pid"]] = {**b, "t": e["until"]}
             elif e["ev"] in ("end", "released") and e["pid"] in open_:  # released: a phase cut short (SIGTERM)
                 b = open_.pop(e["pid"])
                 intervals.append((b["t"], e["t"], spec.name, e["pid"], b["kind"], b["step"]))
@@ -421,10 +464,11 @@ def _fault_text(f: Fault) -> str:
     return f"{f.kind} {who} at {f.at:.2f}" + (f" for {f.pause_s:.2f}" if f.kind == "stop" else "")
 
 
-def run_one(seed: int, keep: bool = False, register_late: bool = False) -> dict[str, Any]:
+def run_one(seed: int, keep: bool = False, register_late: bool = False,
+            backend: str = "cooperative") -> dict[str, Any]:
     """Run the schedule of `seed`; its result (the work directory is removed unless it
     failed or `keep`)."""
-    sched = make_schedule(seed, register_late)
+    sched = make_schedule(seed, register_late, backend)
     workdir = Path(tempfile.mkdtemp(prefix=f"tss{seed}-", dir="/tmp"))
     t0 = time.monotonic()
     run = Run(sched, workdir)
@@ -433,7 +477,11 @@ def run_one(seed: int, keep: bool = False, register_late: bool = False) -> dict[
         failures, info = analyze(run)
     except Exception as err:  # the harness itself failed: that schedule counts as failed
         failures, info = [{"class": "harness", "reason": f"{type(err).__name__}: {err}"}], {}
-    result = {"seed": seed, "jobs": len(sched.jobs), "faults": [_fault_text(f) for f in getattr(run, "applied", [])],
+    applied = [_fault_text(f) for f in getattr(run, "applied", [])]
+    applied += [f"driver {f['call']} #{f['nth']} {f['kind']} (planned)"
+                + (f" {f['error']}" if f["kind"] == "error" else "")
+                for f in sched.driver_faults]
+    result = {"seed": seed, "jobs": len(sched.jobs), "faults": applied,
               "seconds": round(time.monotonic() - t0, 2), "failures": failures, **info}
     if failures or keep:
         result["workdir"] = str(workdir)
@@ -447,8 +495,10 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, seconds: 
     with_class = Counter(c for r in results for c in {f["class"] for f in r["failures"]})
     faults = Counter(" ".join(f.split()[:2]).rstrip("0123456789") for r in results for f in r["faults"])
     return {
-        "what": "randomized schedules: timeslice orchestrator + node-agent + cooperative job processes on a model "
-                "GPU of 100 model GB (10**6 bytes each), default settings, with kills and pauses of each",
+        "what": f"randomized schedules: timeslice orchestrator + node-agent + job processes of backend {args.backend} "
+                "on a model GPU of 100 model GB (10**6 bytes each), default settings, with kills and pauses of each"
+                + (" and faults of the fake CUDA driver (bench/fake_cuda)" if args.backend == "cuda" else ""),
+        "backend": args.backend,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "schedules": len(results),
         "schedules_failed": sum(1 for r in results if r["failures"]),
@@ -475,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--register-late", action="store_true",
                     help="about half the jobs register their state after their first hold (model on the GPU), not "
                          "before it (default: all before, when it is 0 bytes)")
+    ap.add_argument("--backend", choices=["cooperative", "cuda"], default="cooperative",
+                    help="the group's backend: cooperative job processes, or transparent ones moved by the agent's "
+                         "cuda backend over a fake driver with faults (default cooperative)")
     ap.add_argument("--failing-logs", metavar="FILE.tar",
                     help="add each failing schedule's work directory to this tar as it fails (a run on another "
                          "machine, e.g. the lent GPU host, brings its logs back)")
@@ -484,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.workers) as ex:
-        for future in as_completed([ex.submit(run_one, seed, args.keep, args.register_late) for seed in seeds]):
+        futures = [ex.submit(run_one, seed, args.keep, args.register_late, args.backend) for seed in seeds]
+        for future in as_completed(futures):
             r = future.result()
             results.append(r)
             if args.verbose or r["failures"]:

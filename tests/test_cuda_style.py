@@ -59,6 +59,22 @@ async def test_a_helper_whose_lock_is_refused_has_nothing_to_move_and_the_switch
     assert states == {TARGET: RUNNING, HELPER: RUNNING} and b.states[TARGET] == RUNNING
 
 
+async def test_a_lock_refused_for_a_process_that_holds_gpu_memory_fails_the_step() -> None:
+    """The driver's "no context" is taken only for a process NVML shows holding nothing: one
+    holding memory whose lock is refused (an injected CUDA_ERROR_ILLEGAL_STATE in the
+    randomized schedules of backend cuda) was reported `no-context`, its job counted as
+    moved while its memory stayed on the GPU and it could still compute. Now the step fails
+    and nothing stays locked."""
+    b = Scripted()
+    b.process_gpu_bytes = lambda: {TARGET: 10**9, HELPER: 5 * 10**8}  # type: ignore[method-assign]
+    with pytest.raises(BackendError, match=f"process {HELPER} holds 500000000 bytes"):
+        await b.checkpoint([TARGET, HELPER], timeout=5)
+    assert b.states == {TARGET: RUNNING, HELPER: RUNNING} and ("checkpoint", TARGET) not in b.calls
+    b.process_gpu_bytes = lambda: {TARGET: 10**9}  # type: ignore[method-assign]
+    states = {p.pid: p.state for p in await b.checkpoint([TARGET, HELPER], timeout=5)}
+    assert states == {TARGET: CHECKPOINTED, HELPER: NO_CONTEXT}
+
+
 class Stuck(Scripted):
     """TARGET's peer never locks (it waits for a peer outside the job: the NCCL case)."""
 
@@ -189,8 +205,7 @@ def test_cuda_error_304_is_gone_only_when_proc_says_so() -> None:
     from timeslice.driver.errors import ProcessGone
     from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
 
-    b = object.__new__(CudaBackend)  # no driver here: only its error mapping runs
-    b._cu = driver
+    b = _error_mapping_only(CudaBackend, driver)
 
     def answer(pid: int) -> tuple:
         return (driver.CUresult.CUDA_ERROR_OPERATING_SYSTEM,)
@@ -202,3 +217,30 @@ def test_cuda_error_304_is_gone_only_when_proc_says_so() -> None:
     assert not isinstance(err.value, ProcessGone)
     with pytest.raises(ProcessGone):
         b._call("cuCheckpointProcessRestore", dead.pid, answer)
+
+
+def _error_mapping_only(cls: type, driver: object) -> object:
+    """A CudaBackend without a driver: only its error mapping runs, over cuda-bindings' names."""
+    from timeslice.kubelet_plugin.agent.backends.cuda import NO_CONTEXT_ERRORS
+
+    b = object.__new__(cls)
+    b._cu = driver
+    b._no_context = {getattr(driver.CUresult, n) for n in NO_CONTEXT_ERRORS}
+    return b
+
+
+@pytest.mark.parametrize("name", ["CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_UNKNOWN",
+                                  "CUDA_ERROR_ECC_UNCORRECTABLE"])
+def test_every_cuda_error_reaches_the_step_by_its_name(name: str) -> None:
+    """A CUDA error other than the ones read specially fails the step as BackendError naming
+    it (randomized schedules of backend cuda over bench/fake_cuda: a name missing from
+    cuda-bindings' CUresult, CUDA_ERROR_INITIALIZATION_ERROR, turned each of them into an
+    AttributeError naming that missing name); the no-context errors exist in cuda-bindings."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from timeslice.kubelet_plugin.agent.backends.cuda import NO_CONTEXT_ERRORS, CudaBackend
+
+    assert all(hasattr(driver.CUresult, n) for n in NO_CONTEXT_ERRORS)
+    b = _error_mapping_only(CudaBackend, driver)
+    with pytest.raises(BackendError, match=name) as err:
+        b._call("cuCheckpointProcessLock", os.getpid(), lambda pid: (getattr(driver.CUresult, name),))
+    assert type(err.value) is BackendError

@@ -12,12 +12,14 @@ crashes a server.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -70,6 +72,56 @@ def test_a_process_that_ended_holds_nothing(short_tmp: Path, sleeper) -> None:
     with pytest.raises(ValueError, match="is gone"):
         gpu.alloc(sleeper.pid, 1)
     gpu.alloc(os.getpid(), 100 * MB)  # all of it, now
+
+
+def test_the_model_gpu_moves_a_process_as_the_cuda_checkpoint_api_does(short_tmp: Path, sleeper) -> None:
+    """RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING: a lock
+    waits for the GPU call in progress, a call waits while the process is locked, a checkpointed
+    process holds nothing and is not listed, and a restore that does not fit is an OOM."""
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    me = os.getpid()
+    assert gpu.cuda_state(me) is None  # no context yet
+    with gpu.call(me) as waited:
+        gpu.alloc(me, 60 * MB, "model")
+        assert waited < 1 and not gpu.cuda_lock(me, timeout=0.05)  # a call runs: the lock is not ready
+    assert gpu.cuda_lock(me, timeout=5) and gpu.cuda_state(me) == "locked"
+    with pytest.raises(ValueError, match="is locked, not checkpointed"):
+        gpu.cuda_restore(me)
+    entered = threading.Event()
+
+    def a_call() -> None:
+        with gpu.call(me):
+            entered.set()
+
+    t = threading.Thread(target=a_call)
+    t.start()
+    assert gpu.cuda_checkpoint(me) == 60 * MB and gpu.cuda_state(me) == "checkpointed"
+    assert gpu.read().processes == {} and gpu.read().free == 100 * MB
+    gpu.alloc(sleeper.pid, 50 * MB, "model")
+    with pytest.raises(ModelGpuOom, match="asked for 60000000 bytes"):
+        gpu.cuda_restore(me)
+    assert gpu.ooms()[-1]["what"] == "restore" and gpu.cuda_state(me) == "checkpointed"
+    gpu.free(sleeper.pid, 50 * MB)
+    assert gpu.cuda_restore(me) == 60 * MB and gpu.cuda_state(me) == "locked"
+    assert not entered.is_set()  # the call still waits: the process is locked
+    gpu.cuda_unlock(me)
+    t.join(timeout=30)
+    assert entered.is_set() and gpu.read().processes == {me: 60 * MB}
+
+
+def test_the_fake_cuda_driver_speaks_cuda_bindings_names() -> None:
+    """bench/fake_cuda's CUresult and CUprocessState are cuda-bindings' (names and values), so
+    a name the `cuda` backend uses that the real module lacks fails under the fake too."""
+    real = pytest.importorskip("cuda.bindings.driver")
+    spec = importlib.util.spec_from_file_location(
+        "fake_cuda_driver", Path(schedules.FAKE_CUDA) / "cuda" / "bindings" / "driver.py")
+    fake = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(fake)  # type: ignore[union-attr]
+    for enum_name in ("CUresult", "CUprocessState"):
+        for member in getattr(fake, enum_name):
+            assert int(getattr(getattr(real, enum_name), member.name)) == int(member), member
+    for name in schedules.DRIVER_ERRORS:
+        assert hasattr(real.CUresult, name) and hasattr(fake.CUresult, name)
 
 
 async def test_the_node_agent_reports_the_model_gpu_in_place_of_nvml(short_tmp: Path, sleeper) -> None:
@@ -174,6 +226,15 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
     failures, _ = schedules.analyze(run)
     assert sorted(f["class"] for f in failures) == ["altered_states", "double_computes"]
     assert "overlaps" in next(f["reason"] for f in failures if f["class"] == "double_computes")
+    # b's generate [1.5, 1.7] fell inside a's train [1.0, 2.0]: not when a was paused meanwhile
+    # (its GPU calls waited: locked by the driver, or stopped), and only then
+    paused = {"ev": "paused", "start": 1.4, "until": 1.8, "t": 1.8, "pid": 11}
+    events = [*logs[a][:1], paused, *logs[a][1:]]
+    (short_tmp / f"{a}.events").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert sorted(f["class"] for f in schedules.analyze(run)[0]) == ["altered_states"]
+    paused.update(start=1.6)
+    (short_tmp / f"{a}.events").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert sorted(f["class"] for f in schedules.analyze(run)[0]) == ["altered_states", "double_computes"]
 
 
 SEEDS = [*range(1, 21), 3718, 5112, 6004, 8370]  # and some that failed once (CHANGELOG)

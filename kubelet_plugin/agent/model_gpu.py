@@ -13,6 +13,15 @@ or a zombie) holds nothing: its entry is dropped at the next access. An allocati
 would take the GPU past its total is an OOM: it changes nothing, appends one JSON line
 to `<ledger>.ooms` (who asked for what, and what every process held then) and raises
 `ModelGpuOom`.
+
+Tests of the transparent backends also need what the CUDA driver's checkpoint API does to a
+process (CUDA Driver API, "CUDA Checkpointing": RUNNING -lock-> LOCKED -checkpoint->
+CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING). An entry may carry `cuda` (its state;
+absent: running), `host` (bytes its checkpoint moved off the GPU) and `busy` (inside a GPU
+call: a lock waits for it, as the driver waits for the work it has queued). The test's job
+processes make every GPU step inside `call`, which waits while they are locked or
+checkpointed; the fake driver of `bench/fake_cuda` moves their bytes (`cuda_*`). A
+checkpointed process is absent from `read`, as NVML lists only live contexts.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent.gpu_info import GpuInfo
 
 ENV = "TIMESLICE_MODEL_GPU"
+RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+CALL_POLL_SECONDS = 0.002  # how often a GPU call or a lock looks again while it waits
 
 
 class ModelGpuOom(MemoryError):
@@ -78,16 +89,19 @@ class ModelGpu:
         if start is None:
             raise ValueError(f"process {pid} is gone")
         with self._locked() as state:
-            used = {int(p): e["bytes"] for p, e in state["procs"].items()}
-            free = state["total"] - sum(used.values())
+            free = state["total"] - sum(e["bytes"] for e in state["procs"].values())
             if nbytes > free:
-                record = {"pid": pid, "want": nbytes, "what": what, "free": free, "total": state["total"],
-                          "held": used, "time": time.monotonic()}
-                with open(self.oom_log, "a") as log:
-                    log.write(json.dumps(record) + "\n")
-                raise ModelGpuOom(record)
+                self._oom(state, pid, nbytes, what, free)
             entry = state["procs"].setdefault(str(pid), {"bytes": 0, "start": start})
             entry["bytes"] += nbytes
+
+    def _oom(self, state: dict[str, Any], pid: int, want: int, what: str, free: int) -> None:
+        """Log an allocation that does not fit and raise ModelGpuOom."""
+        record = {"pid": pid, "want": want, "what": what, "free": free, "total": state["total"],
+                  "held": {int(p): e["bytes"] for p, e in state["procs"].items()}, "time": time.monotonic()}
+        with open(self.oom_log, "a") as log:
+            log.write(json.dumps(record) + "\n")
+        raise ModelGpuOom(record)
 
     def free(self, pid: int, nbytes: int) -> None:
         """Give back `nbytes` of process `pid` (at most what it holds)."""
@@ -95,7 +109,7 @@ class ModelGpu:
             entry = state["procs"].get(str(pid))
             if entry is not None:
                 entry["bytes"] = max(0, entry["bytes"] - nbytes)
-                if not entry["bytes"]:
+                if not entry["bytes"] and entry.get("cuda", RUNNING) == RUNNING and not entry.get("busy"):
                     del state["procs"][str(pid)]
 
     def held(self, pid: int) -> int:
@@ -106,8 +120,88 @@ class ModelGpu:
     def read(self) -> GpuInfo:
         """The GPU as NVML would report it: total, free, bytes per live process."""
         with self._locked() as state:
-            procs = {int(p): int(e["bytes"]) for p, e in state["procs"].items()}
+            procs = {int(p): int(e["bytes"]) for p, e in state["procs"].items()
+                     if e.get("cuda", RUNNING) != CHECKPOINTED}
             return GpuInfo(state["uuid"], 0, int(state["total"]), int(state["total"]) - sum(procs.values()), procs)
+
+    # -- the CUDA checkpoint states (see the module docstring) --------------------------------
+    @contextlib.contextmanager
+    def call(self, pid: int) -> Iterator[float]:
+        """One GPU call of process `pid` (its own): waits while the process is locked or
+        checkpointed, then runs the block as busy (a lock waits for it). Yields the seconds it
+        waited."""
+        start, t0 = start_time(pid), time.monotonic()
+        while True:
+            with self._locked() as state:
+                entry = state["procs"].setdefault(str(pid), {"bytes": 0, "start": start})
+                if entry.get("cuda", RUNNING) == RUNNING:
+                    entry["busy"] = True
+                    break
+            time.sleep(CALL_POLL_SECONDS)
+        try:
+            yield time.monotonic() - t0
+        finally:
+            with self._locked() as state:
+                entry = state["procs"].get(str(pid))
+                if entry is not None:
+                    entry.pop("busy", None)
+                    if not entry["bytes"] and entry.get("cuda", RUNNING) == RUNNING:
+                        del state["procs"][str(pid)]
+
+    def cuda_state(self, pid: int) -> str | None:
+        """`pid`'s CUDA state; None when it has no context here (it never allocated). Raises
+        ProcessLookupError when the process is gone."""
+        if start_time(pid) is None:
+            raise ProcessLookupError(pid)
+        with self._locked() as state:
+            entry = state["procs"].get(str(pid))
+            return None if entry is None else str(entry.get("cuda", RUNNING))
+
+    def cuda_lock(self, pid: int, timeout: float) -> bool:
+        """RUNNING -> LOCKED once no GPU call of `pid` runs; False when one still ran after
+        `timeout` seconds (nothing changed). Raises ValueError in another state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._locked() as state:
+                entry = self._entry(state, pid, RUNNING)
+                if not entry.get("busy"):
+                    entry["cuda"] = LOCKED
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(CALL_POLL_SECONDS)
+
+    def cuda_checkpoint(self, pid: int) -> int:
+        """LOCKED -> CHECKPOINTED: its bytes leave the GPU. Returns them."""
+        with self._locked() as state:
+            entry = self._entry(state, pid, LOCKED)
+            entry["host"], entry["bytes"], entry["cuda"] = entry["bytes"], 0, CHECKPOINTED
+            return int(entry["host"])
+
+    def cuda_restore(self, pid: int) -> int:
+        """CHECKPOINTED -> LOCKED: its bytes come back. Raises ModelGpuOom (nothing changed)
+        when they do not fit."""
+        with self._locked() as state:
+            entry = self._entry(state, pid, CHECKPOINTED)
+            want = int(entry.get("host", 0))
+            free = state["total"] - sum(e["bytes"] for e in state["procs"].values())
+            if want > free:
+                self._oom(state, pid, want, "restore", free)
+            entry["bytes"], entry["host"], entry["cuda"] = want, 0, LOCKED
+            return want
+
+    def cuda_unlock(self, pid: int) -> None:
+        """LOCKED -> RUNNING."""
+        with self._locked() as state:
+            self._entry(state, pid, LOCKED)["cuda"] = RUNNING
+
+    @staticmethod
+    def _entry(state: dict[str, Any], pid: int, want: str) -> dict[str, Any]:
+        entry = state["procs"].get(str(pid))
+        now = None if entry is None else entry.get("cuda", RUNNING)
+        if now != want:
+            raise ValueError(f"process {pid} is {now or 'without a context'}, not {want}")
+        return entry  # type: ignore[return-value]
 
     def ooms(self) -> list[dict[str, Any]]:
         """Every OOM so far, oldest first."""

@@ -26,6 +26,10 @@ from timeslice.kubelet_plugin.agent.procfs import gone_or_failed
 
 _init_lock = threading.Lock()
 _STATES = {0: RUNNING, 1: LOCKED, 2: CHECKPOINTED, 3: FAILED, 4: "checkpointing", 5: "restoring"}
+# CUresult names (cuda-bindings, cuda.h) read as: no usable CUDA context in the process, or the
+# wrong state for the call. A name cuda-bindings lacks would turn every other error of every
+# call into an AttributeError (CUDA_ERROR_INITIALIZATION_ERROR, a runtime API name, did).
+NO_CONTEXT_ERRORS = ("CUDA_ERROR_NOT_INITIALIZED", "CUDA_ERROR_DEINITIALIZED", "CUDA_ERROR_ILLEGAL_STATE")
 
 
 def _driver() -> Any:
@@ -50,6 +54,7 @@ class CudaBackend(CudaStyleBackend):
     def __init__(self, lock_timeout: float) -> None:
         super().__init__(lock_timeout)
         self._cu = _driver()
+        self._no_context = {getattr(self._cu.CUresult, n) for n in NO_CONTEXT_ERRORS}
 
     def _call(self, what: str, pid: int, fn: Any, *args: Any) -> Any:
         result = fn(pid, *args)
@@ -63,8 +68,7 @@ class CudaBackend(CudaStyleBackend):
             cls = StepTimeout
         elif err == cu.CUresult.CUDA_ERROR_OPERATING_SYSTEM:  # seen for a PID that does not exist, not only
             raise gone_or_failed(pid, message)
-        elif err in (cu.CUresult.CUDA_ERROR_NOT_INITIALIZED, cu.CUresult.CUDA_ERROR_INITIALIZATION_ERROR,
-                     cu.CUresult.CUDA_ERROR_ILLEGAL_STATE):
+        elif err in self._no_context:
             cls = FailedPrecondition  # no (usable) CUDA context in the process, or wrong state
         raise cls(message)
 

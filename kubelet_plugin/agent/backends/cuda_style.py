@@ -7,7 +7,10 @@ call is undone: a lock is always followed by unlock on failure, a checkpoint tha
 fails after the lock unlocks, a restore that fails leaves the process CHECKPOINTED
 (owned by the agent's records), and an unlock that fails is retried once. A process
 without a CUDA context has nothing on the GPU: it is reported as `no-context`, not
-as a failure.
+as a failure. The driver's word for that (a state or lock answered "not initialized" or
+"illegal state") is taken only for a process NVML shows holding no GPU memory: one that
+holds some fails the step, since its memory would stay on the GPU while the job counted
+as moved (randomized schedules of backend `cuda`, bench/fake_cuda).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from timeslice.kubelet_plugin.agent.backends.peer_memory import shared_gpu_memor
 class CudaStyleBackend(Backend):
     # pid -> NVML indices of its GPUs (a test replaces it)
     process_gpus: Callable[[], Mapping[int, set[int]]] = staticmethod(gpu_memory.process_gpus)
+    # pid -> bytes it holds on the GPUs (NVML; a test replaces it)
+    process_gpu_bytes: Callable[[], Mapping[int, int]] = staticmethod(gpu_memory.process_gpu_bytes)
 
     def __init__(self, lock_timeout: float) -> None:
         self.lock_timeout = lock_timeout
@@ -65,8 +70,9 @@ class CudaStyleBackend(Backend):
         shared = await asyncio.to_thread(lambda: shared_gpu_memory(pids, self.process_gpus()))
         if shared is not None:
             raise BackendError(shared.message(self.name))
-        sizes = await asyncio.to_thread(gpu_memory.process_gpu_bytes)
-        locked = await run_step(f"{self.name} lock", pids, lambda p: self._lock_one(p, timeout), self._unlock_one)
+        sizes = await asyncio.to_thread(self.process_gpu_bytes)
+        locked = await run_step(f"{self.name} lock", pids, lambda p: self._lock_one(p, timeout, sizes.get(p, 0)),
+                                self._unlock_one)
         to_move = [s.pid for s in locked if s.state == LOCKED]
         try:
             moved = await run_step(f"{self.name} checkpoint", to_move,
@@ -89,15 +95,28 @@ class CudaStyleBackend(Backend):
         try:
             return await self.get_state(pid)
         except FailedPrecondition as err:
-            log.warning("no CUDA context, nothing to move pid=%d: %s", pid, err)
+            log.warning("no CUDA context pid=%d: %s", pid, err)
             return None
 
-    async def _lock_one(self, pid: int, timeout: float) -> ProcState:
+    async def _nothing_to_move(self, pid: int, gpu_bytes: int | None, err: Exception | str) -> ProcState:
+        """`no-context` for a process the driver says has no (lockable) context, when NVML
+        shows it holding no GPU memory (`gpu_bytes`, None: asked now); else BackendError:
+        its memory would stay on the GPU while the job counts as moved."""
+        if gpu_bytes is None:
+            gpu_bytes = (await asyncio.to_thread(self.process_gpu_bytes)).get(pid, 0)
+        if gpu_bytes:
+            raise BackendError(f"process {pid} holds {gpu_bytes} bytes on the GPUs (NVML) but the driver has no "
+                               f"context of it to move ({err}): nothing moved")
+        log.warning("no CUDA context, nothing to move pid=%d: %s", pid, err)
+        return ProcState(pid, NO_CONTEXT)
+
+    async def _lock_one(self, pid: int, timeout: float, gpu_bytes: int | None = None) -> ProcState:
         """LOCKED when this call locked it (or found it locked); else what it is (no context,
-        already checkpointed: nothing to lock)."""
+        already checkpointed: nothing to lock). `gpu_bytes`: what NVML showed it hold (None:
+        not asked yet)."""
         state = await self._state_or_none(pid)
         if state is None:
-            return ProcState(pid, NO_CONTEXT)
+            return await self._nothing_to_move(pid, gpu_bytes, "no CUDA state")
         if state in (CHECKPOINTED, LOCKED):
             return ProcState(pid, state)
         if state != RUNNING:
@@ -105,8 +124,7 @@ class CudaStyleBackend(Backend):
         try:
             await self.lock(pid, min(self.lock_timeout, timeout))
         except FailedPrecondition as err:  # a helper whose context cannot be locked: nothing to move
-            log.warning("lock refused, taken as no CUDA context pid=%d: %s", pid, err)
-            return ProcState(pid, NO_CONTEXT)
+            return await self._nothing_to_move(pid, gpu_bytes, err)
         return ProcState(pid, LOCKED)
 
     async def _unlock_one(self, pid: int) -> ProcState:
@@ -120,17 +138,17 @@ class CudaStyleBackend(Backend):
         return ProcState(pid, CHECKPOINTED, gpu_bytes)
 
     async def _checkpoint_one(self, pid: int, timeout: float, gpu_bytes: int) -> ProcState:
+        """(The undo of a restore.)"""
         state = await self._state_or_none(pid)
         if state is None:
-            return ProcState(pid, NO_CONTEXT)
+            return await self._nothing_to_move(pid, None, "no CUDA state")
         if state == CHECKPOINTED:
             return ProcState(pid, CHECKPOINTED, gpu_bytes)
         if state == RUNNING:
             try:
                 await self.lock(pid, min(self.lock_timeout, timeout))
             except FailedPrecondition as err:  # a helper whose context cannot be locked: nothing to move
-                log.warning("lock refused, taken as no CUDA context pid=%d: %s", pid, err)
-                return ProcState(pid, NO_CONTEXT)
+                return await self._nothing_to_move(pid, None, err)
         elif state != LOCKED:
             raise BackendError(f"process {pid} is {state}, cannot checkpoint")
         try:
