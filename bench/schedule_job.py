@@ -220,9 +220,9 @@ class Job:
         if s.device is None:
             self.log("altered", why=f"state not on the GPU {where} (step {self.step})")
             return
-        if self.transparent and self.gpu.cuda_state(self.pid) not in (None, "running"):
-            self.log("altered", why=f"state not on the GPU {where} (step {self.step}): the process is "
-                                    f"{self.gpu.cuda_state(self.pid)}")
+        cuda = self.gpu.cuda_state(self.pid) if self.transparent else None
+        if cuda not in (None, "running"):
+            self.log("altered", why=f"state not on the GPU {where} (step {self.step}): the process is {cuda}")
         if bytes(s.device) != content(self.spec["seed"], self.step, len(s.device)):
             zero = not any(s.device)
             self.log("altered", why=f"state bytes differ {where} (step {self.step}){' (all zero)' if zero else ''}",

@@ -448,8 +448,7 @@ class MemoryMoves:
 
     def _pin_if_moves_may_come(self) -> None:
         """Once a grant of this group may move memory by the last report (`moves_may_come`
-        over its jobs), let the switcher prepare
-        for it (`Switcher.pin_ahead`)."""
+        over its jobs), let the switcher prepare for it (`Switcher.pin_ahead`)."""
         g = self._g
         r = g.residency
         pin = getattr(g.switcher, "pin_ahead", None)

@@ -109,8 +109,7 @@ class ModelGpu:
             entry = state["procs"].get(str(pid))
             if entry is not None:
                 entry["bytes"] = max(0, entry["bytes"] - nbytes)
-                if not entry["bytes"] and entry.get("cuda", RUNNING) == RUNNING and not entry.get("busy"):
-                    del state["procs"][str(pid)]
+                _drop_if_idle(state, pid)
 
     def held(self, pid: int) -> int:
         """Bytes `pid` holds now."""
@@ -145,8 +144,7 @@ class ModelGpu:
                 entry = state["procs"].get(str(pid))
                 if entry is not None:
                     entry.pop("busy", None)
-                    if not entry["bytes"] and entry.get("cuda", RUNNING) == RUNNING:
-                        del state["procs"][str(pid)]
+                    _drop_if_idle(state, pid)
 
     def cuda_state(self, pid: int) -> str | None:
         """`pid`'s CUDA state; None when it has no context here (it never allocated). Raises
@@ -209,6 +207,14 @@ class ModelGpu:
             return [json.loads(line) for line in self.oom_log.read_text().splitlines() if line.strip()]
         except FileNotFoundError:
             return []
+
+
+def _drop_if_idle(state: dict[str, Any], pid: int) -> None:
+    """Forget `pid`'s entry when it holds nothing, runs (not locked or checkpointed) and is in
+    no GPU call."""
+    entry = state["procs"][str(pid)]
+    if not entry["bytes"] and entry.get("cuda", RUNNING) == RUNNING and not entry.get("busy"):
+        del state["procs"][str(pid)]
 
 
 def from_env() -> ModelGpu | None:

@@ -116,12 +116,9 @@ def _run(call: str, pid: int, act: Any) -> CUresult:
     if fault is not None and fault["kind"] == "hang":
         time.sleep(fault["seconds"])
     gpu = _gpu()
-    try:
-        state = gpu.cuda_state(pid)
-    except ProcessLookupError:
-        return CUresult.CUDA_ERROR_OPERATING_SYSTEM
-    if state is None:
-        return CUresult.CUDA_ERROR_NOT_INITIALIZED
+    err, _ = _state(gpu, pid)
+    if err != CUresult.CUDA_SUCCESS:
+        return err
     try:
         done = act(gpu)
     except ModelGpuOom:
@@ -149,8 +146,8 @@ def cuCheckpointProcessUnlock(pid: int, args: CUcheckpointUnlockArgs) -> tuple[C
     return (_run("unlock", pid, lambda gpu: gpu.cuda_unlock(pid)),)
 
 
-def cuCheckpointProcessGetState(pid: int) -> tuple[CUresult, CUprocessState | None]:
-    gpu = _gpu()
+def _state(gpu: ModelGpu, pid: int) -> tuple[CUresult, CUprocessState | None]:
+    """`pid`'s state as the driver answers it: no process, no context, or its state."""
     try:
         state = gpu.cuda_state(pid)
     except ProcessLookupError:
@@ -158,3 +155,7 @@ def cuCheckpointProcessGetState(pid: int) -> tuple[CUresult, CUprocessState | No
     if state is None:
         return CUresult.CUDA_ERROR_NOT_INITIALIZED, None
     return CUresult.CUDA_SUCCESS, _STATES[state]
+
+
+def cuCheckpointProcessGetState(pid: int) -> tuple[CUresult, CUprocessState | None]:
+    return _state(_gpu(), pid)
