@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Randomized schedules of the real orchestrator, node agent and job processes on a model GPU,
-with kills and pauses of each (issue 21, item 6), for backend `cooperative` or `cuda`.
+with kills and pauses of each (issues 21 and 22), for backend `cooperative`, `cuda`, `freeze`
+or `none`.
 
 Each schedule (a pure function of its seed) runs, as real processes through the product's
 commands with default settings: `timeslice node-agent` (its GPU a model GPU: the ledger of
@@ -22,6 +23,9 @@ that register nothing, whose GPU calls wait while the driver has them locked), a
 0-2 driver faults per schedule (drawn apart from the rest of the schedule): a call of lock,
 checkpoint, restore or unlock that hangs for seconds, answers a CUDA error, or ends the agent
 after acting and before answering (a driver crash mid-step; the agent is started again).
+`--backend freeze` (the agent stops and continues the job processes) and `--backend none` (the
+lock alone) move no memory: their jobs, transparent as under `cuda`, are scaled to fit the GPU
+together (`fit_together`).
 
 Found per schedule: OOMs (an allocation past the model GPU's total), altered states (a
 job's state bytes differ from the pure function of its seed and step at a phase's start
@@ -73,6 +77,10 @@ DRIVER_DIE_EXIT = 86  # the fake driver ended the agent mid-step, as planned
 OOM_EXIT = 99
 SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
 READY_SECONDS = 60.0
+BACKENDS = ("cooperative", "cuda", "freeze", "none")
+# Backends that move no GPU memory (a frozen or waiting job keeps its memory on the GPU): their
+# schedules' jobs fit together (`fit_together`); an OOM there is still caused by placement.
+STAYING = ("freeze", "none")
 CLASSES = ("oom_placement", "altered_states", "double_computes", "jobs_never_granted_again", "job_errors",
            "component_crashes")
 
@@ -144,7 +152,8 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
     """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
     `register_late`: about half the jobs open their memory-command stream after their first
     hold (drawn apart, so that the rest of the schedule stays that of the seed). `backend`
-    "cuda": the same jobs and faults, and faults of the fake driver (`driver_faults`)."""
+    "cuda": the same jobs and faults, and faults of the fake driver (`driver_faults`); `STAYING`
+    backends: the same, scaled to fit together (`fit_together`)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(rng.randint(2, 4)):
@@ -179,8 +188,25 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
         faults.append(f)
     if backend != "cooperative":
         jobs = [JobSpec(**{**asdict(j), "backend": backend, "register_late": False}) for j in jobs]
+    if backend in STAYING:
+        jobs = fit_together(jobs)
     return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)), backend,
                     driver_faults(seed) if backend == "cuda" else ())
+
+
+def fit_together(jobs: list[JobSpec]) -> list[JobSpec]:
+    """`jobs` scaled down (each size by one factor) so that their peaks fit the GPU together
+    with the headroom: backends that move no memory (`STAYING`) keep every job resident."""
+    room = int(TOTAL * (1 - HEADROOM))
+    total = sum(j.peak for j in jobs)
+    if total <= room:
+        return jobs
+    out = []
+    for j in jobs:
+        sizes = {k: getattr(j, k) * room // total for k in ("ctx", "model", "optim", "kv")}
+        spec = JobSpec(**{**asdict(j), **sizes})
+        out.append(JobSpec(**{**asdict(spec), "declare": spec.peak}) if j.declare else spec)
+    return out
 
 
 def _die_with_parent() -> None:
@@ -261,7 +287,7 @@ class Run:
         agent_env = {**base, MODEL_GPU_ENV: str(self.ledger.path)}
         if sched.backend == "cooperative":
             config["pinned_pool"] = {"path": str(self.pool), "bytes": POOL_BYTES}
-        else:  # the agent's real backend over the fake driver (bench/fake_cuda)
+        elif sched.backend == "cuda":  # the agent's real backend over the fake driver (bench/fake_cuda)
             agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
             agent_env[FAKE_CUDA_FAULTS_ENV] = json.dumps(list(sched.driver_faults))
         (workdir / "config.json").write_text(json.dumps(config))  # YAML is a superset of JSON
@@ -525,9 +551,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--register-late", action="store_true",
                     help="about half the jobs register their state after their first hold (model on the GPU), not "
                          "before it (default: all before, when it is 0 bytes)")
-    ap.add_argument("--backend", choices=["cooperative", "cuda"], default="cooperative",
+    ap.add_argument("--backend", choices=BACKENDS, default="cooperative",
                     help="the group's backend: cooperative job processes, or transparent ones moved by the agent's "
-                         "cuda backend over a fake driver with faults (default cooperative)")
+                         "cuda backend over a fake driver with faults, stopped by its freeze backend, or only "
+                         "ordered by the lock (none); freeze and none jobs fit together (default cooperative)")
     ap.add_argument("--failing-logs", metavar="FILE.tar",
                     help="add each failing schedule's work directory to this tar as it fails (a run on another "
                          "machine, e.g. the lent GPU host, brings its logs back)")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The suite on a loaded machine (issue 12): stress-ng keeps every core busy while the unit +
-# integration suite runs RUNS times (default 5) and the e2e suite once; each run's time and
-# result is printed. Needs stress-ng (Debian package, installed when missing) and, for e2e, root.
+# integration suite runs RUNS times (default 5), the e2e suite once, and the randomized schedules
+# (bench/schedules.py) SCHEDULES times per backend (default 100; the suite runs a slice of them);
+# each run's time and result is printed. Needs stress-ng (Debian package, installed when missing)
+# and, for e2e, root.
 #   hack/stress-test.sh
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,4 +21,15 @@ done
 start=$(date +%s)
 if hack/e2e.sh >/tmp/stress-e2e.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "e2e run: $result in $(( $(date +%s) - start )) s ($(grep -E '[0-9]+ (passed|failed)' /tmp/stress-e2e.log | tail -n 1))"
+for backend in cooperative cuda freeze none; do
+  start=$(date +%s)
+  if .venv/bin/python bench/schedules.py --backend "$backend" --count "${SCHEDULES:-100}" --seed 100001 --workers 2 \
+      --out "/tmp/stress-schedules-$backend.json" >"/tmp/stress-schedules-$backend.log" 2>&1; then
+    result=passed
+  else
+    result=FAILED; failed=1
+  fi
+  echo "schedules $backend: $result in $(( $(date +%s) - start )) s ($(grep -c '"failures": \[{' \
+    "/tmp/stress-schedules-$backend.log") of ${SCHEDULES:-100} failed; /tmp/stress-schedules-$backend.json)"
+done
 exit "$failed"

@@ -33,6 +33,7 @@ class FakeGpu:
         self.off: dict[str, int] = {}
         self.calls: list[tuple[str, str]] = []
         self.reports = 0
+        self.procs: dict[str, str] = {}  # job -> the name of its process ("<pid>:<start time>")
 
     async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
         for job in evict:
@@ -49,7 +50,8 @@ class FakeGpu:
         return MemorySnapshot(devices={DEV: DeviceMemory(self.total, free)},
                               device_bytes={j: {DEV: b} for j, b in self.on.items()},
                               checkpointed_bytes={j: {DEV: b} for j, b in self.off.items()},
-                              host_available={"agent-0": self.host})
+                              host_available={"agent-0": self.host},
+                              processes={j: {f"agent-0/{p}"} for j, p in self.procs.items()})
 
 
 def group(gpu: FakeGpu, declare: bool = True, clock=None, **kw: object) -> LockGroup:
@@ -1160,6 +1162,32 @@ async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> 
     assert "a" not in g.residency.settled
     calls = len(gpu.calls)
     await hold(g, "a", then=lambda: gpu.set("a", 75))  # its next generate: b leaves first
+    assert gpu.calls[calls:] == [("checkpoint", "b")]
+    await g.close()
+
+
+async def test_a_job_whose_process_started_again_settles_afresh() -> None:
+    """Randomized schedules with backend `cuda`, seed 29: a (nothing declared) was SIGTERMed
+    after its first generate and started again. Its new process repeated that generate, then
+    its first train step (the optimizer state appears; no growth past the KV cache it freed),
+    and the old process's hold counted as a third observed one: a settled at 31 GB, was
+    restored beside b (55 GB), and its next generate (31 + 13 GB of KV cache) ran out of
+    memory. A transparent backend learns of the restart only from the memory report (a
+    process it had not named before): the new process's holds count from nothing."""
+    gpu = SampledGpu(b=55)
+    g = group(gpu, declare=False)
+    gpu.procs["a"] = "100:1"
+    await hold(g, "b", memory=55 * GB)
+    await hold(g, "a", then=lambda: gpu.set("a", 31))  # its first generate: model and KV cache (alone)
+    await g.moves.snapshot()
+    gpu.on["a"], gpu.procs["a"] = 0, "200:9"  # SIGTERMed and started again
+    for _ in range(2):  # its generate again, then its first train step (31 GB: optimizer state, no KV cache)
+        await hold(g, "a", then=lambda: gpu.set("a", 31))
+        await g.moves.snapshot()
+    await hold(g, "b", memory=55 * GB)  # restored beside a: 31 + 55 of 100
+    assert "a" not in g.residency.settled
+    calls = len(gpu.calls)
+    await hold(g, "a", then=lambda: gpu.set("a", 44))  # its next generate: b leaves first
     assert gpu.calls[calls:] == [("checkpoint", "b")]
     await g.close()
 

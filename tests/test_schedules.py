@@ -5,13 +5,14 @@ model GPU, with kills and pauses of each.
 The ledger: allocations past the total are OOMs (logged, nothing changed), a process that
 ended holds nothing, and `timeslice node-agent` reports it in place of NVML when
 `$TIMESLICE_MODEL_GPU` names it. The harness's findings are checked on hand-made event
-logs (two overlapping phases, a state that differs). The slow test runs 20 fixed seeds and
-asserts that none of them OOMs, alters a state, computes twice at once, loses a job or
-crashes a server.
+logs (two overlapping phases, a state that differs). The slow test runs fixed seeds per
+backend (`cooperative`, `cuda` over the fake driver, `freeze`, `none`) and asserts that none
+of them OOMs, alters a state, computes twice at once, loses a job or crashes a server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import multiprocessing
@@ -141,6 +142,9 @@ async def test_the_node_agent_reports_the_model_gpu_in_place_of_nvml(short_tmp: 
         await stop(agent)
     assert [(g.uuid, g.total_bytes, g.free_bytes) for g in rep.gpus] == [("GPU-model-0", 100 * MB, 58 * MB)]
     assert dict(rep.jobs[0].device_bytes) == {"GPU-model-0": 42 * MB}
+    stat = await asyncio.to_thread(Path(f"/proc/{sleeper.pid}/stat").read_text)
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    assert list(rep.jobs[0].processes) == [f"{sleeper.pid}:{start_ticks}"]  # a restarted job names a new one
 
 
 async def test_a_hold_that_a_node_agent_restart_cut_through_does_not_settle_its_job(short_tmp: Path,
@@ -237,19 +241,29 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
     assert sorted(f["class"] for f in schedules.analyze(run)[0]) == ["altered_states", "double_computes"]
 
 
-SEEDS = [*range(1, 21), 3718, 5112, 6004, 8370]  # and some that failed once (CHANGELOG)
+# Per backend, a quick slice of fixed seeds and some that failed once (CHANGELOG); `make
+# stress-test` runs more (hack/stress-test.sh).
+SEEDS = {
+    "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370],
+    "cuda": [*range(1, 9), 29],
+    "freeze": [*range(1, 7)],
+    "none": [*range(1, 7)],
+}
 
 
-@pytest.mark.slow  # about 2 minutes on a loaded 2-core machine
+@pytest.mark.slow  # about 2 minutes for cooperative, 1 for the others, on a loaded 2-core machine
 @pytest.mark.timeout(1200)
-def test_random_schedules_with_kills_and_pauses_keep_every_job_whole() -> None:
+@pytest.mark.parametrize("backend", sorted(SEEDS))
+def test_random_schedules_with_kills_and_pauses_keep_every_job_whole(backend: str) -> None:
+    seeds = SEEDS[backend]
     # spawned, not forked: this process runs gRPC threads, and a forked worker died of them
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as ex:
-        results = list(ex.map(schedules.run_one, SEEDS))
+        results = list(ex.map(schedules.run_one, seeds, [False] * len(seeds), [False] * len(seeds),
+                              [backend] * len(seeds)))
     failing = [f"seed {r['seed']} ({', '.join(r['faults']) or 'no fault'}): {f['class']}: {f['reason']}"
                for r in results for f in r["failures"]]
-    assert not failing, f"{len(failing)} failures (bench/schedules.py --count 1 --seed SEED --keep -v):\n" + \
-        "\n".join(failing)
+    assert not failing, (f"{len(failing)} failures (bench/schedules.py --backend {backend} --count 1 --seed SEED "
+                         "--keep -v):\n" + "\n".join(failing))
 
 
 def test_the_harness_runs_as_a_script_with_its_help() -> None:

@@ -79,7 +79,9 @@ class StepResult:
 class AgentMemory:
     """One node's `GetMemory` answer: `gpus` uuid -> (total, free) bytes; per job, bytes by
     GPU uuid on the GPUs now and checkpointed; host bytes available for checkpoints;
-    `incarnation`: the answering agent's run (a new one after a restart; "" from older agents)."""
+    `incarnation`: the answering agent's run (a new one after a restart; "" from older agents);
+    `processes`: per job, the names of its processes the bytes were counted from
+    ("<pid>:<start time>", `JobMemory.processes`)."""
 
     gpus: dict[str, tuple[int, int]]
     device_bytes: dict[str, dict[str, int]]
@@ -87,6 +89,7 @@ class AgentMemory:
     host_available: int
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch (`memory(watch=...)`)
     incarnation: str = ""
+    processes: dict[str, list[str]] = field(default_factory=dict)
 
 
 class AgentClient:
@@ -188,7 +191,7 @@ class AgentClient:
                            {j.job_id: dict(j.checkpointed_bytes) for j in resp.jobs if j.checkpointed_bytes},
                            int(resp.host_available_bytes),
                            {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes},
-                           resp.incarnation)
+                           resp.incarnation, {j.job_id: list(j.processes) for j in resp.jobs if j.processes})
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",

@@ -92,6 +92,8 @@ class MemorySnapshot:
     unseen: set[str] = field(default_factory=set)  # jobs whose device bytes are what they registered, not NVML's
     unanswered: set[str] = field(default_factory=set)  # agent targets whose report failed
     incarnations: dict[str, str] = field(default_factory=dict)  # agent target -> the run that answered
+    # job -> its processes the bytes were counted from, "<agent target>/<pid>:<start time>"
+    processes: dict[str, set[str]] = field(default_factory=dict)
     taken_at: float = field(default_factory=time.monotonic)
 
     def on_device(self, job: str) -> dict[str, int]:
@@ -304,6 +306,7 @@ class Residency:
         self._holding: dict[str, _Hold] = {}  # the holder's hold
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
+        self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named some
         self.snapshot: MemorySnapshot | None = None
 
     def held(self, job: str, observed: bool = True) -> None:
@@ -390,6 +393,7 @@ class Residency:
         self.holds.pop(job, None)
         self._holding.pop(job, None)
         self._ended.pop(job, None)
+        self._processes.pop(job, None)
 
     def lru(self, excluding: Iterable[str] = ()) -> list[str]:
         skip = set(excluding)
@@ -430,9 +434,16 @@ class Residency:
         else what they hold now), and the holds ended since the last one settle their jobs or
         not. A snapshot that an agent did not answer, or answered as another incarnation than
         before (restarted), makes the holds it should have covered `unobserved`; one with no
-        devices (no agent answered) does only that."""
+        devices (no agent answered) does only that. A job whose processes include one that
+        its last report did not name `started` again (transparent backends learn of a
+        restarted job only this way)."""
         restarted = any(self._incarnations.get(agent, run) != run for agent, run in snap.incarnations.items())
         self._incarnations.update(snap.incarnations)
+        for job, procs in snap.processes.items():
+            if procs - self._processes.get(job, procs):
+                self.started(job)
+            if procs:
+                self._processes[job] = procs
         if snap.unanswered or restarted:
             self.unobserved()
         if not snap.devices:

@@ -191,6 +191,8 @@ class SwitchCoordinator:
                 snap.checkpointed_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             for job, per in rep.peak_bytes.items():
                 snap.peak_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
+            for job, procs in rep.processes.items():
+                snap.processes.setdefault(job, set()).update(f"{target}/{n}" for n in procs)
             snap.host_available[target] = rep.host_available
             if rep.incarnation:
                 snap.incarnations[target] = rep.incarnation

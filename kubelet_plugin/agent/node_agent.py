@@ -37,7 +37,7 @@ from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUN
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
-from timeslice.kubelet_plugin.agent.procfs import proc_state
+from timeslice.kubelet_plugin.agent.procfs import proc_state, process_name
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
@@ -77,6 +77,7 @@ class MemoryView:
     host_available: int = 0
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
     incarnation: str = ""
+    processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`process_name`)
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -87,6 +88,15 @@ def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, i
         if n:
             out[g.uuid] = n
     return out
+
+
+def _names(pids: Iterable[int]) -> list[str]:
+    """`process_name` of each of `pids` still running, sorted."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(ProcessGone):
+            out.append(process_name(pid))
+    return sorted(out)
 
 
 def _raise(peak: dict[str, int], sample: Mapping[str, int]) -> None:
@@ -429,7 +439,8 @@ class NodeAgent:
 
     async def memory(self, jobs: Sequence[JobRef], watch_seconds: float = 0.0, low_free: int = 0) -> MemoryView:
         """The node's GPUs and host memory, and where each job's memory is. A job whose
-        processes cannot be resolved (gone, not started) has no device bytes.
+        processes cannot be resolved (gone, not started) has no device bytes; `processes`
+        names the processes each job's bytes were counted from (`process_name`).
         `watch_seconds` > 0: sample the GPUs every `WATCH_INTERVAL_SECONDS` for that long
         (bounded by `MAX_WATCH_SECONDS`), or until a GPU has less than `low_free` bytes free,
         then answer with the last sample; `peak_bytes` is the most each job held over the
@@ -450,6 +461,7 @@ class NodeAgent:
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
                 pids_of[job.job_id] = list(await self._pids(job))
+                view.processes[job.job_id] = _names(pids_of[job.job_id])
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
         asked = time.monotonic()

@@ -121,12 +121,13 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
         await self._check(context)
         view = await self._agent.memory([_step_request(j, backend_required=False).job for j in request.jobs],
                                         request.watch_seconds, request.low_free_bytes)
-        names = sorted(set(view.device_bytes) | set(view.checkpointed_bytes))
+        names = sorted(set(view.device_bytes) | set(view.checkpointed_bytes) | set(view.processes))
         return apb.MemoryReport(
             gpus=[apb.GpuMemory(uuid=g.uuid, index=g.index, total_bytes=g.total, free_bytes=g.free) for g in view.gpus],
             jobs=[apb.JobMemory(job_id=n, device_bytes=view.device_bytes.get(n, {}),
                                 checkpointed_bytes=view.checkpointed_bytes.get(n, {}),
-                                peak_device_bytes=view.peak_bytes.get(n, {})) for n in names],
+                                peak_device_bytes=view.peak_bytes.get(n, {}),
+                                processes=view.processes.get(n, [])) for n in names],
             host_available_bytes=view.host_available, incarnation=view.incarnation)
 
     @rpc_method

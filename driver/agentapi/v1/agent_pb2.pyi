@@ -29,7 +29,7 @@ class GpuMemory(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
 
 class JobMemory(_message.Message):
-    __slots__ = ("job_id", "device_bytes", "checkpointed_bytes", "peak_device_bytes")
+    __slots__ = ("job_id", "device_bytes", "checkpointed_bytes", "peak_device_bytes", "processes")
     class DeviceBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,11 +55,13 @@ class JobMemory(_message.Message):
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     device_bytes: _containers.ScalarMap[str, int]
     checkpointed_bytes: _containers.ScalarMap[str, int]
     peak_device_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ..., peak_device_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    processes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ..., peak_device_bytes: _Optional[_Mapping[str, int]] = ..., processes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
     __slots__ = ("gpus", "jobs", "host_available_bytes", "incarnation")
