@@ -30,10 +30,18 @@ ticks longer than `GAP_SECONDS` (the process was stopped), is logged as `paused`
 the time it could compute counts towards two jobs computing at once. A phase that starts while
 its state is not on the GPU (granted before its restore) is logged as altered.
 
+Under backend `app` the job is also its own inference engine: before its first acquire it
+serves vLLM's sleep API on 127.0.0.1 (`engine_port` in the spec; `Engine`), as
+`driver/app_engine.py` documents it. `POST /sleep?level=1` copies the state to host memory and
+frees it on the model GPU (the context stays), `POST /wake_up` brings it back, `GET
+/is_sleeping` answers where it is; a sleep during a phase is logged as altered and fails
+(HTTP 500), as does a wake that runs out of memory.
+
 Spec keys: job, group, target, ledger, log, seed, steps, ctx, model, optim, kv (bytes),
 gen_s, reward_s, train_s (seconds), declare (bytes, 0: none; exported as
 `TIMESLICE_MEMORY` by the harness), register_late (open the memory-command stream after
-the first hold, when the model is on the GPU, rather than at start), backend.
+the first hold, when the model is on the GPU, rather than at start), backend, engine_port
+(backend app).
 """
 
 from __future__ import annotations
@@ -48,7 +56,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.errors import SwitchFailed
@@ -140,6 +150,50 @@ class ModelStore:
             self.moved, self.own = False, None
             self.log("restored", bytes=n)
             return n
+
+
+class Engine(BaseHTTPRequestHandler):
+    """vLLM's sleep API over the job's `ModelStore` (backend `app`; module docstring)."""
+
+    store: ModelStore  # set on the subclass `serve_engine` makes
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        if path not in ("/sleep", "/wake_up"):
+            self._answer(404, b"")
+            return
+        try:
+            if path == "/sleep":
+                self.store.checkpoint([])
+            else:
+                self.store.restore([])
+        except Exception as err:  # an exception in the engine: FastAPI answers 500
+            self._answer(500, json.dumps({"detail": f"{type(err).__name__}: {err}"}).encode())
+            return
+        self._answer(200, b"")
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path != "/is_sleeping":
+            self._answer(404, b"")
+            return
+        self._answer(200, json.dumps({"is_sleeping": self.store.moved}).encode())
+
+    def _answer(self, code: int, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve_engine(store: ModelStore, port: int) -> None:
+    """Serve `Engine` over `store` on 127.0.0.1:`port` in a daemon thread."""
+    handler = type("StoreEngine", (Engine,), {"store": store})
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)  # reuses the address: a restarted job binds again
+    threading.Thread(target=server.serve_forever, daemon=True, name="engine").start()
 
 
 class Job:
@@ -267,6 +321,8 @@ class Job:
         spec = self.spec
         self.log("start", job=spec["job"])
         late = spec.get("register_late", False)
+        if spec.get("backend") == "app":
+            serve_engine(self.store, spec["engine_port"])
         if not late and not self.transparent:  # registered before the model is on the GPU (0 bytes then)
             self.register()
         try:

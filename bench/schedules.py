@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Randomized schedules of the real orchestrator, node agent and job processes on a model GPU,
-with kills and pauses of each (issues 21 and 22), for backend `cooperative`, `cuda`, `freeze`
-or `none`.
+with kills and pauses of each (issues 21 and 22), for backend `cooperative`, `cuda`, `freeze`,
+`none` or `app`.
 
 Each schedule (a pure function of its seed) runs, as real processes through the product's
 commands with default settings: `timeslice node-agent` (its GPU a model GPU: the ledger of
@@ -25,7 +25,8 @@ checkpoint, restore or unlock that hangs for seconds, answers a CUDA error, or e
 after acting and before answering (a driver crash mid-step; the agent is started again).
 `--backend freeze` (the agent stops and continues the job processes) and `--backend none` (the
 lock alone) move no memory: their jobs, transparent as under `cuda`, are scaled to fit the GPU
-together (`fit_together`).
+together (`fit_together`). `--backend app`: each job is its own inference engine (vLLM's sleep
+API on loopback, bench/schedule_job.py), which the agent's `app` backend puts to sleep and wakes.
 
 Found per schedule: OOMs (an allocation past the model GPU's total), altered states (a
 job's state bytes differ from the pure function of its seed and step at a phase's start
@@ -77,7 +78,7 @@ DRIVER_DIE_EXIT = 86  # the fake driver ended the agent mid-step, as planned
 OOM_EXIT = 99
 SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
 READY_SECONDS = 60.0
-BACKENDS = ("cooperative", "cuda", "freeze", "none")
+BACKENDS = ("cooperative", "cuda", "freeze", "none", "app")
 # Backends that move no GPU memory (a frozen or waiting job keeps its memory on the GPU): their
 # schedules' jobs fit together (`fit_together`); an OOM there is still caused by placement.
 STAYING = ("freeze", "none")
@@ -209,6 +210,15 @@ def fit_together(jobs: list[JobSpec]) -> list[JobSpec]:
     return out
 
 
+def _free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (the job's engine binds it, again after a restart)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the harness's worker dies (no orphans)."""
     import ctypes
@@ -290,10 +300,15 @@ class Run:
         elif sched.backend == "cuda":  # the agent's real backend over the fake driver (bench/fake_cuda)
             agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
             agent_env[FAKE_CUDA_FAULTS_ENV] = json.dumps(list(sched.driver_faults))
+        ports = {j.name: _free_port() for j in sched.jobs} if sched.backend == "app" else {}
+        if ports:  # each job is its own engine (bench/schedule_job.py `Engine`)
+            config["groups"][0]["apps"] = {name: {"engine": "vllm", "url": f"http://127.0.0.1:{port}"}
+                                           for name, port in ports.items()}
         (workdir / "config.json").write_text(json.dumps(config))  # YAML is a superset of JSON
         cli = [sys.executable, "-m", "timeslice.cli.main"]
+        offered = ["--backends", "app"] if ports else []  # app is offered on request (node-agent --help)
         self.agent = Proc("agent", [*cli, "node-agent", "--listen", agent_target, "--state-dir",
-                                    str(workdir / "agent")], agent_env,
+                                    str(workdir / "agent"), *offered], agent_env,
                           workdir / "agent.log", ready="ready listen=")
         self.orch = Proc("orchestrator", [*cli, "orchestrator", "--config", str(workdir / "config.json")], base,
                          workdir / "orchestrator.log")
@@ -302,7 +317,8 @@ class Run:
             spec = {"job": j.name, "group": "g", "target": self.target, "ledger": str(self.ledger.path),
                     "log": str(workdir / f"{j.name}.events"), "seed": j.seed, "steps": j.steps, "ctx": j.ctx,
                     "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
-                    "train_s": j.train_s, "register_late": j.register_late, "backend": j.backend}
+                    "train_s": j.train_s, "register_late": j.register_late, "backend": j.backend,
+                    "engine_port": ports.get(j.name, 0)}
             env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
                    **({"TIMESLICE_MEMORY": f"{j.declare}B"} if j.declare else {})}
             self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
@@ -553,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                          "before it (default: all before, when it is 0 bytes)")
     ap.add_argument("--backend", choices=BACKENDS, default="cooperative",
                     help="the group's backend: cooperative job processes, or transparent ones moved by the agent's "
-                         "cuda backend over a fake driver with faults, stopped by its freeze backend, or only "
-                         "ordered by the lock (none); freeze and none jobs fit together (default cooperative)")
+                         "cuda backend over a fake driver with faults, stopped by its freeze backend, only "
+                         "ordered by the lock (none), or slept and woken as inference engines (app); freeze and "
+                         "none jobs fit together (default cooperative)")
     ap.add_argument("--failing-logs", metavar="FILE.tar",
                     help="add each failing schedule's work directory to this tar as it fails (a run on another "
                          "machine, e.g. the lent GPU host, brings its logs back)")

@@ -21,6 +21,9 @@ BACKEND_NONE = "none"
 # call (kubelet_plugin/agent/backends/app.py; the engine in driver/app_engine.py).
 BACKEND_APP = "app"
 BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_APP, BACKEND_NONE)
+# Backends whose checkpoint stops the job's processes (SIGSTOP) or locks them (CUDA calls
+# block): a checkpointed job's client may not answer. Under `app` and `cooperative` it runs on.
+STOPPING_BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE)
 # Moved by the job's own process (timeslice.torch) on the orchestrator's command, not by a
 # node agent: agents only report memory for it.
 BACKEND_COOPERATIVE = "cooperative"

@@ -21,7 +21,7 @@ done
 start=$(date +%s)
 if hack/e2e.sh >/tmp/stress-e2e.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "e2e run: $result in $(( $(date +%s) - start )) s ($(grep -E '[0-9]+ (passed|failed)' /tmp/stress-e2e.log | tail -n 1))"
-for backend in cooperative cuda freeze none; do
+for backend in cooperative cuda freeze none app; do
   start=$(date +%s)
   if .venv/bin/python bench/schedules.py --backend "$backend" --count "${SCHEDULES:-100}" --seed 100001 --workers 2 \
       --out "/tmp/stress-schedules-$backend.json" >"/tmp/stress-schedules-$backend.log" 2>&1; then

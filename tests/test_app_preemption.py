@@ -259,3 +259,41 @@ async def test_a_merge_revokes_an_app_holders_lease_and_sleeps_its_engine_after_
     finally:
         await old.close()
         await new.close()
+
+
+async def test_a_dead_clients_waiter_leaves_and_its_hold_left_by_the_jobs_next_process_ends_at_its_lapse() -> None:
+    """Randomized schedules with backend `app`, seed 5: a's client was killed mid-hold and
+    started again. The dead client's waiter had been kept when its connection dropped, as if
+    its processes were frozen (an engine's sleep stops no client), and was granted; the new
+    process's calls joined that hold, it finished and left, and the dead caller's part kept
+    the hold until its lease lapsed, then kept a's engine awake for a release that never
+    came: every other job waited for good. Now the waiter leaves with its connection, and a
+    job that left while only another caller's part of its hold remained is dropped at the
+    lapse (its engine slept, b granted)."""
+    moves: list[tuple[tuple[str, ...], str, bool]] = []
+
+    async def switcher(spec: GroupSpec, evict, incoming: str, restore: bool) -> SwitchRecord:  # type: ignore[no-untyped-def]
+        moves.append((tuple(evict), incoming, restore))
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    engines = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in "ab"}
+    g = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///x",), apps=engines, residency="exclusive",
+                            lease_seconds=0.5), switcher)
+    try:
+        gb = await g.acquire("b", 0, "b-1", None)
+        g.release("b", gb.lease_id, gb.epoch, "b-1")
+        ga = await g.acquire("a", 0, "a-1", None)  # b's engine sleeps: b is checkpointed
+        assert "b" in g.residency.checkpointed
+        b_waits = asyncio.create_task(g.acquire("b", 0, "b-2", None))
+        await eventually(lambda: len(g.queue) == 1, what="b waiting")
+        b_waits.cancel()  # its connection dropped (the client was killed): its engine sleeps, its client does not
+        await eventually(lambda: not g.queue, what="b's waiter gone with its connection")
+        again = await g.acquire("a", 0, "a-2", None)  # a's next process joins the hold of the one killed in it
+        assert again.epoch == ga.epoch
+        g.release("a", again.lease_id, again.epoch, "a-2")
+        assert g.leave("a") == "busy"  # the next process is done; the killed one's part remains
+        b_asks = asyncio.create_task(g.acquire("b", 0, "b-3", None))
+        await asyncio.wait_for(b_asks, 10)  # after a's lease lapsed: a dropped, its engine slept
+        assert moves[-1] == (("a",), "b", True)
+    finally:
+        await g.close()

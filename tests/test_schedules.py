@@ -6,7 +6,8 @@ The ledger: allocations past the total are OOMs (logged, nothing changed), a pro
 ended holds nothing, and `timeslice node-agent` reports it in place of NVML when
 `$TIMESLICE_MODEL_GPU` names it. The harness's findings are checked on hand-made event
 logs (two overlapping phases, a state that differs). The slow test runs fixed seeds per
-backend (`cooperative`, `cuda` over the fake driver, `freeze`, `none`) and asserts that none
+backend (`cooperative`, `cuda` over the fake driver, `freeze`, `none`, `app` with each job its
+own engine) and asserts that none
 of them OOMs, alters a state, computes twice at once, loses a job or crashes a server.
 """
 
@@ -248,6 +249,7 @@ SEEDS = {
     "cuda": [*range(1, 9), 29],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7)],
+    "app": [*range(1, 7)],
 }
 
 

@@ -4,8 +4,12 @@ Owned by `LockGroup` (one per group). An Acquire's caller leaves by a timeout, a
 CancelAcquire, or a lost connection (the server's keep-alive pings went unanswered,
 `grpc_server.SERVER_OPTIONS`). A waiter whose last caller left is never granted; a grant
 whose last caller left in the same instant ends at once. One exception keeps a frozen
-job from being stranded: a waiter of a job this group checkpointed or froze keeps its
-place when its connection is lost (its processes are stopped and cannot answer).
+job from being stranded: on a backend that stops or locks processes (`STOPPING_BACKENDS`), a
+waiter of a job this group checkpointed or froze keeps its place when its connection is lost
+(its processes are stopped and cannot answer). Under `app` and `cooperative` a checkpointed
+job's client runs on: its lost connection is a caller gone (app schedules seed 5: a killed
+client's waiter was kept, granted, joined by the job's next process, and its hold, which the
+dead caller never released, kept every other engine asleep).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import Hold
 from timeslice.controller.orchestrator.lock_queue import Waiter
+from timeslice.driver.names import STOPPING_BACKENDS
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -45,13 +50,14 @@ class Callers:
 
     def lost(self, w: Waiter) -> None:
         """The last call waiting on `w` was cancelled (its connection was lost). When `w`'s
-        job is checkpointed here, its processes are frozen or checkpointed by this group and
-        cannot answer: `w` keeps its place with no caller, is granted in its turn (restoring
-        the job), and its client, running again, asks with the same request id and receives
-        that grant (or gives it up with CancelAcquire; a grant nobody takes lapses with its
-        lease). Any other waiter leaves like a caller that gave up."""
+        job is checkpointed here by a backend that stops or locks processes, they are frozen
+        or checkpointed by this group and cannot answer: `w` keeps its place with no caller,
+        is granted in its turn (restoring the job), and its client, running again, asks with
+        the same request id and receives that grant (or gives it up with CancelAcquire; a
+        grant nobody takes lapses with its lease). Any other waiter leaves like a caller that
+        gave up."""
         g = self._g
-        if w.callers > 1 or w.job_id not in g.residency.checkpointed \
+        if w.callers > 1 or w.job_id not in g.residency.checkpointed or g.spec.backend not in STOPPING_BACKENDS \
                 or g.queue.by_request(w.job_id, w.request_id) is not w:
             self.left(w)
             return

@@ -256,8 +256,14 @@ class LockGroup:
         """A process of `job_id` is done with the group (`Leave`). A job that neither holds
         nor waits is dropped (`drop_job`: if its state is off the GPUs, or being moved off,
         it is restored once the group is idle, then forgotten; if it is on them, it is never
-        moved again). Returns "left", or "busy" when the job holds or waits."""
-        if (self.holder is not None and self.holder.job_id == job_id) or any(w.job_id == job_id for w in self.queue):
+        moved again). Returns "left", or "busy" when the job holds or waits (holding with no
+        waiter: `MemoryMoves.left_holding`)."""
+        waits = any(w.job_id == job_id for w in self.queue)
+        if self.holder is not None and self.holder.job_id == job_id:
+            if not waits:
+                self.moves.left_holding(job_id)
+            return "busy"
+        if waits:
             return "busy"
         if job_id in self.residency.residents or job_id in self.residency.checkpointed:
             log.info("job left group=%s job=%s", self.id, job_id)

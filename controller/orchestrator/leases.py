@@ -120,7 +120,8 @@ class Leases:
         log.warning("lease expired group=%s job=%s epoch=%d", g.id, h.job_id, h.epoch)
         g.notify("lease-expired", h.job_id, h.epoch)
         g.end_hold(h, "lease expired")
-        g.moves.lapsed(h.job_id, h, f"no keep-alive within {g.spec.lease_seconds:g} s")
+        if g.moves.lapsed(h.job_id, h, f"no keep-alive within {g.spec.lease_seconds:g} s"):
+            g.drop_job(h.job_id, "a process of it left while it held and its lease lapsed since")
         if g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP):
             self._lapsed[h.lease_id] = h  # its late keep-alive queues it again
             while len(self._lapsed) > KNOWN_LEASES:

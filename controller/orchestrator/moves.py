@@ -104,6 +104,7 @@ class MemoryMoves:
         # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}
         self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
+        self._left: set[str] = set()  # backend app: holders a process of which left (`left_holding`)
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
         self._watch_task: asyncio.Task[None] | None = None
@@ -127,15 +128,30 @@ class MemoryMoves:
         self._fenced.discard(job)
         self._lapsed.discard(job)
         self._unreleased.pop(job, None)
+        self._left.discard(job)
 
-    def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> None:
+    def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> bool:
         """`job`'s lease lapsed while it held (or was revoked: `hold`, the hold that ended, and
         `why`): cut off, not gone, it may still compute, so it leaves the GPUs before anyone is
-        granted. On backend `app` only once its client released (`unreleased`)."""
+        granted. On backend `app` only once its client released (`unreleased`). Returns True
+        when the job is to be dropped instead: on `app`, a process of it left while it held
+        and nothing renewed the lease since (`left_holding`)."""
         if self._g.spec.backend == names.BACKEND_APP:
             self._unreleased[job] = (hold, why)
-        elif self._g.spec.backend != names.BACKEND_NONE:
+            return job in self._left
+        if self._g.spec.backend != names.BACKEND_NONE:
             self._lapsed.add(job)
+        return False
+
+    def left_holding(self, job: str) -> None:
+        """Backend `app`: a process of `job` left (`Leave`) while the job held, with no waiter
+        of it: another caller's part of the hold remained. Should the lease then lapse, the
+        job is dropped (`lapsed`), not left `unreleased` for a release that a caller which
+        died will never send (app schedules seed 5: a client killed mid-hold, started again,
+        joined its job's hold, finished and left; the lease lapsed and every other job's
+        grant waited for the dead caller's release). A new grant of the job forgets it."""
+        if self._g.spec.backend == names.BACKEND_APP:
+            self._left.add(job)
 
     def evicting(self, job: str) -> bool:
         """Whether the switch in flight moves `job` off the GPUs (its outcome says where it is)."""
@@ -196,6 +212,7 @@ class MemoryMoves:
             g.residency.forget(job)
         self._lapsed.discard(job)
         self._unreleased.pop(job, None)  # its processes are done: its engine may sleep
+        self._left.discard(job)
         self._restore_failures.pop(job, None)
         self._granted_at.pop(job, None)
 
