@@ -7,12 +7,14 @@ The holder watch (`memory(watch=...)`) answers once per schedule step with what 
 holds. Invariants after every step: no allocation ever finds the GPU short (an OOM: the
 placement kept room for every declared need, and a job that declared nothing ran alone until
 its peak was seen), at most one holder, the holder's state is on the GPU, a job's state is
-in one place, epochs strictly increase; and at the end, once holders release, every waiter is granted."""
+in one place, epochs strictly increase; and at the end, once holders release, every waiter is granted.
+`TIMESLICE_SCHEDULE_EXAMPLES` sets the number of schedules (default 500; `make stress-test`: 10 000)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,7 +75,8 @@ PEAKS = st.fixed_dictionaries({j: st.sampled_from([20, 35, 50, 70]) for j in JOB
 DECLARES = st.fixed_dictionaries({j: st.booleans() for j in JOBS})
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("TIMESLICE_SCHEDULE_EXAMPLES", "500")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, peaks=PEAKS, declares=DECLARES)
 @pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_jobs_that_grow_after_their_first_hold_are_never_placed_into_an_oom(ops, peaks, declares) -> None:

@@ -8,11 +8,13 @@ of issue 10 hold: at most one holder; every grant's epoch is larger than every e
 (resident or checkpointed); every acquire ends (granted, refused or withdrawn) and a
 withdrawn one leaves no grant; and while a job holds, no other job may still be computing
 (one whose hold ended by a drop or a lapsed lease, not by its release, must have been
-checkpointed first)."""
+checkpointed first). `TIMESLICE_SCHEDULE_EXAMPLES` sets the number of schedules (default
+1000; `make stress-test`: 10 000)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from pathlib import Path
 
@@ -73,7 +75,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop
                          st.sampled_from(JOBS)), min_size=1, max_size=40)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("TIMESLICE_SCHEDULE_EXAMPLES", "1000")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, residency=st.sampled_from(["auto", "exclusive"]), fail_every=st.sampled_from([0, 3, 7]))
 @pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_random_schedules_keep_the_invariants(ops, residency, fail_every) -> None:
