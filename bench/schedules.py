@@ -356,7 +356,21 @@ class Run:
                 self.crashes.append(f"{proc.name} exited by itself with code {code} at "
                                     f"{time.monotonic() - self.t0:.2f} s (see its log)")
             await asyncio.sleep(self._restart_delay.get(proc.name, 0.0))
-            await proc.start()
+            await self._restart(proc)
+
+    async def _restart(self, proc: Proc) -> None:
+        """Start `proc` again, as a supervisor would, also when a fault ends it before it is
+        ready (cuda seed 259: the agent SIGTERMed while it started again stayed down, and
+        every job waited for it); an exit before ready that no fault asked for is a crash."""
+        while True:
+            try:
+                await proc.start()
+                return
+            except RuntimeError as err:
+                if not proc.signalled:
+                    self.crashes.append(f"{proc.name} did not start again: {err}")
+                    raise
+                await proc.wait()  # (the fault's signal ends it)
 
     async def _job(self, spec: JobSpec) -> None:
         proc = self.jobs[spec.name]

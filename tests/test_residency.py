@@ -1232,3 +1232,53 @@ async def test_a_watch_that_answers_after_its_hold_ended_is_still_learned_from()
     await eventually(lambda: g.residency.peaks.get("b", {}).get(DEV) == 40 * GB, what="b's peak learned")
     g.release("b", grant.lease_id, grant.epoch)
     await g.close()
+
+
+class ConfirmingGpu(FakeGpu):
+    """A fake whose switches report `dead` jobs as gone (no process left) and that confirms a
+    resident's grant as the real switcher does (asking its agents: an await)."""
+
+    def __init__(self, **on_gpu: int) -> None:
+        super().__init__(**on_gpu)
+        self.dead: set[str] = set()
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:  # type: ignore[no-untyped-def]
+        record = await super().__call__(spec, evict, incoming, restore)
+        return dataclasses.replace(record, gone=tuple(j for j in evict if j in self.dead))
+
+    async def confirm(self, spec, job) -> bool:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0)
+        return job in self.on
+
+
+async def test_a_switch_that_finds_its_evicted_job_gone_grants_its_own_job_before_anyone_else() -> None:
+    """Randomized schedules with backend `cuda`, seed 252: a's client was killed while it held;
+    its lease lapsed; the switch that moved it off (nothing left: its processes were gone) and
+    restored b dropped a before granting b, and that drop dispatched the queue with nobody
+    holding: c, resident, was granted through its agents' confirmation, which answered after
+    b's grant. Two jobs computed at once. The switch's own job is granted first now, and no
+    grant is given while another job holds."""
+    gpu = ConfirmingGpu()
+    now = [0.0]
+    g = group(gpu, clock=lambda: now[0])
+    for job, size in (("b", 40), ("c", 10), ("a", 55)):  # a moves b out; b cannot be staged beside a
+        gpu.on.setdefault(job, size * GB)
+        await hold(g, job)
+    assert "b" in g.residency.checkpointed and "c" in g.residency.residents
+    grant_a = await g.acquire("a", 0, "a-1", timeout=None)
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 1, what="b waiting")
+    c_waits = asyncio.create_task(g.acquire("c", 0, "c-1", timeout=None))
+    await eventually(lambda: len(g.queue) == 2, what="c waiting")
+    gpu.dead.add("a")  # its processes were killed
+    now[0] += g.spec.lease_seconds + 1
+    g.leases.on_timer(g.holder)  # type: ignore[arg-type]  # its lease lapsed
+    grant_b = await asyncio.wait_for(b_waits, 5)
+    for _ in range(20):  # any confirmation in flight answers
+        await asyncio.sleep(0)
+    assert g.holder is not None and g.holder.job_id == "b" and not c_waits.done(), \
+        f"c granted while b holds: holder {g.holder}"
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_c = await asyncio.wait_for(c_waits, 5)
+    assert grant_c.epoch > grant_b.epoch > grant_a.epoch
+    await g.close()

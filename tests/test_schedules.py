@@ -246,7 +246,7 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
 # stress-test` runs more (hack/stress-test.sh).
 SEEDS = {
     "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370],
-    "cuda": [*range(1, 9), 29],
+    "cuda": [*range(1, 9), 29, 252, 259, 289],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7)],
     "app": [*range(1, 7)],

@@ -337,6 +337,13 @@ class LockGroup:
         self.moves.grant_or_switch(head)
 
     def grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
+        """Grant `job_id`'s waiters one hold. Never while another job holds: that is a bug of
+        the caller (randomized schedules seed 252: a grant confirmed by the agents after
+        another job's grant), logged, and the waiters stay queued."""
+        if self.holder is not None and self.holder.job_id != job_id:
+            log.error("grant of %s refused group=%s: job %s holds (epoch %d); it stays queued", job_id, self.id,
+                      self.holder.job_id, self.holder.epoch)
+            return
         self.residency.held(job_id)
         self.moves.granted(job_id)
         self.idle.granted(job_id)

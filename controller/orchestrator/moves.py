@@ -321,7 +321,7 @@ class MemoryMoves:
             log.warning("job %s is checkpointed on its node agents, not resident as this group believed "
                         "group=%s: restoring it before the grant", incoming, g.id)
             g.residency.moved_out(incoming)
-        elif on_gpu:
+        elif on_gpu and g.holder is None:  # (a job granted meanwhile holds: this one waits its turn)
             g.grant(incoming, restored=False, switch_seconds=0.0)
         g.dispatch()
 
@@ -682,16 +682,16 @@ class MemoryMoves:
         """After a switch, whatever its outcome: drop the jobs it found gone, keep its record,
         grant, count a failed restore, and dispatch."""
         g = self._g
-        for job in vanished:  # nothing of it is anywhere: a one-box job killed with its client took part
-            self._lapsed.discard(job)  # in every later hand-off ("nothing to restore"), for good
-            self._fenced.discard(job)
-            g.drop_job(job, "no process of it is left on its nodes")
         if record is not None:
             record.finished_at_unix = time.time()
             g.recent.append(record)
             g.notify("switched" if record.ok else "switch-failed", incoming, record=record)
-        if grant and (record is None or record.ok):
+        if grant and (record is None or record.ok):  # before the drops below, which dispatch (seed 252)
             g.grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
+        for job in vanished:  # nothing of it is anywhere: a one-box job killed with its client took part
+            self._lapsed.discard(job)  # in every later hand-off ("nothing to restore"), for good
+            self._fenced.discard(job)
+            g.drop_job(job, "no process of it is left on its nodes")
         if not grant and beside is None and (record is None or not record.ok):
             g.idle.failed(incoming)
         elif record is not None and record.failed_step == "restore" and not record.unreachable:
