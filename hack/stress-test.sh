@@ -23,7 +23,7 @@ start=$(date +%s)
 if hack/e2e.sh >/tmp/stress-e2e.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "e2e run: $result in $(( $(date +%s) - start )) s ($(grep -E '[0-9]+ (passed|failed)' /tmp/stress-e2e.log | tail -n 1))"
 start=$(date +%s)
-if TIMESLICE_SCHEDULE_EXAMPLES=10000 .venv/bin/pytest -q -p no:cacheprovider tests/faults/test_group_schedules.py \
+if TIMESLICE_SCHEDULE_EXAMPLES=10000 .venv/bin/pytest -q -p no:cacheprovider --timeout 3600 tests/faults/test_group_schedules.py \
     tests/faults/test_group_memory_schedules.py >/tmp/stress-group-schedules.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "group schedules (hypothesis, 10000 each): $result in $(( $(date +%s) - start )) s"
 for backend in cooperative cuda freeze none app; do

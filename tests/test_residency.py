@@ -17,7 +17,7 @@ from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
 from timeslice.controller.orchestrator.moves import next_job
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
-from timeslice.driver.errors import JobFailed, SwitchFailed
+from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
 from timeslice.driver.headroom import parse_headroom
 
 from tests.conftest import eventually
@@ -1281,4 +1281,31 @@ async def test_a_switch_that_finds_its_evicted_job_gone_grants_its_own_job_befor
     g.release("b", grant_b.lease_id, grant_b.epoch)
     grant_c = await asyncio.wait_for(c_waits, 5)
     assert grant_c.epoch > grant_b.epoch > grant_a.epoch
+    await g.close()
+
+
+async def test_a_takeover_that_could_not_read_an_agents_records_grants_nothing_until_it_has() -> None:
+    """App schedules seed 97: the orchestrator restarted while the node agent was down, so it
+    could not read which jobs the agent held checkpointed; it took b, whose engine slept,
+    for awake and granted it with its state off the GPU. Now the group reads those records
+    before any grant: until the agent answers the waiters get `SwitchFailed` (their clients
+    ask again), then b is restored before its grant."""
+    gpu = FakeGpu(a=30)
+    gpu.off["b"] = 30 * GB  # b's engine sleeps: the agent's record says so
+
+    async def checkpointed(spec, targets):  # type: ignore[no-untyped-def]
+        if not answers:
+            raise Unavailable("list jobs: the agent is down")
+        return set(gpu.off)
+
+    answers: list[bool] = []
+    gpu.checkpointed = checkpointed  # type: ignore[attr-defined]
+    g = group(gpu)
+    g.moves.records_unknown.add("agent-0")  # as `Orchestrator.checkpointed_jobs` leaves it
+    with pytest.raises(SwitchFailed, match="cannot be read"):
+        await g.acquire("b", 0, "b-1", timeout=None)
+    assert not gpu.calls and g.holder is None
+    answers.append(True)  # the agent is back
+    grant = await g.acquire("b", 0, "b-2", timeout=None)
+    assert grant.restored and ("restore", "b") in gpu.calls and not g.moves.records_unknown
     await g.close()

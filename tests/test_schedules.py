@@ -249,7 +249,7 @@ SEEDS = {
     "cuda": [*range(1, 9), 29, 252, 259, 289],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7)],
-    "app": [*range(1, 7)],
+    "app": [*range(1, 7), 53, 97],
 }
 
 

@@ -105,6 +105,9 @@ class MemoryMoves:
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}
         self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
         self._left: set[str] = set()  # backend app: holders a process of which left (`left_holding`)
+        # node agents whose checkpoint records a takeover could not read: read before a grant (`records_unknown`)
+        self.records_unknown: set[str] = set()
+        self._records_task: asyncio.Task[None] | None = None
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
         self._watch_task: asyncio.Task[None] | None = None
@@ -225,6 +228,9 @@ class MemoryMoves:
         client that died and started again), any other waits for its release. A job that is
         `unconfirmed` is granted through a restore, which its processes' reconnect decides."""
         g = self._g
+        if self.records_unknown:
+            self._read_records()
+            return
         incoming = next_job(g, head)
         awake = self.unreleased(excluding=incoming)
         if awake:
@@ -323,6 +329,35 @@ class MemoryMoves:
             g.residency.moved_out(incoming)
         elif on_gpu and g.holder is None:  # (a job granted meanwhile holds: this one waits its turn)
             g.grant(incoming, restored=False, switch_seconds=0.0)
+        g.dispatch()
+
+    def _read_records(self) -> None:
+        """Before any grant after a takeover that could not read some node agents' checkpoint
+        records (`records_unknown`): read them, and restore the jobs they hold checkpointed
+        before their grants. Until they answer nothing is granted on a guess: the waiters get
+        `SwitchFailed` and their clients ask again (app schedules seed 97: the orchestrator
+        restarted while the agent was down, took a sleeping engine for awake, and granted its
+        job with its state off the GPU)."""
+        if self._records_task is None or self._records_task.done():
+            self._records_task = asyncio.get_running_loop().create_task(self._records(), name=f"records-{self._g.id}")
+
+    async def _records(self) -> None:
+        g = self._g
+        targets = sorted(self.records_unknown)
+        try:
+            found = await g.switcher.checkpointed(g.spec, targets)  # type: ignore[attr-defined]
+        except Exception as err:  # still unreadable: nothing is granted on a guess
+            log.warning("checkpoint records still unknown group=%s agents=%s: %s", g.id, targets, err)
+            for job in {w.job_id for w in g.queue}:
+                g.fail_job(job, SwitchFailed(f"group {g.id}: the checkpoint records of node agent(s) "
+                                             f"{', '.join(targets)} cannot be read since this orchestrator took over "
+                                             f"({err}); nothing is granted until they answer"))
+            return
+        self.records_unknown.difference_update(targets)
+        for job in sorted(found):
+            if (g.holder is None or g.holder.job_id != job) and job not in g.residency.checkpointed:
+                log.info("checkpoint record read group=%s job=%s: restored before its grant", g.id, job)
+                g.residency.moved_out(job)
         g.dispatch()
 
     def must_leave(self, incoming: str) -> list[str]:
@@ -715,7 +750,7 @@ class MemoryMoves:
     async def close(self) -> None:
         if self._deferred is not None:
             self._deferred.cancel()
-        for task in (self._report_task, self._watch_task):
+        for task in (self._report_task, self._watch_task, self._records_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -20,7 +20,7 @@ from timeslice.controller.orchestrator.group_model import GroupEvent, Observer, 
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.controller.orchestrator.switch import SwitchCoordinator
+from timeslice.controller.orchestrator.switch import SwitchCoordinator, records_of
 from timeslice.driver.errors import FailedPrecondition, NotFound, SwitchFailed, TimeSliceServerError
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -152,15 +152,15 @@ class Orchestrator:
     async def checkpointed_jobs(self, group: LockGroup) -> set[str]:
         """The group's jobs that its node agents report checkpointed (leader takeover). An
         agent that does not answer (its node has no plugin pod, it is restarting) is
-        logged and skipped: the rest of the group's state is still worth adopting."""
+        logged and skipped: the rest of the group's state is still worth adopting, and the
+        group reads that agent's records before its next grant (`MemoryMoves.records_unknown`)."""
         found: set[str] = set()
         for target in group.spec.agents:
             try:
-                # standalone groups share agents by name; cluster groups re-form under new ids,
-                # so there the members filter below decides
-                found |= await self._pool.get(target).checkpointed_jobs(None if group.spec.members else group.id)
+                found |= await self._pool.get(target).checkpointed_jobs(records_of(group.spec))
             except TimeSliceServerError as err:
                 log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
+                group.moves.records_unknown.add(target)
         return found & {m.claim_set for m in group.spec.members} if group.spec.members else found
 
     def groups(self) -> list[LockGroup]:

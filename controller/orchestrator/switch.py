@@ -160,9 +160,15 @@ class SwitchCoordinator:
         if spec.backend in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE) or not spec.agents:
             return True
         agents = [a for a in self._targets(spec, job) if isinstance(a, AgentClient)]
-        group = None if spec.members else spec.id  # in a cluster a claim-set id is unique on its node
-        found = await asyncio.gather(*(a.checkpointed_jobs(group) for a in agents))
+        found = await asyncio.gather(*(a.checkpointed_jobs(records_of(spec)) for a in agents))
         return not any(job in jobs for jobs in found)
+
+    async def checkpointed(self, spec: GroupSpec, targets: Iterable[str]) -> set[str]:
+        """The group's jobs that the node agents at `targets` hold checkpoint records of. Raises
+        the first agent's error (`TimeSliceServerError` subclass) when one does not answer."""
+        found = await asyncio.gather(*(self._pool.get(t).checkpointed_jobs(records_of(spec)) for t in targets))
+        jobs = set().union(*found)
+        return jobs & {m.claim_set for m in spec.members} if spec.members else jobs
 
     async def memory(self, spec: GroupSpec, jobs: Sequence[str], watch: float = 0.0,
                      low_free: int = 0, *, for_plan: bool = True) -> MemorySnapshot:
@@ -386,6 +392,13 @@ class SwitchCoordinator:
                               for err in failures.values())
         rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
         return SwitchError(rec.error, rec, off_gpu)
+
+
+def records_of(spec: GroupSpec) -> str | None:
+    """Whose checkpoint records a node agent lists for `spec`: standalone groups share agents
+    by group name; cluster groups re-form under new ids, so there every record (None), which
+    the members filter."""
+    return None if spec.members else spec.id
 
 
 def _unknown(failures: dict[Any, BaseException]) -> list[Any]:

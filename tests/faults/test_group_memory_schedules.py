@@ -161,6 +161,9 @@ async def _schedule(ops, peaks: dict[str, int], declares: dict[str, bool]) -> No
         for j in wanting - set(pending):
             pending[j] = asyncio.ensure_future(g.acquire(j, 0, f"{j}-end", timeout=None,
                                                          memory=peaks[j] if declares[j] else 0))
+        if g.holder is not None and g.holder.job_id not in grants:  # a grant nobody took (a kept waiter's
+            g.holder.lease_deadline = 0.0  # whose caller gave up) lapses with its lease
+            g.leases.on_timer(g.holder)
         await settle()
         wanting -= collect()
         check()
