@@ -1159,11 +1159,7 @@ async def test_holds_that_no_report_covered_neither_count_nor_settle_a_job() -> 
     await hold(g, "b", memory=30 * GB)
     await hold(g, "a")  # a train step: no growth
     await hold(g, "b", memory=30 * GB)  # restored beside a: 55 + 30 of 100
-    assert "a" not in g.residency.settled
-    calls = len(gpu.calls)
-    await hold(g, "a", then=lambda: gpu.set("a", 75))  # its next generate: b leaves first
-    assert gpu.calls[calls:] == [("checkpoint", "b")]
-    await g.close()
+    await still_runs_alone(g, gpu, "a", grows_to=75, beside="b")
 
 
 async def test_a_job_whose_process_started_again_settles_afresh() -> None:
@@ -1185,10 +1181,16 @@ async def test_a_job_whose_process_started_again_settles_afresh() -> None:
         await hold(g, "a", then=lambda: gpu.set("a", 31))
         await g.moves.snapshot()
     await hold(g, "b", memory=55 * GB)  # restored beside a: 31 + 55 of 100
-    assert "a" not in g.residency.settled
+    await still_runs_alone(g, gpu, "a", grows_to=44, beside="b")
+
+
+async def still_runs_alone(g: LockGroup, gpu: FakeGpu, job: str, grows_to: int, beside: str) -> None:
+    """`job` is not settled: its next hold (a generate growing to `grows_to` GB) moves the
+    resident `beside` out first; then the group closes."""
+    assert job not in g.residency.settled
     calls = len(gpu.calls)
-    await hold(g, "a", then=lambda: gpu.set("a", 44))  # its next generate: b leaves first
-    assert gpu.calls[calls:] == [("checkpoint", "b")]
+    await hold(g, job, then=lambda: gpu.set(job, grows_to))  # type: ignore[attr-defined]
+    assert gpu.calls[calls:] == [("checkpoint", beside)]
     await g.close()
 
 

@@ -228,7 +228,7 @@ class MemoryMoves:
         client that died and started again), any other waits for its release. A job that is
         `unconfirmed` is granted through a restore, which its processes' reconnect decides."""
         g = self._g
-        if self.records_unknown:
+        if self.records_unknown and hasattr(g.switcher, "checkpointed"):  # (a switcher that reads no records)
             self._read_records()
             return
         incoming = next_job(g, head)
