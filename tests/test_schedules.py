@@ -272,3 +272,20 @@ def test_the_harness_runs_as_a_script_with_its_help() -> None:
     out = subprocess.run([sys.executable, str(Path(schedules.__file__)), "--help"], capture_output=True, text=True,
                          timeout=60, check=True)
     assert "--count" in out.stdout and "--seed" in out.stdout
+
+
+def test_on_a_gpu_host_the_model_gpus_processes_are_found_by_their_mark(monkeypatch, short_tmp: Path) -> None:
+    """Randomized schedules on the lent H200 host: NVML named the real GPU, the agent looked for
+    the jobs among the processes with a CUDA context on it, found none (the model GPU's jobs hold
+    none), and moved nothing. With `$TIMESLICE_MODEL_GPU` the agent finds them by their
+    TIMESLICE_ACCELERATOR_PROCESS mark, as on a host without NVML."""
+    import types
+
+    from timeslice.kubelet_plugin.agent import host_processes
+
+    nvml = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 1,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetUUID=lambda h: "GPU-real")
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert host_processes.all_gpu_uuids() == {"GPU-real"}
+    monkeypatch.setenv(ENV, str(ModelGpu.create(short_tmp / "gpu.json", 100 * MB).path))
+    assert host_processes.all_gpu_uuids() == set()
