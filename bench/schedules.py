@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import importlib.util
 import json
 import os
 import random
@@ -55,6 +57,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import types
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -73,8 +76,6 @@ HEADROOM = 0.10  # the orchestrator's default memory_headroom
 POOL_BYTES = 200 * GB
 JOB_SCRIPT = Path(__file__).resolve().parent / "schedule_job.py"
 FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
-FAKE_CUDA_FAULTS_ENV = "TIMESLICE_FAKE_CUDA_FAULTS"  # bench/fake_cuda/cuda/bindings/driver.py
-DRIVER_DIE_EXIT = 86  # the fake driver ended the agent mid-step, as planned
 OOM_EXIT = 99
 SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
 READY_SECONDS = 60.0
@@ -135,6 +136,16 @@ class Schedule:
 DRIVER_ERRORS = ("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_OUT_OF_MEMORY",
                  "CUDA_ERROR_OPERATING_SYSTEM", "CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_NOT_INITIALIZED",
                  "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_NOT_SUPPORTED")
+
+
+@functools.cache
+def fake_driver() -> types.ModuleType:
+    """bench/fake_cuda's driver module, loaded apart from `cuda.bindings` (in the agent it
+    stands for cuda-bindings; here only its names are read: `FAULTS_ENV`, `DIE_EXIT`, its enums)."""
+    spec = importlib.util.spec_from_file_location("fake_cuda_driver", FAKE_CUDA / "cuda" / "bindings" / "driver.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def driver_faults(seed: int) -> tuple[dict[str, Any], ...]:
@@ -299,7 +310,7 @@ class Run:
             config["pinned_pool"] = {"path": str(self.pool), "bytes": POOL_BYTES}
         elif sched.backend == "cuda":  # the agent's real backend over the fake driver (bench/fake_cuda)
             agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
-            agent_env[FAKE_CUDA_FAULTS_ENV] = json.dumps(list(sched.driver_faults))
+            agent_env[fake_driver().FAULTS_ENV] = json.dumps(list(sched.driver_faults))
         ports = {j.name: _free_port() for j in sched.jobs} if sched.backend == "app" else {}
         if ports:  # each job is its own engine (bench/schedule_job.py `Engine`)
             config["groups"][0]["apps"] = {name: {"engine": "vllm", "url": f"http://127.0.0.1:{port}"}
@@ -352,7 +363,7 @@ class Run:
             code = await proc.wait()
             if done.is_set():
                 return
-            if not proc.signalled and not (proc is self.agent and code == DRIVER_DIE_EXIT):
+            if not proc.signalled and not (proc is self.agent and code == fake_driver().DIE_EXIT):
                 self.crashes.append(f"{proc.name} exited by itself with code {code} at "
                                     f"{time.monotonic() - self.t0:.2f} s (see its log)")
             await asyncio.sleep(self._restart_delay.get(proc.name, 0.0))

@@ -14,7 +14,6 @@ of them OOMs, alters a state, computes twice at once, loses a job or crashes a s
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -115,10 +114,7 @@ def test_the_fake_cuda_driver_speaks_cuda_bindings_names() -> None:
     """bench/fake_cuda's CUresult and CUprocessState are cuda-bindings' (names and values), so
     a name the `cuda` backend uses that the real module lacks fails under the fake too."""
     real = pytest.importorskip("cuda.bindings.driver")
-    spec = importlib.util.spec_from_file_location(
-        "fake_cuda_driver", Path(schedules.FAKE_CUDA) / "cuda" / "bindings" / "driver.py")
-    fake = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(fake)  # type: ignore[union-attr]
+    fake = schedules.fake_driver()
     for enum_name in ("CUresult", "CUprocessState"):
         for member in getattr(fake, enum_name):
             assert int(getattr(getattr(real, enum_name), member.name)) == int(member), member

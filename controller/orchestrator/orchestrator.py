@@ -20,7 +20,7 @@ from timeslice.controller.orchestrator.group_model import GroupEvent, Observer, 
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.controller.orchestrator.switch import SwitchCoordinator, records_of
+from timeslice.controller.orchestrator.switch import SwitchCoordinator, own_records, records_of
 from timeslice.driver.errors import FailedPrecondition, NotFound, SwitchFailed, TimeSliceServerError
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -161,7 +161,7 @@ class Orchestrator:
             except TimeSliceServerError as err:
                 log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
                 group.moves.records_unknown.add(target)
-        return found & {m.claim_set for m in group.spec.members} if group.spec.members else found
+        return own_records(group.spec, found)
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]

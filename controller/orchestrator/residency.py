@@ -306,7 +306,7 @@ class Residency:
         self._holding: dict[str, _Hold] = {}  # the holder's hold
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
-        self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named some
+        self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named it
         self.snapshot: MemorySnapshot | None = None
 
     def held(self, job: str, observed: bool = True) -> None:
@@ -439,11 +439,10 @@ class Residency:
         restarted job only this way)."""
         restarted = any(self._incarnations.get(agent, run) != run for agent, run in snap.incarnations.items())
         self._incarnations.update(snap.incarnations)
-        for job, procs in snap.processes.items():
+        for job, procs in snap.processes.items():  # (a report names a job's processes only when it has some)
             if procs - self._processes.get(job, procs):
                 self.started(job)
-            if procs:
-                self._processes[job] = procs
+            self._processes[job] = procs
         if snap.unanswered or restarted:
             self.unobserved()
         if not snap.devices:

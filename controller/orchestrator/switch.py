@@ -167,8 +167,7 @@ class SwitchCoordinator:
         """The group's jobs that the node agents at `targets` hold checkpoint records of. Raises
         the first agent's error (`TimeSliceServerError` subclass) when one does not answer."""
         found = await asyncio.gather(*(self._pool.get(t).checkpointed_jobs(records_of(spec)) for t in targets))
-        jobs = set().union(*found)
-        return jobs & {m.claim_set for m in spec.members} if spec.members else jobs
+        return own_records(spec, set().union(*found))
 
     async def memory(self, spec: GroupSpec, jobs: Sequence[str], watch: float = 0.0,
                      low_free: int = 0, *, for_plan: bool = True) -> MemorySnapshot:
@@ -397,8 +396,13 @@ class SwitchCoordinator:
 def records_of(spec: GroupSpec) -> str | None:
     """Whose checkpoint records a node agent lists for `spec`: standalone groups share agents
     by group name; cluster groups re-form under new ids, so there every record (None), which
-    the members filter."""
+    `own_records` then filters."""
     return None if spec.members else spec.id
+
+
+def own_records(spec: GroupSpec, jobs: set[str]) -> set[str]:
+    """Of the jobs node agents listed for `spec` (`records_of`), those that are its own."""
+    return jobs & {m.claim_set for m in spec.members} if spec.members else jobs
 
 
 def _unknown(failures: dict[Any, BaseException]) -> list[Any]:

@@ -32,12 +32,13 @@ from timeslice.driver.errors import (
     ProcessGone,
     TimeSliceServerError,
 )
+from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING, STOPPED, Backend, ProcState
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
-from timeslice.kubelet_plugin.agent.procfs import proc_state, process_name
+from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
@@ -77,7 +78,7 @@ class MemoryView:
     host_available: int = 0
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
     incarnation: str = ""
-    processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`process_name`)
+    processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`_names`)
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -91,12 +92,9 @@ def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, i
 
 
 def _names(pids: Iterable[int]) -> list[str]:
-    """`process_name` of each of `pids` still running, sorted."""
-    out = []
-    for pid in pids:
-        with contextlib.suppress(ProcessGone):
-            out.append(process_name(pid))
-    return sorted(out)
+    """Each of `pids` still running named apart from any later process given its pid:
+    "<pid>:<start time>" (`peercred.start_time`), sorted."""
+    return sorted(f"{pid}:{born}" for pid in pids if (born := start_time(pid)) is not None)
 
 
 def _raise(peak: dict[str, int], sample: Mapping[str, int]) -> None:
@@ -440,7 +438,7 @@ class NodeAgent:
     async def memory(self, jobs: Sequence[JobRef], watch_seconds: float = 0.0, low_free: int = 0) -> MemoryView:
         """The node's GPUs and host memory, and where each job's memory is. A job whose
         processes cannot be resolved (gone, not started) has no device bytes; `processes`
-        names the processes each job's bytes were counted from (`process_name`).
+        names the processes each job's bytes were counted from (`_names`).
         `watch_seconds` > 0: sample the GPUs every `WATCH_INTERVAL_SECONDS` for that long
         (bounded by `MAX_WATCH_SECONDS`), or until a GPU has less than `low_free` bytes free,
         then answer with the last sample; `peak_bytes` is the most each job held over the

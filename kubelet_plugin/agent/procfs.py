@@ -7,26 +7,15 @@ import os
 from timeslice.driver.errors import BackendError, ProcessGone
 
 
-def _stat_fields(pid: int) -> list[bytes]:
-    """Fields 3 and on of /proc/<pid>/stat (proc(5)); raises ProcessGone."""
+def proc_state(pid: int) -> str:
+    """The one-letter state of `pid` from /proc (R, S, D, T, t, Z, ...); raises ProcessGone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessGone(f"process {pid} does not exist") from None
-    # comm (field 2) may hold spaces and parentheses: the fields after it follow the last ')'.
-    return stat[stat.rindex(b")") + 2:].split()
-
-
-def proc_state(pid: int) -> str:
-    """The one-letter state of `pid` from /proc (R, S, D, T, t, Z, ...); raises ProcessGone."""
-    return _stat_fields(pid)[0].decode()
-
-
-def process_name(pid: int) -> str:
-    """`pid` named apart from any later process given the same pid: "<pid>:<start time>"
-    (/proc/<pid>/stat field 22, clock ticks after boot, proc(5)); raises ProcessGone."""
-    return f"{pid}:{int(_stat_fields(pid)[19])}"
+    # comm (field 2) may hold spaces and parentheses: the state follows the last ')'.
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
 
 
 def gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
