@@ -39,6 +39,7 @@ switches (count, seconds, bytes out and in; every record, read from the orchestr
 p99; "resident": neither a job's first grant nor one that moved memory), failed switches, the parameter
 hashes solo vs shared per seed (bitwise_equal: every job finished and equals its solo run), whether every
 job's extra tensor came through unchanged (extra_ok), the mean seconds of each phase kind solo vs shared,
+each job process's end after its result (`exit_seconds`: its wall time less its own total_seconds),
 every shared job's phases (`job_phases`: job -> [{kind, step, acquire, granted, done, released}], unix
 seconds), `status` (the output of `timeslice status --json` at the end), `commands` (every command run,
 with the environment variables the bench set), `logs` (each server's and job's log file), `machine`
@@ -534,6 +535,8 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "solo_gpu_busy_seconds": [round(r["gpu_busy_seconds"], 2) for r in solo_runs],
         "solo_peak_gb": [round((r.get("process_gpu_bytes") or r["peak_allocated_bytes"]) / 1e9, 2) for r in solo_runs],
         "shared_job_seconds": [round(j["total_seconds"], 2) for j in jobs],
+        "exit_seconds": [round(r.seconds - r.result["total_seconds"], 2) for r in runs if r.lost() is None],
+        "solo_exit_seconds": [round(r["wall_seconds"] - r["total_seconds"], 2) for r in solo_runs],
         "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
         "phase_seconds_solo": phase_seconds(solo_runs), "phase_seconds_shared": phase_seconds(jobs),
         "switch_records": sw, "status_read_errors": run["status_read_errors"], "status": run["status"],

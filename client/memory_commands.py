@@ -152,7 +152,8 @@ def pool_checksum(pool: mmap.mmap, ranges: Ranges, nbytes: int) -> int:
 class StateStore(Protocol):
     """What a job registered to leave the GPU. Sizes in bytes. A store may also have
     `pin_ahead() -> bool` (register the next part of the pool with CUDA; False when all of
-    it is): the loop calls it while the job does not hold the group (`_pin_ahead`)."""
+    it is): the loop calls it while the job does not hold the group (`_pin_ahead`); and
+    `unpin()` (unregister what it registered): the loop calls it on `close`."""
 
     def nbytes(self) -> int:
         """Bytes a checkpoint would move now."""
@@ -375,13 +376,17 @@ class MemoryCommandLoop:
         tens of milliseconds: a job that acquires meanwhile waits for nothing."""
         store = self.store
         self._pin_wanted.wait()
+        started, chunks = time.monotonic(), 0
         while not self._stop.is_set():
             if self._in_hold() or self._busy.locked():
                 self._stop.wait(PIN_AHEAD_POLL_SECONDS)
                 continue
             try:
                 if not store.pin_ahead():  # type: ignore[attr-defined]
+                    log.info("pinned pool registered ahead group=%s chunks=%d seconds=%.1f (paused while the job "
+                             "held or a command ran)", self.group, chunks, time.monotonic() - started)
                     return
+                chunks += 1
             except Exception as err:  # checkpoints pin what they copy through, as before
                 log.warning("pinning the pool ahead stopped group=%s: %s", self.group, err)
                 return
@@ -407,6 +412,11 @@ class MemoryCommandLoop:
         if self._call is not None:
             self._call.cancel()
         self._thread.join(timeout=5.0)
+        if hasattr(self.store, "unpin"):
+            try:
+                self.store.unpin()  # type: ignore[attr-defined]
+            except Exception as err:  # the process still ends; CUDA unregisters at exit
+                log.warning("unpinning the pool on close failed group=%s: %s", self.group, err)
 
 
 def _check_private(path: str, st: os.stat_result, size: int) -> None:

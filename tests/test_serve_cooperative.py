@@ -348,7 +348,7 @@ def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
-def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoint_that_copies_through(
+def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoint_that_copies_through_and_unpinned_on_close(
         monkeypatch) -> None:
     """A process's first checkpoint into a part of the pool pinned it on the switch's path
     (8-10 s instead of ~1 s for 50 GB on the H200): `pin_ahead` pins the pool a chunk at a
@@ -359,10 +359,15 @@ def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoi
     import timeslice.torch as torch_state
 
     registered: list[tuple[int, int]] = []
+    unregistered: list[int] = []
 
     class Runtime:
         def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:
             registered.append((ptr, n))
+            return 0
+
+        def cudaHostUnregister(self, ptr: int) -> int:
+            unregistered.append(ptr)
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", Runtime)
@@ -383,6 +388,14 @@ def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoi
     assert registered[3:] == [(base, c), (base + c, c), (base + 2 * c, c), (base + 6 * c, 4096)]
     state._places([(0, 7 * c)], None, 0, 6 * c)  # all pinned: nothing more
     assert len(registered) == 7
+    # On close every chunk is unregistered once (an exit with them registered took longer),
+    # and nothing is registered after, not even by a pin-ahead step already under way.
+    state.unpin()
+    assert sorted(unregistered) == sorted(ptr for ptr, _ in registered)
+    assert state.pin_ahead() is False and len(registered) == 7
+    state._places([(0, c)], None, 0, c)  # (a copy after close: it registers nothing)
+    state.unpin()
+    assert len(registered) == len(unregistered) == 7
 
 
 def test_a_state_the_pool_cannot_take_goes_to_a_pageable_buffer_of_exactly_its_size() -> None:
