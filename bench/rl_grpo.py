@@ -39,7 +39,9 @@ switches (count, seconds, bytes out and in; every record, read from the orchestr
 p99; "resident": neither a job's first grant nor one that moved memory), failed switches, the parameter
 hashes solo vs shared per seed (bitwise_equal: every job finished and equals its solo run), whether every
 job's extra tensor came through unchanged (extra_ok), the mean seconds of each phase kind solo vs shared,
-each job process's end after its result (`exit_seconds`: its wall time less its own total_seconds),
+the host's memory over the shared run (`host_memory`: MemAvailable when the jobs started and the least
+seen, /proc/vmstat reclaim and fault counts), each job process's end after its result (`exit_seconds`: its
+wall time less its own total_seconds),
 every shared job's phases (`job_phases`: job -> [{kind, step, acquire, granted, done, released}], unix
 seconds), `status` (the output of `timeslice status --json` at the end), `commands` (every command run,
 with the environment variables the bench set), `logs` (each server's and job's log file), `machine`
@@ -300,6 +302,7 @@ class StatusWatch:
     interval: float
     records: dict[tuple[float, str, str], dict[str, Any]] = field(default_factory=dict)
     errors: int = 0
+    host_available_min: int | None = None  # bytes: the least MemAvailable seen at a read (/proc/meminfo)
 
     async def run(self, stop: asyncio.Event) -> None:
         import grpc
@@ -322,10 +325,42 @@ class StatusWatch:
                                 "finished_at_unix": r.finished_at_unix}
                 except grpc.aio.AioRpcError:
                     self.errors += 1
+                available = host_memory().get("MemAvailable")
+                if available is not None:
+                    self.host_available_min = min(available, self.host_available_min or available)
                 if stop.is_set():
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.interval)
+
+
+VMSTAT_KEYS = ("pgmajfault", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "allocstall_normal",
+               "allocstall_movable", "workingset_refault_file", "pswpin", "pswpout")
+
+
+def host_memory() -> dict[str, int]:
+    """/proc/meminfo in bytes (Linux; {} elsewhere)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            parts = v.split()
+            if parts and parts[0].isdigit():
+                out[k] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def vmstat() -> dict[str, int]:
+    """The host's reclaim and fault counters (/proc/vmstat, `VMSTAT_KEYS`; {} elsewhere): how hard the
+    kernel had to find memory (pages scanned and stolen, allocation stalls, major faults, file pages
+    read back after being dropped)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k in VMSTAT_KEYS:
+                out[k] = int(v)
+    return out
 
 
 async def status_json(cmd: list[str], target: str, env: dict[str, str]) -> tuple[list[str], Any]:
@@ -400,6 +435,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
         declared: dict[str, Any] = {}
         names: dict[str, str] = {}  # the product's job id -> this bench's job name
         t0 = time.time()
+        vm0, available0 = vmstat(), host_memory().get("MemAvailable")
         deadline = time.monotonic() + a.job_timeout
         tasks = []
         started: asyncio.Queue[int] = asyncio.Queue()
@@ -420,6 +456,8 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             commands.append({"name": name, "env": set_env, "argv": shlex.join(argv), "pid": pid})
         jobs: list[JobRun] = list(await asyncio.gather(*tasks))
         seconds = time.time() - t0
+        host = {"vmstat_delta": {k: v - vm0.get(k, 0) for k, v in vmstat().items()},
+                "available_at_start_bytes": available0}
         stop_watch.set()
         await watcher
         argv, status = await status_json(cmd, target, env)
@@ -433,8 +471,10 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
                 pool_path.unlink()
     records = [{**r, "from_job": names.get(r["from_job"], r["from_job"]), "to_job": names.get(r["to_job"], r["to_job"])}
                for r in sorted(watch.records.values(), key=lambda r: r["finished_at_unix"])]
+    host["available_min_bytes"] = watch.host_available_min
     return {"mode": mode, "backend": backend, "seconds": seconds, "servers_ready_seconds": ready_seconds,
-            "jobs": jobs, "switches": records, "status": status, "status_read_errors": watch.errors,
+            "host_memory": host, "jobs": jobs, "switches": records, "status": status,
+            "status_read_errors": watch.errors,
             "group_config": config, "declared_memory": declared, "commands": commands, "job_ids": names,
             "servers": [{"name": s.name, "log": str(s.log), "exit_code": s.exit_code, "killed": s.killed}
                         for s in servers],
@@ -505,7 +545,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "peak_allocated_gb": [round(j["peak_allocated_bytes"] / 1e9, 2) for j in jobs],
         "peak_reserved_gb": [round(j.get("peak_reserved_bytes", 0) / 1e9, 2) for j in jobs],
         "seconds_solo_sum": round(solo_sum, 2), "seconds_shared": round(run["seconds"], 2),
-        "servers_ready_seconds": round(run["servers_ready_seconds"], 2),
+        "servers_ready_seconds": round(run["servers_ready_seconds"], 2), "host_memory": run["host_memory"],
         "gain": round(gain, 3),
         "gain_phases": round(solo_phases / span, 3) if span else None,
         "gpu_busy_fraction": round(busy / span, 3) if span else None,
