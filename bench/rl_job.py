@@ -54,6 +54,7 @@ import inspect
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +110,20 @@ def stream_seed(seed: int, step: int, stream: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def usage() -> dict[str, float]:
+    """This process's counters that say where a phase's time went: CPU seconds, major page faults,
+    involuntary context switches (getrusage(2)), and PyTorch's CUDA allocator calls and retries
+    (`torch.cuda.memory_stats`: a retry freed the allocator's cache to find memory)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"cpu_s": r.ru_utime + r.ru_stime, "majflt": float(r.ru_majflt), "nivcsw": float(r.ru_nivcsw)}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        out.update(cuda_allocs=float(stats.get("num_device_alloc", 0)), alloc_retries=float(stats.get(
+            "num_alloc_retries", 0)))
+    return out
+
+
 class Holds:
     """Runs blocks inside a hold on the GPU group (or a no-op) and records each as a phase."""
 
@@ -124,13 +139,15 @@ class Holds:
         record: dict[str, Any] = {"kind": kind, "step": step, "acquire": time.time()}
         with scope:
             record["granted"] = time.time()
+            before = usage()
             yield
             self.synchronize()
             record["done"] = time.time()
+            spent = {k: v - before[k] for k, v in usage().items()}
         record["released"] = time.time()
         self.phases.append(record)
-        log.info("%s step=%d wait=%.3fs busy=%.3fs", kind, step, record["granted"] - record["acquire"],
-                 record["done"] - record["granted"])
+        log.info("%s step=%d wait=%.3fs busy=%.3fs %s", kind, step, record["granted"] - record["acquire"],
+                 record["done"] - record["granted"], " ".join(f"{k}={v:.3g}" for k, v in spent.items()))
 
     def busy_seconds(self) -> float:
         return sum(r["done"] - r["granted"] for r in self.phases)
