@@ -52,6 +52,8 @@ CONNECT_TIMEOUT_SECONDS = 30.0
 # them) stopped until the lease lapsed (issue 21). A copy never spans two chunks: CUDA
 # pins per registration, and a copy across two would not run at the pinned speed.
 REGISTER_CHUNK_BYTES = 256 << 20
+# A restore refills the allocator's cache (`TorchState._warm`) only when it is short of this many bytes.
+WARM_MIN_BYTES = 64 << 20
 
 
 def _align(n: int) -> int:
@@ -91,6 +93,7 @@ class TorchState:
         self._pinned: set[int] = set()  # the pool's chunks registered with CUDA (`REGISTER_CHUNK_BYTES` each)
         self._pin_lock = threading.Lock()  # guards `_pinned` and each registration (a command and `pin_ahead`)
         self._unpinned = False  # `unpin` ran: the process is ending; nothing is registered again
+        self._reserved: dict[torch.device, int] = {}  # bytes PyTorch's allocator reserved per device at the checkpoint
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -202,6 +205,8 @@ class TorchState:
                     dev = _bytes_view(s)
                     for dst, src, k in self._places(ranges, host, off, n):
                         dst.copy_(dev[src:src + k], non_blocking=True)
+            self._reserved = {d: torch.cuda.memory_reserved(d) for d in {s.device for s, _, _ in layout}
+                              if d.type == "cuda"}
             for s, _, _ in layout:
                 s.resize_(0)
             torch.cuda.empty_cache()
@@ -239,7 +244,28 @@ class TorchState:
                         dev[dst:dst + k].copy_(src, non_blocking=True)
             moved = sum(n for _, _, n in self._moved)
             self._moved = []
+            self._warm()
             return moved
+
+    def _warm(self) -> None:
+        """Give PyTorch's caching allocator back, as one cached block per device, what it had
+        reserved at the checkpoint beyond what the restore brought back (activations, KV
+        cache: memory the job's phases allocate and free again), so that the job's next phase
+        allocates from its cache as it did before it was moved, not with `cudaMalloc` call
+        after call. The checkpoint emptied that cache (NVML must show the memory free), and
+        `cudaMalloc` takes the driver's locks that other processes' copies, pinning and frees
+        hold meanwhile. Within the job's reservation: it held this much when it was seen last.
+        A device that has not that much free keeps what it has (logged)."""
+        for device, reserved in self._reserved.items():
+            short = reserved - torch.cuda.memory_reserved(device)
+            if short < WARM_MIN_BYTES:
+                continue
+            try:
+                block = torch.empty(short, dtype=torch.uint8, device=device)  # on the job's stream: reusable there
+                del block
+            except torch.cuda.OutOfMemoryError as err:
+                log.info("allocator cache not refilled on %s (%d bytes): %s", device, short, err)
+        self._reserved = {}
 
     def _host_bytes(self) -> int:
         _, off, n = self._moved[-1]
