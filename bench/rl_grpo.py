@@ -38,7 +38,8 @@ switches (count, seconds, bytes out and in; every record, read from the orchestr
 --status-interval seconds), hand-off milliseconds (a release to the next job's grant when it waited; p50,
 p99; "resident": neither a job's first grant nor one that moved memory), failed switches, the parameter
 hashes solo vs shared per seed (bitwise_equal: every job finished and equals its solo run), whether every
-job's extra tensor came through unchanged (extra_ok), the mean seconds of each phase kind solo vs shared,
+job's extra tensor came through unchanged (extra_ok), the mean seconds of each phase kind solo vs shared
+and the mean of its process counters (`phase_usage_*`: CPU seconds, faults, CUDA allocator calls),
 the host's memory over the shared run (`host_memory`: MemAvailable when the jobs started and the least
 seen, /proc/vmstat reclaim and fault counts), each job process's end after its result (`exit_seconds`: its
 wall time less its own total_seconds),
@@ -514,6 +515,17 @@ def phase_seconds(jobs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(sum(v) / len(v), 3) for k, v in sorted(spans.items())}
 
 
+def phase_usage(jobs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The mean of each `usage` counter of each phase kind (rl_job.py `usage`: CPU seconds, major faults,
+    involuntary switches, CUDA allocator calls and retries)."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for j in jobs:
+        for p in j["phases"]:
+            for k, v in p.get("usage", {}).items():
+                sums.setdefault(p["kind"], {}).setdefault(k, []).append(v)
+    return {kind: {k: round(sum(v) / len(v), 3) for k, v in sorted(c.items())} for kind, c in sorted(sums.items())}
+
+
 def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any]:
     runs: list[JobRun] = run["jobs"]
     lost = [x for x in (r.lost() for r in runs) if x is not None]
@@ -579,6 +591,7 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "solo_exit_seconds": [round(r["wall_seconds"] - r["total_seconds"], 2) for r in solo_runs],
         "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
         "phase_seconds_solo": phase_seconds(solo_runs), "phase_seconds_shared": phase_seconds(jobs),
+        "phase_usage_solo": phase_usage(solo_runs), "phase_usage_shared": phase_usage(jobs),
         "switch_records": sw, "status_read_errors": run["status_read_errors"], "status": run["status"],
         "job_ids": run["job_ids"], "commands": run["commands"], "servers": run["servers"], "logs": run["logs"],
         "job_phases": {f"job-{j['seed']}": j["phases"] for j in jobs},

@@ -145,6 +145,7 @@ class Holds:
             record["done"] = time.time()
             spent = {k: v - before[k] for k, v in usage().items()}
         record["released"] = time.time()
+        record["usage"] = {k: round(v, 4) for k, v in spent.items()}
         self.phases.append(record)
         log.info("%s step=%d wait=%.3fs busy=%.3fs %s", kind, step, record["granted"] - record["acquire"],
                  record["done"] - record["granted"], " ".join(f"{k}={v:.3g}" for k, v in spent.items()))
