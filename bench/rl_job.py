@@ -143,7 +143,7 @@ class Holds:
             yield
             self.synchronize()
             record["done"] = time.time()
-            spent = {k: v - before[k] for k, v in usage().items()}
+            spent = {k: v - before.get(k, 0.0) for k, v in usage().items()}
         record["released"] = time.time()
         record["usage"] = {k: round(v, 4) for k, v in spent.items()}
         self.phases.append(record)
