@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import emit
+
 CHUNK = 256 << 20
 
 
@@ -114,10 +117,7 @@ def main() -> None:
     finally:
         os.close(fd)
         os.unlink(path)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.machine import emit
+
 CHUNK = 256 << 20
 
 
@@ -182,10 +185,7 @@ def main() -> None:
         os.close(fd)
     except (OSError, BufferError) as err:
         res["variants"]["memfd_hugetlb"] = {"error": str(err)}
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(res, a.out)
 
 
 if __name__ == "__main__":
