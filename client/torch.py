@@ -166,8 +166,8 @@ class TorchState:
         run: a process that ended with the pool registered spent longer in its exit than one that
         unregistered it first (H200 host, 3 processes, 90 GB each registered and 40 GB of GPU
         memory: 8.7 s to exit, against 3.6 s to unregister and 1.4-1.7 s more to exit;
-        bench/results/exit-probe-h200.json), and its job ends at its process's exit. A state
-        checkpointed into the pool stays there (the file keeps its bytes)."""
+        bench/results/exit-probe-h200.json; in shape b's jobs other costs of the exit remained:
+        7.5-9.6 s). A state checkpointed into the pool stays there (the file keeps its bytes)."""
         with self._pin_lock:
             self._unpinned = True
             base = None if self._pool is None else self._pool.data_ptr()
@@ -252,10 +252,12 @@ class TorchState:
         reserved at the checkpoint beyond what the restore brought back (activations, KV
         cache: memory the job's phases allocate and free again), so that the job's next phase
         allocates from its cache as it did before it was moved, not with `cudaMalloc` call
-        after call. The checkpoint emptied that cache (NVML must show the memory free), and
-        `cudaMalloc` takes the driver's locks that other processes' copies, pinning and frees
-        hold meanwhile. Within the job's reservation: it held this much when it was seen last.
-        A device that has not that much free keeps what it has (logged)."""
+        after call beside other processes' copies, pinning and frees (the checkpoint emptied that
+        cache: NVML must show the memory free). On the H200, shape b's generate phases ran
+        4.3-9.9 s shared against 3.3 s alone (bench/results/
+        rl-grpo-b-serve-cooperative-declared-66b7230-h200.json); how much of that these calls
+        were is not measured yet. Within the job's reservation: it held this much when it was
+        seen last. A device that has not that much free keeps what it has (logged)."""
         for device, reserved in self._reserved.items():
             short = reserved - torch.cuda.memory_reserved(device)
             if short < WARM_MIN_BYTES:
