@@ -144,6 +144,7 @@ def test_rl_grpo_results_carry_job_phases_that_draw() -> None:
            "jobs": [rl_grpo.JobRun(f"job-{j['seed']}", j["seed"], 100 + j["seed"], 0, j, Path("/dev/null"))
                     for j in jobs],
            "switches": switches, "status": [], "status_read_errors": 0, "group_config": {}, "declared_memory": {},
+           "host_memory": {},
            "commands": [], "job_ids": {}, "servers": [], "logs": {}}
     result = rl_grpo.summarize(a, [rl_job(0, 0, 1.0), rl_job(1, 0, 1.0)], run)
     assert list(result["job_phases"]) == ["job-0", "job-1"]
