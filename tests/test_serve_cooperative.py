@@ -348,7 +348,7 @@ def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
-def test_the_pool_is_pinned_chunk_by_chunk_once_ahead_of_need_or_by_the_checkpoint_that_copies_through_and_unpinned_on_close(
+def test_the_pool_is_pinned_chunk_by_chunk_ahead_or_by_the_copy_that_needs_it_and_unpinned_on_close(
         monkeypatch) -> None:
     """A process's first checkpoint into a part of the pool pinned it on the switch's path
     (8-10 s instead of ~1 s for 50 GB on the H200): `pin_ahead` pins the pool a chunk at a
