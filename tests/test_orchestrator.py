@@ -94,6 +94,42 @@ async def test_keep_alive_holds_past_the_lease(make_cluster) -> None:
     await client.close()
 
 
+async def test_a_process_that_joins_its_jobs_hold_renews_the_lease() -> None:
+    """`none` schedules seed 896: a job's process was killed while it held; the job's next
+    process joined that hold phase after phase, each shorter than the client's keep-alive
+    interval, so no keep-alive came, and the lease lapsed under it: the next job was granted
+    and the joined process's release raised LeaseLost into the job. A caller that joins its
+    job's hold shows the job alive: the lease runs again from then. Once the job stops
+    joining, the dead caller's part lapses a lease later."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.group_model import SwitchRecord
+
+    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
+        return SwitchRecord(None, incoming)
+
+    lease = 2.0
+    g = LockGroup(GroupSpec(id="g", lease_seconds=lease), switcher)
+    try:
+        stopped = await g.acquire("a", 0, "a-killed", None)  # never releases, never keeps alive
+        b = asyncio.ensure_future(g.acquire("b", 0, "b-1", None))
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 2.5 * lease
+        i = 0
+        while loop.time() < until:  # phases of a's next process, 0.2 s apart
+            i += 1
+            part = await g.acquire("a", 0, f"a-next-{i}", None)
+            assert part.epoch == stopped.epoch
+            await asyncio.sleep(0.1)
+            g.release("a", part.lease_id, part.epoch, f"a-next-{i}")
+            await asyncio.sleep(0.1)
+            assert not b.done(), f"the lease lapsed under a's joined process (phase {i})"
+        granted = await asyncio.wait_for(b, 10 * lease)  # a stopped joining: the dead caller's part lapses
+        assert granted.epoch == stopped.epoch + 1
+    finally:
+        await g.close()
+
+
 async def test_holder_killed_with_sigkill_loses_the_lock_after_the_lease(make_cluster, children) -> None:
     c = await make_cluster(lease_seconds=0.5)
     child = python_child(f"""

@@ -131,8 +131,13 @@ class LockGroup:
         if memory:
             self.residency.declare(job_id, memory)
         h = self.holder
-        if h is not None and h.job_id == job_id:
+        if h is not None and h.job_id == job_id:  # another process (or thread) of the holder joins its hold
             h.request_ids.add(request_id)
+            # A joining caller shows the job alive: its lease runs again from now (none schedules seed
+            # 896: a job's process was killed holding, its next process joined phase after phase, each
+            # shorter than a keep-alive interval, and the lease lapsed under it)
+            h.lease_deadline = max(h.lease_deadline, self.clock() + self.spec.lease_seconds)
+            self.leases.kept_alive(h)
             return self._grant_info(h, waited=0.0)
         if job_id in self.failed_jobs:
             raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
