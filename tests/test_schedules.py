@@ -75,6 +75,26 @@ def test_a_process_that_ended_holds_nothing(short_tmp: Path, sleeper) -> None:
     gpu.alloc(os.getpid(), 100 * MB)  # all of it, now
 
 
+def test_a_ledger_writer_killed_before_it_truncated_leaves_a_ledger_others_read(short_tmp: Path, sleeper) -> None:
+    """none schedules seed 937: a job process killed between writing a shorter ledger and
+    truncating it left the old ledger's tail behind, and every process after it failed to read
+    it. A real process is killed at that step here."""
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
+    gpu.alloc(sleeper.pid, 60 * MB)
+    gpu.alloc(os.getpid(), 12345678)
+    before = gpu.path.stat().st_size
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys\n"
+        "from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu\n"
+        "os.ftruncate = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # killed right before it truncates\n"
+        "ModelGpu(sys.argv[1]).free(int(sys.argv[2]), 12345678)\n"), str(gpu.path), str(os.getpid())],
+        capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -9, killed.stderr
+    assert gpu.path.stat().st_size == before  # the shorter ledger, padded, over the old one
+    assert gpu.read().processes == {sleeper.pid: 60 * MB}  # what the killed writer wrote, read back
+    gpu.alloc(os.getpid(), 1)
+
+
 def test_the_model_gpu_moves_a_process_as_the_cuda_checkpoint_api_does(short_tmp: Path, sleeper) -> None:
     """RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING: a lock
     waits for the GPU call in progress, a call waits while the process is locked, a checkpointed
@@ -244,7 +264,7 @@ SEEDS = {
     "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370],
     "cuda": [*range(1, 9), 29, 252, 259, 289],
     "freeze": [*range(1, 7)],
-    "none": [*range(1, 7)],
+    "none": [*range(1, 7), 896, 937],
     "app": [*range(1, 7), 53, 97],
 }
 

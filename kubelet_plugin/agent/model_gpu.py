@@ -70,15 +70,20 @@ class ModelGpu:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
-        """The ledger, its dead processes dropped, written back when the block ends."""
-        with open(self.path, "r+") as f:
+        """The ledger, its dead processes dropped, written back when the block ends: in one
+        `pwrite`, padded with spaces to the old length, then truncated, so that a writer killed
+        between the two leaves valid JSON (none schedules seed 937: a job process killed there
+        left a shorter ledger over the tail of the old one, and every process after it failed
+        to read it)."""
+        with open(self.path, "rb+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            state = json.loads(f.read())
+            raw = f.read()
+            state = json.loads(raw)
             state["procs"] = {pid: e for pid, e in state["procs"].items() if start_time(int(pid)) == e["start"]}
             yield state
-            f.seek(0)
-            f.write(json.dumps(state))
-            f.truncate()
+            data = json.dumps(state).encode()
+            os.pwrite(f.fileno(), data.ljust(len(raw)), 0)
+            os.ftruncate(f.fileno(), len(data))
 
     def alloc(self, pid: int, nbytes: int, what: str = "") -> None:
         """Take `nbytes` for process `pid`. Raises ModelGpuOom (the ledger unchanged, the OOM
