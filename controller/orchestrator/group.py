@@ -136,8 +136,7 @@ class LockGroup:
             # A joining caller shows the job alive: its lease runs again from now (none schedules seed
             # 896: a job's process was killed holding, its next process joined phase after phase, each
             # shorter than a keep-alive interval, and the lease lapsed under it)
-            h.lease_deadline = max(h.lease_deadline, self.clock() + self.spec.lease_seconds)
-            self.leases.kept_alive(h)
+            self.leases.renew(h)
             return self._grant_info(h, waited=0.0)
         if job_id in self.failed_jobs:
             raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
@@ -222,9 +221,7 @@ class LockGroup:
         if takeover.requeue_switched_out(self, job_id, lease_id, epoch) or \
                 self.leases.requeue_lapsed(job_id, lease_id, epoch):
             return self.spec.lease_seconds
-        h = self.leases.check(job_id, lease_id, epoch, "keep-alive")
-        h.lease_deadline = self.clock() + self.spec.lease_seconds
-        self.leases.kept_alive(h)
+        self.leases.renew(self.leases.check(job_id, lease_id, epoch, "keep-alive"))
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:

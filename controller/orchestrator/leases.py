@@ -79,6 +79,12 @@ class Leases:
                              f"the holder is {now} (lease lapsed or superseded)")
         return h
 
+    def renew(self, h: Hold) -> None:
+        """`h`'s lease runs `lease_seconds` from now (a keep-alive, or a caller of its job that
+        joined it)."""
+        h.lease_deadline = self._g.clock() + self._g.spec.lease_seconds
+        self.kept_alive(h)
+
     def kept_alive(self, h: Hold) -> None:
         """`h`'s lease was extended (its deadline moved): an overdue holder's timer runs again."""
         if self._overdue is h:
