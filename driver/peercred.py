@@ -136,14 +136,14 @@ def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
     return sorted(inside)
 
 
-def _stat(pid: int, proc: Path) -> list[bytes]:
+def stat_fields(pid: int, proc: Path = Path("/proc")) -> list[bytes]:
     """The fields of /proc/<pid>/stat after "pid (comm) ": state ppid pgrp ... (proc(5); comm
     may hold spaces and ')'). Raises OSError (gone)."""
     return (proc / str(pid) / "stat").read_bytes().rpartition(b")")[2].split()
 
 
 def _stat_ppid_pgid(pid: int, proc: Path) -> tuple[int, int]:
-    fields = _stat(pid, proc)
+    fields = stat_fields(pid, proc)
     return int(fields[1]), int(fields[2])
 
 
@@ -151,7 +151,7 @@ def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22): with its
     PID, it names one process however PIDs are reused. None when it is gone or a zombie."""
     try:
-        fields = _stat(pid, proc)
+        fields = stat_fields(pid, proc)
     except OSError:
         return None
     return None if fields[0] == b"Z" else int(fields[19])

@@ -5,17 +5,15 @@ from __future__ import annotations
 import os
 
 from timeslice.driver.errors import BackendError, ProcessGone
+from timeslice.driver.peercred import stat_fields
 
 
 def proc_state(pid: int) -> str:
     """The one-letter state of `pid` from /proc (R, S, D, T, t, Z, ...); raises ProcessGone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        return stat_fields(pid)[0].decode()
     except (FileNotFoundError, ProcessLookupError):
         raise ProcessGone(f"process {pid} does not exist") from None
-    # comm (field 2) may hold spaces and parentheses: the state follows the last ')'.
-    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
 
 
 def gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
