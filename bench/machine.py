@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -9,6 +10,18 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+
+def host_memory() -> dict[str, int]:
+    """/proc/meminfo in bytes (Linux; {} elsewhere)."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            parts = v.split()
+            if parts and parts[0].isdigit():
+                out[k] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
 
 
 def describe() -> dict[str, Any]:
@@ -21,10 +34,10 @@ def describe() -> dict[str, Any]:
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-        with open("/proc/meminfo") as f:
-            info["mem_total_kib"] = int(next(ln.split()[1] for ln in f if ln.startswith("MemTotal")))
     except OSError:
         pass
+    if "MemTotal" in (mem := host_memory()):
+        info["mem_total_kib"] = mem["MemTotal"] // 1024
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

@@ -326,7 +326,7 @@ class StatusWatch:
                                 "finished_at_unix": r.finished_at_unix}
                 except grpc.aio.AioRpcError:
                     self.errors += 1
-                available = host_memory().get("MemAvailable")
+                available = machine.host_memory().get("MemAvailable")
                 if available is not None:
                     self.host_available_min = min(available, self.host_available_min or available)
                 if stop.is_set():
@@ -337,18 +337,6 @@ class StatusWatch:
 
 VMSTAT_KEYS = ("pgmajfault", "pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "allocstall_normal",
                "allocstall_movable", "workingset_refault_file", "pswpin", "pswpout")
-
-
-def host_memory() -> dict[str, int]:
-    """/proc/meminfo in bytes (Linux; {} elsewhere)."""
-    out = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            k, _, v = line.partition(":")
-            parts = v.split()
-            if parts and parts[0].isdigit():
-                out[k] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    return out
 
 
 def vmstat() -> dict[str, int]:
@@ -436,7 +424,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
         declared: dict[str, Any] = {}
         names: dict[str, str] = {}  # the product's job id -> this bench's job name
         t0 = time.time()
-        vm0, available0 = vmstat(), host_memory().get("MemAvailable")
+        vm0, available0 = vmstat(), machine.host_memory().get("MemAvailable")
         deadline = time.monotonic() + a.job_timeout
         tasks = []
         started: asyncio.Queue[int] = asyncio.Queue()
