@@ -111,11 +111,13 @@ def stream_seed(seed: int, step: int, stream: str) -> int:
 
 
 def usage() -> dict[str, float]:
-    """This process's counters that say where a phase's time went: CPU seconds, major page faults,
+    """This process's counters that say where a phase's time went: CPU seconds (and of them in the kernel), major
+    page faults,
     involuntary context switches (getrusage(2)), and PyTorch's CUDA allocator calls and retries
     (`torch.cuda.memory_stats`: a retry freed the allocator's cache to find memory)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"cpu_s": r.ru_utime + r.ru_stime, "majflt": float(r.ru_majflt), "nivcsw": float(r.ru_nivcsw)}
+    out = {"cpu_s": r.ru_utime + r.ru_stime, "sys_s": r.ru_stime, "majflt": float(r.ru_majflt),
+           "nivcsw": float(r.ru_nivcsw)}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         stats = torch.cuda.memory_stats()
@@ -134,16 +136,18 @@ class Holds:
         self.phases: list[dict[str, Any]] = []
 
     @contextlib.contextmanager
-    def phase(self, kind: str, step: int) -> Iterator[None]:
+    def phase(self, kind: str, step: int) -> Iterator[dict[str, float]]:
+        """A hold around the block; the block may add its own counters to the dict it gets (kept with `usage`)."""
         scope = self.client.on_accelerators(self.group) if self.client is not None else contextlib.nullcontext()
         record: dict[str, Any] = {"kind": kind, "step": step, "acquire": time.time()}
         with scope:
             record["granted"] = time.time()
             before = usage()
-            yield
+            own: dict[str, float] = {}
+            yield own
             self.synchronize()
             record["done"] = time.time()
-            spent = {k: v - before.get(k, 0.0) for k, v in usage().items()}
+            spent = {k: v - before.get(k, 0.0) for k, v in usage().items()} | own
         record["released"] = time.time()
         record["usage"] = {k: round(v, 4) for k, v in spent.items()}
         self.phases.append(record)
@@ -301,17 +305,25 @@ def main(argv: list[str] | None = None) -> None:
         return torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
 
     @torch.no_grad()
-    def generate(prompts: torch.Tensor, step: int) -> torch.Tensor:
-        """[B, P] prompts (CPU) -> [B, N] sampled completions (CPU)."""
+    def generate(prompts: torch.Tensor, step: int, counters: dict[str, float]) -> torch.Tensor:
+        """[B, P] prompts (CPU) -> [B, N] sampled completions (CPU). Adds to `counters` the host time of the
+        token loop's iterations (launch-bound: a slow one is this process kept off the CPU or blocked in the
+        driver): median and longest in ms, and how many took over 10 ms."""
         model.eval()
         gen = torch.Generator(device).manual_seed(stream_seed(args.seed, step, stream("sample")))
         cache = {cache_kw: DynamicCache(config=config)}
         logits = model(input_ids=prompts.to(device), use_cache=True, logits_to_keep=1, **cache).logits
         tokens = []
+        iteration_ms = []
         for i in range(args.new_tokens):
+            t0 = time.perf_counter()
             tokens.append(sample(logits[:, -1, :].float(), gen))
             if i + 1 < args.new_tokens:
                 logits = model(input_ids=tokens[-1][:, None], use_cache=True, **cache).logits
+            iteration_ms.append((time.perf_counter() - t0) * 1e3)
+        iteration_ms.sort()
+        counters.update(token_ms_p50=iteration_ms[len(iteration_ms) // 2], token_ms_max=iteration_ms[-1],
+                        tokens_over_10ms=float(sum(ms > 10 for ms in iteration_ms)))
         return torch.stack(tokens, dim=1).cpu()
 
     def train(prompts: torch.Tensor, completions: torch.Tensor, advantages: torch.Tensor) -> None:
@@ -352,8 +364,8 @@ def main(argv: list[str] | None = None) -> None:
         distinct = torch.randint(0, vocab, (args.batch // GROUP, args.prompt_len), generator=prompt_gen)
         prompts = distinct.repeat_interleave(GROUP, dim=0)  # [B, P]: rows 4g .. 4g+3 share a prompt
 
-        with holds.phase("generate", step):
-            completions = generate(prompts, step)
+        with holds.phase("generate", step) as counters:
+            completions = generate(prompts, step, counters)
 
         t0 = time.monotonic()
         rewards = rewards_for(prompts.tolist(), completions.tolist(), args.reward_seconds)
