@@ -42,7 +42,8 @@ job's extra tensor came through unchanged (extra_ok), the mean seconds of each p
 and the mean of its process counters (`phase_usage_*`: CPU seconds, faults, CUDA allocator calls),
 the host's memory over the shared run (`host_memory`: MemAvailable when the jobs started and the least
 seen, /proc/vmstat reclaim and fault counts), each job process's end after its result (`exit_seconds`: its
-wall time less its own total_seconds),
+wall time less its own total_seconds; `exit_samples`, `solo_exit_samples`: what its threads were doing
+meanwhile, counted over samples every 0.1 s: state, wchan and, as root, innermost kernel frames),
 every shared job's phases (`job_phases`: job -> [{kind, step, acquire, granted, done, released}], unix
 seconds), `status` (the output of `timeslice status --json` at the end), `commands` (every command run,
 with the environment variables the bench set), `logs` (each server's and job's log file), `machine`
@@ -80,6 +81,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -222,6 +224,7 @@ class JobRun:
     stderr: Path
     timed_out: bool = False
     seconds: float = 0.0
+    exit_samples: dict[str, int] = field(default_factory=dict)
 
     def lost(self) -> dict[str, Any] | None:
         if self.exit_code == 0 and self.result is not None:
@@ -244,23 +247,60 @@ async def run_job(name: str, seed: int, argv: list[str], env: dict[str, str], lo
     if started is not None:
         started.put_nowait(proc.pid)
     timed_out = False
+    samples: dict[str, int] = {}
+    stop_sampler = threading.Event()
+    sampler = asyncio.create_task(asyncio.to_thread(sample_exit, proc.pid, out, samples, stop_sampler))
     try:
         await asyncio.wait_for(proc.wait(), max(0.0, deadline - time.monotonic()))
     except TimeoutError:
         timed_out = True
     finally:
+        stop_sampler.set()
         if proc.returncode is None:  # timed out, or the bench itself was stopped: the job goes (it holds memory)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
     with contextlib.suppress(ProcessLookupError):  # ranks or children left behind by the job's launcher
         os.killpg(proc.pid, signal.SIGKILL)
+    await sampler
     result = None
     lines = out.read_text(errors="replace").strip().splitlines()
     if proc.returncode == 0 and lines:
         with contextlib.suppress(json.JSONDecodeError):
             result = json.loads(lines[-1])
-    return JobRun(name, seed, proc.pid, proc.returncode, result, err, timed_out, time.monotonic() - t0)
+    return JobRun(name, seed, proc.pid, proc.returncode, result, err, timed_out, time.monotonic() - t0, samples)
+
+
+EXIT_SAMPLE_SECONDS = 0.1
+
+
+def top_samples(samples: dict[str, int], n: int = 12) -> dict[str, int]:
+    return dict(sorted(samples.items(), key=lambda kv: -kv[1])[:n])
+
+
+def sample_exit(pid: int, out: Path, samples: dict[str, int], stop: threading.Event) -> None:
+    """From the job's result line (its stdout gets only that line) until the process ends or `stop` is set, every
+    `EXIT_SAMPLE_SECONDS`: what each of its threads is doing, counted by "state wchan | innermost kernel frames"
+    (/proc/<pid>/task/<tid>/{stat,wchan,stack}; the stack is readable by root only, the rest by the job's user):
+    where a process spends the time between its result and its end. Runs in a thread of its own."""
+    while not stop.wait(EXIT_SAMPLE_SECONDS):
+        if not out.exists() or out.stat().st_size == 0:
+            continue
+        try:
+            tids = [t.name for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:
+            return
+        for tid in tids:
+            d = Path(f"/proc/{pid}/task/{tid}")
+            with contextlib.suppress(OSError, IndexError):
+                state = d.joinpath("stat").read_text().rpartition(")")[2].split()[0]
+                wchan = d.joinpath("wchan").read_text().strip() or "-"
+                try:
+                    frames = [ln.split()[1].split("+")[0] for ln in d.joinpath("stack").read_text().splitlines()[:6]]
+                except OSError:
+                    frames = []
+                key = f"{state} {wchan} | {' < '.join(frames)}"
+                samples[key] = samples.get(key, 0) + 1
 
 
 async def solo(a: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
@@ -272,7 +312,7 @@ async def solo(a: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
                             time.monotonic() + a.job_timeout)
         if run.lost() is not None or run.result is None:
             raise BenchError(f"solo run of seed {i} failed: {run.lost()}")
-        r = {**run.result, "wall_seconds": time.time() - t0}
+        r = {**run.result, "wall_seconds": time.time() - t0, "exit_samples": run.exit_samples}
         results.append(r)
         print(f"solo seed={i} seconds={r['wall_seconds']:.1f} busy={r['gpu_busy_seconds']:.1f}", file=sys.stderr)
     return results
@@ -576,6 +616,8 @@ def summarize(a: argparse.Namespace, solo_runs: list[dict[str, Any]], run: dict[
         "solo_peak_gb": [round((r.get("process_gpu_bytes") or r["peak_allocated_bytes"]) / 1e9, 2) for r in solo_runs],
         "shared_job_seconds": [round(j["total_seconds"], 2) for j in jobs],
         "exit_seconds": [round(r.seconds - r.result["total_seconds"], 2) for r in runs if r.lost() is None],
+        "exit_samples": {r.name: top_samples(r.exit_samples) for r in runs},
+        "solo_exit_samples": [top_samples(r.get("exit_samples", {})) for r in solo_runs],
         "solo_exit_seconds": [round(r["wall_seconds"] - r["total_seconds"], 2) for r in solo_runs],
         "startup_seconds": [round(j["startup_seconds"], 2) for j in jobs],
         "phase_seconds_solo": phase_seconds(solo_runs), "phase_seconds_shared": phase_seconds(jobs),

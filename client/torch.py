@@ -24,7 +24,8 @@ Host memory: the node's pinned pool when the orchestrator offers one (a shared f
 mapped here, registered with `cudaHostRegister`, CUDA Runtime API, once per process, in
 chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own threads
 run while tens of GB pin: ahead of need while the job does not hold the GPU (`pin_ahead`),
-and by a checkpoint for the chunks it copies through that are not pinned yet), else a
+and by a restore for the chunks it copies through that are not pinned yet; a checkpoint
+copies through those at the pageable speed instead: `_places`), else a
 pageable buffer of this process of the state's size, allocated on the first checkpoint and
 reused (`_own_buffer`). Copies run on a side stream made at registration, through the pool
 at the link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -135,17 +136,18 @@ class TorchState:
             return sum(s.nbytes() for s in self._storages())
 
     def use_pool(self, pool: mmap.mmap) -> None:
-        """Checkpoint into `pool` from now on; a command pins the parts it copies through
-        that `pin_ahead` has not pinned yet (`_places`)."""
+        """Checkpoint into `pool` from now on (`_places`: what a command does with the parts
+        `pin_ahead` has not pinned yet)."""
         with self._lock:
             self._pool = torch.frombuffer(pool, dtype=torch.uint8)
 
     def pin_ahead(self) -> bool:
-        """Register the pool's first chunk not registered yet; False when none is left (or
-        there is no pool or no CUDA, or `unpin` ran). Called by the memory-command thread while this job
-        does not hold the GPU, chunk after chunk, so that checkpoints find the pool pinned:
-        a process's first checkpoint into a part of the pool pinned it on the switch's path
-        (8-10 s instead of 1-1.5 s for 50 GB on the H200: bench/results/
+        """Register one chunk of the pool not registered yet: first those that hold this job's
+        checkpointed state (its restore comes next), then the first in the pool; False when none
+        is left (or there is no pool or no CUDA, or `unpin` ran). Called by the memory-command
+        thread while this job does not hold the GPU, chunk after chunk, so that commands find
+        the pool pinned: a process's first checkpoints into a part of the pool pinned it on the
+        switch's path (8-10 s instead of 1-1.5 s for 50 GB on the H200: bench/results/
         rl-grpo-b-serve-cooperative-declared-h200.json), and registering 16 GB beside a
         GPU-busy process did not slow it (median iteration 9.8 ms alone and meanwhile;
         bench/results/pin-probe-h200.json). Raises RuntimeError when CUDA refuses."""
@@ -154,7 +156,9 @@ class TorchState:
             return False
         chunks = -(-pool.numel() // REGISTER_CHUNK_BYTES)
         with self._pin_lock:
-            index = next((i for i in range(chunks) if i not in self._pinned), None)
+            own = [i for off, n in self._ranges
+                   for i in range(off // REGISTER_CHUNK_BYTES, -(-(off + n) // REGISTER_CHUNK_BYTES))]
+            index = next((i for i in (*own, *range(chunks)) if i not in self._pinned), None)
         if index is None:
             return False
         self._pin(index)
@@ -203,7 +207,7 @@ class TorchState:
             with self._copy_stream():
                 for s, off, n in layout:
                     dev = _bytes_view(s)
-                    for dst, src, k in self._places(ranges, host, off, n):
+                    for dst, src, k in self._places(ranges, host, off, n, pin=False):
                         dst.copy_(dev[src:src + k], non_blocking=True)
             self._reserved = {d: torch.cuda.memory_reserved(d) for d in {s.device for s, _, _ in layout}
                               if d.type == "cuda"}
@@ -240,7 +244,7 @@ class TorchState:
             with self._copy_stream():
                 for s, off, n in self._moved:
                     dev = _bytes_view(s)
-                    for src, dst, k in self._places(ranges, host, off, n):
+                    for src, dst, k in self._places(ranges, host, off, n, pin=True):
                         dev[dst:dst + k].copy_(src, non_blocking=True)
             moved = sum(n for _, _, n in self._moved)
             self._moved = []
@@ -273,15 +277,21 @@ class TorchState:
         _, off, n = self._moved[-1]
         return off + _align(n)
 
-    def _places(self, ranges: Ranges, own: torch.Tensor | None, start: int,
-                n: int) -> list[tuple[torch.Tensor, int, int]]:
+    def _places(self, ranges: Ranges, own: torch.Tensor | None, start: int, n: int,
+                pin: bool) -> list[tuple[torch.Tensor, int, int]]:
         """Host slices for bytes [start, start + n) of the packed state: [(host slice, offset
-        in the storage, length)], in the pool `ranges` or in the store's own buffer `own`."""
+        in the storage, length)], in the pool `ranges` or in the store's own buffer `own`.
+        `pin`: register the pool's chunks among them that are not yet (a restore: pinning
+        50 GB on the way in costs what a pageable copy does, ~6 GB/s either way on the H200,
+        and leaves them pinned). A checkpoint passes False: it copies through those chunks at
+        the pageable speed (12.4 GB/s out on the H200, against ~6 GB/s to register then copy:
+        ../shared/reference/checkpoint-h200.md and bench/results/pin-probe-h200.json), and
+        `pin_ahead` pins them, its state's first, while the job waits for its restore."""
         if own is not None:
             return [(own[start:start + n], 0, n)]
         places = chunked(pieces(ranges, start, n))
         try:
-            for off, _, _ in places:
+            for off, _, _ in places if pin else ():
                 self._pin(off // REGISTER_CHUNK_BYTES)
         except RuntimeError as err:  # the copies still run, at pageable speed
             log.warning("%s: copying at pageable speed", err)

@@ -348,13 +348,15 @@ def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
-def test_the_pool_is_pinned_chunk_by_chunk_ahead_or_by_the_copy_that_needs_it_and_unpinned_on_close(
+def test_the_pool_is_pinned_ahead_its_state_first_or_by_the_restore_that_needs_it_and_unpinned_on_close(
         monkeypatch) -> None:
-    """A process's first checkpoint into a part of the pool pinned it on the switch's path
-    (8-10 s instead of ~1 s for 50 GB on the H200): `pin_ahead` pins the pool a chunk at a
-    time (the memory-command thread calls it while the job does not hold), and a copy
-    registers (`cudaHostRegister`) the chunks it lies in that are not pinned yet; each chunk
-    once per process, never the whole pool in one call."""
+    """A process's first checkpoints into a part of the pool pinned it on the switch's path
+    (8-10 s instead of ~1 s for 50 GB on the H200). Now a checkpoint pins nothing: it copies
+    through chunks not pinned yet at the pageable speed (twice the speed of registering then
+    copying); `pin_ahead` pins the pool a chunk at a time (the memory-command thread calls it
+    while the job does not hold), the chunks that hold the job's checkpointed state first; a
+    restore registers (`cudaHostRegister`) the chunks it lies in that are not pinned yet; each
+    chunk once per process, never the whole pool in one call."""
     torch = pytest.importorskip("torch")
     import timeslice.torch as torch_state
 
@@ -379,21 +381,25 @@ def test_the_pool_is_pinned_chunk_by_chunk_ahead_or_by_the_copy_that_needs_it_an
     state.use_pool(pool)
     base = state._pool.data_ptr()
     assert registered == []  # mapped, nothing pinned
+    state._places([(c, c)], None, 0, c, pin=False)  # a checkpoint's copy: pageable, nothing registered
+    assert registered == []
     ranges = [(3 * c + 10, 2 * c)]  # chunks 3, 4 and 5
-    state._places(ranges, None, 0, 2 * c)
-    state._places(ranges, None, 0, 2 * c)  # again: already pinned
+    state._places(ranges, None, 0, 2 * c, pin=True)  # a restore's copy
+    state._places(ranges, None, 0, 2 * c, pin=True)  # again: already pinned
     assert registered == [(base + 3 * c, c), (base + 4 * c, c), (base + 5 * c, c)]
+    state._ranges = [(5 * c, c), (c + 4096, 4096)]  # checkpointed in chunks 5 and 1: chunk 1 is pinned first
+    assert state.pin_ahead() is True and registered[3] == (base + c, c)
     while state.pin_ahead():
         pass
-    assert registered[3:] == [(base, c), (base + c, c), (base + 2 * c, c), (base + 6 * c, 4096)]
-    state._places([(0, 7 * c)], None, 0, 6 * c)  # all pinned: nothing more
+    assert registered[4:] == [(base, c), (base + 2 * c, c), (base + 6 * c, 4096)]
+    state._places([(0, 7 * c)], None, 0, 6 * c, pin=True)  # all pinned: nothing more
     assert len(registered) == 7
     # On close every chunk is unregistered once (an exit with them registered took longer),
     # and nothing is registered after, not even by a pin-ahead step already under way.
     state.unpin()
     assert sorted(unregistered) == sorted(ptr for ptr, _ in registered)
     assert state.pin_ahead() is False and len(registered) == 7
-    state._places([(0, c)], None, 0, c)  # (a copy after close: it registers nothing)
+    state._places([(0, c)], None, 0, c, pin=True)  # (a copy after close: it registers nothing)
     state.unpin()
     assert len(registered) == len(unregistered) == 7
 
