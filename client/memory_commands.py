@@ -361,8 +361,7 @@ class MemoryCommandLoop:
         """Once the orchestrator says a grant may move memory ("pin") or a checkpoint came, let
         the store pin (`cudaHostRegister`) the pool chunk by chunk while this job does
         not hold the group and no command runs, until all of it is pinned (the chunks that hold
-        this job's checkpointed state first; a checkpoint copies through chunks not pinned yet at the
-        pageable speed rather than pin them on the switch's path: `TorchState._places`). Jobs that fit
+        this job's checkpointed state first: its restore comes next). Jobs that fit
         together pin nothing: no move uses the pool, and each process would register all of
         it (101 GB per process on the H200 host; whether that slowed the others' phases was
         not shown: bench/results/rl-grpo-a-agent-cooperative-declared*-h200.json ran at 1.60x

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
@@ -45,10 +46,11 @@ STATE_BYTES = 256 * 1024
 # state must be what it was at the last release, then it changes it. Ends with close()
 # right after its last release, while the other job may be waiting.
 COOP_JOB = textwrap.dedent("""
-    import hashlib, json, sys, time
+    import hashlib, json, pathlib, sys, time
     from timeslice import TimeSliceOrchestratorClient
     from tests.test_cooperative import FakeStore
     name, out, rounds, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    peers = sys.argv[5].split(",") if len(sys.argv) > 5 else []  # jobs to wait for before the first hold
     class Store(FakeStore):
         pooled = 0  # checkpoints that went to the node's pool
         def checkpoint(self, ranges):
@@ -59,6 +61,11 @@ COOP_JOB = textwrap.dedent("""
     store = Store(name, size=size)
     loop = client.serve_memory_commands(store)
     assert loop.ready.wait(30) and loop.error is None, loop.error
+    pathlib.Path(out, name + ".ready").touch()  # its commands are served: the peers may start (a loaded
+    deadline = time.monotonic() + 60            # machine started one job's rounds after the other's ended)
+    while not all(pathlib.Path(out, p + ".ready").exists() for p in peers):
+        assert time.monotonic() < deadline, f"{name}: peers {peers} never started"
+        time.sleep(0.01)
     expected, spans = bytes(store.device), []
     for i in range(rounds):
         with client.on_accelerators():
@@ -145,9 +152,12 @@ async def waiting(sock: Path) -> bool:
     return bool((await group_status(sock)).waiters)
 
 
-def coop_job(sock: Path, tmp_path: Path, name: str, rounds: int) -> Awaitable[asyncio.subprocess.Process]:
+def coop_job(sock: Path, tmp_path: Path, name: str, rounds: int,
+             *peers: str) -> Awaitable[asyncio.subprocess.Process]:
+    """A COOP_JOB process; `peers`: a comma-joined list of jobs it waits for before its first hold."""
     return asyncio.create_subprocess_exec(sys.executable, "-c", COOP_JOB, name, str(tmp_path), str(rounds),
-                                          str(STATE_BYTES), env=env_for(str(sock)), cwd=ROOT, start_new_session=True)
+                                          str(STATE_BYTES), *peers, env=env_for(str(sock)), cwd=ROOT,
+                                          start_new_session=True)
 
 
 @pytest.mark.timeout(180)
@@ -160,7 +170,7 @@ async def test_a_cooperative_group_on_serve_moves_each_jobs_state_through_its_pr
         folder, made = os.stat(pool.parent), os.stat(pool)
         assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.geteuid()
         assert stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.geteuid() and made.st_size == 4_000_000
-        jobs = [await coop_job(sock, tmp_path, name, 4) for name in "ab"]
+        jobs = [await coop_job(sock, tmp_path, name, 4, "a,b") for name in "ab"]
         for job in jobs:
             assert await asyncio.wait_for(job.wait(), 120) == 0, log.read_text()[-4000:]
         status = await group_status(sock)
@@ -250,7 +260,8 @@ async def test_node_agent_and_orchestrator_give_a_cooperative_group_the_default_
             env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
             env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
             jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", COOP_JOB, name, str(tmp_path), "3",
-                                                         str(STATE_BYTES), env={**env, "TIMESLICE_JOB": name}, cwd=ROOT)
+                                                         str(STATE_BYTES), "a,b", env={**env, "TIMESLICE_JOB": name},
+                                                         cwd=ROOT)
                     for name in "ab"]
             for job in jobs:
                 assert await asyncio.wait_for(job.wait(), 120) == 0
@@ -348,24 +359,33 @@ def test_registered_cpu_tensors_are_not_gpu_state_and_a_checkpoint_of_them_moves
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
 
 
-def test_the_pool_is_pinned_ahead_its_state_first_or_by_the_restore_that_needs_it_and_unpinned_on_close(
+def test_the_pool_is_pinned_ahead_its_state_first_or_by_the_copy_that_needs_it_and_unpinned_on_close(
         monkeypatch) -> None:
     """A process's first checkpoints into a part of the pool pinned it on the switch's path
-    (8-10 s instead of ~1 s for 50 GB on the H200). Now a checkpoint pins nothing: it copies
-    through chunks not pinned yet at the pageable speed (twice the speed of registering then
-    copying); `pin_ahead` pins the pool a chunk at a time (the memory-command thread calls it
-    while the job does not hold), the chunks that hold the job's checkpointed state first; a
-    restore registers (`cudaHostRegister`) the chunks it lies in that are not pinned yet; each
-    chunk once per process, never the whole pool in one call."""
+    (8-15 s instead of ~1 s for 50 GB on the H200). `pin_ahead` pins the pool a chunk at a
+    time (the memory-command thread calls it while the job does not hold), the chunks that hold
+    the job's checkpointed state first; a copy registers (`cudaHostRegister`) the chunks it lies
+    in that are not pinned yet, several at once; each chunk once per process, never the whole
+    pool in one call."""
     torch = pytest.importorskip("torch")
     import timeslice.torch as torch_state
 
     registered: list[tuple[int, int]] = []
     unregistered: list[int] = []
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    overlap = threading.Barrier(2, timeout=30)  # two registrations of one command meet: they run at once
 
     class Runtime:
         def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:
-            registered.append((ptr, n))
+            with lock:
+                registered.append((ptr, n))
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            if len(registered) <= 2:
+                overlap.wait()
+            with lock:
+                inside[0] -= 1
             return 0
 
         def cudaHostUnregister(self, ptr: int) -> int:
@@ -381,25 +401,24 @@ def test_the_pool_is_pinned_ahead_its_state_first_or_by_the_restore_that_needs_i
     state.use_pool(pool)
     base = state._pool.data_ptr()
     assert registered == []  # mapped, nothing pinned
-    state._places([(c, c)], None, 0, c, pin=False)  # a checkpoint's copy: pageable, nothing registered
-    assert registered == []
     ranges = [(3 * c + 10, 2 * c)]  # chunks 3, 4 and 5
-    state._places(ranges, None, 0, 2 * c, pin=True)  # a restore's copy
-    state._places(ranges, None, 0, 2 * c, pin=True)  # again: already pinned
-    assert registered == [(base + 3 * c, c), (base + 4 * c, c), (base + 5 * c, c)]
+    state._places(ranges, None, 0, 2 * c)
+    assert most[0] >= 2  # registered side by side
+    state._places(ranges, None, 0, 2 * c)  # again: already pinned
+    assert sorted(registered) == [(base + 3 * c, c), (base + 4 * c, c), (base + 5 * c, c)]
     state._ranges = [(5 * c, c), (c + 4096, 4096)]  # checkpointed in chunks 5 and 1: chunk 1 is pinned first
     assert state.pin_ahead() is True and registered[3] == (base + c, c)
     while state.pin_ahead():
         pass
     assert registered[4:] == [(base, c), (base + 2 * c, c), (base + 6 * c, 4096)]
-    state._places([(0, 7 * c)], None, 0, 6 * c, pin=True)  # all pinned: nothing more
+    state._places([(0, 7 * c)], None, 0, 6 * c)  # all pinned: nothing more
     assert len(registered) == 7
     # On close every chunk is unregistered once (an exit with them registered took longer),
     # and nothing is registered after, not even by a pin-ahead step already under way.
     state.unpin()
     assert sorted(unregistered) == sorted(ptr for ptr, _ in registered)
     assert state.pin_ahead() is False and len(registered) == 7
-    state._places([(0, c)], None, 0, c, pin=True)  # (a copy after close: it registers nothing)
+    state._places([(0, c)], None, 0, c)  # (a copy after close: it registers nothing)
     state.unpin()
     assert len(registered) == len(unregistered) == 7
 
