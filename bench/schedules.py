@@ -131,6 +131,7 @@ class Schedule:
     faults: tuple[Fault, ...]
     backend: str = "cooperative"
     driver_faults: tuple[dict[str, Any], ...] = ()  # backend cuda: bench/fake_cuda's $TIMESLICE_FAKE_CUDA_FAULTS
+    exit_seconds: float = 0.0  # backend cuda: a killed process's device bytes stay taken this long (model GPU)
 
 
 DRIVER_ERRORS = ("CUDA_ERROR_UNKNOWN", "CUDA_ERROR_ILLEGAL_STATE", "CUDA_ERROR_NOT_READY", "CUDA_ERROR_OUT_OF_MEMORY",
@@ -164,8 +165,8 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
     """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
     `register_late`: about half the jobs open their memory-command stream after their first
     hold (drawn apart, so that the rest of the schedule stays that of the seed). `backend`
-    "cuda": the same jobs and faults, and faults of the fake driver (`driver_faults`); `STAYING`
-    backends: the same, scaled to fit together (`fit_together`)."""
+    "cuda": the same jobs and faults, faults of the fake driver (`driver_faults`) and an exit
+    delay (`exit_delay`); `STAYING` backends: the same, scaled to fit together (`fit_together`)."""
     rng = random.Random(seed)
     jobs = []
     for i in range(rng.randint(2, 4)):
@@ -203,7 +204,14 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
     if backend in STAYING:
         jobs = fit_together(jobs)
     return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)), backend,
-                    driver_faults(seed) if backend == "cuda" else ())
+                    driver_faults(seed) if backend == "cuda" else (), exit_delay(seed) if backend == "cuda" else 0.0)
+
+
+def exit_delay(seed: int) -> float:
+    """Seconds a killed job process's device bytes stay taken on the model GPU for the schedule of
+    `seed` (on the H200 a job's process held its GPU memory 1.4-9.6 s after its last line:
+    bench/results/rl-grpo-b-serve-cooperative-declared-66b7230-h200.json): 0-3 s, drawn apart."""
+    return round(random.Random(f"{seed}:exit").uniform(0.0, 3.0), 2)
 
 
 def fit_together(jobs: list[JobSpec]) -> list[JobSpec]:
@@ -298,7 +306,7 @@ class Run:
     def __init__(self, sched: Schedule, workdir: Path) -> None:
         self.s = sched
         self.dir = workdir
-        self.ledger = ModelGpu.create(workdir / "gpu.json", TOTAL)
+        self.ledger = ModelGpu.create(workdir / "gpu.json", TOTAL, exit_seconds=sched.exit_seconds)
         self.pool = Path(f"/dev/shm/timeslice-schedules-{sched.seed}-{os.getpid()}")
         base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
         self.target = f"unix://{workdir / 'orch.sock'}"
@@ -548,6 +556,7 @@ def run_one(seed: int, keep: bool = False, register_late: bool = False,
     applied += [f"driver {f['call']} #{f['nth']} {f['kind']} (planned)"
                 + (f" {f['error']}" if f["kind"] == "error" else "")
                 for f in sched.driver_faults]
+    applied += [f"exits free device memory after {sched.exit_seconds} s"] if sched.exit_seconds else []
     result = {"seed": seed, "jobs": len(sched.jobs), "faults": applied,
               "seconds": round(time.monotonic() - t0, 2), "failures": failures, **info}
     if failures or keep:

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -75,6 +76,28 @@ def test_a_process_that_ended_holds_nothing(short_tmp: Path, sleeper) -> None:
     gpu.alloc(os.getpid(), 100 * MB)  # all of it, now
 
 
+def test_an_ended_process_holds_its_device_bytes_for_the_ledgers_exit_seconds(short_tmp: Path, sleeper) -> None:
+    """On the H200 a job's process held its GPU memory 1.4-9.6 s after its last line. With
+    `exit_seconds`, an ended process's bytes stay taken that long from the first access that
+    found it ended (NVML lists them under its PID, which no job owns any more), then go."""
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=0.5)
+    gpu.alloc(sleeper.pid, 90 * MB)
+    sleeper.kill()
+    sleeper.wait()  # gone from /proc
+    info = gpu.read()  # this access finds it ended: its 0.5 s start now
+    assert (info.free, info.processes) == (10 * MB, {sleeper.pid: 90 * MB})
+    with pytest.raises(ModelGpuOom):
+        gpu.alloc(os.getpid(), 20 * MB, "restore beside it")
+    deadline = time.monotonic() + 30
+    while gpu.read().free < 100 * MB:
+        assert time.monotonic() < deadline, "the ended process's bytes were never freed"
+        time.sleep(0.05)
+    assert gpu.read().processes == {}
+    gpu.alloc(os.getpid(), 100 * MB)  # all of it, now
+    with pytest.raises(ValueError, match=">= 0"):
+        ModelGpu.create(short_tmp / "other.json", MB, exit_seconds=-1)
+
+
 def test_a_ledger_writer_killed_before_it_truncated_leaves_a_ledger_others_read(short_tmp: Path, sleeper) -> None:
     """none schedules seed 937: a job process killed between writing a shorter ledger and
     truncating it left the old ledger's tail behind, and every process after it failed to read
@@ -93,6 +116,52 @@ def test_a_ledger_writer_killed_before_it_truncated_leaves_a_ledger_others_read(
     assert gpu.path.stat().st_size == before  # the shorter ledger, padded, over the old one
     assert gpu.read().processes == {sleeper.pid: 60 * MB}  # what the killed writer wrote, read back
     gpu.alloc(os.getpid(), 1)
+
+
+async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_resident(short_tmp: Path) -> None:
+    """A job killed while resident frees its GPU memory only as its processes end (1.4-9.6 s on
+    the H200), and its PID leaves /proc first. Backend cuda, the real node agent over the fake
+    driver: c is checkpointed, a computes in its place and is killed; the switch that moves a
+    out (nothing to move: gone) and c in waited for nothing, and c's restore ran out of the
+    model GPU's memory beside a's 60 MB. Now the restore waits until the GPU has room for
+    c's checkpoint."""
+    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
+    procs = {job: await asyncio.to_thread(subprocess.Popen, ["sleep", "600"], env={
+        **os.environ, "TIMESLICE_JOB": job, "TIMESLICE_ACCELERATOR_PROCESS": "1"}) for job in "ac"}
+    listen = f"unix://{short_tmp / 'agent.sock'}"
+    env = {ENV: str(gpu.path), schedules.fake_driver().FAULTS_ENV: "[]",
+           "PYTHONPATH": os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")])}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # inherited by the agent only
+    try:
+        agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
+                             ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
+    pool = AgentPool()
+    switcher = SwitchCoordinator(pool)
+    try:
+        gpu.alloc(procs["c"].pid, 50 * MB, "model")
+        assert (await switcher(spec, ("c",), "a", False)).ok  # c out
+        gpu.alloc(procs["a"].pid, 60 * MB, "model")  # a computes where c was
+        procs["a"].kill()
+        await asyncio.to_thread(procs["a"].wait)
+        assert gpu.read().free == 40 * MB  # a's memory is still being freed
+        record = await asyncio.wait_for(switcher(spec, ("a",), "c", True), 60)
+        assert record.ok and record.gone == ("a",), record.error
+        assert gpu.ooms() == [] and gpu.read().processes == {procs["c"].pid: 50 * MB}
+    finally:
+        await stop(agent)
+        await pool.close()
+        for p in procs.values():
+            p.kill()
+            p.wait()
 
 
 def test_the_model_gpu_moves_a_process_as_the_cuda_checkpoint_api_does(short_tmp: Path, sleeper) -> None:

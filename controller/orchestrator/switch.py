@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult, new_operation_id
-from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, agent_of
@@ -118,6 +118,12 @@ class SwitchCoordinator:
         # counted as gone, and a newcomer granted beside its 46 MB)
         unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room) \
             if before is not None and (rec.bytes_checkpointed or held or room or gone) else None
+        if gone and restore and not first and before is None and spec.backend in MEMORY_BACKENDS:
+            # A transparent checkpoint frees what it moved before it answers; a job gone frees what it held
+            # only as its processes end (1.4-9.6 s after their last line on the H200), and its PIDs may
+            # leave /proc first: the restore waits until the GPU has room for the incoming job's checkpoint
+            now = await self.memory(spec, [incoming], for_plan=False)
+            unfreed = await self._freed(spec, [], now, 0, sum(now.checkpointed_bytes.get(incoming, {}).values()))
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
             stuck = await self._restore_all(spec, out)

@@ -8,8 +8,12 @@ test's job processes, which allocate and free device bytes in it. One GPU per le
 The ledger is a JSON file `{"uuid", "total", "procs": {pid: {"bytes", "start"}}}` (bytes;
 `start`: the process's start time in clock ticks, /proc/<pid>/stat field 22, so that a
 reused PID is not taken for the process that held the memory). Every read and write
-holds an exclusive `flock` on the file. As a GPU driver does, a process that ended (gone,
-or a zombie) holds nothing: its entry is dropped at the next access. An allocation that
+holds an exclusive `flock` on the file. A process that ended (gone, or a zombie) holds
+nothing once the driver has torn down its context: with `exit_seconds` (a ledger field, 0
+by default) its device bytes stay taken that long after an access first found it ended, as
+on the H200, where a job's process still held its GPU memory 1.4-9.6 s after its last
+line (bench/results/rl-grpo-b-serve-cooperative-declared-66b7230-h200.json, `exit_seconds`);
+NVML lists it meanwhile under its PID, which no job owns any more. An allocation that
 would take the GPU past its total is an OOM: it changes nothing, appends one JSON line
 to `<ledger>.ooms` (who asked for what, and what every process held then) and raises
 `ModelGpuOom`.
@@ -60,12 +64,15 @@ class ModelGpu:
         self.oom_log = self.path.with_name(self.path.name + ".ooms")
 
     @classmethod
-    def create(cls, path: str | Path, total: int, uuid: str = "GPU-model-0") -> ModelGpu:
-        """A new empty GPU of `total` bytes at `path` (replacing any ledger there). Raises
-        ValueError for a total that is not positive, OSError."""
+    def create(cls, path: str | Path, total: int, uuid: str = "GPU-model-0", exit_seconds: float = 0.0) -> ModelGpu:
+        """A new empty GPU of `total` bytes at `path` (replacing any ledger there); an ended
+        process's device bytes are freed `exit_seconds` after it was found ended. Raises
+        ValueError for a total that is not positive or a negative `exit_seconds`, OSError."""
         if total <= 0:
             raise ValueError(f"model GPU total must be > 0 bytes, got {total}")
-        Path(path).write_text(json.dumps({"uuid": uuid, "total": total, "procs": {}}))
+        if exit_seconds < 0:
+            raise ValueError(f"model GPU exit_seconds must be >= 0, got {exit_seconds}")
+        Path(path).write_text(json.dumps({"uuid": uuid, "total": total, "procs": {}, "exit_seconds": exit_seconds}))
         return cls(path)
 
     @contextlib.contextmanager
@@ -79,7 +86,7 @@ class ModelGpu:
             fcntl.flock(f, fcntl.LOCK_EX)
             raw = f.read()
             state = json.loads(raw)
-            state["procs"] = {pid: e for pid, e in state["procs"].items() if start_time(int(pid)) == e["start"]}
+            state["procs"] = _live_or_exiting(state["procs"], float(state.get("exit_seconds", 0.0)))
             yield state
             data = json.dumps(state).encode()
             os.pwrite(f.fileno(), data.ljust(len(raw)), 0)
@@ -122,7 +129,8 @@ class ModelGpu:
             return int(state["procs"].get(str(pid), {}).get("bytes", 0))
 
     def read(self) -> GpuInfo:
-        """The GPU as NVML would report it: total, free, bytes per live process."""
+        """The GPU as NVML would report it: total, free, bytes per process with a context
+        (live, or ended and still being torn down)."""
         with self._locked() as state:
             procs = {int(p): int(e["bytes"]) for p, e in state["procs"].items()
                      if e.get("cuda", RUNNING) != CHECKPOINTED}
@@ -212,6 +220,21 @@ class ModelGpu:
             return [json.loads(line) for line in self.oom_log.read_text().splitlines() if line.strip()]
         except FileNotFoundError:
             return []
+
+
+def _live_or_exiting(procs: dict[str, dict[str, Any]], exit_seconds: float) -> dict[str, dict[str, Any]]:
+    """`procs` less the processes that ended, except those whose device bytes are still being
+    freed: an ended process that holds device bytes is marked `ended` (CLOCK_MONOTONIC seconds,
+    system-wide) at the first access that finds it so, and dropped `exit_seconds` after."""
+    now, out = time.monotonic(), {}
+    for pid, e in procs.items():
+        if "ended" not in e and start_time(int(pid)) == e["start"]:
+            out[pid] = e
+        elif exit_seconds and e["bytes"] and e.get("cuda", RUNNING) != CHECKPOINTED:
+            e.setdefault("ended", now)
+            if now < e["ended"] + exit_seconds:
+                out[pid] = e
+    return out
 
 
 def _drop_if_idle(state: dict[str, Any], pid: int) -> None:
