@@ -24,8 +24,7 @@ Host memory: the node's pinned pool when the orchestrator offers one (a shared f
 mapped here, registered with `cudaHostRegister`, CUDA Runtime API, once per process, in
 chunks of `REGISTER_CHUNK_BYTES`, each copy within one chunk, so that the job's own threads
 run while tens of GB pin: ahead of need while the job does not hold the GPU (`pin_ahead`),
-and by a command for the chunks it copies through that are not pinned yet, `PIN_THREADS` at
-a time: `_places`), else a
+and by a command for the chunks it copies through that are not pinned yet), else a
 pageable buffer of this process of the state's size, allocated on the first checkpoint and
 reused (`_own_buffer`). Copies run on a side stream made at registration, through the pool
 at the link's pinned-memory speed (H200: 45.7 GB out in 0.88 s, 41.9 GB in in 0.88 s,
@@ -39,7 +38,6 @@ import logging
 import mmap
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -54,12 +52,6 @@ CONNECT_TIMEOUT_SECONDS = 30.0
 # them) stopped until the lease lapsed (issue 21). A copy never spans two chunks: CUDA
 # pins per registration, and a copy across two would not run at the pinned speed.
 REGISTER_CHUNK_BYTES = 256 << 20
-# A command registers the chunks it needs that are not pinned yet this many at a time (a process's
-# first checkpoints, before `pin_ahead` is done: registering runs at ~8 GB/s a thread on the H200 host,
-# bench/results/pin-probe-h200.json; copying into the pool's pages unregistered ran at ~3 GB/s, slower:
-# the pages of the shared file are not yet mapped in the process, bench/results/
-# rl-grpo-b-serve-cooperative-declared-27d8e96-h200.json).
-PIN_THREADS = 4
 # A restore refills the allocator's cache (`TorchState._warm`) only when it is short of this many bytes.
 WARM_MIN_BYTES = 64 << 20
 
@@ -99,8 +91,7 @@ class TorchState:
         self._in_pool = False
         self._ranges: Ranges = []  # the pool ranges the state is in
         self._pinned: set[int] = set()  # the pool's chunks registered with CUDA (`REGISTER_CHUNK_BYTES` each)
-        self._pinning: set[int] = set()  # the chunks being registered now (outside the lock)
-        self._pin_lock = threading.Condition()  # guards `_pinned` and `_pinning`; notified as a registration ends
+        self._pin_lock = threading.Lock()  # guards `_pinned` and each registration (a command and `pin_ahead`)
         self._unpinned = False  # `unpin` ran: the process is ending; nothing is registered again
         self._reserved: dict[torch.device, int] = {}  # bytes PyTorch's allocator reserved per device at the checkpoint
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
@@ -166,8 +157,7 @@ class TorchState:
         with self._pin_lock:
             own = [i for off, n in self._ranges
                    for i in range(off // REGISTER_CHUNK_BYTES, -(-(off + n) // REGISTER_CHUNK_BYTES))]
-            index = next((i for i in (*own, *range(chunks)) if i not in self._pinned and i not in self._pinning),
-                         None)
+            index = next((i for i in (*own, *range(chunks)) if i not in self._pinned), None)
         if index is None:
             return False
         self._pin(index)
@@ -183,7 +173,6 @@ class TorchState:
         7.5-9.6 s). A state checkpointed into the pool stays there (the file keeps its bytes)."""
         with self._pin_lock:
             self._unpinned = True
-            self._pin_lock.wait_for(lambda: not self._pinning)  # registrations under way end first
             base = None if self._pool is None else self._pool.data_ptr()
             for index in sorted(self._pinned):
                 err = torch.cuda.cudart().cudaHostUnregister(base + index * REGISTER_CHUNK_BYTES)
@@ -192,28 +181,16 @@ class TorchState:
             self._pinned.clear()
 
     def _pin(self, index: int) -> None:
-        """Register chunk `index` of the pool unless it is (or `unpin` ran); when another thread
-        registers it now, wait for that. Registrations of different chunks run at once. Raises
-        RuntimeError when CUDA refuses."""
+        """Register chunk `index` of the pool unless it is (or `unpin` ran)."""
         with self._pin_lock:
-            self._pin_lock.wait_for(lambda: index not in self._pinning)
             if index in self._pinned or self._pool is None or self._unpinned:
                 return
-            self._pinning.add(index)
             start = index * REGISTER_CHUNK_BYTES
             n = min(REGISTER_CHUNK_BYTES, self._pool.numel() - start)
-            ptr = self._pool.data_ptr() + start
-        err = 1
-        try:
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, n, 0))
-        finally:
-            with self._pin_lock:
-                self._pinning.discard(index)
-                if err == 0:
-                    self._pinned.add(index)
-                self._pin_lock.notify_all()
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {err}")
+            err = torch.cuda.cudart().cudaHostRegister(self._pool.data_ptr() + start, n, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of the pinned pool failed at byte {start}: error {int(err)}")
+            self._pinned.add(index)
 
     def checkpoint(self, ranges: Ranges) -> tuple[int, bool]:
         """Returns (host bytes used: storages packed at 4 KiB boundaries; in the pool)."""
@@ -303,19 +280,17 @@ class TorchState:
                 n: int) -> list[tuple[torch.Tensor, int, int]]:
         """Host slices for bytes [start, start + n) of the packed state: [(host slice, offset
         in the storage, length)], in the pool `ranges` or in the store's own buffer `own`. The
-        pool's chunks among them that are not pinned yet are registered first, `PIN_THREADS`
-        at a time."""
+        pool's chunks among them that are not pinned yet are registered first: copying into
+        its pages unregistered ran at ~3 GB/s on the H200, slower than registering them
+        (~8 GB/s) then copying (bench/results/rl-grpo-b-serve-cooperative-declared-27d8e96-h200.json);
+        registering 4 at once did not make a first checkpoint shorter (bench/results/
+        rl-grpo-b-serve-cooperative-declared-c7df758-h200.json)."""
         if own is not None:
             return [(own[start:start + n], 0, n)]
         places = chunked(pieces(ranges, start, n))
-        with self._pin_lock:
-            missing = sorted({off // REGISTER_CHUNK_BYTES for off, _, _ in places} - self._pinned)
         try:
-            if len(missing) > 1:
-                with ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="timeslice-pin") as pool:
-                    list(pool.map(self._pin, missing))
-            elif missing:
-                self._pin(missing[0])
+            for off, _, _ in places:
+                self._pin(off // REGISTER_CHUNK_BYTES)
         except RuntimeError as err:  # the copies still run, at pageable speed
             log.warning("%s: copying at pageable speed", err)
         return [(self._pool[off:off + k], src, k) for off, src, k in places]  # type: ignore[index]
