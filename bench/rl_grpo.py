@@ -43,7 +43,7 @@ and the mean of its process counters (`phase_usage_*`: CPU seconds, faults, CUDA
 the host's memory over the shared run (`host_memory`: MemAvailable when the jobs started and the least
 seen, /proc/vmstat reclaim and fault counts), each job process's end after its result (`exit_seconds`: its
 wall time less its own total_seconds; `exit_samples`, `solo_exit_samples`: what its threads were doing
-meanwhile, counted over samples every 0.1 s: state, wchan and, as root, innermost kernel frames),
+meanwhile, counted over samples every 0.1 s: thread, state, wchan and, as root, innermost kernel frames),
 every shared job's phases (`job_phases`: job -> [{kind, step, acquire, granted, done, released}], unix
 seconds), `status` (the output of `timeslice status --json` at the end), `commands` (every command run,
 with the environment variables the bench set), `logs` (each server's and job's log file), `machine`
@@ -280,9 +280,10 @@ def top_samples(samples: dict[str, int], n: int = 12) -> dict[str, int]:
 
 def sample_exit(pid: int, out: Path, samples: dict[str, int], stop: threading.Event) -> None:
     """From the job's result line (its stdout gets only that line) until the process ends or `stop` is set, every
-    `EXIT_SAMPLE_SECONDS`: what each of its threads is doing, counted by "state wchan | innermost kernel frames"
-    (/proc/<pid>/task/<tid>/{stat,wchan,stack}; the stack is readable by root only, the rest by the job's user):
-    where a process spends the time between its result and its end. Runs in a thread of its own."""
+    `EXIT_SAMPLE_SECONDS`: what each of its threads is doing, counted by "thread state wchan | innermost kernel
+    frames" (thread: "main", or the thread's name; /proc/<pid>/task/<tid>/{comm,stat,wchan,stack}; the stack is
+    readable by root only, the rest by the job's user): where a process spends the time between its result and
+    its end. Runs in a thread of its own."""
     while not stop.wait(EXIT_SAMPLE_SECONDS):
         if not out.exists() or out.stat().st_size == 0:
             continue
@@ -299,7 +300,8 @@ def sample_exit(pid: int, out: Path, samples: dict[str, int], stop: threading.Ev
                     frames = [ln.split()[1].split("+")[0] for ln in d.joinpath("stack").read_text().splitlines()[:6]]
                 except OSError:
                     frames = []
-                key = f"{state} {wchan} | {' < '.join(frames)}"
+                thread = "main" if tid == str(pid) else d.joinpath("comm").read_text().strip()
+                key = f"{thread} {state} {wchan} | {' < '.join(frames)}"
                 samples[key] = samples.get(key, 0) + 1
 
 
