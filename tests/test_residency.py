@@ -16,7 +16,7 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
 from timeslice.controller.orchestrator.moves import next_job
-from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
+from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
 from timeslice.driver.headroom import parse_headroom
 

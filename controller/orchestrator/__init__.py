@@ -15,7 +15,8 @@ static mode a job name from the node agents' job tables.
     idle_restores.py  IdleRestores: restores while the group is idle
     takeover.py       adopting the agents' records after a restart or a leader change
     group_model.py    the group's types (Hold, SwitchRecord, GroupView, ...) and its status view
-    residency.py      Residency / plan_room: which residents must leave for a job to fit
+    residency.py      Residency: what the group learned of its jobs' memory (peaks, declared, settled)
+    placement.py      plan_room / place: which residents must leave for a job to fit (pure)
     switch.py         SwitchCoordinator: checkpoint out / restore in over node agents, rollback
     cooperative.py    CooperativeJobs: the `cooperative` backend's command streams
     pinned_pool.py    PinnedPool: a node's shared pinned host memory

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from timeslice.controller.orchestrator.residency import NoRoom
+from timeslice.controller.orchestrator.placement import NoRoom
 from timeslice.driver import names
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.controller.orchestrator.residency import NoRoom, parse_headroom, plan_room
+from timeslice.controller.orchestrator.placement import NoRoom, plan_room
+from timeslice.driver.headroom import parse_headroom
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup

@@ -1,7 +1,7 @@
 """MemoryMoves: when a lock group moves GPU memory, and what it moves.
 
 Owned by `LockGroup` (one per group); runs the group's switches through its `Switcher`.
-Residency (`residency.py`): several jobs may be resident at once; the lock orders
+Residency (`residency.py`, plans in `placement.py`): several jobs may be resident at once; the lock orders
 compute, memory moves only when needed. `auto` (the default, for the backends that move
 GPU memory): a resident waiter is granted at once; any other is granted after a plan
 over fresh node-agent memory reports checkpoints the least recently held idle residents
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -44,18 +43,17 @@ from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.move_cost import move_seconds, moves_nothing, pass_remaining, switch_speed
-from timeslice.controller.orchestrator.residency import (
+from timeslice.controller.orchestrator.placement import (
     MemorySnapshot,
-    NoHostRoom,
     NoRoom,
+    as_planned,
     lacking_room,
     moves_may_come,
-    need_of,
-    parse_headroom,
-    plan_room,
+    place,
 )
 from timeslice.driver import names
 from timeslice.driver.errors import JobFailed, SwitchFailed
+from timeslice.driver.headroom import parse_headroom
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -556,13 +554,15 @@ class MemoryMoves:
                 return Plan(g.residency.lru(excluding=[incoming]) if allow_evictions else [])
             residents = g.residency.lru(excluding=[incoming, *forced, *([beside] if beside else [])]) \
                 if allow_evictions else []
-            snap = self._as_planned(snap, forced, beside)
             r = g.residency
+            snap = as_planned(snap, forced, beside, r.peaks, r.declared)
             if beside is not None and not (r.known(incoming) and r.known(beside)):
                 raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
                              f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")
             try:
-                plan = self._place(incoming, residents, snap, first_ok=beside is None and not forced)
+                evict, first = place(incoming, residents, snap, r.peaks, r.declared,
+                                     parse_headroom(g.spec.memory_headroom), known=r.known(incoming),
+                                     checkpointed=incoming in r.checkpointed, first_ok=beside is None and not forced)
             except NoRoom:
                 departing = g.switcher.departing(g.spec, g.residency.residents) \
                     if hasattr(g.switcher, "departing") else []
@@ -574,48 +574,7 @@ class MemoryMoves:
                     waited = True
                 await asyncio.sleep(DEPARTING_POLL_SECONDS)
                 continue
-            return Plan([*forced, *plan.evict], plan.restore_first)
-
-    def _as_planned(self, snap: MemorySnapshot, forced: list[str], beside: str | None) -> MemorySnapshot:
-        """`snap` with each device's free bytes as the plan counts them: what the `forced`
-        jobs hold is free once they leave; a holder staying `beside` may still grow to its
-        need (peak or declared) while it computes."""
-        r = self._g.residency
-        freed: dict[str, int] = {}
-        for job in forced:
-            for dev, b in snap.on_device(job).items():
-                freed[dev] = freed.get(dev, 0) + b
-        if beside is not None:
-            held = snap.on_device(beside)
-            for dev, b in need_of(beside, snap, r.peaks, r.declared).items():
-                freed[dev] = freed.get(dev, 0) - max(0, b - held.get(dev, 0))
-        if not freed:
-            return snap
-        devices = dict(snap.devices)
-        for dev, b in freed.items():
-            if dev in devices:
-                m = devices[dev]
-                devices[dev] = type(m)(m.total, m.free + b)
-        return dataclasses.replace(snap, devices=devices)
-
-    def _place(self, incoming: str, residents: list[str], snap: MemorySnapshot, first_ok: bool) -> Plan:
-        """`plan_room` over `snap`; where the checkpoints lack host memory, `first_ok` (nobody
-        stays computing beside the switch) and `incoming` is checkpointed, the plan with its
-        restore first. Raises NoRoom (the host's lack, when the restore first does not fit)."""
-        r = self._g.residency
-        headroom = parse_headroom(self._g.spec.memory_headroom)
-        try:
-            return Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
-                                  alone=not r.known(incoming)))
-        except NoHostRoom as err:
-            if incoming not in r.checkpointed or not first_ok:
-                raise
-            try:
-                return Plan(plan_room(incoming, residents, snap, r.peaks, headroom, declared=r.declared,
-                                      alone=not r.known(incoming), restore_first=True), restore_first=True)
-            except NoRoom as first:
-                log.info("no restore first group=%s job=%s: %s", self._g.id, incoming, first)
-                raise err from None
+            return Plan([*forced, *evict], first)
 
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:

@@ -1,57 +1,32 @@
-"""Memory-aware residency: which idle jobs must leave the GPUs before a job is granted.
+"""Memory-aware residency: what the orchestrator has learned of each job's memory in one group.
 
-Owned by `LockGroup` (one `Residency` per group); the pure `plan_room` is the policy,
-unit-tested over fake memory reports. DESIGN.md, "Lock groups and the orchestrator":
-the lock orders compute, memory moves only when the incoming job does not fit.
+Owned by `LockGroup` (one `Residency` per group): who is resident (least recently held
+first) and who is checkpointed, what each job declared, its peak per device, and whether
+its memory is *settled*. The placement policy over it is pure and lives in placement.py
+(`plan_room`: which idle jobs leave the GPUs before a job is granted). DESIGN.md, "Lock
+groups and the orchestrator".
 
-Terms. A *device* is one GPU of one node, keyed `"<agent target>/<GPU uuid>"`. A
-`MemorySnapshot` merges the node agents' reports (`GetMemory`, NVML): per device its
-total and free bytes, per job its bytes on each device (and the most it held since the
-last report, sampled by the agent every 100 ms) and the size of its checkpoint.
-
-A job's *need* on a device (its reservation) is max(what it declared, the most it held
-while holding (its peak), its checkpoint's size). It declares with the claim's
-consumable-capacity `memory` request or `TimeSliceConfig.memory` (cluster), or
-`TIMESLICE_MEMORY` / `acquire(memory=)` (its client; bytes per GPU). A job that declared
-nothing is *unsettled* until one of its observed holds, after its first two, ended without
-raising its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their first
-hold (the model is built inside it, optimizer state appears at the first train step, the KV
-cache in generate; measured on the H200: a GRPO job held 36 GB at its first hold and 47 GB
-after its first train step, bench/results/rl-grpo-*.json), so its peak so far is no bound
-yet. A hold is *observed* when memory reports covered it throughout, each from the same run
-of its node agent. One that went unwatched for a while (a report failed or an agent was
-down; an agent answered as another `incarnation` than before: restarted, its peak samples
-started over, or stopped for a while, its samples have a gap; idle residents were
-checkpointed for the holder; the hold was adopted at the orchestrator's start) may have
-peaked where no report saw it: it neither counts among the
-first two nor settles its job. An unsettled job is never placed beside others on a guess: it
-is granted *alone*
-(every idle resident on its GPUs is checkpointed first, and while more than the headroom
-would stay held by others, residents with nothing to move or processes of no job of the
-group such as one that left and is still exiting, it waits),
-nothing is staged or restored beside it while it holds, and its grant waits until it is alone. The *room* a job lacks
-is need - what it holds now + headroom - free. Residents are checkpointed least recently
-held first until no device lacks room; a checkpoint also needs host memory for its bytes
-on that node; when the host lacks it, a checkpointed incoming job whose state fits beside
-the residents now is restored first, and its host memory holds theirs (`restore_first`).
-Without room for what the job must add, the plan raises `NoRoom` naming the device and
-the numbers, and nothing is attempted; a resident job that only finds the headroom thin
-is granted anyway.
+A job that declared nothing is *unsettled* until one of its observed holds, after its first two,
+ended without raising its peak by more than `SETTLE_GROWTH` of the device: RL jobs grow after their
+first hold (the model is built inside it, optimizer state appears at the first train step, the KV
+cache in generate; measured on the H200: a GRPO job held 36 GB at its first hold and 47 GB after
+its first train step, bench/results/rl-grpo-*.json), so its peak so far is no bound yet. A hold is
+*observed* when memory reports covered it throughout, each from the same run of its node agent.
+One that went unwatched for a while (a report failed or an agent was down; an agent answered as
+another `incarnation` than before: restarted, its peak samples started over, or stopped for a
+while, its samples have a gap; idle residents were checkpointed for the holder; the hold was
+adopted at the orchestrator's start) may have peaked where no report saw it: it neither counts
+among the first two nor settles its job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from timeslice.driver.errors import FailedPrecondition
-from timeslice.driver.headroom import parse_headroom
-
-__all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room", "moves_may_come", "parse_headroom",
-           "plan_room"]
+from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, need_of
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
@@ -59,226 +34,6 @@ __all__ = ["MemorySnapshot", "NoHostRoom", "NoRoom", "Residency", "lacking_room"
 # state); see the module docstring.
 SETTLE_GROWTH = 0.01
 SETTLE_MIN_HOLDS = 2
-
-class NoRoom(FailedPrecondition):
-    """No plan makes room: the job stays where it is (checkpointed or not granted)."""
-
-
-class NoHostRoom(NoRoom):
-    """A checkpoint the plan needs has no host memory on its node (`plan_room`)."""
-
-
-@dataclass(frozen=True)
-class DeviceMemory:
-    total: int
-    free: int
-
-
-@dataclass
-class MemorySnapshot:
-    """The group's memory as its node agents reported it; bytes; `taken_at` monotonic seconds.
-    `host_available`: per agent target, host bytes a checkpoint may use."""
-
-    devices: dict[str, DeviceMemory] = field(default_factory=dict)
-    device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
-    checkpointed_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    # job -> device -> bytes a checkpoint frees, where less than what it holds (cooperative:
-    # only the registered state leaves; the CUDA context and the rest stay)
-    movable_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    host_available: dict[str, int] = field(default_factory=dict)
-    # job -> device -> the most it held since the agent's previous report (sampled every
-    # 100 ms while the orchestrator watches a hold); at least device_bytes
-    peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    unseen: set[str] = field(default_factory=set)  # jobs whose device bytes are what they registered, not NVML's
-    unanswered: set[str] = field(default_factory=set)  # agent targets whose report failed
-    incarnations: dict[str, str] = field(default_factory=dict)  # agent target -> the run that answered
-    # job -> its processes the bytes were counted from, "<agent target>/<pid>:<start time>"
-    processes: dict[str, set[str]] = field(default_factory=dict)
-    taken_at: float = field(default_factory=time.monotonic)
-
-    def on_device(self, job: str) -> dict[str, int]:
-        return self.device_bytes.get(job, {})
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def agent_of(device: str) -> str:
-    """The agent target of a device key `"<target>/<uuid>"` (targets may hold slashes)."""
-    return device.rsplit("/", 1)[0]
-
-
-def devices_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]]) -> set[str]:
-    """The devices `job` uses: where it holds, held, or has a checkpoint; a job never seen
-    anywhere uses every device of the group's report (static groups have one GPU each)."""
-    devs = set(peaks.get(job, {})) | set(snap.checkpointed_bytes.get(job, {})) | set(snap.on_device(job))
-    return devs or set(snap.devices)
-
-
-def need_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-            declared: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Bytes `job` will hold on each device while it computes (its reservation): see the
-    module docstring. `declared`: job -> bytes per GPU it declared."""
-    own = peaks.get(job, {})
-    ckpt = snap.checkpointed_bytes.get(job, {})
-    d = (declared or {}).get(job, 0)
-    return {dev: max(own.get(dev, 0), ckpt.get(dev, 0), d) for dev in devices_of(job, snap, peaks)}
-
-
-def lacking_room(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-                 headroom: tuple[float, int], declared: Mapping[str, int] | None = None) -> dict[str, tuple[int, bool]]:
-    """Per device of `incoming` where free memory is short of (growth + headroom): the bytes
-    missing, and whether the job must grow there (restore, a newcomer, a peak above what it
-    holds: then the bytes must be found) or only the headroom is thin (found if idle residents
-    can give it, else the job is granted anyway: what it needs is already on the device)."""
-    have = snap.on_device(incoming)
-    need = need_of(incoming, snap, peaks, declared)
-    out: dict[str, tuple[int, bool]] = {}
-    for dev in set(need) | set(have):
-        mem = snap.devices.get(dev)
-        if mem is None:
-            continue  # a device no agent reports (its node is gone): the switch step will say so
-        growth = max(0, need.get(dev, 0) - have.get(dev, 0))
-        short = growth + _reserve(mem, headroom) - mem.free
-        if short > 0:
-            out[dev] = (short, growth > 0)
-    return out
-
-
-def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
-              peaks: Mapping[str, Mapping[str, int]], headroom: tuple[float, int],
-              host_checked: bool = True, declared: Mapping[str, int] | None = None,
-              alone: bool = False, restore_first: bool = False) -> list[str]:
-    """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
-
-    `residents_lru`: the idle resident jobs, least recently held first (never the incoming
-    job). `headroom`: (fraction of device total, bytes), from `parse_headroom`: kept free on
-    each device of `incoming` (a resident job's next phase may grow past its peak so far).
-    `host_checked`: each checkpoint must fit in its node's available host memory (the
-    backends that copy device memory to host memory). `declared`: job -> bytes per GPU it
-    declared. `alone`: `incoming` is unsettled (module docstring): every resident that
-    holds memory on its devices is checkpointed, whether or not it seems to fit.
-    `restore_first`: `incoming`'s checkpoint is restored before the residents are
-    checkpointed (nobody computes during a switch), so the host memory its restore gives
-    back holds theirs; then each device must have room for its checkpoint now, beside
-    everybody, plus the headroom. Raises NoHostRoom when a checkpoint it needs has no host
-    memory, NoRoom when the job must grow and cannot (or, `restore_first`, its checkpoint
-    does not fit beside the residents).
-    """
-    lacking = lacking_room(incoming, snap, peaks, headroom, declared)
-    mine = devices_of(incoming, snap, peaks)
-    host = dict(snap.host_available)
-    if restore_first:
-        _lend_host_memory(incoming, snap, headroom, host)
-    evict: list[str] = []
-    for job in residents_lru:
-        if not lacking and not alone:
-            break
-        held = snap.movable_bytes.get(job, snap.on_device(job))
-        if not any(held.get(dev, 0) > 0 for dev in (mine if alone else lacking)):
-            continue
-        if host_checked:
-            _take_host_memory(job, incoming, held, host)
-        evict.append(job)
-        for dev in list(lacking):
-            short, must = lacking[dev]
-            short -= held.get(dev, 0)
-            if short <= 0:
-                del lacking[dev]
-            else:
-                lacking[dev] = (short, must)
-    others = {dev: _others(incoming, dev, mem, snap, evict) for dev, mem in snap.devices.items() if dev in mine}
-    if alone:  # alone means no memory of anybody else: none that a checkpoint here would not free
-        for dev in sorted(others):
-            if others[dev] > _reserve(snap.devices[dev], headroom):
-                raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
-                             f"{_gb(others[dev])} of {dev} would stay held by others: residents with nothing to move "
-                             f"(registered no state yet) or processes of no job of this group (one that left and "
-                             f"is still exiting); {incoming} waits for it to be freed")
-    _check_growth_fits(incoming, snap, peaks, headroom, declared, lacking, others)
-    return evict
-
-
-def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
-    """The headroom's bytes on a device of `mem.total` bytes."""
-    return int(headroom[0] * mem.total) + headroom[1]
-
-
-def _lend_host_memory(incoming: str, snap: MemorySnapshot, headroom: tuple[float, int],
-                      host: dict[str, int]) -> None:
-    """`plan_room(restore_first=True)`: `incoming`'s checkpoint must fit beside everybody now;
-    the host memory its restore gives back is added to `host` (per agent). Raises NoRoom."""
-    for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
-        mem = snap.devices.get(dev)
-        room = mem.free - _reserve(mem, headroom) if mem is not None else 0
-        if n > room:
-            raise NoRoom(f"no host memory to checkpoint the residents of {dev} for {incoming}, and its "
-                         f"{_gb(n)} do not fit beside them to be restored first ({_gb(room)} free above the "
-                         f"headroom); {incoming} stays where it is")
-        host[agent_of(dev)] = host.get(agent_of(dev), 0) + n
-
-
-def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: dict[str, int]) -> None:
-    """Take from `host` (per agent) the bytes `job`'s checkpoint needs. Raises NoHostRoom."""
-    for agent, n in _per_agent(held).items():
-        if n > host.get(agent, 0):
-            raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
-                             f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
-                             "stays where it is)")
-        host[agent] -= n
-
-
-def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-                       headroom: tuple[float, int], declared: Mapping[str, int] | None,
-                       lacking: Mapping[str, tuple[int, bool]], others: Mapping[str, int]) -> None:
-    """Raise NoRoom where `incoming` must grow and, after the evictions, still lacks bytes
-    (`lacking`); the headroom counts only where others than it hold more than the headroom."""
-    for dev, (short, must) in lacking.items():
-        if not must:
-            continue
-        reserve = _reserve(snap.devices[dev], headroom)
-        if others.get(dev, 0) <= reserve:
-            short -= reserve  # nobody's growth to keep room for: what the job must add must fit, no more
-        if short > 0:
-            mem = snap.devices[dev]
-            need = need_of(incoming, snap, peaks, declared)[dev]
-            raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
-                         f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle "
-                         f"resident would leave it {_gb(short)} short; {incoming} stays where it is")
-
-
-def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:
-    """Bytes of `dev` held by others than `incoming` once the jobs of `evict` are checkpointed."""
-    freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
-    return mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
-
-
-def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for dev, n in per_device.items():
-        out[agent_of(dev)] = out.get(agent_of(dev), 0) + n
-    return out
-
-
-def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-                    headroom: tuple[float, int], known: Callable[[str], bool],
-                    declared: Mapping[str, int] | None = None) -> bool:
-    """Whether a grant among the group's `jobs` may move memory by `snap`: two or more jobs
-    and one of them with no known need (it runs alone: the others leave for it), or, on some
-    device, their needs (`need_of`) together exceed its memory less the headroom. False for
-    one job. The `cooperative` backend pins its host pool ahead only then (`pin_ahead`): a
-    pool no move uses need not be registered by every process."""
-    if len(jobs) < 2:
-        return False
-    if not all(known(j) for j in jobs):
-        return True
-    total: dict[str, int] = {}
-    for job in jobs:
-        for dev, n in need_of(job, snap, peaks, declared).items():
-            total[dev] = total.get(dev, 0) + n
-    return any(n + _reserve(snap.devices[dev], headroom) > snap.devices[dev].total
-               for dev, n in total.items() if dev in snap.devices)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, Ste
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.residency import DeviceMemory, MemorySnapshot, agent_of
+from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, agent_of
 from timeslice.driver import names
 from timeslice.driver.errors import NotFound, OutcomeUnknown, TimeSliceServerError, Unavailable
 
