@@ -167,6 +167,27 @@ def test_a_restore_first_lends_the_checkpoints_its_host_memory_where_its_state_f
         plan_room("n", ["a"], s, {}, parse_headroom("10%"), alone=True, restore_first=True)
 
 
+def test_place_restores_first_only_a_checkpointed_job_with_nobody_computing_beside_the_switch() -> None:
+    """`place` (placement.py): the plan with the restore first where the checkpoints lack host
+    memory, only when the incoming job is checkpointed and nobody stays computing beside the
+    switch; else the host's lack, as `plan_room` says it. `as_planned`: a forced job's bytes count
+    as free, a holder staying beside keeps room to grow to its need."""
+    from timeslice.controller.orchestrator.placement import NoHostRoom, as_planned, place
+
+    s = snap(free=55, ckpt={"n": 40}, host=20, a=40)
+    h = parse_headroom("10%")
+    assert place("n", ["a"], s, {}, {}, h, known=False, checkpointed=True, first_ok=True) == (["a"], True)
+    for checkpointed, first_ok in ((False, True), (True, False)):
+        with pytest.raises(NoHostRoom, match="no host memory to checkpoint a"):
+            place("n", ["a"], s, {}, {}, h, known=False, checkpointed=checkpointed, first_ok=first_ok)
+    assert place("n", ["a"], snap(free=55, ckpt={"n": 40}, a=40), {}, {}, h, known=False, checkpointed=True,
+                 first_ok=True) == (["a"], False)  # the host has room: no restore first
+    s = snap(free=20, a=30, b=30)
+    assert as_planned(s, ["a"], None, {}, {}).devices[DEV].free == 50 * GB
+    assert as_planned(s, [], "b", {"b": {DEV: 45 * GB}}, {}).devices[DEV].free == 5 * GB  # b may grow by 15
+    assert as_planned(s, [], None, {}, {}) is s
+
+
 # -- a group driving it ------------------------------------------------------------------
 
 
