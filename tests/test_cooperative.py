@@ -888,9 +888,10 @@ async def test_a_cooperative_plan_counts_the_pools_free_bytes_and_the_hosts_not_
     assert list(snap.host_available.values()) == [5 + (1 << 19)]
 
 
-@pytest.mark.parametrize(("exits", "seen"), [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize(("exits", "seen", "vanishes"),
+                         [(True, True, False), (False, True, False), (True, False, False), (True, True, True)])
 async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_its_memory_free(
-        coop, monkeypatch, exits, seen) -> None:
+        coop, monkeypatch, exits, seen, vanishes) -> None:
     """Randomized schedules, seed 9: the plan evicted a (connected, 60 GB), then a finished
     (its stream closed, `Leave`) before its checkpoint command: "no process connected,
     nothing to move", and c's restore ran out of GPU memory while a's process still held
@@ -898,7 +899,9 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
     process to command freed (its process exits), or rolls back (c stays checkpointed).
     Not `seen` (seed 3299): the node agent no longer told a's exiting process as a's (NVML
     showed the bytes, not whose); the restore waits until the GPU has room for what c
-    registered."""
+    registered. `vanishes` (cooperative schedules seed 36, with exit delays): seen at first,
+    then a's PID left /proc while the driver still freed its memory; the switch took a's bytes
+    for freed, and c grew into them. Now the devices' free bytes must show it."""
     from timeslice.controller.orchestrator import switch
 
     monkeypatch.setattr(switch, "FREED_TIMEOUT_SECONDS", 30.0 if exits else 0.5)
@@ -915,6 +918,11 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
             polls = gpu.probes
             await eventually(lambda: gpu.probes >= polls + 3 or moving.done())  # it polls NVML
             assert not moving.done() and stores["c"].device is None
+            if vanishes:
+                gpu.resolver._jobs.pop("a")  # type: ignore[attr-defined]  # its PID is gone, its 60 GB not yet
+                polls = gpu.probes
+                await eventually(lambda: gpu.probes >= polls + 3 or moving.done())
+                assert not moving.done() and stores["c"].device is None
             gpu.exited.add("a")  # a's process exits: NVML shows its memory free
             record = await asyncio.wait_for(moving, 10)
             assert record.ok and stores["c"].device == bytearray(stores["c"].original)

@@ -243,7 +243,9 @@ class SwitchCoordinator:
         CUDA caching allocator or a late stream may still hold them), plus all that those
         with no process to command held (they are exiting: a job that ended between the
         plan and its checkpoint frees its memory only when its processes are gone). Per job
-        by its processes' bytes where NVML sees them, else by the devices' free bytes.
+        by its processes' bytes where NVML sees them, else by the devices' free bytes (also
+        once a job's processes are no longer told as its own: their PIDs leave /proc before
+        the driver has freed their memory).
         With `room`, also until the GPUs have that many bytes free. Polled every
         `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`; else why not (a node agent
         that does not answer shows nothing freed: schedules seed 5112, the agent killed as a
@@ -261,10 +263,16 @@ class SwitchCoordinator:
         while True:
             now = await self.memory(spec, jobs, for_plan=False)  # NVML only, every FREED_POLL_SECONDS
             if not now.unanswered:
+                freed = sum(d.free for d in now.devices.values()) - free0
                 if seen:
                     dropped = sum(sum(before.on_device(j).values()) - sum(now.on_device(j).values()) for j in seen)
+                    if any(not now.on_device(j) for j in seen):
+                        # none of a job's processes is told as its own now: ended, or only its PIDs gone from
+                        # /proc while the driver still frees their memory (schedules seed 36: a restored job grew
+                        # into the 78 MB of one that had just ended): the devices' free bytes must show it
+                        dropped = min(dropped, freed)
                 else:
-                    dropped = sum(d.free for d in now.devices.values()) - free0
+                    dropped = freed
                 if not now.devices or (dropped >= want and sum(d.free for d in now.devices.values()) >= room):
                     return None
             if time.monotonic() >= deadline:
