@@ -45,8 +45,10 @@ STATE_BYTES = 256 * 1024
 # state must be what it was at the last release, then it changes it. Ends with close()
 # right after its last release, while the other job may be waiting.
 COOP_JOB = textwrap.dedent("""
-    import hashlib, json, pathlib, sys, time
-    from timeslice import TimeSliceOrchestratorClient
+    import hashlib, json, os, pathlib, sys, time
+    import grpc
+    from timeslice import TimeSliceOrchestratorClient, _rpc
+    from timeslice.v1 import orchestrator_pb2 as pb, orchestrator_pb2_grpc as pb_grpc
     from tests.test_cooperative import FakeStore
     name, out, rounds, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     peers = sys.argv[5].split(",") if len(sys.argv) > 5 else []  # jobs to wait for before the first hold
@@ -65,6 +67,16 @@ COOP_JOB = textwrap.dedent("""
     while not all(pathlib.Path(out, p + ".ready").exists() for p in peers):
         assert time.monotonic() < deadline, f"{name}: peers {peers} never started"
         time.sleep(0.01)
+    status = pb_grpc.OrchestratorStub(grpc.insecure_channel(_rpc.address(os.environ["TIMESLICE_ORCHESTRATOR"])))
+
+    def hand_on():  # hold until a peer waits (or has ended): every release hands the GPU over, however loaded
+        deadline = time.monotonic() + 60
+        while not any(pathlib.Path(out, p + ".json").exists() for p in peers if p != name):
+            if status.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"), timeout=10,
+                                     metadata=_rpc.call_metadata()).waiters or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
     expected, spans = bytes(store.device), []
     for i in range(rounds):
         with client.on_accelerators():
@@ -73,6 +85,8 @@ COOP_JOB = textwrap.dedent("""
             store.device[:] = hashlib.sha256(expected).digest() * (size // 32)  # this phase's work
             expected = bytes(store.device)
             time.sleep(0.15)
+            if peers:
+                hand_on()
             spans.append([name, t0, time.time()])
         time.sleep(0.05)
     client.close()
