@@ -241,6 +241,24 @@ async def test_jobs_that_fit_together_stay_resident_and_hand_off_without_moving(
     await g.close()
 
 
+async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_a_restore_beside_it() -> None:
+    """Cooperative schedules seed 132: a background restore of b (45 GB) finished 14 ms before
+    resident a's grant; the last report, from before the restore, left a room to grow to the
+    72 GB it declared, so a was granted at once, grew into b's room and ran out of memory. A job
+    restored since the report counts at its need: a's grant plans afresh and b leaves first."""
+    gpu = FakeGpu(a=30, b=45)
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=45 * GB)
+    await hold(g, "a", memory=72 * GB)  # b leaves for a's declared 72 GB
+    assert gpu.calls == [("checkpoint", "b")]
+    snap = await g.moves.snapshot()  # (a report with b checkpointed, as the background restore's plan takes)
+    assert snap is not None
+    g.moves.start_switch([], "b", restore=True, grant=False)  # a background restore: b fits beside a's 30 GB now
+    await hold(g, "a")  # asks during the restore: on the report from before it, a would be granted at once
+    assert gpu.calls[-2:] == [("restore", "b"), ("checkpoint", "b")], gpu.calls  # b left first: a may grow
+    await g.close()
+
+
 async def test_a_job_that_does_not_fit_evicts_the_least_recently_held_residents() -> None:
     gpu = FakeGpu(a=45)
     g = group(gpu)

@@ -22,6 +22,7 @@ among the first two nor settles its job.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class Residency:
         self.holds: dict[str, int] = {}  # job -> observed holds ended
         self._holding: dict[str, _Hold] = {}  # the holder's hold
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
+        self._restored: dict[str, float] = {}  # job -> when (monotonic seconds) it was restored without a grant
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
         self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named it
         self.snapshot: MemorySnapshot | None = None
@@ -135,6 +137,7 @@ class Residency:
         """Restored without a grant: resident, least recently held (a background restore),
         or most recently (`next_up`: staged for the next grant, the last to leave)."""
         self.checkpointed.discard(job)
+        self._restored[job] = time.monotonic()
         if job not in self.residents:
             self.residents[job] = None
             self.residents.move_to_end(job, last=next_up)
@@ -148,6 +151,7 @@ class Residency:
         self.holds.pop(job, None)
         self._holding.pop(job, None)
         self._ended.pop(job, None)
+        self._restored.pop(job, None)
         self._processes.pop(job, None)
 
     def lru(self, excluding: Iterable[str] = ()) -> list[str]:
@@ -170,12 +174,16 @@ class Residency:
         """The last snapshot (None without one), each device's free bytes lowered by what the
         jobs that held since it was taken (holding now, or whose hold ended since; not
         `excluding`) may have grown past what it shows: up to their need (a resident grows
-        only while it holds; past its need, the holder's memory watch acts)."""
+        only while it holds; past its need, the holder's memory watch acts); so are jobs
+        restored since without a grant (cooperative schedules seed 132: a background restore
+        finished 14 ms before a resident's grant, which the report from before it let grow
+        into the restored job's room: an OOM)."""
         snap = self.snapshot
         if snap is None:
             return None
         grown: dict[str, int] = {}
-        for job in {*self._holding, *self._ended} - {excluding}:
+        restored = {job for job, at in self._restored.items() if at >= snap.taken_at}
+        for job in {*self._holding, *self._ended, *restored} - {excluding}:
             held = snap.on_device(job)
             for dev, b in self.need(job).items():
                 grown[dev] = grown.get(dev, 0) + max(0, b - held.get(dev, 0))
@@ -203,6 +211,7 @@ class Residency:
         if not snap.devices:
             return
         self.snapshot = snap
+        self._restored = {job: at for job, at in self._restored.items() if at >= snap.taken_at}
         for job in self.residents:
             peak = self.peaks.setdefault(job, {})
             seen = dict(snap.on_device(job))
