@@ -183,9 +183,10 @@ def test_place_restores_first_only_a_checkpointed_job_with_nobody_computing_besi
     assert place("n", ["a"], snap(free=55, ckpt={"n": 40}, a=40), {}, {}, h, known=False, checkpointed=True,
                  first_ok=True) == (["a"], False)  # the host has room: no restore first
     s = snap(free=20, a=30, b=30)
-    assert as_planned(s, ["a"], None, {}, {}).devices[DEV].free == 50 * GB
-    assert as_planned(s, [], "b", {"b": {DEV: 45 * GB}}, {}).devices[DEV].free == 5 * GB  # b may grow by 15
-    assert as_planned(s, [], None, {}, {}) is s
+    assert as_planned(s, ["a"], [], {}, {}).devices[DEV].free == 50 * GB
+    assert as_planned(s, [], ["b"], {"b": {DEV: 45 * GB}}, {}).devices[DEV].free == 5 * GB  # b may grow by 15
+    assert as_planned(s, [], ["a", "b"], {"b": {DEV: 45 * GB}}, {"a": 35 * GB}).devices[DEV].free == 0
+    assert as_planned(s, [], [], {}, {}) is s
 
 
 # -- a group driving it ------------------------------------------------------------------
@@ -256,6 +257,10 @@ async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_a_restor
     g.moves.start_switch([], "b", restore=True, grant=False)  # a background restore: b fits beside a's 30 GB now
     await hold(g, "a")  # asks during the restore: on the report from before it, a would be granted at once
     assert gpu.calls[-2:] == [("restore", "b"), ("checkpoint", "b")], gpu.calls  # b left first: a may grow
+    # and the group, idle, restores b in the background only where a could still grow to 72 GB: not here
+    g.idle.refresh_memory()
+    await eventually(lambda: not g.idle.refreshing)
+    assert gpu.calls[-1] == ("checkpoint", "b") and "b" in g.residency.checkpointed
     await g.close()
 
 

@@ -105,7 +105,8 @@ class IdleRestores:
                 return
             for job in sorted(g.residency.checkpointed - self._failed):
                 try:
-                    if not (await g.moves.plan(job, allow_evictions=False)).evict and self.now():
+                    # beside the residents at their needs: each may grow to it at its next grant
+                    if not (await g.moves.plan(job, allow_evictions=False, residents_grow=True)).evict and self.now():
                         log.info("background restore group=%s job=%s: the group is idle and it fits", g.id, job)
                         g.moves.start_switch([], job, restore=True, grant=False)
                         return

@@ -529,11 +529,14 @@ class MemoryMoves:
                                    "report: no memory is added to their GPUs until they do")
         return snap if snap.devices else None
 
-    async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None) -> Plan:
+    async def plan(self, incoming: str, allow_evictions: bool, beside: str | None = None,
+                   residents_grow: bool = False) -> Plan:
         """Residents to checkpoint so that `incoming` fits (memory-aware groups), preempted
         holders first. `beside`: a holder that stays, with room to grow to its need (its peak
-        or what it declared, `need_of`). When their checkpoints lack host memory and
-        `incoming` is checkpointed, it is restored first where its checkpoint fits beside
+        or what it declared, `need_of`); `residents_grow`: so does every idle resident (a
+        background restore: each may grow at its next grant, which is at once). When their
+        checkpoints lack host memory and `incoming` is checkpointed, it is restored first
+        where its checkpoint fits beside
         them (H200, 3 jobs of 47 GB checkpoints, a 101 GB pool: two were out, and the third
         ran all its phases alone while they waited, bench/results/
         rl-grpo-b-serve-cooperative-h200.json). Raises NoRoom."""
@@ -555,7 +558,8 @@ class MemoryMoves:
             residents = g.residency.lru(excluding=[incoming, *forced, *([beside] if beside else [])]) \
                 if allow_evictions else []
             r = g.residency
-            snap = as_planned(snap, forced, beside, r.peaks, r.declared)
+            growing = [beside] if beside is not None else r.lru(excluding=[incoming]) if residents_grow else []
+            snap = as_planned(snap, forced, growing, r.peaks, r.declared)
             if beside is not None and not (r.known(incoming) and r.known(beside)):
                 raise NoRoom(f"{incoming if not r.known(incoming) else beside} has not settled its memory (it "
                              f"declared none and its holds still grow it): {incoming} is not restored beside {beside}")

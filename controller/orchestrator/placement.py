@@ -257,18 +257,19 @@ def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str
                for dev, n in total.items() if dev in snap.devices)
 
 
-def as_planned(snap: MemorySnapshot, forced: Sequence[str], beside: str | None,
+def as_planned(snap: MemorySnapshot, forced: Sequence[str], growing: Sequence[str],
                peaks: Mapping[str, Mapping[str, int]], declared: Mapping[str, int]) -> MemorySnapshot:
     """`snap` with each device's free bytes as a plan counts them: what the `forced` jobs hold
-    is free once they leave; a holder staying `beside` may still grow to its need (peak or
-    declared, `need_of`) while it computes."""
+    is free once they leave; the `growing` jobs (a holder staying beside a staging, the idle
+    residents beside a background restore) may still grow to their need (peak or declared,
+    `need_of`)."""
     freed: dict[str, int] = {}
     for job in forced:
         for dev, b in snap.on_device(job).items():
             freed[dev] = freed.get(dev, 0) + b
-    if beside is not None:
-        held = snap.on_device(beside)
-        for dev, b in need_of(beside, snap, peaks, declared).items():
+    for job in growing:
+        held = snap.on_device(job)
+        for dev, b in need_of(job, snap, peaks, declared).items():
             freed[dev] = freed.get(dev, 0) - max(0, b - held.get(dev, 0))
     if not freed:
         return snap
