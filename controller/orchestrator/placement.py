@@ -259,10 +259,9 @@ def moves_may_come(jobs: Sequence[str], snap: MemorySnapshot, peaks: Mapping[str
 
 def as_planned(snap: MemorySnapshot, forced: Sequence[str], growing: Sequence[str],
                peaks: Mapping[str, Mapping[str, int]], declared: Mapping[str, int]) -> MemorySnapshot:
-    """`snap` with each device's free bytes as a plan counts them: what the `forced` jobs hold
-    is free once they leave; the `growing` jobs (a holder staying beside a staging, the idle
-    residents beside a background restore) may still grow to their need (peak or declared,
-    `need_of`)."""
+    """`snap` with each device's free bytes as a plan counts them: what the `forced` jobs hold is free
+    once they leave; the `growing` jobs (a holder beside a staging, the idle residents beside a
+    background restore) may still grow to their need (peak or declared, `need_of`)."""
     freed: dict[str, int] = {}
     for job in forced:
         for dev, b in snap.on_device(job).items():
