@@ -21,13 +21,12 @@ among the first two nor settles its job.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, need_of
+from timeslice.controller.orchestrator.placement import MemorySnapshot, as_planned, need_of
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
@@ -181,16 +180,9 @@ class Residency:
         snap = self.snapshot
         if snap is None:
             return None
-        grown: dict[str, int] = {}
         restored = {job for job, at in self._restored.items() if at >= snap.taken_at}
-        for job in {*self._holding, *self._ended, *restored} - {excluding}:
-            held = snap.on_device(job)
-            for dev, b in self.need(job).items():
-                grown[dev] = grown.get(dev, 0) + max(0, b - held.get(dev, 0))
-        if not any(grown.values()):
-            return snap
-        devices = {dev: DeviceMemory(m.total, m.free - grown.get(dev, 0)) for dev, m in snap.devices.items()}
-        return dataclasses.replace(snap, devices=devices)
+        grown = sorted({*self._holding, *self._ended, *restored} - {excluding})
+        return as_planned(snap, [], grown, self.peaks, self.declared)
 
     def observe(self, snap: MemorySnapshot) -> None:
         """Take a new snapshot: residents' peaks grow to the most they held (`peak_bytes`,
