@@ -118,7 +118,8 @@ def test_a_ledger_writer_killed_before_it_truncated_leaves_a_ledger_others_read(
     gpu.alloc(os.getpid(), 1)
 
 
-async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_resident(short_tmp: Path) -> None:
+async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_resident(short_tmp: Path,
+                                                                                          monkeypatch) -> None:
     """A job killed while resident frees its GPU memory only as its processes end (1.4-9.6 s on
     the H200), and its PID leaves /proc first. Backend cuda, the real node agent over the fake
     driver: c is checkpointed, a computes in its place and is killed; the switch that moves a
@@ -133,16 +134,11 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
     procs = {job: await asyncio.to_thread(subprocess.Popen, ["sleep", "600"], env={
         **os.environ, "TIMESLICE_JOB": job, "TIMESLICE_ACCELERATOR_PROCESS": "1"}) for job in "ac"}
     listen = f"unix://{short_tmp / 'agent.sock'}"
-    env = {ENV: str(gpu.path), schedules.fake_driver().FAULTS_ENV: "[]",
-           "PYTHONPATH": os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")])}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # inherited by the agent only
-    try:
-        agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
-                             ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    monkeypatch.setenv(ENV, str(gpu.path))  # for the agent, started below
+    monkeypatch.setenv(schedules.fake_driver().FAULTS_ENV, "[]")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
+    agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
+                         ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
     spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
     pool = AgentPool()
     switcher = SwitchCoordinator(pool)
