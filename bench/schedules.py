@@ -165,8 +165,8 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
     """The schedule of `seed`: 2-4 jobs, 0-4 faults (a pure function of the seed).
     `register_late`: about half the jobs open their memory-command stream after their first
     hold (drawn apart, so that the rest of the schedule stays that of the seed). `backend`
-    "cuda": the same jobs and faults, faults of the fake driver (`driver_faults`) and an exit delay
-    (`exit_delay`; on `cooperative` it fails seed 5112, open: docs/results.md); `STAYING` backends:
+    "cuda": the same jobs and faults and faults of the fake driver (`driver_faults`); "cuda" and
+    "cooperative": an exit delay (`exit_delay`); `STAYING` backends:
     the same jobs and faults, scaled to fit together (`fit_together`)."""
     rng = random.Random(seed)
     jobs = []
@@ -206,7 +206,7 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
         jobs = fit_together(jobs)
     return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)), backend,
                     driver_faults(seed) if backend == "cuda" else (),
-                    exit_delay(seed) if backend == "cuda" else 0.0)
+                    exit_delay(seed) if backend in ("cuda", "cooperative") else 0.0)
 
 
 def exit_delay(seed: int) -> float:

@@ -34,6 +34,7 @@ class FakeGpu:
         self.calls: list[tuple[str, str]] = []
         self.reports = 0
         self.procs: dict[str, str] = {}  # job -> the name of its process ("<pid>:<start time>")
+        self.down = False  # the node agent does not answer memory reports
 
     async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
         for job in evict:
@@ -46,6 +47,8 @@ class FakeGpu:
 
     async def memory(self, spec, jobs, **watch) -> MemorySnapshot:
         self.reports += 1
+        if self.down:
+            return MemorySnapshot(unanswered={"agent-0"})
         free = self.total - sum(self.on.values())
         return MemorySnapshot(devices={DEV: DeviceMemory(self.total, free)},
                               device_bytes={j: {DEV: b} for j, b in self.on.items()},
@@ -1354,4 +1357,29 @@ async def test_a_takeover_that_could_not_read_an_agents_records_grants_nothing_u
     answers.append(True)  # the agent is back
     grant = await g.acquire("b", 0, "b-2", timeout=None)
     assert grant.restored and ("restore", "b") in gpu.calls and not g.moves.records_unknown
+    await g.close()
+
+
+async def test_a_job_started_again_is_not_granted_at_once_on_a_report_of_its_earlier_process() -> None:
+    """Cooperative schedules seed 5112 (exit delay): job a's process ended while the node agent
+    was down, and its new process was granted at once as a resident, on the last report, which
+    showed the ended process's bytes as a's own room; the GPU still held them, and the new
+    process's model ran out of memory beside them. A job whose processes started after the
+    last report plans on a fresh one, where the ended process's bytes are nobody's."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
+    await g.moves.snapshot()  # (a report while a is resident, as a watch or a plan takes)
+    assert g.residency.snapshot is not None and g.residency.snapshot.on_device("a") == {DEV: 80 * GB}
+    gpu.on["ended"] = gpu.on.pop("a")  # a's process ended; the GPU keeps its bytes a while
+    g.residency.started("a")  # a's new process connected (`CooperativeJobs` on_started)
+    gpu.down = True  # with its node agent down, as in the seed: nothing is known of a's new process
+    with pytest.raises(SwitchFailed, match="did not answer a memory report"):
+        await g.acquire("a", 0, "a-down", timeout=None)
+    gpu.down = False
+    with pytest.raises(SwitchFailed, match=r"would stay held by others.*a waits for it to be freed"):
+        await g.acquire("a", 0, "a-new", timeout=None)
+    del gpu.on["ended"]  # freed at last
+    grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
+    assert not grant.restored and gpu.calls == []
     await g.close()

@@ -548,8 +548,8 @@ class MemoryMoves:
                 snap = await self.snapshot()
             except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
                 if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
-                        self.unconfirmed(incoming):
-                    raise
+                        self.unconfirmed(incoming) or g.residency.started_since_report(incoming):
+                    raise  # (a resident started again holds nothing yet: what it needs is unseen)
                 snap = None
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
@@ -750,11 +750,12 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     growth plus the headroom once the jobs that held since that report are taken to have
     grown to their need (`Residency.worst_case`: that holder may have built its model or
     optimizer state since): grant at once. Otherwise the grant waits for a fresh report
-    and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`)."""
+    and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`,
+    and for one whose processes started after that report: `Residency.started_since_report`)."""
     r = g.residency
     if not r.known(incoming) and r.lru(excluding=[incoming]):
         return False  # unsettled: granted alone, after a plan
-    if g.moves.unconfirmed(incoming):
+    if g.moves.unconfirmed(incoming) or r.started_since_report(incoming):
         return False
     snap = r.worst_case(excluding=incoming)
     if snap is None or r.snapshot is None:

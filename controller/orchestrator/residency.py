@@ -61,6 +61,7 @@ class Residency:
         self._holding: dict[str, _Hold] = {}  # the holder's hold
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
         self._restored: dict[str, float] = {}  # job -> when (monotonic seconds) it was restored without a grant
+        self._started: dict[str, float] = {}  # job -> when (monotonic seconds) its processes started again
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
         self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named it
         self.snapshot: MemorySnapshot | None = None
@@ -115,6 +116,14 @@ class Residency:
         self.settled.discard(job)
         self.holds.pop(job, None)
         self._ended.pop(job, None)
+        self._started[job] = time.monotonic()
+
+    def started_since_report(self, job: str) -> bool:
+        """Whether `job`'s processes started again after the last snapshot was taken: what
+        it shows as `job`'s is its earlier processes' (the GPU may still hold their bytes
+        a while after they end), not room for the new ones."""
+        at = self._started.get(job)
+        return at is not None and (self.snapshot is None or at >= self.snapshot.taken_at)
 
     def declare(self, job: str, nbytes: int) -> None:
         """`job` declared it needs `nbytes` per GPU (0: nothing declared; a later
@@ -151,6 +160,7 @@ class Residency:
         self._holding.pop(job, None)
         self._ended.pop(job, None)
         self._restored.pop(job, None)
+        self._started.pop(job, None)
         self._processes.pop(job, None)
 
     def lru(self, excluding: Iterable[str] = ()) -> list[str]:
@@ -204,6 +214,7 @@ class Residency:
             return
         self.snapshot = snap
         self._restored = {job: at for job, at in self._restored.items() if at >= snap.taken_at}
+        self._started = {job: at for job, at in self._started.items() if at >= snap.taken_at}
         for job in self.residents:
             peak = self.peaks.setdefault(job, {})
             seen = dict(snap.on_device(job))
