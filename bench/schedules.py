@@ -373,25 +373,31 @@ class Run:
             code = await proc.wait()
             if done.is_set():
                 return
-            if not proc.signalled and not (proc is self.agent and code == fake_driver().DIE_EXIT):
+            if not self._asked(proc, code):
                 self.crashes.append(f"{proc.name} exited by itself with code {code} at "
                                     f"{time.monotonic() - self.t0:.2f} s (see its log)")
             await asyncio.sleep(self._restart_delay.get(proc.name, 0.0))
             await self._restart(proc)
 
+    def _asked(self, proc: Proc, code: int | None) -> bool:
+        """Whether a fault ended `proc`: a signal, or a planned death of the fake driver in the agent."""
+        return proc.signalled or (proc is self.agent and code == fake_driver().DIE_EXIT)
+
     async def _restart(self, proc: Proc) -> None:
         """Start `proc` again, as a supervisor would, also when a fault ends it before it is
         ready (cuda seed 259: the agent SIGTERMed while it started again stayed down, and
-        every job waited for it); an exit before ready that no fault asked for is a crash."""
+        every job waited for it; cuda seed 990: the fake driver's planned death in the agent's
+        undo of an interrupted checkpoint at its start); an exit before ready that no fault
+        asked for is a crash."""
         while True:
             try:
                 await proc.start()
                 return
             except RuntimeError as err:
-                if not proc.signalled:
+                ended = proc.signalled or "exited before it was ready" in str(err)
+                if not ended or not self._asked(proc, await proc.wait()):  # (a signal it was sent ends it)
                     self.crashes.append(f"{proc.name} did not start again: {err}")
                     raise
-                await proc.wait()  # (the fault's signal ends it)
 
     async def _job(self, spec: JobSpec) -> None:
         proc = self.jobs[spec.name]

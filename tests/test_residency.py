@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
-from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchRecord
+from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.moves import next_job
 from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
@@ -35,8 +35,14 @@ class FakeGpu:
         self.reports = 0
         self.procs: dict[str, str] = {}  # job -> the name of its process ("<pid>:<start time>")
         self.down = False  # the node agent does not answer memory reports
+        self.unreachable = False  # the next switch fails: its agent stops answering mid-checkpoint
 
     async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        if self.unreachable:  # the checkpoint ran or not, and its rollback could not tell: the agent went away
+            self.unreachable, self.down = False, True
+            rec = SwitchRecord(evict[0] if evict else None, incoming, ok=False, evicted=tuple(evict),
+                               unreachable=True, failed_step="checkpoint")
+            raise SwitchError("checkpoint failed (no reply); ROLLBACK INCOMPLETE", rec, off_gpu=evict)
         for job in evict:
             self.off[job] = self.on.pop(job, 0)
             self.calls.append(("checkpoint", job))
@@ -708,6 +714,11 @@ class SlowGpu(FakeGpu):
         self.go = asyncio.Event()
 
     async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        if self.unreachable:  # the checkpoint ran or not, and its rollback could not tell: the agent went away
+            self.unreachable, self.down = False, True
+            rec = SwitchRecord(evict[0] if evict else None, incoming, ok=False, evicted=tuple(evict),
+                               unreachable=True, failed_step="checkpoint")
+            raise SwitchError("checkpoint failed (no reply); ROLLBACK INCOMPLETE", rec, off_gpu=evict)
         if restore:
             await self.go.wait()
         return await super().__call__(spec, evict, incoming, restore)
@@ -1382,4 +1393,25 @@ async def test_a_job_started_again_is_not_granted_at_once_on_a_report_of_its_ear
     del gpu.on["ended"]  # freed at last
     grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
     assert not grant.restored and gpu.calls == []
+    await g.close()
+
+
+async def test_no_job_is_granted_on_a_guess_while_a_rollback_left_a_job_unsure_and_its_agent_is_silent() -> None:
+    """Cuda schedules seed 990: a checkpoint of a got no reply, its rollback could not reach
+    the node agent either (it had died), and a was recorded checkpointed; with the agent
+    silent, b was granted as if the GPU held only what the orchestrator had recorded, grew
+    to 72.7 GB, and ran out of memory beside a, whom the restarted agent's undo had put back.
+    While a job's place is unsure, nothing is granted until an agent answers."""
+    gpu = FakeGpu(a=20)
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.unreachable = True
+    with pytest.raises(SwitchFailed, match="ROLLBACK INCOMPLETE"):
+        await g.acquire("b", 0, "b-1", timeout=None, memory=90 * GB)  # a must leave for b
+    assert "a" in g.residency.checkpointed
+    with pytest.raises(SwitchFailed, match="did not answer a memory report"):
+        await g.acquire("b", 0, "b-2", timeout=None, memory=90 * GB)
+    gpu.down = False  # the agent answers again: a is on the GPU (its undo ran), and counted
+    with pytest.raises(SwitchFailed, match="no room for b"):
+        await g.acquire("b", 0, "b-3", timeout=None, memory=90 * GB)
     await g.close()

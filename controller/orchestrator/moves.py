@@ -99,6 +99,8 @@ class MemoryMoves:
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
+        # jobs a rollback could not put back, since the last answered memory report: on the GPUs or not
+        self._unsure: set[str] = set()
         # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}
         self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
@@ -524,6 +526,8 @@ class MemoryMoves:
             return None
         g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
         self._pin_if_moves_may_come()
+        if snap.devices and not snap.unanswered:
+            self._unsure.clear()
         if snap.unanswered:
             raise AgentsUnanswered(f"node agent(s) {', '.join(sorted(snap.unanswered))} did not answer a memory "
                                    "report: no memory is added to their GPUs until they do")
@@ -548,8 +552,8 @@ class MemoryMoves:
                 snap = await self.snapshot()
             except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
                 if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
-                        self.unconfirmed(incoming) or g.residency.started_since_report(incoming):
-                    raise  # (a resident started again holds nothing yet: what it needs is unseen)
+                        self.unconfirmed(incoming) or g.residency.started_since_report(incoming) or self._unsure:
+                    raise  # (a resident started again holds nothing yet; an unsure job may hold its memory)
                 snap = None
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
@@ -641,6 +645,8 @@ class MemoryMoves:
         g.counters.failed_switches += 1
         for job in err.off_gpu:
             g.residency.moved_out(job)
+        if err.record.unreachable:  # an agent may still finish the rollback (its undo at restart): unsure
+            self._unsure.update(err.off_gpu)
         if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
             self._woken.update(j for j in evict if j not in err.off_gpu)
         log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
