@@ -114,6 +114,31 @@ async def test_a_failed_checkpoint_restores_the_others_and_unlocks_everyone() ->
     assert b.states == {TARGET: RUNNING, HELPER: RUNNING}
 
 
+
+class FailsToUnlock(Scripted):
+    """HELPER's unlock answers an error and does nothing (the fake driver's planned
+    CUDA_ERROR_ILLEGAL_STATE at an unlock)."""
+
+    async def unlock(self, pid: int) -> None:
+        if pid == HELPER:
+            self.calls.append(("unlock", pid))
+            raise FailedPrecondition(f"cuCheckpointProcessUnlock pid {pid}: CUDA_ERROR_ILLEGAL_STATE")
+        await super().unlock(pid)
+
+
+async def test_a_restore_whose_unlock_fails_leaves_every_process_checkpointed() -> None:
+    """Cuda schedules seeds 957 and 989: an unlock failed after the restore had brought the
+    process's memory back; the step failed, its process stayed LOCKED with its memory on the
+    GPU while the orchestrator counted it checkpointed, and the rollback's restore of the
+    evicted jobs ran out of memory beside it. A failed restore leaves each of its processes
+    as it found them."""
+    b = FailsToUnlock()
+    b.states = {TARGET: CHECKPOINTED, HELPER: CHECKPOINTED}
+    with pytest.raises(FailedPrecondition, match="CUDA_ERROR_ILLEGAL_STATE"):
+        await b.restore([TARGET, HELPER], timeout=5)
+    assert b.states == {TARGET: CHECKPOINTED, HELPER: CHECKPOINTED}, b.calls
+
+
 # -- issue 14, item 0: never checkpoint what cannot be restored ---------------------------
 
 # A rank: NCCL loaded (a file named libnccl.so.2 mapped), then it waits until it is killed.
