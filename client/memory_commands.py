@@ -254,12 +254,14 @@ class MemoryCommandLoop:
         if command.kind == "pin":
             self._pin_wanted.set()
             return
+        arrived = time.monotonic()
         with self._busy:
             if not self._closing:
-                self._command(command)
+                self._command(command, arrived)
 
-    def _command(self, command: pb.MemoryCommand) -> None:
-        """Run one command and acknowledge it (under `_busy`)."""
+    def _command(self, command: pb.MemoryCommand, arrived: float) -> None:
+        """Run one command and acknowledge it (under `_busy`; `arrived`: when it came, monotonic
+        seconds: it may have waited for the checksum of the command before)."""
         t0 = time.monotonic()
         ack = pb.MemoryCommandAck(job_id=self._s.job_id, group_id=self.group, op_id=command.op_id, ok=True)
         if command.kind == "report":  # the job may be inside its phase (optimizer state appearing): no tensor walk
@@ -275,14 +277,16 @@ class MemoryCommandLoop:
             ack.ok, ack.error, ack.lost = False, f"{type(err).__name__}: {err}", isinstance(err, CheckpointLost)
         ack.seconds = time.monotonic() - t0
         ack.registered_bytes = self.measured = self.store.nbytes()
-        log.info("memory command group=%s kind=%s ok=%s bytes=%d pinned=%s seconds=%.3f", self.group, command.kind,
-                 ack.ok, ack.bytes, ack.pinned, ack.seconds)
+        phases = getattr(self.store, "last_phases", None) or {}
+        log.info("memory command group=%s kind=%s ok=%s bytes=%d pinned=%s seconds=%.3f waited=%.3f%s", self.group,
+                 command.kind, ack.ok, ack.bytes, ack.pinned, ack.seconds, t0 - arrived,
+                 "".join(f" {k}={v:.3f}" if isinstance(v, float) else f" {k}={v}" for k, v in phases.items()))
         self._ack(ack)
         saved = self._saved
         if saved is not None and saved[0] and saved[2] is None and self._pool is not None:  # after the ack
             t1 = time.monotonic()
             self._saved = (saved[0], saved[1], pool_checksum(self._pool, saved[0], saved[1]))
-            log.debug("checkpoint checksum group=%s bytes=%d seconds=%.3f", self.group, saved[1],
+            log.info("checkpoint checksum group=%s bytes=%d seconds=%.3f", self.group, saved[1],
                       time.monotonic() - t1)
 
     def _ack(self, ack: pb.MemoryCommandAck) -> None:

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -94,6 +95,8 @@ class TorchState:
         self._pin_lock = threading.Lock()  # guards `_pinned` and each registration (a command and `pin_ahead`)
         self._unpinned = False  # `unpin` ran: the process is ending; nothing is registered again
         self._reserved: dict[torch.device, int] = {}  # bytes PyTorch's allocator reserved per device at the checkpoint
+        # seconds of the last command's parts (and chunks it had to register), for its log line
+        self.last_phases: dict[str, float] = {}
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
@@ -202,17 +205,21 @@ class TorchState:
                 layout.append((s, total, s.nbytes()))
                 total += _align(s.nbytes())
             in_pool = self._pool is not None and total <= sum(n for _, n in ranges)
+            self.last_phases = {"pin_s": 0.0, "pinned_chunks": 0}
+            t0 = time.monotonic()
             host = None if in_pool or not total else self._own_buffer(total)  # (nothing on a GPU: nothing to copy)
             with self._copy_stream():
                 for s, off, n in layout:
                     dev = _bytes_view(s)
                     for dst, src, k in self._places(ranges, host, off, n):
                         dst.copy_(dev[src:src + k], non_blocking=True)
+            t1 = time.monotonic()
             self._reserved = {d: torch.cuda.memory_reserved(d) for d in {s.device for s, _, _ in layout}
                               if d.type == "cuda"}
             for s, _, _ in layout:
                 s.resize_(0)
             torch.cuda.empty_cache()
+            self.last_phases.update(copy_s=t1 - t0 - self.last_phases["pin_s"], free_s=time.monotonic() - t1)
             self._moved, self._in_pool = layout, in_pool
             self._ranges = prefix(ranges, total) if in_pool else []
             return total, in_pool
@@ -238,16 +245,22 @@ class TorchState:
                 raise RuntimeError(f"restore: the pool ranges given hold {sum(n for _, n in ranges)} bytes, this "
                                    f"state was checkpointed into {self._host_bytes()}")
             host = None if self._in_pool else self._own
+            self.last_phases = {"pin_s": 0.0, "pinned_chunks": 0}
+            t0 = time.monotonic()
             for s, _, n in self._moved:  # allocated on the current stream, where the tensors are used
                 s.resize_(n)
+            t1 = time.monotonic()
             with self._copy_stream():
                 for s, off, n in self._moved:
                     dev = _bytes_view(s)
                     for src, dst, k in self._places(ranges, host, off, n):
                         dev[dst:dst + k].copy_(src, non_blocking=True)
+            t2 = time.monotonic()
             moved = sum(n for _, _, n in self._moved)
             self._moved = []
             self._warm()
+            self.last_phases.update(alloc_s=t1 - t0, copy_s=t2 - t1 - self.last_phases["pin_s"],
+                                    warm_s=time.monotonic() - t2)
             return moved
 
     def _warm(self) -> None:
@@ -288,11 +301,15 @@ class TorchState:
         if own is not None:
             return [(own[start:start + n], 0, n)]
         places = chunked(pieces(ranges, start, n))
+        t0, before = time.monotonic(), len(self._pinned)
         try:
             for off, _, _ in places:
                 self._pin(off // REGISTER_CHUNK_BYTES)
         except RuntimeError as err:  # the copies still run, at pageable speed
             log.warning("%s: copying at pageable speed", err)
+        if self.last_phases:
+            self.last_phases["pin_s"] += time.monotonic() - t0
+            self.last_phases["pinned_chunks"] += len(self._pinned) - before
         return [(self._pool[off:off + k], src, k) for off, src, k in places]  # type: ignore[index]
 
     def _own_buffer(self, total: int) -> torch.Tensor:

@@ -771,8 +771,8 @@ RANK = textwrap.dedent("""
                 raise RuntimeError("injected copy failure")
             return super().checkpoint(ranges)
     run = MemoryCommandLoop._command
-    def answered(self, command):
-        run(self, command)  # runs it and acknowledges it
+    def answered(self, command, *args):
+        run(self, command, *args)  # runs it and acknowledges it
         print(f"answered {command.kind}", flush=True)
     MemoryCommandLoop._command = answered
     loop = TimeSliceOrchestratorClient(target, "a", "g").serve_memory_commands(Store(seed))
