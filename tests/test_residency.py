@@ -1415,3 +1415,24 @@ async def test_no_job_is_granted_on_a_guess_while_a_rollback_left_a_job_unsure_a
     with pytest.raises(SwitchFailed, match="no room for b"):
         await g.acquire("b", 0, "b-3", timeout=None, memory=90 * GB)
     await g.close()
+
+
+async def test_a_new_process_of_the_holding_job_waits_its_turn_rather_than_join_the_ended_ones_hold() -> None:
+    """Cooperative schedules seed 30009 (exit delays): a's process was killed holding; its next
+    process joined the hold at once (another process of the holder joins its hold) and ran out
+    of memory beside the ended process's 42.7 MB, which the GPU still held. Once every process
+    of the holder ended, a new one of the job waits its turn, planned on a fresh report."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await g.acquire("a", 0, "a-1", timeout=None)
+    gpu.on["a"] = 60 * GB  # a holds, loaded
+    await g.moves.snapshot()
+    gpu.on["ended"] = gpu.on.pop("a")  # a's process was killed holding; the GPU keeps its bytes a while
+    g.job_started("a")  # a's new process connected (`CooperativeJobs` on_started)
+    with pytest.raises(SwitchFailed, match="would stay held by others"):
+        await g.acquire("a", 0, "a-2", timeout=None)
+    assert g.holder is None
+    del gpu.on["ended"]  # freed at last
+    grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
+    assert not grant.restored and gpu.calls == []
+    await g.close()

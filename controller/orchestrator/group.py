@@ -131,6 +131,13 @@ class LockGroup:
         if memory:
             self.residency.declare(job_id, memory)
         h = self.holder
+        if h is not None and h.job_id == job_id and h.processes_ended:
+            # cooperative schedules seed 30009: the holder's process was killed holding, the job's next
+            # process joined its hold at once and ran out of memory beside the ended one's bytes, which the
+            # GPU still held: a new process waits its turn, planned on a fresh report
+            self.end_hold(h, "its processes ended, and a new one of the job asks")
+            self.record_placement()
+            h = None
         if h is not None and h.job_id == job_id:  # another process (or thread) of the holder joins its hold
             h.request_ids.add(request_id)
             # A joining caller shows the job alive: its lease runs again from now (none schedules seed
@@ -292,6 +299,15 @@ class LockGroup:
         await self.idle.close()
 
     # -- internals -------------------------------------------------------------
+    def job_started(self, job_id: str) -> None:
+        """A process of `job_id` connected with none of its earlier ones left and no
+        checkpoint of its own (cooperative): it settles its memory afresh
+        (`Residency.started`), and a hold of its earlier processes is theirs
+        (`Hold.processes_ended`)."""
+        self.residency.started(job_id)
+        if self.holder is not None and self.holder.job_id == job_id:
+            self.holder.processes_ended = True
+
     def end_hold(self, h: Hold, why: str) -> None:
         now = self.clock()
         held = max(0.0, now - h.granted_at)

@@ -118,6 +118,9 @@ class Hold:
     # an adopted hold's callers are not known here (granted by an earlier leader): no caller
     # leaving ends it, only its release or its lease
     callers_unknown: bool = False
+    # every process of the job that held it ended (cooperative: their command streams closed, or
+    # a new one connected with none left): a new process of the job waits its turn, never joins it
+    processes_ended: bool = False
 
 
 @dataclass

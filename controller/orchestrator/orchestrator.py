@@ -80,10 +80,10 @@ class Orchestrator:
             group.leases.streams_closed(job)
 
     def _started(self, group_id: str, job: str) -> None:
-        """A cooperative job started (again): it settles its memory afresh (`Residency.started`)."""
+        """A cooperative job started (again): `LockGroup.job_started`."""
         group = self._groups.get(group_id)
         if group is not None:
-            group.residency.started(job)
+            group.job_started(job)
 
     def _observe(self, group: LockGroup, event: GroupEvent) -> None:
         for observer in self._observers:
