@@ -68,11 +68,14 @@ def new_operation_id() -> str:
 @dataclass(frozen=True)
 class StepResult:
     """What one step did on one node: bytes moved, seconds, and how many of the job's
-    processes it found there (None: not told, as by a cooperative job's processes)."""
+    processes it found there (None: not told, as by a cooperative job's processes);
+    `departed`: a process of the job left during the step (cooperative), so what it held
+    leaves the GPUs only as it exits."""
 
     bytes: int
     seconds: float
     processes: int | None = None
+    departed: bool = False
 
 
 @dataclass(frozen=True)

@@ -331,17 +331,17 @@ class CooperativeJobs:
         it exited), BackendError (a process refused, or has not answered an earlier command:
         its state is unknown), StepTimeout (also: a departing job neither came back nor
         passed the grace within `timeout` seconds)."""
-        t0, moved = time.monotonic(), 0
+        t0, moved, left = time.monotonic(), 0, False
         while True:
             try:
                 n, departed = await self._checkpoint_live(group, job, t0, timeout)
             except NotFound:
-                if moved:  # the rest left while the first were checkpointed
-                    return StepResult(moved, time.monotonic() - t0)
+                if moved or left:  # the rest left while the first were checkpointed
+                    return StepResult(moved, time.monotonic() - t0, departed=True)
                 raise
-            moved += n
+            moved, left = moved + n, left or departed
             if not departed:  # else some left mid-command: wait for them as for any departing job
-                return StepResult(moved, time.monotonic() - t0)
+                return StepResult(moved, time.monotonic() - t0, departed=left)
 
     async def _checkpoint_live(self, group: str, job: str, t0: float, timeout: float) -> tuple[int, bool]:
         """One round of `checkpoint` over the job's connected processes: (bytes moved,

@@ -92,6 +92,7 @@ class SwitchCoordinator:
             if evict and spec.backend == names.BACKEND_COOPERATIVE else None
         out: list[str] = []
         gone: list[str] = []  # no process to command: what they hold leaves when their processes exit
+        left: dict[str, int] = {}  # of `out`: a process left mid-checkpoint (its memory leaves as it exits) -> moved
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
             # A node where the job has no live process has nothing to move; with none anywhere it is gone.
@@ -108,6 +109,8 @@ class SwitchCoordinator:
                 raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures,
                                    back and undone and not stuck, stuck + ([] if back else [job]))
             out.append(job)
+            if any(r.departed for r in done.values()):
+                left[job] = sum(r.bytes for r in done.values())
         held = sum(sum(before.on_device(j).values()) for j in gone) if before is not None else 0
         # a job gone whose exiting processes NVML did not show as its own (schedules seed 3299): the
         # restore waits until the GPU has room for what the incoming job registered
@@ -116,7 +119,12 @@ class SwitchCoordinator:
         # a job gone is checked too when the report showed it holding nothing: that report may have failed
         # (schedules seed 6004: the agent down, a resident not yet reconnected after an orchestrator restart
         # counted as gone, and a newcomer granted beside its 46 MB)
-        unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room) \
+        # a process that left mid-checkpoint (cooperative schedules seed 30053: killed as it was told to
+        # checkpoint; the job's next process, with nothing yet, was checkpointed in its place, and the restore
+        # beside the ended one's 75 MB ran out of memory): all that the job held must leave first
+        held += sum(max(0, sum(before.on_device(j).values()) - moved) for j, moved in left.items()) \
+            if before is not None else 0
+        unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room, by_device=bool(left)) \
             if before is not None and (rec.bytes_checkpointed or held or room or gone) else None
         if gone and restore and not first and before is None and spec.backend in MEMORY_BACKENDS:
             # A transparent checkpoint frees what it moved before it answers; a job gone frees what it held
@@ -237,7 +245,7 @@ class SwitchCoordinator:
                     snap.unseen.add(job)
 
     async def _freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int,
-                     room: int = 0) -> str | None:
+                     room: int = 0, by_device: bool = False) -> str | None:
         """None once NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
         checkpoints moved (a cooperative process answers once it dropped its tensors; the
         CUDA caching allocator or a late stream may still hold them), plus all that those
@@ -246,7 +254,8 @@ class SwitchCoordinator:
         by its processes' bytes where NVML sees them, else by the devices' free bytes (also
         once a job's processes are no longer told as its own: their PIDs leave /proc before
         the driver has freed their memory).
-        With `room`, also until the GPUs have that many bytes free. Polled every
+        With `room`, also until the GPUs have that many bytes free; `by_device`: by the devices'
+        free bytes only (a job's processes changed meanwhile). Polled every
         `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`; else why not (a node agent
         that does not answer shows nothing freed: schedules seed 5112, the agent killed as a
         job ended, a restore ran beside the ended job's 82 MB and ran out of memory)."""
@@ -255,7 +264,8 @@ class SwitchCoordinator:
             return f"node agent(s) {agents} did not answer: the GPU memory freed is unknown"
         if not before.devices:
             return None  # no GPU report (no NVML): nothing to check against
-        seen = list(jobs) if all(sum(before.on_device(j).values()) and j not in before.unseen for j in jobs) else []
+        seen = list(jobs) if not by_device and all(sum(before.on_device(j).values()) and j not in before.unseen
+                                                   for j in jobs) else []
         want = int(FREED_FRACTION * nbytes)
         free0 = sum(d.free for d in before.devices.values())
         deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
