@@ -331,7 +331,10 @@ class CooperativeJobs:
         it exited), BackendError (a process refused, or has not answered an earlier command:
         its state is unknown), StepTimeout (also: a departing job neither came back nor
         passed the grace within `timeout` seconds)."""
-        t0, moved, left = time.monotonic(), 0, False
+        t0, moved = time.monotonic(), 0
+        # processes of the job left with their state on the GPU (before or during the command): what they
+        # held leaves only as they exit (`StepResult.departed`)
+        left = not self.connected(group, job) and self.departing(group, job)
         while True:
             try:
                 n, departed = await self._checkpoint_live(group, job, t0, timeout)

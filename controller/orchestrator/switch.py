@@ -92,7 +92,7 @@ class SwitchCoordinator:
             if evict and spec.backend == names.BACKEND_COOPERATIVE else None
         out: list[str] = []
         gone: list[str] = []  # no process to command: what they hold leaves when their processes exit
-        left: dict[str, int] = {}  # of `out`: a process left mid-checkpoint (its memory leaves as it exits) -> moved
+        left: dict[str, int] = {}  # of `out`: a process left with its state (it leaves as it exits) -> bytes moved
         for job in evict:  # one job at a time: each is offered every free range of the pinned pool
             done, failures = await self._on_all(self._targets(spec, job), "checkpoint", spec, job)
             # A node where the job has no live process has nothing to move; with none anywhere it is gone.
@@ -119,9 +119,10 @@ class SwitchCoordinator:
         # a job gone is checked too when the report showed it holding nothing: that report may have failed
         # (schedules seed 6004: the agent down, a resident not yet reconnected after an orchestrator restart
         # counted as gone, and a newcomer granted beside its 46 MB)
-        # a process that left mid-checkpoint (cooperative schedules seed 30053: killed as it was told to
-        # checkpoint; the job's next process, with nothing yet, was checkpointed in its place, and the restore
-        # beside the ended one's 75 MB ran out of memory): all that the job held must leave first
+        # a process that left with its state on the GPU, before or during its checkpoint (cooperative schedules
+        # seeds 30053 and 30078: killed as it was to be checkpointed; the job's next process, with nothing yet,
+        # was checkpointed in its place, and the restore beside the ended one's 75 MB ran out of memory): all
+        # that the job held must leave first
         held += sum(max(0, sum(before.on_device(j).values()) - moved) for j, moved in left.items()) \
             if before is not None else 0
         unfreed = await self._freed(spec, out, before, rec.bytes_checkpointed + held, room, by_device=bool(left)) \
