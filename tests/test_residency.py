@@ -1436,3 +1436,22 @@ async def test_a_new_process_of_the_holding_job_waits_its_turn_rather_than_join_
     grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
     assert not grant.restored and gpu.calls == []
     await g.close()
+
+
+async def test_an_unsettled_resident_is_not_granted_at_once_beside_memory_others_still_hold() -> None:
+    """Cooperative schedules seed 30039 (exit delays): job a, unsettled and the only resident,
+    was granted at once (nothing of it to move, no other resident) while the last report
+    showed 72.8 MB held by a job that had left and was still exiting; its generate ran out
+    of memory. An unsettled job runs alone: also a resident plans first when others hold
+    more than the headroom."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 20 * GB))
+    gpu.on["ended"] = 55 * GB  # a job that left, still exiting (its processes are no job's now)
+    await g.moves.snapshot()
+    with pytest.raises(SwitchFailed, match="would stay held by others.*a waits for it to be freed"):
+        await g.acquire("a", 0, "a-2", timeout=None)
+    del gpu.on["ended"]
+    grant = await hold(g, "a")
+    assert not grant.restored and gpu.calls == []
+    await g.close()

@@ -47,6 +47,7 @@ from timeslice.controller.orchestrator.placement import (
     MemorySnapshot,
     NoRoom,
     as_planned,
+    crowded,
     lacking_room,
     moves_may_come,
     place,
@@ -759,14 +760,15 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`,
     and for one whose processes started after that report: `Residency.started_since_report`)."""
     r = g.residency
-    if not r.known(incoming) and r.lru(excluding=[incoming]):
-        return False  # unsettled: granted alone, after a plan
+    fraction, fixed = parse_headroom(g.spec.memory_headroom)
+    if not r.known(incoming) and (r.lru(excluding=[incoming]) or (
+            r.snapshot is not None and crowded(incoming, r.snapshot, r.peaks, (fraction, fixed)))):
+        return False  # unsettled: granted alone (none of others' memory: schedules seed 30039), after a plan
     if g.moves.unconfirmed(incoming) or r.started_since_report(incoming):
         return False
     snap = r.worst_case(excluding=incoming)
     if snap is None or r.snapshot is None:
         return True
-    fraction, fixed = parse_headroom(g.spec.memory_headroom)
     if lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed), r.declared):
         return False
     return not any(must for _, must in lacking_room(incoming, snap, r.peaks, (fraction, fixed), r.declared).values())

@@ -1,26 +1,24 @@
-"""Placement: which idle jobs must leave the GPUs before a job is granted (pure functions over
-memory reports, unit-tested over fake ones; the learned state they read is residency.py's).
-DESIGN.md, "Lock groups and the orchestrator": memory moves only when the incoming job does not fit.
+"""Placement: which idle jobs must leave the GPUs before a job is granted (pure functions over memory reports,
+unit-tested over fake ones; the learned state they read is residency.py's). DESIGN.md, "Lock groups and the
+orchestrator": memory moves only when the incoming job does not fit.
 
-Terms. A *device* is one GPU of one node, keyed `"<agent target>/<GPU uuid>"`. A
-`MemorySnapshot` merges the node agents' reports (`GetMemory`, NVML): per device its
-total and free bytes, per job its bytes on each device (and the most it held since the
-last report, sampled by the agent every 100 ms) and the size of its checkpoint.
+Terms. A *device* is one GPU of one node, keyed `"<agent target>/<GPU uuid>"`. A `MemorySnapshot` merges the
+node agents' reports (`GetMemory`, NVML): per device its total and free bytes, per job its bytes on each
+device (and the most it held since the last report, sampled by the agent every 100 ms) and the size of its
+checkpoint.
 
-A job's *need* on a device (its reservation) is max(what it declared, the most it held
-while holding (its peak), its checkpoint's size). It declares with the claim's
-consumable-capacity `memory` request or `TimeSliceConfig.memory` (cluster), or
-`TIMESLICE_MEMORY` / `acquire(memory=)` (its client; bytes per GPU). An unsettled job
-(residency.py) is never placed beside others on a guess: it is granted *alone* (every idle
-resident on its GPUs is checkpointed first, and while more than the headroom would stay held by
-others, residents with nothing to move or processes of no job of the group such as one that left
-and is still exiting, it waits), nothing is staged or restored beside it while it holds. The *room* a
-job lacks is need - what it holds now + headroom - free. Residents are checkpointed least recently held
-first until no device lacks room; a checkpoint also needs host memory for its bytes on that node; when
-the host lacks it, a checkpointed incoming job whose state fits beside the residents now is restored
-first, and its host memory holds theirs (`restore_first`). Without room for what the job must add, the
-plan raises `NoRoom` naming the device and the numbers, and nothing is attempted; a resident job that
-only finds the headroom thin is granted anyway.
+A job's *need* on a device (its reservation) is max(what it declared, the most it held while holding (its
+peak), its checkpoint's size). It declares with the claim's consumable-capacity `memory` request or
+`TimeSliceConfig.memory` (cluster), or `TIMESLICE_MEMORY` / `acquire(memory=)` (its client; bytes per GPU). An
+unsettled job (residency.py) is never placed beside others on a guess: it is granted *alone* (every idle
+resident on its GPUs is checkpointed first, and while more than the headroom would stay held by others,
+residents with nothing to move or processes of no job of the group such as one that left and is still exiting,
+it waits), nothing is staged or restored beside it while it holds. The *room* a job lacks is need - what it
+holds now + headroom - free. Residents are checkpointed least recently held first until no device lacks room;
+a checkpoint also needs host memory for its bytes on that node; when the host lacks it, a checkpointed
+incoming job whose state fits beside the residents now is restored first, and its host memory holds theirs
+(`restore_first`). Without room for what the job must add, the plan raises `NoRoom` naming the device and the
+numbers, and nothing is attempted; a resident job that only finds the headroom thin is granted anyway.
 """
 
 from __future__ import annotations
@@ -128,19 +126,17 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
               alone: bool = False, restore_first: bool = False) -> list[str]:
     """The residents to checkpoint, in order, so that `incoming` fits; [] when it fits now.
 
-    `residents_lru`: the idle resident jobs, least recently held first (never the incoming
-    job). `headroom`: (fraction of device total, bytes), from `parse_headroom`: kept free on
-    each device of `incoming` (a resident job's next phase may grow past its peak so far).
-    `host_checked`: each checkpoint must fit in its node's available host memory (the
-    backends that copy device memory to host memory). `declared`: job -> bytes per GPU it
-    declared. `alone`: `incoming` is unsettled (module docstring): every resident that
-    holds memory on its devices is checkpointed, whether or not it seems to fit.
-    `restore_first`: `incoming`'s checkpoint is restored before the residents are
-    checkpointed (nobody computes during a switch), so the host memory its restore gives
-    back holds theirs; then each device must have room for its checkpoint now, beside
-    everybody, plus the headroom. Raises NoHostRoom when a checkpoint it needs has no host
-    memory, NoRoom when the job must grow and cannot (or, `restore_first`, its checkpoint
-    does not fit beside the residents).
+    `residents_lru`: the idle resident jobs, least recently held first (never the incoming job). `headroom`:
+    (fraction of device total, bytes), from `parse_headroom`: kept free on each device of `incoming` (a
+    resident job's next phase may grow past its peak so far). `host_checked`: each checkpoint must fit in its
+    node's available host memory (the backends that copy device memory to host memory). `declared`: job ->
+    bytes per GPU it declared. `alone`: `incoming` is unsettled (module docstring): every resident that holds
+    memory on its devices is checkpointed, whether or not it seems to fit. `restore_first`: `incoming`'s
+    checkpoint is restored before the residents are checkpointed (nobody computes during a switch), so the
+    host memory its restore gives back holds theirs; then each device must have room for its checkpoint now,
+    beside everybody, plus the headroom. Raises NoHostRoom when a checkpoint it needs has no host memory,
+    NoRoom when the job must grow and cannot (or, `restore_first`, its checkpoint does not fit beside the
+    residents).
     """
     lacking = lacking_room(incoming, snap, peaks, headroom, declared)
     mine = devices_of(incoming, snap, peaks)
@@ -165,15 +161,19 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
             else:
                 lacking[dev] = (short, must)
     others = {dev: _others(incoming, dev, mem, snap, evict) for dev, mem in snap.devices.items() if dev in mine}
-    if alone:  # alone means no memory of anybody else: none that a checkpoint here would not free
-        for dev in sorted(others):
-            if others[dev] > _reserve(snap.devices[dev], headroom):
-                raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and "
-                             f"{_gb(others[dev])} of {dev} would stay held by others: residents with nothing to move "
-                             f"(registered no state yet) or processes of no job of this group (one that left and "
-                             f"is still exiting); {incoming} waits for it to be freed")
+    for dev, n in crowded(incoming, snap, peaks, headroom, evict)[:1] if alone else ():
+        raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and {_gb(n)} of {dev} would "
+                     "stay held by others: residents with nothing to move (registered no state yet) or processes of no "
+                     f"job of this group (one that left and is still exiting); {incoming} waits for it to be freed")
     _check_growth_fits(incoming, snap, peaks, headroom, declared, lacking, others)
     return evict
+
+
+def crowded(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
+            headroom: tuple[float, int], evict: Sequence[str] = ()) -> list[tuple[str, int]]:
+    """[(device, bytes)] of `incoming`'s where others hold more than the headroom once `evict` are out."""
+    return [(d, n) for d, m in sorted(snap.devices.items()) if d in devices_of(incoming, snap, peaks)
+            and (n := _others(incoming, d, m, snap, evict)) > _reserve(m, headroom)]
 
 
 def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
