@@ -1449,7 +1449,7 @@ async def test_an_unsettled_resident_is_not_granted_at_once_beside_memory_others
     await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 20 * GB))
     gpu.on["ended"] = 55 * GB  # a job that left, still exiting (its processes are no job's now)
     await g.moves.snapshot()
-    with pytest.raises(SwitchFailed, match="would stay held by others.*a waits for it to be freed"):
+    with pytest.raises(SwitchFailed, match=r"would stay held by others.*a waits for it to be freed"):
         await g.acquire("a", 0, "a-2", timeout=None)
     del gpu.on["ended"]
     grant = await hold(g, "a")
