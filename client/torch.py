@@ -96,7 +96,7 @@ class TorchState:
         self._unpinned = False  # `unpin` ran: the process is ending; nothing is registered again
         self._reserved: dict[torch.device, int] = {}  # bytes PyTorch's allocator reserved per device at the checkpoint
         # seconds of the last command's parts (and chunks it had to register), for its log line
-        self.last_phases: dict[str, float] = {}
+        self.last_phases: dict[str, float | int] = {}
         # The copy stream is made now: making one later, on a full GPU, fails (CUDA needs device memory for it).
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
