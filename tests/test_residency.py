@@ -1427,7 +1427,11 @@ async def test_a_new_process_of_the_holding_job_waits_its_turn_rather_than_join_
     await g.acquire("a", 0, "a-1", timeout=None)
     gpu.on["a"] = 60 * GB  # a holds, loaded
     await g.moves.snapshot()
+    g.job_started("a")  # a's stream opened during its hold (registered late): another caller joins
+    assert (await g.acquire("a", 0, "a-rank-2", timeout=None)).epoch == g.holder.epoch  # type: ignore[union-attr]
+    g.holder.request_ids.discard("a-rank-2")  # type: ignore[union-attr]
     gpu.on["ended"] = gpu.on.pop("a")  # a's process was killed holding; the GPU keeps its bytes a while
+    g.leases.streams_closed("a")  # (its command stream closed)
     g.job_started("a")  # a's new process connected (`CooperativeJobs` on_started)
     with pytest.raises(SwitchFailed, match="would stay held by others"):
         await g.acquire("a", 0, "a-2", timeout=None)

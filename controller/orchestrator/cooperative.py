@@ -68,6 +68,9 @@ log = logging.getLogger("timeslice.cooperative")
 # A checkpointed process whose stream closed this long ago is taken as gone (its client
 # reconnects within its backoff, at most 2 s), and its state as lost.
 RECONNECT_GRACE_SECONDS = 10.0
+# Closed command streams remembered per job: a process that connects again under one of their
+# ids reconnected (a dropped stream), it did not start anew (`on_started`).
+GONE_STREAMS_KEPT = 16
 # How often a checkpoint looks whether a departing job came back, seconds.
 DEPARTING_POLL_SECONDS = 0.1
 # Bound on rolling back a checkpoint that answered after its switch gave up, seconds.
@@ -154,6 +157,9 @@ class CooperativeJobs:
         self._rollbacks: set[asyncio.Task[None]] = set()
         # (group, job) -> monotonic seconds its last connected process left with its state on the GPU
         self._left: dict[tuple[str, str], float] = {}
+        # (group, job) -> the stream ids of its processes whose streams closed: one that connects again is
+        # a process reconnecting (a dropped stream), not a new one
+        self._gone_streams: dict[tuple[str, str], list[str]] = {}
         self._pinning: set[str] = set()  # groups whose processes pin the pool ahead (`pin_ahead`)
 
     # -- the process side (RPCs) -------------------------------------------------
@@ -165,7 +171,8 @@ class CooperativeJobs:
         self._left.pop((group, job), None)
         p = procs.get(stream_id)
         if p is None:
-            started = report is None and not any(q.connected for q in procs.values())
+            started = report is None and not any(q.connected for q in procs.values()) and \
+                stream_id not in self._gone_streams.get((group, job), ())
             p = procs[stream_id] = _Process(group, job, stream_id, pid, registered)
             if report is not None:
                 self._learn(p, report)
@@ -191,6 +198,9 @@ class CooperativeJobs:
                         c.future.set_exception(_gone(p, c.kind))
                 if not p.checkpointed and not p.unanswered:
                     procs.pop(stream_id, None)
+                    gone = self._gone_streams.setdefault((group, job), [])
+                    gone.append(stream_id)
+                    del gone[:-GONE_STREAMS_KEPT]
                 if not p.checkpointed and not any(q.connected for q in procs.values()):
                     self._left[(group, job)] = p.disconnected_at  # its state stays on the GPU, unmovable
                 log.info("cooperative process disconnected group=%s job=%s pid=%d checkpointed=%s", group, job,
@@ -339,7 +349,7 @@ class CooperativeJobs:
             try:
                 n, departed = await self._checkpoint_live(group, job, t0, timeout)
             except NotFound:
-                if moved or left:  # the rest left while the first were checkpointed
+                if moved:  # the rest left while the first were checkpointed
                     return StepResult(moved, time.monotonic() - t0, departed=True)
                 raise
             moved, left = moved + n, left or departed

@@ -300,13 +300,15 @@ class LockGroup:
 
     # -- internals -------------------------------------------------------------
     def job_started(self, job_id: str) -> None:
-        """A process of `job_id` connected with none of its earlier ones left and no
+        """A new process of `job_id` connected with none of its earlier ones connected and no
         checkpoint of its own (cooperative): it settles its memory afresh
-        (`Residency.started`), and a hold of its earlier processes is theirs
-        (`Hold.processes_ended`)."""
+        (`Residency.started`), and a hold during which every stream of the job closed is its
+        ended processes' (`Hold.processes_ended`; a job's first stream that opens in its first
+        hold, or a stream that reconnects, ends nothing)."""
         self.residency.started(job_id)
-        if self.holder is not None and self.holder.job_id == job_id:
-            self.holder.processes_ended = True
+        h = self.holder
+        if h is not None and h.job_id == job_id and h.streams_closed:
+            h.processes_ended = True
 
     def end_hold(self, h: Hold, why: str) -> None:
         now = self.clock()

@@ -118,8 +118,10 @@ class Hold:
     # an adopted hold's callers are not known here (granted by an earlier leader): no caller
     # leaving ends it, only its release or its lease
     callers_unknown: bool = False
-    # every process of the job that held it ended (cooperative: their command streams closed, or
-    # a new one connected with none left): a new process of the job waits its turn, never joins it
+    # cooperative: every command stream of the job closed during the hold (`streams_closed`), and
+    # then a new process of the job connected (`processes_ended`): the hold is its ended processes';
+    # a new Acquire of the job ends it rather than join it
+    streams_closed: bool = False
     processes_ended: bool = False
 
 

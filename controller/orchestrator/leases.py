@@ -171,12 +171,11 @@ class Leases:
                          f"{left}")
 
     def streams_closed(self, job_id: str) -> None:
-        """Every memory command stream of `job_id`'s processes closed: if it holds, its
-        processes ended (`Hold.processes_ended`); if it is the overdue holder, its lease
-        lapses now."""
+        """Every memory command stream of `job_id`'s processes closed: if it holds, that is
+        noted (`Hold.streams_closed`); if it is the overdue holder, its lease lapses now."""
         g = self._g
         if g.holder is not None and g.holder.job_id == job_id:
-            g.holder.processes_ended = True
+            g.holder.streams_closed = True
         h = self._overdue
         if h is not None and h.job_id == job_id and g.holder is h:
             self.on_timer(h)

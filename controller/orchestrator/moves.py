@@ -646,8 +646,7 @@ class MemoryMoves:
         g.counters.failed_switches += 1
         for job in err.off_gpu:
             g.residency.moved_out(job)
-        if err.record.unreachable:  # an agent may still finish the rollback (its undo at restart): unsure
-            self._unsure.update(err.off_gpu)
+        self._unsure.update(err.off_gpu)  # an agent may still finish the rollback (its undo at a restart)
         if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
             self._woken.update(j for j in evict if j not in err.off_gpu)
         log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)

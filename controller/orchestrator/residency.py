@@ -121,9 +121,10 @@ class Residency:
     def started_since_report(self, job: str) -> bool:
         """Whether `job`'s processes started again after the last snapshot was taken: what
         it shows as `job`'s is its earlier processes' (the GPU may still hold their bytes
-        a while after they end), not room for the new ones."""
+        a while after they end), not room for the new ones. False without a snapshot (no
+        GPU reports: nothing is placed on them)."""
         at = self._started.get(job)
-        return at is not None and (self.snapshot is None or at >= self.snapshot.taken_at)
+        return at is not None and self.snapshot is not None and at >= self.snapshot.taken_at
 
     def declare(self, job: str, nbytes: int) -> None:
         """`job` declared it needs `nbytes` per GPU (0: nothing declared; a later

@@ -195,9 +195,10 @@ class SwitchCoordinator:
         processes are asked for their registered bytes first (`CooperativeJobs.refresh`);
         a switch checking NVML within its own steps passes False."""
         targets = list(spec.agents)
+        asked = time.monotonic()  # (what is counted is as of the asking: a process that starts meanwhile is not)
         reports = await asyncio.gather(*(self._pool.get(t).memory([(j, spec.member(j)) for j in jobs], watch, low_free)
                                          for t in targets), return_exceptions=True)
-        snap = MemorySnapshot()
+        snap = MemorySnapshot(taken_at=asked)
         for target, rep in zip(targets, reports):
             if isinstance(rep, BaseException):
                 log.warning("memory report failed group=%s agent=%s: %s", spec.id, target, rep)

@@ -84,7 +84,7 @@ class CudaStyleBackend(Backend):
         return [s for s in locked if s.state != LOCKED] + moved
 
     async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
-        return await run_step(f"{self.name} restore", pids, self._restore_one,
+        return await run_step(f"{self.name} restore", pids, lambda p: self._restore_one(p, again=True),
                               lambda p: self._checkpoint_one(p, timeout, 0))
 
     async def state(self, pids: Sequence[int]) -> list[ProcState]:
@@ -162,7 +162,10 @@ class CudaStyleBackend(Backend):
             raise
         return ProcState(pid, CHECKPOINTED, gpu_bytes)
 
-    async def _restore_one(self, pid: int) -> ProcState:
+    async def _restore_one(self, pid: int, again: bool = False) -> ProcState:
+        """Restore and unlock `pid`. `again` (a restore step, not the undo of a checkpoint,
+        whose caller then drops the job's record): a failed unlock checkpoints it again
+        (`_checkpoint_again`)."""
         state = await self._state_or_none(pid)
         if state is None:
             return ProcState(pid, NO_CONTEXT)
@@ -175,7 +178,7 @@ class CudaStyleBackend(Backend):
         try:
             await self._unlock_retry(pid)
         except TimeSliceServerError:
-            if state == CHECKPOINTED and await self._state_or_none(pid) == LOCKED:
+            if again and state == CHECKPOINTED and await self._state_or_none(pid) == LOCKED:
                 await self._checkpoint_again(pid)
             raise
         return ProcState(pid, RUNNING)
