@@ -553,8 +553,9 @@ class MemoryMoves:
                 snap = await self.snapshot()
             except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
                 if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
-                        self.unconfirmed(incoming) or g.residency.started_since_report(incoming) or self._unsure:
-                    raise  # (a resident started again holds nothing yet; an unsure job may hold its memory)
+                        self.unconfirmed(incoming) or self._unsure or \
+                        any(g.residency.started_since_report(j) for j in self._jobs()):
+                    raise  # (a job started again: its ended processes' bytes may linger; an unsure job's may)
                 snap = None
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
