@@ -48,6 +48,8 @@ from timeslice.controller.orchestrator.placement import (
     NoRoom,
     as_planned,
     crowded,
+    devices_of,
+    held_by_others,
     lacking_room,
     moves_may_come,
     place,
@@ -761,14 +763,15 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     and for one whose processes started after that report: `Residency.started_since_report`)."""
     r = g.residency
     fraction, fixed = parse_headroom(g.spec.memory_headroom)
-    if not r.known(incoming) and (r.lru(excluding=[incoming]) or (
-            r.snapshot is not None and crowded(incoming, r.snapshot, r.peaks, (fraction, fixed)))):
+    last = r.snapshot
+    if not r.known(incoming) and (r.lru(excluding=[incoming]) or (last is not None and crowded(
+            last, held_by_others(incoming, last, devices_of(incoming, last, r.peaks)), (fraction, fixed)))):
         return False  # unsettled: granted alone (none of others' memory: schedules seed 30039), after a plan
     if g.moves.unconfirmed(incoming) or r.started_since_report(incoming):
         return False
     snap = r.worst_case(excluding=incoming)
-    if snap is None or r.snapshot is None:
+    if snap is None or last is None:
         return True
-    if lacking_room(incoming, r.snapshot, r.peaks, (2 * fraction, 2 * fixed), r.declared):
+    if lacking_room(incoming, last, r.peaks, (2 * fraction, 2 * fixed), r.declared):
         return False
     return not any(must for _, must in lacking_room(incoming, snap, r.peaks, (fraction, fixed), r.declared).values())

@@ -50,7 +50,7 @@ class DeviceMemory:
 
 @dataclass
 class MemorySnapshot:
-    """The group's memory as its node agents reported it; bytes; `taken_at` monotonic seconds.
+    """The group's memory as its node agents reported it; bytes; `taken_at` monotonic seconds (when asked).
     `host_available`: per agent target, host bytes a checkpoint may use."""
 
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
@@ -84,8 +84,8 @@ def agent_of(device: str) -> str:
 
 
 def devices_of(job: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]]) -> set[str]:
-    """The devices `job` uses: where it holds, held, or has a checkpoint; a job never seen
-    anywhere uses every device of the group's report (static groups have one GPU each)."""
+    """The devices `job` uses: where it holds, held, or has a checkpoint; a job never seen anywhere uses every
+    device of the group's report (static groups have one GPU each)."""
     devs = set(peaks.get(job, {})) | set(snap.checkpointed_bytes.get(job, {})) | set(snap.on_device(job))
     return devs or set(snap.devices)
 
@@ -160,8 +160,8 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
                 del lacking[dev]
             else:
                 lacking[dev] = (short, must)
-    others = {dev: _others(incoming, dev, mem, snap, evict) for dev, mem in snap.devices.items() if dev in mine}
-    for dev, n in crowded(incoming, snap, peaks, headroom, evict)[:1] if alone else ():
+    others = held_by_others(incoming, snap, mine, evict)
+    for dev, n in crowded(snap, others, headroom)[:1] if alone else ():
         raise NoRoom(f"{incoming} runs alone (it declared no memory and has not settled) and {_gb(n)} of {dev} would "
                      "stay held by others: residents with nothing to move (registered no state yet) or processes of no "
                      f"job of this group (one that left and is still exiting); {incoming} waits for it to be freed")
@@ -169,11 +169,16 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     return evict
 
 
-def crowded(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
-            headroom: tuple[float, int], evict: Sequence[str] = ()) -> list[tuple[str, int]]:
-    """[(device, bytes)] of `incoming`'s where others hold more than the headroom once `evict` are out."""
-    return [(d, n) for d, m in sorted(snap.devices.items()) if d in devices_of(incoming, snap, peaks)
-            and (n := _others(incoming, d, m, snap, evict)) > _reserve(m, headroom)]
+def held_by_others(incoming: str, snap: MemorySnapshot, mine: set[str], evict: Sequence[str] = ()) -> dict[str, int]:
+    """Per device of `incoming` (`mine`: `devices_of`): bytes others hold once the jobs of `evict` are checkpointed."""
+    freed = {dev: sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict) for dev in mine}
+    return {dev: m.total - m.free - snap.on_device(incoming).get(dev, 0) - freed[dev]
+            for dev, m in snap.devices.items() if dev in mine}
+
+
+def crowded(snap: MemorySnapshot, others: Mapping[str, int], headroom: tuple[float, int]) -> list[tuple[str, int]]:
+    """[(device, bytes)] of `others` (`held_by_others`) over the headroom: an unsettled job runs alone, not there."""
+    return [(dev, n) for dev, n in sorted(others.items()) if n > _reserve(snap.devices[dev], headroom)]
 
 
 def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
@@ -183,8 +188,8 @@ def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
 
 def _lend_host_memory(incoming: str, snap: MemorySnapshot, headroom: tuple[float, int],
                       host: dict[str, int]) -> None:
-    """`plan_room(restore_first=True)`: `incoming`'s checkpoint must fit beside everybody now;
-    the host memory its restore gives back is added to `host` (per agent). Raises NoRoom."""
+    """`plan_room(restore_first=True)`: `incoming`'s checkpoint must fit beside everybody now; the host
+    memory its restore gives back is added to `host` (per agent). Raises NoRoom."""
     for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
         mem = snap.devices.get(dev)
         room = mem.free - _reserve(mem, headroom) if mem is not None else 0
@@ -208,8 +213,8 @@ def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: di
 def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, Mapping[str, int]],
                        headroom: tuple[float, int], declared: Mapping[str, int] | None,
                        lacking: Mapping[str, tuple[int, bool]], others: Mapping[str, int]) -> None:
-    """Raise NoRoom where `incoming` must grow and, after the evictions, still lacks bytes
-    (`lacking`); the headroom counts only where others than it hold more than the headroom."""
+    """Raise NoRoom where `incoming` must grow and, after the evictions, still lacks bytes (`lacking`); the
+    headroom counts only where others than it hold more than the headroom (`others`: `held_by_others`)."""
     for dev, (short, must) in lacking.items():
         if not must:
             continue
@@ -222,12 +227,6 @@ def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, 
             raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
                          f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle "
                          f"resident would leave it {_gb(short)} short; {incoming} stays where it is")
-
-
-def _others(incoming: str, dev: str, mem: DeviceMemory, snap: MemorySnapshot, evict: Sequence[str]) -> int:
-    """Bytes of `dev` held by others than `incoming` once the jobs of `evict` are checkpointed."""
-    freed = sum(snap.movable_bytes.get(j, snap.on_device(j)).get(dev, 0) for j in evict)
-    return mem.total - mem.free - snap.on_device(incoming).get(dev, 0) - freed
 
 
 def _per_agent(per_device: Mapping[str, int]) -> dict[str, int]:

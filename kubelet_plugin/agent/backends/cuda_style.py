@@ -164,8 +164,7 @@ class CudaStyleBackend(Backend):
 
     async def _restore_one(self, pid: int, again: bool = False) -> ProcState:
         """Restore and unlock `pid`. `again` (a restore step, not the undo of a checkpoint,
-        whose caller then drops the job's record): a failed unlock checkpoints it again
-        (`_checkpoint_again`)."""
+        whose caller then drops the job's record): a failed unlock checkpoints it again."""
         state = await self._state_or_none(pid)
         if state is None:
             return ProcState(pid, NO_CONTEXT)
@@ -178,20 +177,16 @@ class CudaStyleBackend(Backend):
         try:
             await self._unlock_retry(pid)
         except TimeSliceServerError:
+            # checkpointed again, as the step found it (cuda schedules seeds 957 and 989: its memory stayed on
+            # the GPU while the job counted as checkpointed, and the rollback's restores ran out of memory
+            # beside it); a failure of that is logged, the step's error raised
             if again and state == CHECKPOINTED and await self._state_or_none(pid) == LOCKED:
-                await self._checkpoint_again(pid)
+                try:
+                    await self._checkpoint_one(pid, self.lock_timeout, 0)
+                except TimeSliceServerError as undo_err:
+                    log.error("checkpoint after a failed unlock failed pid=%d: %s", pid, undo_err)
             raise
         return ProcState(pid, RUNNING)
-
-    async def _checkpoint_again(self, pid: int) -> None:
-        """After a restore whose unlock failed: checkpoint the LOCKED process again, so that
-        the failed step leaves it as it found it (cuda schedules seeds 957 and 989: its memory
-        stayed on the GPU while the job counted as checkpointed, and the rollback's restores
-        ran out of memory beside it). A failure here is logged; the step's error is raised."""
-        try:
-            await self.do_checkpoint(pid)
-        except TimeSliceServerError as err:
-            log.error("checkpoint after a failed unlock failed pid=%d: %s (its memory stays on the GPU)", pid, err)
 
     async def _unlock_retry(self, pid: int) -> None:
         try:
