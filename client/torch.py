@@ -307,8 +307,9 @@ class TorchState:
                 self._pin(off // REGISTER_CHUNK_BYTES)
         except RuntimeError as err:  # the copies still run, at pageable speed
             log.warning("%s: copying at pageable speed", err)
-        self.last_phases["pin_s"] += time.monotonic() - t0  # (the command calling it set them to 0)
-        self.last_phases["pinned_chunks"] += len(self._pinned) - before
+        if self.last_phases:  # (a checkpoint or restore command set them to 0; none outside one)
+            self.last_phases["pin_s"] += time.monotonic() - t0
+            self.last_phases["pinned_chunks"] += len(self._pinned) - before
         return [(self._pool[off:off + k], src, k) for off, src, k in places]  # type: ignore[index]
 
     def _own_buffer(self, total: int) -> torch.Tensor:
