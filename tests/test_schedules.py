@@ -207,6 +207,57 @@ def test_the_fake_cuda_driver_speaks_cuda_bindings_names() -> None:
         assert hasattr(real.CUresult, name) and hasattr(fake.CUresult, name)
 
 
+async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_killed_holder(short_tmp: Path,
+                                                                                              monkeypatch) -> None:
+    """Schedules seed 8 (`cuda` and `cooperative`, failing in CI): a job's process was killed
+    holding, the orchestrator paused; the job's next process joined the hold before the first
+    one's leaving was seen, grew beside the 63 MB it still held and ran out of memory. The node
+    agent names what ended processes still hold (`exiting_bytes`: the killed one here, gone from
+    /proc), and a join waits until it is freed. Backend cuda: the real node agent over the fake
+    driver, the real lock group."""
+    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
+
+    def job_process() -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "600"], env={**os.environ, "TIMESLICE_JOB": "a",
+                                                       "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+    first = await asyncio.to_thread(job_process)
+    listen = f"unix://{short_tmp / 'agent.sock'}"
+    monkeypatch.setenv(ENV, str(gpu.path))  # for the agent, started below
+    monkeypatch.setenv(schedules.fake_driver().FAULTS_ENV, "[]")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
+    agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
+                         ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+    pool = AgentPool()
+    switcher = SwitchCoordinator(pool)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=(listen,)), switcher)
+    nxt = None
+    try:
+        await g.acquire("a", 0, "r1", 30)
+        gpu.alloc(first.pid, 63 * MB, "model")  # it computes
+        first.kill()
+        await asyncio.to_thread(first.wait)  # gone from /proc; its memory is still being freed
+        snap = await switcher.memory(g.spec, ["a"], for_plan=False)
+        assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 63 * MB} and not snap.on_device("a")
+        nxt = await asyncio.to_thread(job_process)
+        await g.acquire("a", 0, "r2", 30)  # it joins the hold
+        assert gpu.read().free == 100 * MB  # only once the killed one's memory is freed
+        gpu.alloc(nxt.pid, 63 * MB, "model")
+        assert gpu.ooms() == []
+    finally:
+        await g.close()
+        await stop(agent)
+        await pool.close()
+        for p in (first, nxt):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
 async def test_the_node_agent_reports_the_model_gpu_in_place_of_nvml(short_tmp: Path, sleeper) -> None:
     gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
     gpu.alloc(sleeper.pid, 42 * MB)

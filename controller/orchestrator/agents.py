@@ -84,7 +84,8 @@ class AgentMemory:
     GPU uuid on the GPUs now and checkpointed; host bytes available for checkpoints;
     `incarnation`: the answering agent's run (a new one after a restart; "" from older agents);
     `processes`: per job, the names of its processes the bytes were counted from
-    ("<pid>:<start time>", `JobMemory.processes`)."""
+    ("<pid>:<start time>", `JobMemory.processes`); `exiting`: uuid -> bytes of ended processes
+    (`GpuMemory.exiting_bytes`)."""
 
     gpus: dict[str, tuple[int, int]]
     device_bytes: dict[str, dict[str, int]]
@@ -93,6 +94,7 @@ class AgentMemory:
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch (`memory(watch=...)`)
     incarnation: str = ""
     processes: dict[str, list[str]] = field(default_factory=dict)
+    exiting: dict[str, int] = field(default_factory=dict)
 
 
 class AgentClient:
@@ -194,7 +196,8 @@ class AgentClient:
                            {j.job_id: dict(j.checkpointed_bytes) for j in resp.jobs if j.checkpointed_bytes},
                            int(resp.host_available_bytes),
                            {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes},
-                           resp.incarnation, {j.job_id: list(j.processes) for j in resp.jobs if j.processes})
+                           resp.incarnation, {j.job_id: list(j.processes) for j in resp.jobs if j.processes},
+                           {g.uuid: int(g.exiting_bytes) for g in resp.gpus if g.exiting_bytes})
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",

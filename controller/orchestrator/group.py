@@ -40,6 +40,7 @@ from collections.abc import Callable
 from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.callers import Callers
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.exits import wait_for_exits
 from timeslice.controller.orchestrator.group_model import (
     ADOPTED,
     Counters,
@@ -131,6 +132,11 @@ class LockGroup:
         if memory:
             self.residency.declare(job_id, memory)
         h = self.holder
+        if h is not None and h.job_id == job_id and self.memory_aware:
+            # a process that joins may be the next one of a job whose holder was killed: it grows beside
+            # what the ended one still holds (schedules seed 8): exits.py
+            await wait_for_exits(self.switcher, self.spec, job_id, self.residency.peaks)
+            h = self.holder  # (it may have changed meanwhile)
         if h is not None and h.job_id == job_id and h.processes_ended:
             # cooperative schedules seed 30009: the holder's process was killed holding, the job's next
             # process joined its hold at once and ran out of memory beside the ended one's bytes, which the

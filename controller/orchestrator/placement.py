@@ -68,6 +68,7 @@ class MemorySnapshot:
     incarnations: dict[str, str] = field(default_factory=dict)  # agent target -> the run that answered
     # job -> its processes the bytes were counted from, "<agent target>/<pid>:<start time>"
     processes: dict[str, set[str]] = field(default_factory=dict)
+    exiting_bytes: dict[str, int] = field(default_factory=dict)  # device -> what ended processes still hold
     taken_at: float = field(default_factory=time.monotonic)
 
     def on_device(self, job: str) -> dict[str, int]:

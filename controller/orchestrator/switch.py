@@ -135,7 +135,7 @@ class SwitchCoordinator:
             unfreed = await self._freed(spec, [], now, 0, sum(now.checkpointed_bytes.get(incoming, {}).values()))
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
-            stuck = await self._restore_all(spec, out)
+            stuck = await self._restore_all(spec, out, room=False)
             back = await self._unrestore(spec, incoming, first)
             rec.ok, rec.failed_step = False, "checkpoint"
             rec.error = (f"checkpoint of {', '.join(out or gone)} acknowledged ({rec.bytes_checkpointed} bytes"
@@ -206,6 +206,7 @@ class SwitchCoordinator:
                 continue
             for uuid, (total, free) in rep.gpus.items():
                 snap.devices[f"{target}/{uuid}"] = DeviceMemory(total, free)
+            snap.exiting_bytes.update({f"{target}/{u}": n for u, n in rep.exiting.items()})
             for job, per in rep.device_bytes.items():
                 snap.device_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             for job, per in rep.checkpointed_bytes.items():
@@ -322,8 +323,23 @@ class SwitchCoordinator:
         holder whose keep-alives are late it is still computing (`Leases`)."""
         return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.connected(spec.id, job)
 
-    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
-        """Roll back evictions: restore each of `jobs`; returns those that stay off the GPUs."""
+    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str], room: bool = True) -> list[str]:
+        """Roll back evictions: restore each of `jobs`, with `room` once the GPUs have room for their
+        checkpoints (`_freed`); returns those that stay off the GPUs (all of them when the room does not
+        come: each is restored later, planned, when it asks). What failed may hold memory a while: the
+        incoming job's process killed mid-restore keeps what it restored until it has exited
+        (schedules seed 30053: the evicted job's rollback restore ran out of memory beside its 76 MB).
+        Without `room`: at once (their own checkpoints' memory was not seen freed)."""
+        if not jobs:
+            return []
+        if room and spec.backend in MEMORY_BACKENDS:
+            now = await self.memory(spec, jobs, for_plan=False)
+            need = sum(sum(now.checkpointed_bytes.get(j, {}).values()) for j in jobs)
+            unfreed = await self._freed(spec, [], now, 0, need) if need else None
+            if unfreed:
+                log.error("rollback left group=%s jobs=%s checkpointed: no room to restore them: %s", spec.id,
+                          list(jobs), unfreed)
+                return list(jobs)
         stuck = []
         for job in jobs:
             if not await self._undo(self._targets(spec, job), "restore", spec, job):

@@ -38,7 +38,7 @@ from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUN
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
-from timeslice.kubelet_plugin.agent.procfs import proc_state
+from timeslice.kubelet_plugin.agent.procfs import ended, proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
@@ -79,6 +79,8 @@ class MemoryView:
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
     incarnation: str = ""
     processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`_names`)
+    # GPU uuid -> bytes of processes that ended (`procfs.ended`), none of the report's jobs', still held
+    exiting_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -445,7 +447,8 @@ class NodeAgent:
         samples, and over those of any other call (a watch in flight) or of the sampling
         between reports (`KEEP_SAMPLING_SECONDS`) since a report of it last answered (the
         orchestrator watches a holder's growth this way, and a plan made when a hold ends
-        before its watch answers still learns the hold's peak)."""
+        before its watch answers still learns the hold's peak). `exiting_bytes`: per GPU, what
+        processes that ended still hold (nobody's; freed as the driver tears them down)."""
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
         if self._last_sample is not None:  # jobs are sampled: this sample may be the first after a gap
@@ -476,6 +479,9 @@ class NodeAgent:
                 for job_id in pids_of:
                     _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
                 view.incarnation = self.incarnation
+                owned = {p for pids in pids_of.values() for p in pids}
+                view.exiting_bytes = {g.uuid: n for g in view.gpus if (n := sum(
+                    b for p, b in g.processes.items() if p not in owned and ended(p)))}
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)

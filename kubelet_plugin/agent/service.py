@@ -123,7 +123,8 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
                                         request.watch_seconds, request.low_free_bytes)
         names = sorted(set(view.device_bytes) | set(view.checkpointed_bytes) | set(view.processes))
         return apb.MemoryReport(
-            gpus=[apb.GpuMemory(uuid=g.uuid, index=g.index, total_bytes=g.total, free_bytes=g.free) for g in view.gpus],
+            gpus=[apb.GpuMemory(uuid=g.uuid, index=g.index, total_bytes=g.total, free_bytes=g.free,
+                                exiting_bytes=view.exiting_bytes.get(g.uuid, 0)) for g in view.gpus],
             jobs=[apb.JobMemory(job_id=n, device_bytes=view.device_bytes.get(n, {}),
                                 checkpointed_bytes=view.checkpointed_bytes.get(n, {}),
                                 peak_device_bytes=view.peak_bytes.get(n, {}),

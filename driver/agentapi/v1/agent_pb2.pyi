@@ -17,16 +17,18 @@ class GetMemoryRequest(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ..., watch_seconds: _Optional[float] = ..., low_free_bytes: _Optional[int] = ...) -> None: ...
 
 class GpuMemory(_message.Message):
-    __slots__ = ("uuid", "index", "total_bytes", "free_bytes")
+    __slots__ = ("uuid", "index", "total_bytes", "free_bytes", "exiting_bytes")
     UUID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXITING_BYTES_FIELD_NUMBER: _ClassVar[int]
     uuid: str
     index: int
     total_bytes: int
     free_bytes: int
-    def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ...) -> None: ...
+    exiting_bytes: int
+    def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., exiting_bytes: _Optional[int] = ...) -> None: ...
 
 class JobMemory(_message.Message):
     __slots__ = ("job_id", "device_bytes", "checkpointed_bytes", "peak_device_bytes", "processes")
