@@ -207,14 +207,27 @@ def test_the_fake_cuda_driver_speaks_cuda_bindings_names() -> None:
         assert hasattr(real.CUresult, name) and hasattr(fake.CUresult, name)
 
 
+def test_a_process_is_live_then_ending_as_a_zombie_then_gone() -> None:
+    """`procfs.exit_state`, from /proc/<pid>/stat (state Z or the PF_EXITING flag: ending)."""
+    from timeslice.kubelet_plugin.agent.procfs import exit_state
+
+    p = subprocess.Popen(["sleep", "600"])
+    assert exit_state(p.pid) == "live"
+    p.kill()
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # a zombie: not reaped yet
+    assert exit_state(p.pid) == "ending"
+    p.wait()
+    assert exit_state(p.pid) == "gone"
+
+
 async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_killed_holder(short_tmp: Path,
                                                                                               monkeypatch) -> None:
     """Schedules seed 8 (`cuda` and `cooperative`, failing in CI): a job's process was killed
     holding, the orchestrator paused; the job's next process joined the hold before the first
     one's leaving was seen, grew beside the 63 MB it still held and ran out of memory. The node
     agent names what ended processes still hold (`exiting_bytes`: the killed one here, gone from
-    /proc), and a join waits until it is freed. Backend cuda: the real node agent over the fake
-    driver, the real lock group."""
+    /proc after the agent saw it alive), and a join waits until it is freed. Backend cuda: the real
+    node agent over the fake driver, the real lock group."""
     from timeslice.controller.orchestrator.agents import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.group import LockGroup
@@ -238,7 +251,13 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
     nxt = None
     try:
         await g.acquire("a", 0, "r1", 30)
+        stranger = await asyncio.to_thread(subprocess.Popen, ["sleep", "600"])
+        gpu.alloc(stranger.pid, 1 * MB, "a PID the agent never sees alive (as another PID namespace's)")
+        stranger.kill()
+        await asyncio.to_thread(stranger.wait)
         gpu.alloc(first.pid, 63 * MB, "model")  # it computes
+        snap = await switcher.memory(g.spec, ["a"], for_plan=False)  # as the orchestrator watches a holder
+        assert snap.on_device("a") == {f"{listen}/GPU-model-0": 63 * MB} and not snap.exiting_bytes
         first.kill()
         await asyncio.to_thread(first.wait)  # gone from /proc; its memory is still being freed
         snap = await switcher.memory(g.spec, ["a"], for_plan=False)
@@ -252,7 +271,7 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
         await g.close()
         await stop(agent)
         await pool.close()
-        for p in (first, nxt):
+        for p in (first, nxt, stranger):
             if p is not None:
                 p.kill()
                 p.wait()

@@ -31,24 +31,25 @@ EXIT_WAIT_SECONDS = 15.0
 
 
 async def wait_for_exits(switcher: Switcher, spec: GroupSpec, job: str,
-                         peaks: Mapping[str, Mapping[str, int]]) -> None:
+                         peaks: Mapping[str, Mapping[str, int]], timeout: float | None = None) -> None:
     """Return once no device of `job` (`placement.devices_of`) holds memory of ended processes
     by its node agents' reports (`MemorySnapshot.exiting_bytes`), polled every
-    `EXIT_POLL_SECONDS` for at most `EXIT_WAIT_SECONDS`. A report that fails counts as none
-    held (the join is not held up by an agent that is down). Raises nothing but
+    `EXIT_POLL_SECONDS` for at most `EXIT_WAIT_SECONDS` (or `timeout` seconds, the caller's,
+    when shorter). The reports name no job: each one would take the job's peak samples from
+    the agents (`GetMemoryRequest`), which the plans learn from. A report that fails counts as
+    none held (the join is not held up by an agent that is down). Raises nothing but
     CancelledError (the caller went away)."""
-    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    deadline = time.monotonic() + min(EXIT_WAIT_SECONDS, EXIT_WAIT_SECONDS if timeout is None else timeout)
     waited = False
     while True:
-        snap = await switcher.memory(spec, [job], for_plan=False)  # type: ignore[attr-defined]
+        snap = await switcher.memory(spec, [], for_plan=False)  # type: ignore[attr-defined]
         held = {dev: n for dev, n in snap.exiting_bytes.items() if dev in devices_of(job, snap, peaks)}
         if not held:
             if waited:
                 log.info("join group=%s job=%s: the ended processes' memory is freed", spec.id, job)
             return
         if time.monotonic() >= deadline:
-            log.warning("join group=%s job=%s goes ahead after %.0f s: ended processes still hold %s", spec.id,
-                        job, EXIT_WAIT_SECONDS, held)
+            log.warning("join group=%s job=%s goes ahead: ended processes still hold %s", spec.id, job, held)
             return
         if not waited:
             log.info("join group=%s job=%s waits: ended processes still hold %s (their memory is being freed)",

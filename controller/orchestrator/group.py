@@ -60,7 +60,7 @@ from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import PREEMPTED, Preemption
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, SwitchFailed
+from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, SwitchFailed, Unavailable
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -134,9 +134,13 @@ class LockGroup:
         h = self.holder
         if h is not None and h.job_id == job_id and self.memory_aware:
             # a process that joins may be the next one of a job whose holder was killed: it grows beside
-            # what the ended one still holds (schedules seed 8): exits.py
-            await wait_for_exits(self.switcher, self.spec, job_id, self.residency.peaks)
-            h = self.holder  # (it may have changed meanwhile)
+            # what the ended one still holds (schedules seed 8): exits.py. It shows the job alive meanwhile.
+            self.leases.renew(h)
+            await wait_for_exits(self.switcher, self.spec, job_id, self.residency.peaks, timeout)
+            if self.spec.members and self.spec.member(job_id) is None:
+                raise Unavailable(f"group {self.id}: job {job_id}'s claim set moved to another group while it "
+                                  "waited to join its hold; ask again")
+            h = self.holder  # (it may have ended meanwhile: then the caller waits its turn below)
         if h is not None and h.job_id == job_id and h.processes_ended:
             # cooperative schedules seed 30009: the holder's process was killed holding, the job's next
             # process joined its hold at once and ran out of memory beside the ended one's bytes, which the

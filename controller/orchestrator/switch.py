@@ -286,7 +286,8 @@ class SwitchCoordinator:
                         dropped = min(dropped, freed)
                 else:
                     dropped = freed
-                if not now.devices or (dropped >= want and sum(d.free for d in now.devices.values()) >= room):
+                enough = not nbytes or dropped >= want  # (nothing to see freed: only the room counts)
+                if not now.devices or (enough and sum(d.free for d in now.devices.values()) >= room):
                     return None
             if time.monotonic() >= deadline:
                 log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed%s", spec.id,
@@ -324,27 +325,44 @@ class SwitchCoordinator:
         return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.connected(spec.id, job)
 
     async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str], room: bool = True) -> list[str]:
-        """Roll back evictions: restore each of `jobs`, with `room` once the GPUs have room for their
-        checkpoints (`_freed`); returns those that stay off the GPUs (all of them when the room does not
-        come: each is restored later, planned, when it asks). What failed may hold memory a while: the
-        incoming job's process killed mid-restore keeps what it restored until it has exited
-        (schedules seed 30053: the evicted job's rollback restore ran out of memory beside its 76 MB).
-        Without `room`: at once (their own checkpoints' memory was not seen freed)."""
+        """Roll back evictions: restore each of `jobs`, with `room` once each device has room for
+        their checkpoints there (`_room_for`); returns those that stay off the GPUs (all of them when
+        the room does not come: each is restored later, planned, when it asks). What failed may hold
+        memory a while: the incoming job's process killed mid-restore keeps what it restored until it
+        has exited (schedules seed 30053: the evicted job's rollback restore ran out of memory beside
+        its 76 MB). Without `room`: at once (their own checkpoints' memory was not seen freed)."""
         if not jobs:
             return []
         if room and spec.backend in MEMORY_BACKENDS:
-            now = await self.memory(spec, jobs, for_plan=False)
-            need = sum(sum(now.checkpointed_bytes.get(j, {}).values()) for j in jobs)
-            unfreed = await self._freed(spec, [], now, 0, need) if need else None
-            if unfreed:
-                log.error("rollback left group=%s jobs=%s checkpointed: no room to restore them: %s", spec.id,
-                          list(jobs), unfreed)
+            short = await self._room_for(spec, jobs)
+            if short:
+                log.error("rollback left group=%s jobs=%s checkpointed: no room to restore them within %.0f s: %s",
+                          spec.id, list(jobs), FREED_TIMEOUT_SECONDS, short)
                 return list(jobs)
         stuck = []
         for job in jobs:
             if not await self._undo(self._targets(spec, job), "restore", spec, job):
                 stuck.append(job)
         return stuck
+
+    async def _room_for(self, spec: GroupSpec, jobs: Sequence[str]) -> dict[str, int]:
+        """{} once every device where `jobs` have checkpoints has that many bytes free (polled every
+        `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`), else the bytes each device lacks.
+        A report that a node agent did not answer cannot tell: {} (the restore itself then says)."""
+        deadline = time.monotonic() + FREED_TIMEOUT_SECONDS
+        while True:
+            now = await self.memory(spec, jobs, for_plan=False)
+            if now.unanswered:
+                return {}
+            need: dict[str, int] = {}
+            for job in jobs:
+                for dev, n in now.checkpointed_bytes.get(job, {}).items():
+                    need[dev] = need.get(dev, 0) + n
+            short = {dev: n - now.devices[dev].free for dev, n in need.items()
+                     if dev in now.devices and n > now.devices[dev].free}
+            if not short or time.monotonic() >= deadline:
+                return short
+            await asyncio.sleep(FREED_POLL_SECONDS)
 
     def _targets(self, spec: GroupSpec, job: str) -> list[AgentClient | _CooperativeStep]:
         """Who moves `job`: its processes (cooperative), else the agents of the nodes where it

@@ -38,7 +38,7 @@ from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUN
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
-from timeslice.kubelet_plugin.agent.procfs import ended, proc_state
+from timeslice.kubelet_plugin.agent.procfs import exit_state, proc_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
@@ -79,7 +79,7 @@ class MemoryView:
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # over a watch's samples
     incarnation: str = ""
     processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`_names`)
-    # GPU uuid -> bytes of processes that ended (`procfs.ended`), none of the report's jobs', still held
+    # GPU uuid -> bytes NVML still lists for processes that ended (`NodeAgent._exiting`): no job's any more
     exiting_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -171,6 +171,7 @@ class NodeAgent:
         self._peaks: dict[str, dict[str, int]] = {}
         self._sampled: dict[str, tuple[list[int], float]] = {}  # job -> (its pids, when a report named it)
         self._sampler: asyncio.Task[None] | None = None
+        self._seen_live: set[int] = set()  # PIDs that NVML lists and /proc showed alive (`_exiting`)
         # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
         # a gap (`SAMPLE_GAP_SECONDS`) misses what happened in it
         self.incarnation = uuid4().hex
@@ -479,9 +480,7 @@ class NodeAgent:
                 for job_id in pids_of:
                     _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
                 view.incarnation = self.incarnation
-                owned = {p for pids in pids_of.values() for p in pids}
-                view.exiting_bytes = {g.uuid: n for g in view.gpus if (n := sum(
-                    b for p, b in g.processes.items() if p not in owned and ended(p)))}
+                view.exiting_bytes = self._exiting(view.gpus)
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)
@@ -504,7 +503,29 @@ class NodeAgent:
                 gpus = []
             for job_id, (pids, _) in self._sampled.items():
                 _raise(self._peaks.setdefault(job_id, {}), _per_device(gpus, pids))
+            if gpus:
+                self._exiting(gpus)  # (notes the processes alive now)
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+
+    def _exiting(self, gpus: Sequence[GpuInfo]) -> dict[str, int]:
+        """Per GPU uuid, the bytes NVML lists for processes that ended (`procfs.exit_state`): a
+        zombie or exiting one, or one gone from /proc that a sample saw alive (a PID never seen
+        alive may be another PID namespace's, or a test's stand-in: not counted)."""
+        out: dict[str, int] = {}
+        listed: set[int] = set()
+        for g in gpus:
+            n = 0
+            for pid, b in g.processes.items():
+                listed.add(pid)
+                state = exit_state(pid)
+                if state == "live":
+                    self._seen_live.add(pid)
+                elif state == "ending" or pid in self._seen_live:
+                    n += b
+            if n:
+                out[g.uuid] = n
+        self._seen_live &= listed
+        return out
 
     def _sampled_now(self) -> None:
         """A sample was taken: after a gap (`SAMPLE_GAP_SECONDS`) the reports answer as a new

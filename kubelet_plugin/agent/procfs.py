@@ -19,16 +19,16 @@ def proc_state(pid: int) -> str:
 PF_EXITING = 0x4  # include/linux/sched.h: the process is in do_exit (proc(5), /proc/<pid>/stat field 9 `flags`)
 
 
-def ended(pid: int) -> bool:
-    """Whether `pid` has ended: gone from /proc, a zombie, or exiting (`PF_EXITING`: the kernel
-    tears it down, closing its files, and with them its CUDA contexts, whose device memory the
-    driver frees only then; on the H200 a killed job's process still held its memory 1.4-9.6 s
-    after its last line)."""
+def exit_state(pid: int) -> str:
+    """"live", "ending" (a zombie, or exiting: `PF_EXITING`, the kernel tears it down, closing its
+    files and with them its CUDA contexts, whose device memory the driver frees only then) or
+    "gone" (not in /proc: ended, or never in this PID namespace). On the H200 a killed job's
+    process still held its memory 1.4-9.6 s after its last line."""
     try:
         fields = stat_fields(pid)
     except OSError:
-        return True
-    return fields[0] == b"Z" or bool(int(fields[6]) & PF_EXITING)
+        return "gone"
+    return "ending" if fields[0] == b"Z" or int(fields[6]) & PF_EXITING else "live"
 
 
 def gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
