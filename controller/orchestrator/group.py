@@ -11,7 +11,8 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
 - One holding job at a time; every grant increments the fencing `epoch`.
 - Waiters are granted by priority, then FIFO; all waiters of the granted job are
   granted together (a job's processes share its hold: one that asks while it is held
-  joins at once, and the hold ends with the last caller's release). Under residency `auto` a waiter
+  joins at once, on memory-aware groups once ended processes' memory is freed: exits.py;
+  the hold ends with the last caller's release). Under residency `auto` a waiter
   whose grant would move memory may be passed by resident waiters of its priority for
   at most `resident_first_seconds` (one switch per run of phases, not per phase).
 - The holder's lease lapses `lease_seconds` after the grant or the last keep-alive;
