@@ -47,6 +47,24 @@ def sleeper():
     p.wait()
 
 
+def job_process(job: str) -> subprocess.Popen:
+    """A real process of `job` (the node agent finds it by its environment) to hold model GPU memory."""
+    return subprocess.Popen(["sleep", "600"], env={**os.environ, "TIMESLICE_JOB": job,
+                                                   "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+
+
+async def fake_driver_agent(short_tmp: Path, monkeypatch, gpu: ModelGpu) -> tuple[asyncio.subprocess.Process, str]:
+    """`timeslice node-agent` reporting the model GPU `gpu`, its `cuda` backend over the fake driver
+    with no fault planned: (its process, its listen target)."""
+    listen = f"unix://{short_tmp / 'agent.sock'}"
+    monkeypatch.setenv(ENV, str(gpu.path))  # for the agent, started below
+    monkeypatch.setenv(schedules.fake_driver().FAULTS_ENV, "[]")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
+    agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
+                         ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+    return agent, listen
+
+
 def test_an_allocation_past_the_total_is_an_oom_that_changes_nothing(short_tmp: Path, sleeper) -> None:
     gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB)
     gpu.alloc(sleeper.pid, 60 * MB, "model")
@@ -131,14 +149,8 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
     gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
-    procs = {job: await asyncio.to_thread(subprocess.Popen, ["sleep", "600"], env={
-        **os.environ, "TIMESLICE_JOB": job, "TIMESLICE_ACCELERATOR_PROCESS": "1"}) for job in "ac"}
-    listen = f"unix://{short_tmp / 'agent.sock'}"
-    monkeypatch.setenv(ENV, str(gpu.path))  # for the agent, started below
-    monkeypatch.setenv(schedules.fake_driver().FAULTS_ENV, "[]")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
-    agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
-                         ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+    procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
     spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
     pool = AgentPool()
     switcher = SwitchCoordinator(pool)
@@ -234,17 +246,8 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
     gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
-
-    def job_process() -> subprocess.Popen:
-        return subprocess.Popen(["sleep", "600"], env={**os.environ, "TIMESLICE_JOB": "a",
-                                                       "TIMESLICE_ACCELERATOR_PROCESS": "1"})
-    first = await asyncio.to_thread(job_process)
-    listen = f"unix://{short_tmp / 'agent.sock'}"
-    monkeypatch.setenv(ENV, str(gpu.path))  # for the agent, started below
-    monkeypatch.setenv(schedules.fake_driver().FAULTS_ENV, "[]")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
-    agent = (await start("node-agent", "--listen", listen, "--state-dir", str(short_tmp / "state"),
-                         ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout"))[0]
+    first = await asyncio.to_thread(job_process, "a")
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
     pool = AgentPool()
     switcher = SwitchCoordinator(pool)
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=(listen,)), switcher)
@@ -262,7 +265,7 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
         await asyncio.to_thread(first.wait)  # gone from /proc; its memory is still being freed
         snap = await switcher.memory(g.spec, ["a"], for_plan=False)
         assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 63 * MB} and not snap.on_device("a")
-        nxt = await asyncio.to_thread(job_process)
+        nxt = await asyncio.to_thread(job_process, "a")
         await g.acquire("a", 0, "r2", 30)  # it joins the hold
         assert gpu.read().free == 100 * MB  # only once the killed one's memory is freed
         gpu.alloc(nxt.pid, 63 * MB, "model")
