@@ -50,10 +50,15 @@ class FakeBackend(Backend):
     delay: float = 0.0
     fail_once: set[str] = field(default_factory=set)
     started: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # steps begun (before `delay`)
+    # "<step>:<pid>" -> an event that step waits for (a backend call that hangs until it is set)
+    hang: dict[str, asyncio.Event] = field(default_factory=dict)
 
     async def _step(self, what: str, pids: Sequence[int], state: str) -> list[ProcState]:
         self.started.append((what, tuple(pids)))
         await asyncio.sleep(self.delay)
+        gate = self.hang.get(f"{what}:{pids[0]}")
+        if gate is not None:
+            await gate.wait()
         self.calls.append((self.node, what, tuple(pids)))
         once = {what, f"{what}:{pids[0]}"} & self.fail_once
         self.fail_once -= once

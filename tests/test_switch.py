@@ -223,3 +223,65 @@ async def test_a_restore_first_whose_checkpoint_fails_puts_both_jobs_back(make_c
                      ("node-1", "restore", "b")]
     assert {s for _, s, _ in c.calls[:2]} == {"restore"}  # b's restore came first, on both nodes
     assert not err.value.off_gpu and err.value.record.failed_step == "checkpoint"
+
+
+async def test_a_checkpoint_that_hangs_past_its_deadline_grants_nobody_until_it_and_its_rollback_ended(
+        make_cluster, monkeypatch) -> None:
+    """Issue 22: a's checkpoint hung in the backend past its step deadline; the rollback's restore
+    queued behind it on the agent and timed out too ("ROLLBACK INCOMPLETE"); b, asking again, was
+    granted at once, and then the late rollback thawed a beside it. Now, until the agent has no
+    step of a in flight (`MemoryReport.busy_jobs`), b's acquires fail and it asks again; then a's
+    records say it is on the GPU, and it is checkpointed before b is granted."""
+    from timeslice.controller.orchestrator import agents, in_flight
+    from timeslice.driver import errors
+
+    monkeypatch.setattr(agents, "RPC_SLACK_SECONDS", 0.3)
+    monkeypatch.setattr(in_flight, "IN_FLIGHT_WAIT_SECONDS", 0.5)
+    c = await make_cluster(backend="freeze", spec={"step_timeout_seconds": 0.5})
+    g = c.orchestrator.group("g")
+    a = pids(c, 0, "a")[0]
+    grant = await g.acquire("a", 0, "a1", None)
+    g.release("a", grant.lease_id, grant.epoch)
+    hang = c.backends["node-0"].hang[f"checkpoint:{a}"] = asyncio.Event()
+    with pytest.raises(errors.SwitchFailed, match="ROLLBACK INCOMPLETE"):  # (the server's, not the client's)
+        await g.acquire("b", 0, "b1", None)
+    with pytest.raises(errors.SwitchFailed, match="still runs"):  # a's checkpoint and its undo are in flight
+        await g.acquire("b", 0, "b2", None)
+    assert g.holder is None
+    hang.set()  # the checkpoint ends; the undo restore queued behind it runs: a is thawed
+    await eventually(lambda: [s for _, s, p in c.calls if p == (a,)][-1:] == ["restore"])
+    await g.acquire("b", 0, "b3", 10)
+    assert [s for _, s, p in c.calls if p == (a,)] == ["checkpoint", "restore", "checkpoint"]  # frozen again
+    assert "a" in g.checkpointed and g.holder is not None and g.holder.job_id == "b"
+
+
+async def test_a_restore_that_hangs_while_its_agent_answers_counts_toward_failing_the_job(
+        make_cluster, monkeypatch) -> None:
+    """Issue 22: a's restore hung past its step deadline, on an agent that answered every other
+    call; the failure was taken for an unreachable agent and never counted, and a was moved in and
+    out again and again. Now it counts: the third fails the job."""
+    from timeslice.controller.orchestrator import agents
+    from timeslice.driver import errors
+
+    monkeypatch.setattr(agents, "RPC_SLACK_SECONDS", 0.3)
+    c = await make_cluster(backend="freeze", spec={"step_timeout_seconds": 0.5})
+    g = c.orchestrator.group("g")
+    a = pids(c, 0, "a")[0]
+    for job in "ab":  # a, then b, held once: a is checkpointed
+        grant = await g.acquire(job, 0, f"{job}0", None)
+        g.release(job, grant.lease_id, grant.epoch)
+    hang = c.backends["node-0"].hang[f"restore:{a}"] = asyncio.Event()
+    failed = 0  # (the first may be an idle restore's, which fails no waiter's count)
+    while True:
+        hang.clear()
+        try:
+            await g.acquire("a", 0, f"a{failed}", 30)
+        except errors.JobFailed as err:
+            assert "3 restores in a row failed" in str(err)
+            break
+        except errors.SwitchFailed as err:
+            assert "restore of a failed" in str(err)
+        failed += 1
+        assert failed <= 4, "a hung restore was not counted"
+        hang.set()  # the hung restore ends, then the undo queued behind it
+        await eventually(lambda: not c.agents["node-0"].busy)

@@ -95,6 +95,7 @@ class AgentMemory:
     incarnation: str = ""
     processes: dict[str, list[str]] = field(default_factory=dict)
     exiting: dict[str, int] = field(default_factory=dict)
+    busy: set[str] = field(default_factory=set)  # jobs with a step in flight there (`MemoryReport.busy_jobs`)
 
 
 class AgentClient:
@@ -197,7 +198,7 @@ class AgentClient:
                            int(resp.host_available_bytes),
                            {j.job_id: dict(j.peak_device_bytes) for j in resp.jobs if j.peak_device_bytes},
                            resp.incarnation, {j.job_id: list(j.processes) for j in resp.jobs if j.processes},
-                           {g.uuid: int(g.exiting_bytes) for g in resp.gpus if g.exiting_bytes})
+                           {g.uuid: int(g.exiting_bytes) for g in resp.gpus if g.exiting_bytes}, set(resp.busy_jobs))
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",

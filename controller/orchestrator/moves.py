@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.in_flight import on_gpus_after_steps
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.move_cost import move_seconds, moves_nothing, pass_remaining, switch_speed
 from timeslice.controller.orchestrator.placement import (
@@ -102,7 +103,8 @@ class MemoryMoves:
         self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
-        # jobs a rollback could not put back, since the last answered memory report: on the GPUs or not
+        # jobs a rollback could not put back: on the GPUs or not (settled before a grant: `_settle_unsure`;
+        # else until the next answered memory report)
         self._unsure: set[str] = set()
         # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}
@@ -111,6 +113,7 @@ class MemoryMoves:
         # node agents whose checkpoint records a takeover could not read: read before a grant (`records_unknown`)
         self.records_unknown: set[str] = set()
         self._records_task: asyncio.Task[None] | None = None
+        self._settle_task: asyncio.Task[None] | None = None  # `_settle_unsure`
         self._unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._beside: str | None = None  # while a staging runs: the job it makes room beside
         self._watch_task: asyncio.Task[None] | None = None
@@ -233,6 +236,9 @@ class MemoryMoves:
         g = self._g
         if self.records_unknown and hasattr(g.switcher, "checkpointed"):  # (a switcher that reads no records)
             self._read_records()
+            return
+        if self._unsure and self._settles_unsure:
+            self._settle_unsure()
             return
         incoming = next_job(g, head)
         awake = self.unreleased(excluding=incoming)
@@ -361,6 +367,38 @@ class MemoryMoves:
             if (g.holder is None or g.holder.job_id != job) and job not in g.residency.checkpointed:
                 log.info("checkpoint record read group=%s job=%s: restored before its grant", g.id, job)
                 g.residency.moved_out(job)
+        g.dispatch()
+
+    @property
+    def _settles_unsure(self) -> bool:
+        """Whether the jobs a rollback could not put back (`_unsure`) are settled with their node
+        agents before any grant (`in_flight.py`): the agents step them (not `cooperative`, whose
+        processes answer for themselves) and the switcher reads their records and memory."""
+        g = self._g
+        return g.spec.backend not in (names.BACKEND_COOPERATIVE, names.BACKEND_NONE) and \
+            hasattr(g.switcher, "checkpointed") and hasattr(g.switcher, "memory")
+
+    def _settle_unsure(self) -> None:
+        if self._settle_task is None or self._settle_task.done():
+            self._settle_task = asyncio.get_running_loop().create_task(self._settle(), name=f"settle-{self._g.id}")
+
+    async def _settle(self) -> None:
+        """Once no step of the unsure jobs runs on their node agents, each is where its records
+        say; until then nothing is granted: the waiters get `SwitchFailed` and their clients ask
+        again (`in_flight.on_gpus_after_steps`)."""
+        g = self._g
+        jobs = set(self._unsure)
+        try:
+            on_gpus = await on_gpus_after_steps(g.switcher, g.spec, jobs)
+        except Exception as err:  # a step still runs, or an agent does not answer: no grant on a guess
+            log.warning("not settled group=%s jobs=%s: %s", g.id, sorted(jobs), err)
+            for job in {w.job_id for w in g.queue}:
+                g.fail_job(job, SwitchFailed(f"group {g.id}: {err}"))
+            return
+        for job in sorted(on_gpus & g.residency.checkpointed):
+            log.warning("job %s is on the GPUs after all group=%s: a step of its rollback ended late", job, g.id)
+            g.residency.moved_in(job)
+        self._unsure -= jobs
         g.dispatch()
 
     def must_leave(self, incoming: str) -> list[str]:
@@ -529,7 +567,7 @@ class MemoryMoves:
             return None
         g.residency.observe(snap)  # without devices too: the holds a failed report missed are unobserved
         self._pin_if_moves_may_come()
-        if snap.devices and not snap.unanswered:
+        if snap.devices and not snap.unanswered and not self._settles_unsure:
             self._unsure.clear()
         if snap.unanswered:
             raise AgentsUnanswered(f"node agent(s) {', '.join(sorted(snap.unanswered))} did not answer a memory "
@@ -722,7 +760,7 @@ class MemoryMoves:
     async def close(self) -> None:
         if self._deferred is not None:
             self._deferred.cancel()
-        for task in (self._report_task, self._watch_task, self._records_task):
+        for task in (self._report_task, self._watch_task, self._records_task, self._settle_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -69,6 +69,7 @@ class MemorySnapshot:
     # job -> its processes the bytes were counted from, "<agent target>/<pid>:<start time>"
     processes: dict[str, set[str]] = field(default_factory=dict)
     exiting_bytes: dict[str, int] = field(default_factory=dict)  # device -> what ended processes still hold
+    busy: set[str] = field(default_factory=set)  # jobs with a step in flight on an agent (`AgentMemory.busy`)
     taken_at: float = field(default_factory=time.monotonic)
 
     def on_device(self, job: str) -> dict[str, int]:

@@ -158,7 +158,11 @@ class SwitchCoordinator:
         if failures:
             await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
             stuck = await self._restore_all(spec, out)
-            raise self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
+            err = self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
+            if rec.unreachable and spec.backend != names.BACKEND_COOPERATIVE and \
+                    not (await self.memory(spec, [], for_plan=False)).unanswered:
+                rec.unreachable = False  # its agents answer, the step did not: it hangs, and counts (issue 22)
+            raise err
 
     async def _unrestore(self, spec: GroupSpec, incoming: str, restored: bool) -> bool:
         """Roll back a restore-first (`restored`): checkpoint `incoming` again, once the
@@ -207,6 +211,7 @@ class SwitchCoordinator:
             for uuid, (total, free) in rep.gpus.items():
                 snap.devices[f"{target}/{uuid}"] = DeviceMemory(total, free)
             snap.exiting_bytes.update({f"{target}/{u}": n for u, n in rep.exiting.items()})
+            snap.busy |= rep.busy
             for job, per in rep.device_bytes.items():
                 snap.device_bytes.setdefault(job, {}).update({f"{target}/{u}": b for u, b in per.items()})
             for job, per in rep.checkpointed_bytes.items():

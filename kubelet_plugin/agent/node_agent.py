@@ -81,6 +81,7 @@ class MemoryView:
     processes: dict[str, list[str]] = field(default_factory=dict)  # job -> its processes' names (`_names`)
     # GPU uuid -> bytes NVML still lists for processes that ended (`NodeAgent._exiting`): no job's any more
     exiting_bytes: dict[str, int] = field(default_factory=dict)
+    busy_jobs: list[str] = field(default_factory=list)  # `NodeAgent.busy`
 
 
 def _per_device(gpu_list: Sequence[GpuInfo], pids: Iterable[int]) -> dict[str, int]:
@@ -172,6 +173,7 @@ class NodeAgent:
         self._sampled: dict[str, tuple[list[int], float]] = {}  # job -> (its pids, when a report named it)
         self._sampler: asyncio.Task[None] | None = None
         self._seen_live: set[int] = set()  # PIDs that NVML lists and /proc showed alive (`_exiting`)
+        self._busy: dict[str, int] = {}  # job -> its steps running or waiting for its lock (`busy`)
         # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
         # a gap (`SAMPLE_GAP_SECONDS`) misses what happened in it
         self.incarnation = uuid4().hex
@@ -220,14 +222,31 @@ class NodeAgent:
         task, one after it ended gets its outcome (or error) again. No id: run it here, as
         part of the call (a caller that goes away cancels it)."""
         if not req.operation_id:
-            return await step(req)
+            return await self._in_flight(req.job_id, step(req))
         task = self.operations.find(kind, req)
         if task is None:
-            task = self.operations.start(kind, req, step(req))
+            task = self.operations.start(kind, req, self._in_flight(req.job_id, step(req)))
         else:
             log.info("%s resent job=%s operation=%s: %s", kind, req.job_id, req.operation_id,
                      "its outcome again" if task.done() else "joined the running step")
         return await asyncio.shield(task)
+
+    async def _in_flight(self, job_id: str, step: Coroutine[Any, Any, StepOutcome]) -> StepOutcome:
+        """`step`, counted in `busy` while it runs or waits for its job's lock."""
+        self._busy[job_id] = self._busy.get(job_id, 0) + 1
+        try:
+            return await step
+        finally:
+            self._busy[job_id] -= 1
+            if not self._busy[job_id]:
+                del self._busy[job_id]
+
+    @property
+    def busy(self) -> list[str]:
+        """The jobs with a checkpoint or restore step running or waiting for its job's lock here,
+        sorted: one whose caller gave up on it (no reply in time) may still run, and change
+        where the job's state is, after the caller moved on (`MemoryReport.busy_jobs`)."""
+        return sorted(self._busy)
 
     async def _checkpoint(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
@@ -481,6 +500,7 @@ class NodeAgent:
                     _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
                 view.incarnation = self.incarnation
                 view.exiting_bytes = self._exiting(view.gpus)
+                view.busy_jobs = self.busy
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
             view.gpus = await asyncio.to_thread(self._memory_probe)

@@ -129,7 +129,7 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
                                 checkpointed_bytes=view.checkpointed_bytes.get(n, {}),
                                 peak_device_bytes=view.peak_bytes.get(n, {}),
                                 processes=view.processes.get(n, [])) for n in names],
-            host_available_bytes=view.host_available, incarnation=view.incarnation)
+            host_available_bytes=view.host_available, incarnation=view.incarnation, busy_jobs=view.busy_jobs)
 
     @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,

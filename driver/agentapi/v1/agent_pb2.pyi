@@ -66,16 +66,18 @@ class JobMemory(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., device_bytes: _Optional[_Mapping[str, int]] = ..., checkpointed_bytes: _Optional[_Mapping[str, int]] = ..., peak_device_bytes: _Optional[_Mapping[str, int]] = ..., processes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MemoryReport(_message.Message):
-    __slots__ = ("gpus", "jobs", "host_available_bytes", "incarnation")
+    __slots__ = ("gpus", "jobs", "host_available_bytes", "incarnation", "busy_jobs")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     HOST_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_JOBS_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuMemory]
     jobs: _containers.RepeatedCompositeFieldContainer[JobMemory]
     host_available_bytes: int
     incarnation: str
-    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., host_available_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    busy_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuMemory, _Mapping]]] = ..., jobs: _Optional[_Iterable[_Union[JobMemory, _Mapping]]] = ..., host_available_bytes: _Optional[int] = ..., incarnation: _Optional[str] = ..., busy_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SwitchStepRequest(_message.Message):
     __slots__ = ("job_id", "backend", "timeout_seconds", "group_id", "claims", "pod_uids", "claim_name", "operation_id", "app")
