@@ -11,6 +11,7 @@ static mode a job name from the node agents' job tables.
     leases.py         Leases: lease timer and lease checks
     callers.py        Callers: withdrawn waiters, a frozen job's waiter kept
     exits.py          a caller that joins its job's hold waits for ended processes' memory to be freed
+    in_flight.py      steps the orchestrator gave up on: no grant until they ended, then the records decide
     preemption.py     Preemption: maxHoldSeconds, parked (preempted) holders
     moves.py          MemoryMoves: when and what to checkpoint and restore; confirmation before grants
     idle_restores.py  IdleRestores: restores while the group is idle
