@@ -121,8 +121,10 @@ async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(c
     granted at once with its process possibly still stopped. A step with no reply is resent
     with its operation id (tests/test_operations.py: an agent back in time completes it);
     when the agent stays away for the whole resend window the step is undone, and when the
-    undo cannot reach the agent either the job counts as off the GPU: it is restored (by an
-    agent that answers) before it is granted again."""
+    undo cannot reach the agent either the job counts as off the GPU until an agent that
+    answers, with no step of it in flight, says where it is (`in_flight.py`): here the
+    checkpoint never ran (the agent was gone), so the agent holds no record of it, and the job,
+    whose process runs, is granted as resident."""
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.orchestrator import Orchestrator
     from timeslice.driver.errors import SwitchFailed
@@ -146,7 +148,8 @@ async def test_a_switch_whose_agent_did_not_answer_is_undone_and_never_assumed(c
         assert "a" in g.checkpointed  # not assumed resident
         server, _ = await create_server(agent(), target)  # the agent is back
         ga = await acquire_as_a_client_does(g, "a")
-        assert ga.restored and proc_state(a_proc.pid) in "RS" and "a" not in g.failed_jobs
+        assert "job a is on the GPUs after all" in caplog.text and not ga.restored
+        assert proc_state(a_proc.pid) in "RS" and "a" not in g.failed_jobs
     finally:
         await server.stop(0)
         await orch.close()

@@ -1396,6 +1396,30 @@ async def test_a_job_started_again_is_not_granted_at_once_on_a_report_of_its_ear
     await g.close()
 
 
+async def test_no_job_is_granted_on_a_guess_after_a_resident_left_while_its_agent_is_silent() -> None:
+    """Cooperative schedules seed 60299 (exit delays): with the node agent down, job j2 left the
+    group (its process exiting, its 52 MB still on the GPU) and the newcomer j1 was granted at
+    once as the only job left, on a guess, and its optimizer ran out of memory beside them. After
+    a resident left, no grant is made on a guess until an agent answers; then the bytes it left
+    are nobody's, and the newcomer, which runs alone, waits for them."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
+    await g.moves.snapshot()  # (a report while a is resident)
+    gpu.on["ended"] = gpu.on.pop("a")  # a's process ends; the GPU keeps its bytes a while
+    gpu.down = True
+    assert g.leave("a") == "left" and "a" not in g.residency.residents
+    with pytest.raises(SwitchFailed, match="did not answer a memory report"):
+        await g.acquire("b", 0, "b-down", timeout=None)
+    gpu.down = False
+    with pytest.raises(SwitchFailed, match=r"would stay held by others.*b waits for it to be freed"):
+        await g.acquire("b", 0, "b-exiting", timeout=None)
+    del gpu.on["ended"]  # freed at last
+    grant = await hold(g, "b", then=lambda: gpu.on.__setitem__("b", 30 * GB))
+    assert not grant.restored and gpu.calls == []
+    await g.close()
+
+
 async def test_no_job_is_granted_on_a_guess_while_a_rollback_left_a_job_unsure_and_its_agent_is_silent() -> None:
     """Cuda schedules seed 990: a checkpoint of a got no reply, its rollback could not reach
     the node agent either (it had died), and a was recorded checkpointed; with the agent

@@ -593,9 +593,9 @@ class MemoryMoves:
                 snap = await self.snapshot()
             except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
                 if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
-                        self.unconfirmed(incoming) or self._unsure or \
+                        self.unconfirmed(incoming) or self._unsure or g.residency.left_since_report() or \
                         any(g.residency.started_since_report(j) for j in self._jobs()):
-                    raise  # (a job started again: its ended processes' bytes may linger; an unsure job's may)
+                    raise  # (a job started again or left: its ended processes' bytes may linger; an unsure job's may)
                 snap = None
             if snap is None:  # no memory information: one resident at a time
                 if beside is not None:
@@ -798,14 +798,15 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     grown to their need (`Residency.worst_case`: that holder may have built its model or
     optimizer state since): grant at once. Otherwise the grant waits for a fresh report
     and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`,
-    and for one whose processes started after that report: `Residency.started_since_report`)."""
+    and for one whose processes started after that report: `Residency.started_since_report`; and
+    after a resident job left since that report: `Residency.left_since_report`)."""
     r = g.residency
     fraction, fixed = parse_headroom(g.spec.memory_headroom)
     last = r.snapshot
     if not r.known(incoming) and (r.lru(excluding=[incoming]) or (last is not None and crowded(
             last, held_by_others(incoming, last, devices_of(incoming, last, r.peaks)), (fraction, fixed)))):
         return False  # unsettled: granted alone (none of others' memory: schedules seed 30039), after a plan
-    if g.moves.unconfirmed(incoming) or r.started_since_report(incoming):
+    if g.moves.unconfirmed(incoming) or r.started_since_report(incoming) or r.left_since_report():
         return False
     snap = r.worst_case(excluding=incoming)
     if snap is None or last is None:

@@ -62,6 +62,7 @@ class Residency:
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
         self._restored: dict[str, float] = {}  # job -> when (monotonic seconds) it was restored without a grant
         self._started: dict[str, float] = {}  # job -> when (monotonic seconds) its processes started again
+        self._left_at: float | None = None  # when (monotonic seconds) a resident job last left (`forget`)
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
         self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named it
         self.snapshot: MemorySnapshot | None = None
@@ -126,6 +127,13 @@ class Residency:
         at = self._started.get(job)
         return at is not None and self.snapshot is not None and at >= self.snapshot.taken_at
 
+    def left_since_report(self) -> bool:
+        """Whether a resident job left the group after the last snapshot was taken: its processes
+        may still be exiting, their memory not yet free, and no report since shows how much
+        (cooperative schedules seed 60299: with the node agent down, a newcomer was granted as
+        the one job left while a job that had just left still held 52 MB, and grew into them)."""
+        return self._left_at is not None and self.snapshot is not None and self._left_at >= self.snapshot.taken_at
+
     def declare(self, job: str, nbytes: int) -> None:
         """`job` declared it needs `nbytes` per GPU (0: nothing declared; a later
         declaration replaces an earlier one)."""
@@ -152,6 +160,10 @@ class Residency:
             self.residents.move_to_end(job, last=next_up)
 
     def forget(self, job: str) -> None:
+        """`job` is gone from the group. One that was resident leaves its memory on the GPUs
+        until its processes have exited (`left_since_report`)."""
+        if job in self.residents:
+            self._left_at = time.monotonic()
         self.residents.pop(job, None)
         self.checkpointed.discard(job)
         self.peaks.pop(job, None)
