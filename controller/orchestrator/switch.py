@@ -135,7 +135,7 @@ class SwitchCoordinator:
             unfreed = await self._freed(spec, [], now, 0, sum(now.checkpointed_bytes.get(incoming, {}).values()))
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
-            stuck = await self._restore_all(spec, out, room=False)
+            stuck = await self._restore_all(spec, out)
             back = await self._unrestore(spec, incoming, first)
             rec.ok, rec.failed_step = False, "checkpoint"
             rec.error = (f"checkpoint of {', '.join(out or gone)} acknowledged ({rec.bytes_checkpointed} bytes"
@@ -329,16 +329,18 @@ class SwitchCoordinator:
         holder whose keep-alives are late it is still computing (`Leases`)."""
         return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.connected(spec.id, job)
 
-    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str], room: bool = True) -> list[str]:
-        """Roll back evictions: restore each of `jobs`, with `room` once each device has room for
-        their checkpoints there (`_room_for`); returns those that stay off the GPUs (all of them when
-        the room does not come: each is restored later, planned, when it asks). What failed may hold
+    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
+        """Roll back evictions: restore each of `jobs` once each device has room for their
+        checkpoints there (`_room_for`); returns those that stay off the GPUs (all of them when the
+        room does not come: each is restored later, planned, when it asks). What failed may hold
         memory a while: the incoming job's process killed mid-restore keeps what it restored until it
         has exited (schedules seed 30053: the evicted job's rollback restore ran out of memory beside
-        its 76 MB). Without `room`: at once (their own checkpoints' memory was not seen freed)."""
+        its 76 MB); a checkpoint acknowledged whose memory was not seen freed may have moved nothing
+        that was on the GPU (cooperative seed 70281: after an orchestrator restart, jobs adopted as
+        resident whose states were in the pool; their rollback restored them beside a 68 MB holder)."""
         if not jobs:
             return []
-        if room and spec.backend in MEMORY_BACKENDS:
+        if spec.backend in MEMORY_BACKENDS:
             short = await self._room_for(spec, jobs)
             if short:
                 log.error("rollback left group=%s jobs=%s checkpointed: no room to restore them within %.0f s: %s",
