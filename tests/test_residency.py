@@ -1371,51 +1371,37 @@ async def test_a_takeover_that_could_not_read_an_agents_records_grants_nothing_u
     await g.close()
 
 
-async def test_a_job_started_again_is_not_granted_at_once_on_a_report_of_its_earlier_process() -> None:
-    """Cooperative schedules seed 5112 (exit delay): job a's process ended while the node agent
-    was down, and its new process was granted at once as a resident, on the last report, which
-    showed the ended process's bytes as a's own room; the GPU still held them, and the new
-    process's model ran out of memory beside them. A job whose processes started after the
-    last report plans on a fresh one, where the ended process's bytes are nobody's."""
+@pytest.mark.parametrize("how", ["started again", "left"])
+async def test_no_job_is_granted_on_a_report_of_ended_processes_nor_on_a_guess_while_its_agent_is_silent(how) -> None:
+    """Cooperative schedules seed 5112 (exit delay, "started again"): job a's process ended while
+    the node agent was down, and its new process was granted at once as a resident, on the last
+    report, which showed the ended process's bytes as a's own room; the GPU still held them, and
+    the new process's model ran out of memory beside them. Seed 60299 ("left"): with the agent
+    down, a left the group (its process exiting, its bytes still on the GPU) and the newcomer b
+    was granted at once as the only job left, on a guess, and grew into them. After a job started
+    again or a resident left, nothing is granted on a guess while an agent is silent, and the
+    grant plans on a fresh report, where the ended process's bytes are nobody's: the job, which
+    runs alone, waits for them."""
     gpu = FakeGpu()
     g = group(gpu, declare=False)
     await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
     await g.moves.snapshot()  # (a report while a is resident, as a watch or a plan takes)
     assert g.residency.snapshot is not None and g.residency.snapshot.on_device("a") == {DEV: 80 * GB}
     gpu.on["ended"] = gpu.on.pop("a")  # a's process ended; the GPU keeps its bytes a while
-    g.residency.started("a")  # a's new process connected (`CooperativeJobs` on_started)
-    gpu.down = True  # with its node agent down, as in the seed: nothing is known of a's new process
+    gpu.down = True  # with its node agent down, as in the seeds
+    if how == "left":
+        assert g.leave("a") == "left" and "a" not in g.residency.residents
+        job = "b"
+    else:
+        g.residency.started("a")  # a's new process connected (`CooperativeJobs` on_started)
+        job = "a"
     with pytest.raises(SwitchFailed, match="did not answer a memory report"):
-        await g.acquire("a", 0, "a-down", timeout=None)
+        await g.acquire(job, 0, f"{job}-down", timeout=None)
     gpu.down = False
-    with pytest.raises(SwitchFailed, match=r"would stay held by others.*a waits for it to be freed"):
-        await g.acquire("a", 0, "a-new", timeout=None)
+    with pytest.raises(SwitchFailed, match=rf"would stay held by others.*{job} waits for it to be freed"):
+        await g.acquire(job, 0, f"{job}-exiting", timeout=None)
     del gpu.on["ended"]  # freed at last
-    grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
-    assert not grant.restored and gpu.calls == []
-    await g.close()
-
-
-async def test_no_job_is_granted_on_a_guess_after_a_resident_left_while_its_agent_is_silent() -> None:
-    """Cooperative schedules seed 60299 (exit delays): with the node agent down, job j2 left the
-    group (its process exiting, its 52 MB still on the GPU) and the newcomer j1 was granted at
-    once as the only job left, on a guess, and its optimizer ran out of memory beside them. After
-    a resident left, no grant is made on a guess until an agent answers; then the bytes it left
-    are nobody's, and the newcomer, which runs alone, waits for them."""
-    gpu = FakeGpu()
-    g = group(gpu, declare=False)
-    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
-    await g.moves.snapshot()  # (a report while a is resident)
-    gpu.on["ended"] = gpu.on.pop("a")  # a's process ends; the GPU keeps its bytes a while
-    gpu.down = True
-    assert g.leave("a") == "left" and "a" not in g.residency.residents
-    with pytest.raises(SwitchFailed, match="did not answer a memory report"):
-        await g.acquire("b", 0, "b-down", timeout=None)
-    gpu.down = False
-    with pytest.raises(SwitchFailed, match=r"would stay held by others.*b waits for it to be freed"):
-        await g.acquire("b", 0, "b-exiting", timeout=None)
-    del gpu.on["ended"]  # freed at last
-    grant = await hold(g, "b", then=lambda: gpu.on.__setitem__("b", 30 * GB))
+    grant = await hold(g, job, then=lambda: gpu.on.__setitem__(job, 30 * GB))
     assert not grant.restored and gpu.calls == []
     await g.close()
 
