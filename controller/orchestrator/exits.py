@@ -39,7 +39,7 @@ async def wait_for_exits(switcher: Switcher, spec: GroupSpec, job: str,
     the agents (`GetMemoryRequest`), which the plans learn from. A report that fails counts as
     none held (the join is not held up by an agent that is down). Raises nothing but
     CancelledError (the caller went away)."""
-    deadline = time.monotonic() + min(EXIT_WAIT_SECONDS, EXIT_WAIT_SECONDS if timeout is None else timeout)
+    deadline = time.monotonic() + (EXIT_WAIT_SECONDS if timeout is None else min(EXIT_WAIT_SECONDS, timeout))
     waited = False
     while True:
         snap = await switcher.memory(spec, [], for_plan=False)  # type: ignore[attr-defined]

@@ -357,10 +357,8 @@ class MemoryMoves:
             found = await g.switcher.checkpointed(g.spec, targets)  # type: ignore[attr-defined]
         except Exception as err:  # still unreadable: nothing is granted on a guess
             log.warning("checkpoint records still unknown group=%s agents=%s: %s", g.id, targets, err)
-            for job in {w.job_id for w in g.queue}:
-                g.fail_job(job, SwitchFailed(f"group {g.id}: the checkpoint records of node agent(s) "
-                                             f"{', '.join(targets)} cannot be read since this orchestrator took over "
-                                             f"({err}); nothing is granted until they answer"))
+            self._fail_waiters(f"the checkpoint records of node agent(s) {', '.join(targets)} cannot be read since "
+                               f"this orchestrator took over ({err}); nothing is granted until they answer")
             return
         self.records_unknown.difference_update(targets)
         for job in sorted(found):
@@ -392,14 +390,19 @@ class MemoryMoves:
             on_gpus = await on_gpus_after_steps(g.switcher, g.spec, jobs)
         except Exception as err:  # a step still runs, or an agent does not answer: no grant on a guess
             log.warning("not settled group=%s jobs=%s: %s", g.id, sorted(jobs), err)
-            for job in {w.job_id for w in g.queue}:
-                g.fail_job(job, SwitchFailed(f"group {g.id}: {err}"))
+            self._fail_waiters(str(err))
             return
         for job in sorted(on_gpus & g.residency.checkpointed):
             log.warning("job %s is on the GPUs after all group=%s: a step of its rollback ended late", job, g.id)
             g.residency.moved_in(job)
         self._unsure -= jobs
         g.dispatch()
+
+    def _fail_waiters(self, why: str) -> None:
+        """Nothing is granted on a guess: every waiter gets `SwitchFailed` and its client asks again."""
+        g = self._g
+        for job in {w.job_id for w in g.queue}:
+            g.fail_job(job, SwitchFailed(f"group {g.id}: {why}"))
 
     def must_leave(self, incoming: str) -> list[str]:
         """Holders preempted mid-phase, dropped, or whose lease lapsed, that are still on the
