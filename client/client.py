@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 from timeslice import _rpc
-from timeslice.errors import NotHolding
+from timeslice.errors import LeaseLost, NotHolding
 from timeslice.memory_commands import MemoryCommandLoop, StateStore
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -95,7 +95,10 @@ class TimeSliceOrchestratorClient:
         """Block until this job holds the group and its state is on the GPUs.
 
         `timeout` is in seconds (None waits without bound), failed switches included (they
-        are asked again, see `retry_failed_switches`). Nested acquires of a held group
+        are asked again, see `retry_failed_switches`). On a group whose state this process
+        serves (`serve_memory_commands`), the grant's lease is confirmed with a keep-alive
+        before the grant is used: a grant whose lease lapsed before this process saw it (the
+        process was paused) is asked again, never used. Nested acquires of a held group
         return the same grant and need as many releases.
         Raises AcquireTimeout (naming the last failed switch, if any), JobFailed (the job's
         state is lost: restart it), GroupNotFound, InvalidRequest, AccessDenied,
@@ -107,22 +110,26 @@ class TimeSliceOrchestratorClient:
             if hold is not None and not hold.lost.is_set():
                 hold.depth += 1
                 return hold.grant
-        request_id = _rpc.new_request_id()
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            resp = self._retrying(
-                f"acquire {group}", deadline,
-                lambda remaining: self._stub.Acquire(
-                    _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
-                    metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
-        except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
-            if _rpc.may_be_granted(err):
-                self._cancel(group, request_id)
-            raise
-        grant = _rpc.grant_of(group, self._s.job_id, resp, request_id)
-        for loop in self._memory_loops:  # normally a no-op: the orchestrator restored before granting
-            if loop.group == group and loop.ensure_restored():
-                log.warning("state of group %s restored by the client at its grant (a command had timed out)", group)
+        while True:
+            request_id = _rpc.new_request_id()
+            try:
+                resp = self._retrying(
+                    f"acquire {group}", deadline,
+                    lambda remaining, request_id=request_id: self._stub.Acquire(
+                        _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
+                        timeout=remaining, metadata=_rpc.call_metadata()),
+                    retry_switches=self._s.retry_failed_switches)
+                grant = _rpc.grant_of(group, self._s.job_id, resp, request_id)
+                if self._state_back(grant, deadline):
+                    break
+            except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
+                if _rpc.may_be_granted(err):
+                    self._cancel(group, request_id)
+                raise
+            log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved "
+                        "for over its %g s lease): its state stays where the orchestrator put it; asking again",
+                        group, grant.epoch, grant.lease_seconds)
         hold = _Hold(grant)
         with self._lock:
             self._holds[group] = hold
@@ -130,6 +137,42 @@ class TimeSliceOrchestratorClient:
         threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
                          name=f"timeslice-keepalive-{group}").start()
         return grant
+
+    def _state_back(self, grant: _rpc.Grant, deadline: float | None) -> bool:
+        """For a group whose state this process serves (`serve_memory_commands`): confirm the
+        grant's lease with a keep-alive and bring the state back if it is still out, under
+        each command loop's lock (no checkpoint starts in between). The orchestrator restores
+        before it grants, so normally nothing is restored here; a restore command it gave up
+        on may have finished since. False when the lease had lapsed before this process saw
+        its grant (issue 22, case 4: the orchestrator may have moved this job out and granted
+        another since): nothing is restored. True at once for other groups (their state is
+        moved by the node agent, which freezes a process whose lease lapsed). Raises
+        CheckpointLost, and the keep-alive's errors (OrchestratorUnavailable, AcquireTimeout)."""
+        loops = [loop for loop in self._memory_loops if loop.group == grant.group_id]
+        if not loops:
+            return True
+        request = _rpc.keep_alive_request(self._s, grant)
+        checked: list[bool] = []
+
+        def lease_live() -> bool:  # one keep-alive per grant, whichever loop asks first
+            if not checked:
+                try:
+                    self._retrying(f"keep-alive {grant.group_id}", deadline,
+                                   lambda remaining: self._stub.KeepAlive(request, timeout=remaining or 30.0,
+                                                                          metadata=_rpc.call_metadata()))
+                    checked.append(True)
+                except LeaseLost:
+                    checked.append(False)
+            return checked[0]
+
+        for loop in loops:
+            restored = loop.restore_for_grant(lease_live)
+            if restored is None:
+                return False
+            if restored:
+                log.warning("state of group %s restored by the client at its grant (a command had timed out)",
+                            grant.group_id)
+        return True
 
     def _cancel(self, group: str, request_id: str) -> None:
         """Best effort: the server may have granted the request just as this client gave up."""

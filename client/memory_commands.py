@@ -401,12 +401,15 @@ class MemoryCommandLoop:
                 log.warning("pinning the pool ahead stopped group=%s: %s", self.group, err)
                 return
 
-    def ensure_restored(self) -> int:
-        """Bring the state back if it is still out (the client calls this when a grant
-        arrives: the orchestrator restores before it grants, but a command it gave up on
-        may have finished since). Returns bytes restored (0: it was on the GPU). Raises
-        CheckpointLost when its bytes in the pool no longer match their checksum."""
+    def restore_for_grant(self, lease_live: Callable[[], bool]) -> int | None:
+        """At a grant: with no command running (none starts meanwhile), confirm the grant's
+        lease (`lease_live()`: the client's keep-alive) and bring the state back if it is
+        still out. Returns bytes restored (0: it was on the GPU), or None when the lease had
+        lapsed (nothing restored: another job may hold the GPU now). Raises CheckpointLost
+        when its bytes in the pool no longer match their checksum."""
         with self._busy:
+            if not lease_live():
+                return None
             return self._restore([], verify=True)
 
     def close(self) -> None:

@@ -51,15 +51,15 @@ DEADLINE = 60.0  # seconds any one step may take on a loaded machine
 # A job: CPU tensors registered with a store that checkpoints them into the pool ranges it
 # is offered (and "frees" them: zeroed, as the GPU copy would be), driven by lines on stdin.
 JOB = r'''
-import hashlib, sys, threading
+import hashlib, queue, sys, threading
 import torch
 from timeslice import TimeSliceOrchestratorClient
 from timeslice.memory_commands import pieces
 
 job, target = sys.argv[1], sys.argv[2]
 # options: "hold-checkpoint": a checkpoint waits for the line "go" before it starts; "hold-restore": a
-# restore, once done, waits for "go" before it returns (and is acknowledged); "no-resend": an acquire cut
-# off by an orchestrator outage fails at once (it is not resent to the next orchestrator)
+# restore, once done, waits for "go" before it returns (and is acknowledged); "hold-grant": below; "no-resend":
+# an acquire cut off by an orchestrator outage fails at once (it is not resent to the next orchestrator)
 options = set(sys.argv[3:])
 go = threading.Event()
 torch.manual_seed(sum(map(ord, job)))
@@ -115,7 +115,23 @@ client = TimeSliceOrchestratorClient(target, job, "g", **({"unavailable_timeout"
 loop = client.serve_memory_commands(CpuStore())
 loop.connected.wait(60)
 say("ready", digest())
-for line in sys.stdin:
+if "hold-grant" in options:  # the first acquire's reply, once received, waits for "go" (a process paused there)
+    acquire, held = client._stub.Acquire, []
+    def held_reply(*args, **kw):
+        reply = acquire(*args, **kw)
+        if not held:
+            held.append(reply)
+            say("grant-received")
+            go.wait()
+        return reply
+    client._stub.Acquire = held_reply
+lines = queue.Queue()
+def read():  # "go" is seen even while the main thread waits for it
+    for line in sys.stdin:
+        (go.set if line.strip() == "go" else lambda: lines.put(line))()
+    lines.put(None)
+threading.Thread(target=read, daemon=True).start()
+for line in iter(lines.get, None):
     try:
         if line.strip() == "acquire":
             client.acquire(timeout=60)
@@ -123,8 +139,6 @@ for line in sys.stdin:
         elif line.strip() == "release":
             client.release()
             say("released")
-        elif line.strip() == "go":
-            go.set()
     except Exception as err:
         say("error", type(err).__name__, str(err).replace("\n", " "))
 '''
@@ -449,6 +463,38 @@ async def test_without_a_state_file_a_restart_learns_each_checkpoint_from_its_pr
         await server.stop(0)
         await orch.close()
         await agent_server.stop(0)
+
+
+async def test_a_grant_whose_lease_lapsed_before_its_process_saw_it_is_never_used(box) -> None:
+    """Issue 22, case 4. a's grant reached its process, which stalled before acquire() returned
+    (no keep-alive yet); the orchestrator was killed and started again; a's command stream
+    came back, the adopted hold's lease lapsed, and b was granted with a checkpointed for it.
+    When a's process goes on, it must not restore its own state and compute beside b: it
+    confirms the grant's lease before it uses it, finds it lapsed, asks again, and is granted
+    with its state restored by the orchestrator once b releases. Before: the client restored
+    at any grant it received, and the restarted orchestrator queued a again on that
+    keep-alive (an unknown lease of a checkpointed job), as for a process stopped by a node
+    agent, though a cooperative process is never stopped."""
+    await _serving(box.orchestrator())
+    a, b = box.job("a", "hold-grant"), box.job("b")
+    _, before = await a.expect("ready")
+    await b.expect("ready")
+    a.send("acquire")
+    await a.expect("grant-received")
+    _kill(box.children[0], signal.SIGKILL)
+    await _serving(box.orchestrator())
+    b.send("acquire")
+    await a.expect("checkpointed")  # over a's stream, reconnected: a's lease lapsed, a is moved out for b
+    await b.expect("granted")
+    a.send("go")
+    await eventually(lambda: any("lapsed before this process saw it" in line for line in a.err), timeout=DEADLINE,
+                     what="a finding its grant lapsed")
+    assert list(a.lines.queue) == []  # neither restored nor granted while b holds
+    b.send("release")
+    await b.expect("released")
+    await a.expect("restored")  # by the orchestrator, for a's new grant, after b released
+    assert (await a.expect("granted"))[1] == before
+    assert not any("restored by the client" in line for line in a.err)
 
 
 def test_the_pool_is_created_private_and_reopened_only_as_it_was(short_tmp: Path) -> None:

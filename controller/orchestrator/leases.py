@@ -128,7 +128,7 @@ class Leases:
         g.end_hold(h, "lease expired")
         if g.moves.lapsed(h.job_id, h, f"no keep-alive within {g.spec.lease_seconds:g} s"):
             g.drop_job(h.job_id, "a process of it left while it held and its lease lapsed since")
-        if g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP):
+        if g.spec.backend in names.STOPPING_BACKENDS:
             self._lapsed[h.lease_id] = h  # its late keep-alive queues it again
             while len(self._lapsed) > KNOWN_LEASES:
                 self._lapsed.popitem(last=False)
