@@ -1053,7 +1053,8 @@ class WatchedGpu(FakeGpu):
         self.on[job] = nbytes
         self.changed.set()
 
-    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0, *,
+                     for_plan: bool = True) -> MemorySnapshot:
         if watch:
             self.watches += 1
             self.lows.append(low_free)
@@ -1176,7 +1177,8 @@ class SampledGpu(FakeGpu):
     def restart(self) -> None:
         self.up, self.run, self.sampled = True, self.run + 1, {}
 
-    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0) -> MemorySnapshot:
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0, *,
+                     for_plan: bool = True) -> MemorySnapshot:
         if not self.up:
             return MemorySnapshot(unanswered={"agent-0"})
         if watch:

@@ -64,7 +64,11 @@ class ModelGpu:
         """What the node agents' records say: the job is not checkpointed."""
         return job not in self.off
 
-    async def memory(self, spec, jobs) -> MemorySnapshot:
+    async def memory(self, spec, jobs, watch: float = 0.0, low_free: int = 0, *,
+                     for_plan: bool = True) -> MemorySnapshot:
+        """`SwitchCoordinator.memory`'s signature: a holder's watch sees nothing change."""
+        if watch:
+            await asyncio.sleep(watch)
         return MemorySnapshot(devices={DEV: DeviceMemory(100 * GB, 100 * GB - sum(self.on.values()))},
                               device_bytes={j: {DEV: b} for j, b in self.on.items()},
                               checkpointed_bytes={j: {DEV: b} for j, b in self.off.items()},
