@@ -114,13 +114,7 @@ class TimeSliceOrchestratorClient:
         while True:
             request_id = _rpc.new_request_id()
             try:
-                resp = self._retrying(
-                    f"acquire {group}", deadline,
-                    lambda remaining, request_id=request_id: self._stub.Acquire(
-                        _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
-                        timeout=remaining, metadata=_rpc.call_metadata()),
-                    retry_switches=self._s.retry_failed_switches)
-                grant = _rpc.grant_of(group, self._s.job_id, resp, request_id)
+                grant = self._grant(group, request_id, priority, memory, deadline)
                 if self._state_back(grant, deadline):
                     break
             except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
@@ -137,6 +131,15 @@ class TimeSliceOrchestratorClient:
         threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
                          name=f"timeslice-keepalive-{group}").start()
         return grant
+
+    def _grant(self, group: str, request_id: str, priority: int | None, memory: str | int | None,
+               deadline: float | None) -> _rpc.Grant:
+        resp = self._retrying(
+            f"acquire {group}", deadline,
+            lambda remaining: self._stub.Acquire(
+                _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
+                metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
+        return _rpc.grant_of(group, self._s.job_id, resp, request_id)
 
     def _state_back(self, grant: _rpc.Grant, deadline: float | None) -> bool:
         """For a group whose state this process serves (`serve_memory_commands`): confirm the

@@ -285,3 +285,17 @@ async def test_a_restore_that_hangs_while_its_agent_answers_counts_toward_failin
         assert failed <= 4, "a hung restore was not counted"
         hang.set()  # the hung restore ends, then the undo queued behind it
         await eventually(lambda: not c.agents["node-0"].busy)
+
+
+def test_a_rollback_that_waits_for_room_says_so_and_only_a_failed_step_is_incomplete() -> None:
+    """A rollback that found no room leaves the evicted jobs intact in their checkpoints (restored
+    when they next ask): "rolled back", naming them, never "ROLLBACK INCOMPLETE" (which it said
+    before, though nothing was lost); a restore or undo that failed is incomplete."""
+    from timeslice.controller.orchestrator.switch import Rollback
+
+    assert Rollback().outcome(True) == "rolled back"
+    waiting = Rollback(waiting=("a", "b")).outcome(True)
+    assert waiting.startswith("rolled back; a, b left checkpointed until there is room")
+    assert Rollback(failed=("a",)).outcome(True) == "ROLLBACK INCOMPLETE"
+    assert Rollback(waiting=("a",)).outcome(False) == "ROLLBACK INCOMPLETE"
+    assert Rollback(failed=("a",), waiting=("b",)).off_gpu == ["a", "b"]

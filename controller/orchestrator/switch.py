@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from timeslice.controller.orchestrator.agents import AgentClient, AgentPool, StepResult, new_operation_id
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
@@ -56,6 +56,28 @@ FREED_TIMEOUT_SECONDS = 10.0
 # own: the driver's checkpoint on the H200 moves 1.5 GB/s out and 4 GB/s in
 # (reference/checkpoint-h200.md). Other backends: no estimate until measured.
 PRIOR_BYTES_PER_SECOND = {names.BACKEND_CUDA: 2.2e9, names.BACKEND_CUDA_CHECKPOINT: 2.2e9}
+
+
+class Rollback(NamedTuple):
+    """The evicted jobs a rollback left off the GPUs: `failed`, their restore did not succeed
+    (where they are may be unknown); `waiting`, no room for them yet: intact in their
+    checkpoints, each restored, planned, when it next asks."""
+
+    failed: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+    @property
+    def off_gpu(self) -> list[str]:
+        return [*self.failed, *self.waiting]
+
+    def outcome(self, undone: bool) -> str:
+        """How a switch error ends (`undone`: the failed step's own compensation succeeded)."""
+        if not undone or self.failed:
+            return "ROLLBACK INCOMPLETE"
+        if self.waiting:
+            return (f"rolled back; {', '.join(self.waiting)} left checkpointed until there is room (restored when "
+                    "next asked for)")
+        return "rolled back"
 
 
 class SwitchCoordinator:
@@ -104,10 +126,10 @@ class SwitchCoordinator:
             if failures:
                 rec.checkpoint_seconds = time.monotonic() - t0
                 back = await self._undo(self._current([*done, *_unknown(failures)]), "restore", spec, job)
-                stuck = await self._restore_all(spec, out)
+                rollback = await self._restore_all(spec, out)
                 undone = await self._unrestore(spec, incoming, first)
-                raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures,
-                                   back and undone and not stuck, stuck + ([] if back else [job]))
+                raise self._failed(rec, "checkpoint", f"checkpoint of {job} failed", failures, back and undone,
+                                   rollback, [] if back else [job])
             out.append(job)
             if any(r.departed for r in done.values()):
                 left[job] = sum(r.bytes for r in done.values())
@@ -135,13 +157,13 @@ class SwitchCoordinator:
             unfreed = await self._freed(spec, [], now, 0, sum(now.checkpointed_bytes.get(incoming, {}).values()))
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
-            stuck = await self._restore_all(spec, out)
+            rollback = await self._restore_all(spec, out)
             back = await self._unrestore(spec, incoming, first)
             rec.ok, rec.failed_step = False, "checkpoint"
             rec.error = (f"checkpoint of {', '.join(out or gone)} acknowledged ({rec.bytes_checkpointed} bytes"
                          + (f"; {', '.join(gone)} had no process to command, holding {held} bytes" if gone else "")
-                         + f") but {unfreed}; " + ("rolled back" if back and not stuck else "ROLLBACK INCOMPLETE"))
-            raise SwitchError(rec.error, rec, stuck)
+                         + f") but {unfreed}; " + rollback.outcome(back))
+            raise SwitchError(rec.error, rec, rollback.off_gpu)
         rec.checkpoint_seconds = time.monotonic() - t0
         rec.gone = tuple(gone)
         if restore and not first:
@@ -157,8 +179,8 @@ class SwitchCoordinator:
         rec.bytes_restored = sum(r.bytes for r in done.values())
         if failures:
             await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
-            stuck = await self._restore_all(spec, out)
-            err = self._failed(rec, "restore", f"restore of {incoming} failed", failures, not stuck, stuck)
+            err = self._failed(rec, "restore", f"restore of {incoming} failed", failures, True,
+                               await self._restore_all(spec, out))
             if rec.unreachable and spec.backend != names.BACKEND_COOPERATIVE and \
                     not (await self.memory(spec, [], for_plan=False)).unanswered:
                 rec.unreachable = False  # its agents answer, the step did not: it hangs, and counts (issue 22)
@@ -329,28 +351,25 @@ class SwitchCoordinator:
         holder whose keep-alives are late it is still computing (`Leases`)."""
         return spec.backend == names.BACKEND_COOPERATIVE and self.cooperative.connected(spec.id, job)
 
-    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> list[str]:
+    async def _restore_all(self, spec: GroupSpec, jobs: Sequence[str]) -> Rollback:
         """Roll back evictions: restore each of `jobs` once each device has room for their
-        checkpoints there (`_room_for`); returns those that stay off the GPUs (all of them when the
-        room does not come: each is restored later, planned, when it asks). What failed may hold
+        checkpoints there (`_room_for`); returns those that stay off the GPUs (all of them, waiting,
+        when the room does not come: each is restored later, planned, when it asks). What failed may hold
         memory a while: the incoming job's process killed mid-restore keeps what it restored until it
         has exited (schedules seed 30053: the evicted job's rollback restore ran out of memory beside
         its 76 MB); a checkpoint acknowledged whose memory was not seen freed may have moved nothing
         that was on the GPU (cooperative seed 70281: after an orchestrator restart, jobs adopted as
         resident whose states were in the pool; their rollback restored them beside a 68 MB holder)."""
         if not jobs:
-            return []
+            return Rollback()
         if spec.backend in MEMORY_BACKENDS:
             short = await self._room_for(spec, jobs)
             if short:
-                log.error("rollback left group=%s jobs=%s checkpointed: no room to restore them within %.0f s: %s",
-                          spec.id, list(jobs), FREED_TIMEOUT_SECONDS, short)
-                return list(jobs)
-        stuck = []
-        for job in jobs:
-            if not await self._undo(self._targets(spec, job), "restore", spec, job):
-                stuck.append(job)
-        return stuck
+                log.warning("rollback left group=%s jobs=%s checkpointed: no room to restore them within %.0f s: "
+                            "%s", spec.id, list(jobs), FREED_TIMEOUT_SECONDS, short)
+                return Rollback(waiting=tuple(jobs))
+        return Rollback(failed=tuple([job for job in jobs
+                                      if not await self._undo(self._targets(spec, job), "restore", spec, job)]))
 
     async def _room_for(self, spec: GroupSpec, jobs: Sequence[str]) -> dict[str, int]:
         """{} once every device where `jobs` have checkpoints has that many bytes free (polled every
@@ -450,14 +469,16 @@ class SwitchCoordinator:
         return not failures
 
     @staticmethod
-    def _failed(rec: SwitchRecord, step: str, what: str, failures: dict[Any, BaseException], rolled_back: bool,
-                off_gpu: Sequence[str]) -> SwitchError:
+    def _failed(rec: SwitchRecord, step: str, what: str, failures: dict[Any, BaseException], undone: bool,
+                rollback: Rollback, off_gpu: Sequence[str] = ()) -> SwitchError:
+        """The SwitchError of a failed `step` (`undone`: its own compensating steps succeeded;
+        `rollback`: the evicted jobs' restores; `off_gpu`: other jobs left off the GPUs)."""
         causes = "; ".join(f"{a.target}: {err}" for a, err in failures.items())
         rec.ok, rec.failed_step = False, step
         rec.unreachable = all(isinstance(err, Unavailable) or (isinstance(err, OutcomeUnknown) and err.no_reply)
                               for err in failures.values())
-        rec.error = f"{what} ({causes}); " + ("rolled back" if rolled_back else "ROLLBACK INCOMPLETE")
-        return SwitchError(rec.error, rec, off_gpu)
+        rec.error = f"{what} ({causes}); " + rollback.outcome(undone)
+        return SwitchError(rec.error, rec, [*rollback.off_gpu, *off_gpu])
 
 
 def records_of(spec: GroupSpec) -> str | None:
