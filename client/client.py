@@ -113,24 +113,21 @@ class TimeSliceOrchestratorClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             request_id = _rpc.new_request_id()
+            pending: _Hold | None = None
             try:
-                grant = self._grant(group, request_id, priority, memory, deadline)
-                if self._state_back(grant, deadline):
-                    break
+                pending = _Hold(self._grant(group, request_id, priority, memory, deadline))
+                if self._state_back(pending):
+                    return pending.grant
             except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
+                if pending is not None:
+                    self._unhold(pending)
                 if _rpc.may_be_granted(err):
                     self._cancel(group, request_id)
                 raise
+            self._unhold(pending)
             log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved "
                         "for over its %g s lease): its state stays where the orchestrator put it; asking again",
-                        group, grant.epoch, grant.lease_seconds)
-        hold = _Hold(grant)
-        with self._lock:
-            self._holds[group] = hold
-            self._held.add(group)
-        threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
-                         name=f"timeslice-keepalive-{group}").start()
-        return grant
+                        group, pending.grant.epoch, pending.grant.lease_seconds)
 
     def _grant(self, group: str, request_id: str, priority: int | None, memory: str | int | None,
                deadline: float | None) -> _rpc.Grant:
@@ -141,18 +138,42 @@ class TimeSliceOrchestratorClient:
                 metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
         return _rpc.grant_of(group, self._s.job_id, resp, request_id)
 
-    def _state_back(self, grant: _rpc.Grant, deadline: float | None) -> bool:
-        """For a group whose state this process serves (`serve_memory_commands`): confirm the
-        grant's lease with a keep-alive and bring the state back if it is still out, under
-        each command loop's lock (no checkpoint starts in between). The orchestrator restores
-        before it grants, so normally nothing is restored here; a restore command it gave up
-        on may have finished since. False when the lease had lapsed before this process saw
-        its grant (issue 22, case 4: the orchestrator may have moved this job out and granted
-        another since): nothing is restored. True at once for other groups (their state is
-        moved by the node agent, which freezes a process whose lease lapsed). Raises
-        CheckpointLost, and the keep-alive's errors (OrchestratorUnavailable, AcquireTimeout)."""
+    def _hold(self, hold: _Hold) -> None:
+        """Record `hold` (from now on the group's memory commands find this job inside its
+        phase) and start its keep-alives; once per hold."""
+        group = hold.grant.group_id
+        with self._lock:
+            if self._holds.get(group) is hold:
+                return
+            self._holds[group] = hold
+            self._held.add(group)
+        threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
+                         name=f"timeslice-keepalive-{group}").start()
+
+    def _unhold(self, hold: _Hold) -> None:
+        """Forget `hold` (a grant not used) and stop its keep-alives."""
+        hold.stop.set()
+        with self._lock:
+            if self._holds.get(hold.grant.group_id) is hold:
+                del self._holds[hold.grant.group_id]
+
+    def _state_back(self, hold: _Hold) -> bool:
+        """Record `hold` once its grant may be used. For a group whose state this process
+        serves (`serve_memory_commands`), that is once a keep-alive confirmed the grant's
+        lease, under the command loops' lock (no checkpoint runs in between, and none after:
+        the hold is recorded before the lock is let go); then the state is brought back if
+        it is still out (the orchestrator restores before it grants, so normally nothing is
+        restored here; a restore command it gave up on may have finished since). False when
+        the lease had lapsed before this process saw its grant (issue 22, case 4: the
+        orchestrator may have moved this job out and granted another since): nothing is
+        restored. Other groups' grants are used at once (their state is moved by the node
+        agent, which stops a process whose lease lapsed). The keep-alive has its own window
+        (`unavailable_timeout`), not the acquire's: the grant exists already. Raises
+        CheckpointLost, OrchestratorUnavailable."""
+        grant = hold.grant
         loops = [loop for loop in self._memory_loops if loop.group == grant.group_id]
         if not loops:
+            self._hold(hold)
             return True
         request = _rpc.keep_alive_request(self._s, grant)
         checked: list[bool] = []
@@ -160,12 +181,14 @@ class TimeSliceOrchestratorClient:
         def lease_live() -> bool:  # one keep-alive per grant, whichever loop asks first
             if not checked:
                 try:
-                    self._retrying(f"keep-alive {grant.group_id}", deadline,
-                                   lambda remaining: self._stub.KeepAlive(request, timeout=remaining or 30.0,
-                                                                          metadata=_rpc.call_metadata()))
+                    self._retrying(f"keep-alive {grant.group_id}", None,
+                                   lambda _: self._stub.KeepAlive(request, timeout=10.0,
+                                                                  metadata=_rpc.call_metadata()))
                     checked.append(True)
                 except LeaseLost:
                     checked.append(False)
+            if checked[0]:
+                self._hold(hold)
             return checked[0]
 
         for loop in loops:

@@ -403,10 +403,11 @@ class MemoryCommandLoop:
 
     def restore_for_grant(self, lease_live: Callable[[], bool]) -> int | None:
         """At a grant: with no command running (none starts meanwhile), confirm the grant's
-        lease (`lease_live()`: the client's keep-alive) and bring the state back if it is
-        still out. Returns bytes restored (0: it was on the GPU), or None when the lease had
-        lapsed (nothing restored: another job may hold the GPU now). Raises CheckpointLost
-        when its bytes in the pool no longer match their checksum."""
+        lease (`lease_live()`: the client's keep-alive, which records the hold when it is
+        live, so no checkpoint runs after either) and bring the state back if it is still out.
+        Returns bytes restored (0: it was on the GPU), or None when the lease had lapsed
+        (nothing restored: another job may hold the GPU now). Raises CheckpointLost when its
+        bytes in the pool no longer match their checksum."""
         with self._busy:
             if not lease_live():
                 return None

@@ -406,6 +406,31 @@ async def test_state_never_leaves_a_job_inside_its_hold_even_when_its_lease_is_r
         await asyncio.to_thread(b.close)
 
 
+async def test_a_grant_received_after_the_acquires_timeout_is_used_not_thrown_away(coop) -> None:
+    """The grant's lease is confirmed before it is used (issue 22, case 4), in a window of its
+    own: a grant that arrives as the acquire's timeout ends is kept (the review of that fix
+    found it cancelled, its restore wasted, and the caller told "no grant before the timeout")."""
+    _, target = await coop()
+    a = job(target, "a", FakeStore("a"))
+    await connected(a)
+    acquire = a._stub.Acquire
+
+    def reply_past_the_timeout(*args: object, **kw: object) -> object:
+        reply = acquire(*args, **kw)
+        end = time.monotonic() + float(kw["timeout"])  # type: ignore[arg-type]
+        while time.monotonic() <= end:  # the caller's whole timeout passes before it sees the reply
+            time.sleep(0.01)
+        return reply
+
+    a._stub.Acquire = reply_past_the_timeout  # type: ignore[method-assign]
+    try:
+        grant = await asyncio.to_thread(a.acquire, timeout=0.3)
+        assert a.holding() == grant
+        await asyncio.to_thread(a.release)
+    finally:
+        await asyncio.to_thread(a.close)
+
+
 async def test_a_command_answered_late_settles_the_state_and_leaks_no_pool(coop, monkeypatch) -> None:
     """A store slower than the step timeout: the switch fails, the process is not moved
     again until it answers, its late answers are recorded, nothing leaks, and a later

@@ -178,8 +178,8 @@ class SwitchCoordinator:
         rec.restore_seconds = time.monotonic() - t0
         rec.bytes_restored = sum(r.bytes for r in done.values())
         if failures:
-            await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
-            err = self._failed(rec, "restore", f"restore of {incoming} failed", failures, True,
+            undone = await self._undo(self._current([*done, *_unknown(failures)]), "checkpoint", spec, incoming)
+            err = self._failed(rec, "restore", f"restore of {incoming} failed", failures, undone,
                                await self._restore_all(spec, out))
             if rec.unreachable and spec.backend != names.BACKEND_COOPERATIVE and \
                     not (await self.memory(spec, [], for_plan=False)).unanswered:
