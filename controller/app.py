@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,6 +89,17 @@ class ControllerConfig(BaseModel):
 
 
     @model_validator(mode="after")
+    def _renew_before_the_lease_lapses(self) -> ControllerConfig:
+        # kubernetes.aio.leaderelection's own rules (electionconfig.Config), said at start, not at the election
+        if self.leader_election and not (1 <= self.retry_period and 1.2 * self.retry_period < self.renew_deadline
+                                         < self.lease_duration):
+            raise ValueError(f"leader election needs 1 <= retry_period, 1.2 x retry_period < renew_deadline < "
+                             f"lease_duration (got {self.retry_period:g}, {self.renew_deadline:g}, "
+                             f"{self.lease_duration}): a leader stops serving once it could not renew for "
+                             "renew_deadline seconds, before a standby may take the Lease")
+        return self
+
+    @model_validator(mode="after")
     def _tls_needs_plugin_pods(self) -> ControllerConfig:
         if self.require_agent_tls and self.agent_template is not None:
             raise ValueError("require_agent_tls needs the agents' certificates from their plugin pods: it cannot be "
@@ -96,18 +108,58 @@ class ControllerConfig(BaseModel):
 
 
 class _LeaseLock(LeaseLock):
-    """kubernetes 37.0.2's aio LeaseLock.create passes `pretty=True`, which the client's
-    own argument validation rejects (a str is expected), so no Lease is ever created.
-    Same create, without that argument."""
+    """The library's LeaseLock (kubernetes.aio.leaderelection), with every Lease call bounded
+    by `request_timeout` seconds, and `renewed_at` (monotonic seconds) when this replica last
+    wrote the Lease as its holder. Without a bound a call waits for the client's default of
+    300 s: the library's renew loop checks its renew deadline only between calls, so a leader
+    whose API server connection hung kept serving beside the standby that took the Lease
+    after it lapsed (issue 24: both served for 21.5 of 30 s). `create` also drops the
+    library's `pretty=True` (kubernetes 37.0.2's own argument validation rejects it, so no
+    Lease was ever created)."""
+
+    def __init__(self, name: str, namespace: str, identity: str, api: k8s.ApiClient, request_timeout: float) -> None:
+        super().__init__(name, namespace, identity, api)
+        self.request_timeout = request_timeout
+        self.renewed_at: float | None = None
+
+    async def get(self, name: str, namespace: str) -> Any:
+        try:
+            return await asyncio.wait_for(super().get(name, namespace), self.request_timeout)
+        except TimeoutError:  # the library reads a failed get's `reason`
+            return False, ApiException(status=0, reason=f"no answer within {self.request_timeout:g} s")
 
     async def create(self, name: str, namespace: str, election_record: Any) -> bool:
         body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name=name), spec=self.update_lease(election_record))
         try:
-            await self.api_instance.create_namespaced_lease(namespace, body)
-            return True
-        except ApiException as err:
-            log.warning("lease not created %s/%s: %s", namespace, name, err.reason)
+            await asyncio.wait_for(self.api_instance.create_namespaced_lease(namespace, body), self.request_timeout)
+        except (ApiException, TimeoutError) as err:
+            log.warning("lease not created %s/%s: %s", namespace, name, getattr(err, "reason", None) or "no answer")
             return False
+        self._written(election_record)
+        return True
+
+    async def update(self, name: str, namespace: str, updated_record: Any) -> bool:
+        try:
+            ok = await asyncio.wait_for(super().update(name, namespace, updated_record), self.request_timeout)
+        except TimeoutError:
+            log.warning("lease not renewed %s/%s: no answer within %g s", namespace, name, self.request_timeout)
+            return False
+        if ok:
+            self._written(updated_record)
+        return bool(ok)
+
+    def _written(self, record: Any) -> None:
+        if record.holder_identity == self.identity:
+            self.renewed_at = time.monotonic()
+
+    async def lapses(self, renew_deadline: float, period: float) -> None:
+        """Return once this replica has not renewed the Lease for `renew_deadline` seconds
+        (checked every `period`)."""
+        while True:
+            since = time.monotonic() - (self.renewed_at or time.monotonic())
+            if since >= renew_deadline:
+                return
+            await asyncio.sleep(min(period, renew_deadline - since))
 
 
 class Controller:
@@ -161,6 +213,7 @@ class Controller:
         try:
             await asyncio.Event().wait()
         finally:
+            log.info("controller stops serving identity=%s", self.cfg.identity)
             await server.stop(2)
 
     async def _bind(self, auth: TokenReviewAuthenticator | None) -> tuple[Any, int]:
@@ -196,17 +249,31 @@ class Controller:
             stop.set()
 
         async def lead() -> None:
+            serving = asyncio.create_task(self.lead())
+            unrenewed = asyncio.create_task(lock.lapses(c.renew_deadline, c.retry_period / 2))
             try:
-                await self.lead()
+                await asyncio.wait([serving, unrenewed], return_when=asyncio.FIRST_COMPLETED)
+                if not serving.done():  # stop serving before the Lease can lapse and a standby take it
+                    log.error("Lease not renewed for %g s identity=%s (the API server does not answer): stopping "
+                              "serving and exiting", c.renew_deadline, self.cfg.identity)
+                    serving.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await serving
+                    stop.set()
+                    return
+                await serving
             except Exception as err:
                 log.error("serving failed while leading identity=%s: %s: giving up the Lease and exiting",
                           self.cfg.identity, err)
                 self.failed = err
                 stop.set()
                 raise
+            finally:
+                unrenewed.cancel()
+                serving.cancel()
 
         c = self.cfg
-        lock = _LeaseLock(c.lease_name, c.lease_namespace, c.identity, self.api)
+        lock = _LeaseLock(c.lease_name, c.lease_namespace, c.identity, self.api, request_timeout=c.renew_deadline / 2)
         # the library writes lease_duration as the Lease's integer leaseDurationSeconds
         config = electionconfig.Config(lock, int(c.lease_duration), c.renew_deadline, c.retry_period, lead, lost)
         log.info("waiting for leadership identity=%s lease=%s/%s", c.identity, c.lease_namespace, c.lease_name)

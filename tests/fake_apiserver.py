@@ -26,6 +26,9 @@ event). Fault and request keys are the kind, `ResourceClaim/status` for status p
   a list shows it), as when events were missed;
 - `stop()` / `start()` again on the same port: an API server outage.
 
+Leases (`coordination.k8s.io/v1`, what leader election uses): GET, POST and PUT of one
+Lease, a PUT refused with 409 unless it carries the stored resourceVersion.
+
 It also answers TokenReviews (`authentication.k8s.io/v1`) for the tokens given with
 `add_token()`, audience-aware as the API server is for ServiceAccount tokens: a token
 authenticates only for an audience it was issued for, and `status.audiences` is the
@@ -54,6 +57,7 @@ POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 MERGE_PATCHES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 EVENTS_PATH = "/api/v1/namespaces/{namespace}/events"
 TOKENREVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
 # The audience of a TokenReview without spec.audiences (the API server's own).
 API_AUDIENCE = "https://kubernetes.default.svc"
 
@@ -110,6 +114,7 @@ class FakeApiServer:
         self.events: list[Obj] = []  # created Events
         self.tokens: dict[str, tuple[Obj, list[str]]] = {}  # token -> (status.user, audiences)
         self.reviews: list[Obj] = []  # spec of every TokenReview received
+        self.leases: dict[tuple[str, str], Obj] = {}  # (namespace, name) -> coordination.k8s.io/v1 Lease
         self.port = 0
         self._changed = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -127,6 +132,9 @@ class FakeApiServer:
         app.router.add_patch(POD_PATH, self._patch_pod)
         app.router.add_post(EVENTS_PATH, self._create_event)
         app.router.add_post(TOKENREVIEWS, self._review)
+        app.router.add_get(LEASES_PATH + "/{name}", self._get_lease)
+        app.router.add_post(LEASES_PATH, self._create_lease)
+        app.router.add_put(LEASES_PATH + "/{name}", self._replace_lease)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -297,6 +305,42 @@ class FakeApiServer:
                              "uid": f"uid-event-{self.rv}", "resourceVersion": str(self.rv)}
         self.events.append(event)
         return web.json_response(event, status=201)
+
+    async def _get_lease(self, request: web.Request) -> web.Response:
+        ns, name = request.match_info["namespace"], request.match_info["name"]
+        lease = self.leases.get((ns, name))
+        if lease is None:
+            return web.json_response(status(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found'),
+                                     status=404)
+        return web.json_response(lease)
+
+    async def _create_lease(self, request: web.Request) -> web.Response:
+        ns, body = request.match_info["namespace"], await request.json()
+        name = body["metadata"]["name"]
+        if (ns, name) in self.leases:
+            return web.json_response(status(409, "AlreadyExists", f'leases.coordination.k8s.io "{name}" already '
+                                                                  "exists"), status=409)
+        return web.json_response(self._store_lease(ns, name, body), status=201)
+
+    async def _replace_lease(self, request: web.Request) -> web.Response:
+        """PUT with optimistic concurrency, as the API server does: the body's resourceVersion
+        must be the stored one (409 Conflict otherwise)."""
+        ns, name, body = request.match_info["namespace"], request.match_info["name"], await request.json()
+        lease = self.leases.get((ns, name))
+        if lease is None:
+            return web.json_response(status(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found'),
+                                     status=404)
+        if (body.get("metadata") or {}).get("resourceVersion") != lease["metadata"]["resourceVersion"]:
+            return web.json_response(status(409, "Conflict", "the object has been modified"), status=409)
+        return web.json_response(self._store_lease(ns, name, body))
+
+    def _store_lease(self, ns: str, name: str, body: Obj) -> Obj:
+        self.rv += 1
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "spec": body.get("spec") or {},
+                 "metadata": {**(body.get("metadata") or {}), "name": name, "namespace": ns,
+                              "uid": f"uid-lease-{name}", "resourceVersion": str(self.rv)}}
+        self.leases[(ns, name)] = lease
+        return lease
 
     async def _review(self, request: web.Request) -> web.Response:
         body = await request.json()
