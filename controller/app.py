@@ -110,7 +110,7 @@ class ControllerConfig(BaseModel):
 class _LeaseLock(LeaseLock):
     """The library's LeaseLock (kubernetes.aio.leaderelection), with every Lease call bounded
     by `request_timeout` seconds, and `renewed_at` (monotonic seconds) when this replica last
-    wrote the Lease as its holder. Without a bound a call waits for the client's default of
+    sent a write of the Lease as its holder that succeeded. Without a bound a call waits for the client's default of
     300 s: the library's renew loop checks its renew deadline only between calls, so a leader
     whose API server connection hung kept serving beside the standby that took the Lease
     after it lapsed (issue 24: both served for 21.5 of 30 s). `create` also drops the
@@ -130,27 +130,31 @@ class _LeaseLock(LeaseLock):
 
     async def create(self, name: str, namespace: str, election_record: Any) -> bool:
         body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name=name), spec=self.update_lease(election_record))
+        sent = time.monotonic()
         try:
             await asyncio.wait_for(self.api_instance.create_namespaced_lease(namespace, body), self.request_timeout)
         except (ApiException, TimeoutError) as err:
             log.warning("lease not created %s/%s: %s", namespace, name, getattr(err, "reason", None) or "no answer")
             return False
-        self._written(election_record)
+        self._written(election_record, sent)
         return True
 
     async def update(self, name: str, namespace: str, updated_record: Any) -> bool:
+        sent = time.monotonic()
         try:
             ok = await asyncio.wait_for(super().update(name, namespace, updated_record), self.request_timeout)
         except TimeoutError:
             log.warning("lease not renewed %s/%s: no answer within %g s", namespace, name, self.request_timeout)
             return False
         if ok:
-            self._written(updated_record)
+            self._written(updated_record, sent)
         return bool(ok)
 
-    def _written(self, record: Any) -> None:
+    def _written(self, record: Any, sent: float) -> None:
+        """The Lease was written as `record`, by a request sent at `sent` (monotonic): the API
+        server wrote it after that, so a standby's lease clock starts no earlier."""
         if record.holder_identity == self.identity:
-            self.renewed_at = time.monotonic()
+            self.renewed_at = sent
 
     async def lapses(self, renew_deadline: float, period: float) -> None:
         """Return once this replica has not renewed the Lease for `renew_deadline` seconds
