@@ -68,6 +68,10 @@ def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[st
     holder = placed.holder if placed.holder not in checkpointed | unconfirmed else None
     adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder},
           (set(placed.residents) | unconfirmed) - checkpointed)
+    if state is not None and g.holder is not None and g.holder.epoch == start:
+        # the presumptive hold carries the floor as its epoch, which a caller joining it is granted: a block
+        # past it is reserved first, so the next start's floor is new again (fencing epochs never repeat)
+        state.reserve(g.id, start + 1)
 
 
 def record_placement(g: LockGroup, incoming: str | None = None) -> None:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -82,6 +82,10 @@ OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop
 @settings(max_examples=int(os.environ.get("TIMESLICE_SCHEDULE_EXAMPLES", "1000")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, residency=st.sampled_from(["auto", "exclusive"]), fail_every=st.sampled_from([0, 3, 7]))
+# found in make test: a job adopted as the presumptive holder at a restart, joined by a new acquire, had the
+# epoch of the persisted floor, which no block reserved: the next restart adopted it with the same epoch again
+@example(ops=[("acquire", "a"), ("release", "a"), ("restart", "a"), ("acquire", "a"), ("release", "a"),
+              ("restart", "a"), ("acquire", "a")], residency="auto", fail_every=0)
 @pytest.mark.slow  # > 5 s: left out of `make unit`, run by `make test`
 def test_random_schedules_keep_the_invariants(ops, residency, fail_every) -> None:
     asyncio.run(_run(ops, residency, fail_every))
