@@ -100,6 +100,15 @@ class ControllerConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _token_only_over_pinned_tls(self) -> ControllerConfig:
+        if self.agent_token_file is not None and self.agent_template is not None \
+                and not self.agent_template.startswith("unix:"):
+            raise ValueError(f"agent_token_file with agent_template {self.agent_template!r}: the token would go in "
+                             "clear to a network address (certificates are pinned only from the plugin pods): "
+                             "leave agent_template out, or give the agents unix sockets")
+        return self
+
+    @model_validator(mode="after")
     def _tls_needs_plugin_pods(self) -> ControllerConfig:
         if self.require_agent_tls and self.agent_template is not None:
             raise ValueError("require_agent_tls needs the agents' certificates from their plugin pods: it cannot be "

@@ -1,12 +1,14 @@
-"""The node agent API with `--agent-auth tokenreview`: a real agent gRPC server on
-loopback TCP, called by the controller's real `AgentClient` (and orchestrator) with a
-token file; TokenReviews by the real kubernetes.aio client against the fake API server
+"""The node agent API with `--agent-auth tokenreview`: a real agent gRPC server on a unix
+socket (over TCP the orchestrator sends its token only with TLS: tests/test_agent_tls.py),
+called by the controller's real `AgentClient` (and orchestrator) with a token file;
+TokenReviews by the real kubernetes.aio client against the fake API server
 (tests/fake_apiserver.py) over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,8 +47,8 @@ class Agent:
 
 
 @pytest.fixture
-async def agent(token_api, tmp_path) -> AsyncIterator[Agent]:
-    """A node agent on 127.0.0.1 that only the controller's ServiceAccount may call. Tokens:
+async def agent(token_api, tmp_path, short_tmp) -> AsyncIterator[Agent]:
+    """A node agent on a unix socket that only the controller's ServiceAccount may call. Tokens:
     `controller` (the controller, audience timeslice.dev/node-agent), `other-sa` (another
     ServiceAccount, same audience), `client-pod` (the controller's, but for audience
     timeslice.dev, as client pods mount)."""
@@ -59,8 +61,9 @@ async def agent(token_api, tmp_path) -> AsyncIterator[Agent]:
     node_agent = NodeAgent(resolver, backends=[FakeBackend("n", calls, "freeze")],
                            records_path=tmp_path / "records.json")
     callers = AllowedCallers(TokenReviewer(auth_api, AGENT_AUDIENCE), DEFAULT_AGENT_CALLERS)
-    server, port = await create_server(node_agent, "127.0.0.1:0", callers)
-    yield Agent(f"127.0.0.1:{port}", apiserver, calls)
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    server, _ = await create_server(node_agent, target, callers)
+    yield Agent(target, apiserver, calls)
     await server.stop(0)
 
 
@@ -124,7 +127,7 @@ def write_token(path: Path, token: str) -> None:
 
 async def test_agent_client_without_a_token_is_unauthenticated(agent) -> None:
     client = AgentClient(agent.target)
-    with pytest.raises(Unauthenticated, match=r"checkpoint of job a on agent 127\.0\.0\.1:[0-9]+: "
+    with pytest.raises(Unauthenticated, match=rf"checkpoint of job a on agent {re.escape(agent.target)}: "
                                               r"UNAUTHENTICATED: no bearer token"):
         await client.checkpoint("a", "freeze", "g", 5)
     with pytest.raises(Unauthenticated, match="no bearer token"):

@@ -242,8 +242,16 @@ async def test_required_tls_refuses_an_agent_that_publishes_no_certificate(agent
     await pool.close()
 
 
-async def test_without_required_tls_an_agent_without_certificate_gets_plaintext(agent, token) -> None:
+async def test_the_token_never_goes_in_clear_to_an_agent_without_a_certificate(agent, token) -> None:
+    """Issue 24, item 6: without a certificate to pin, whoever listens on the agent's port first
+    would receive the controller's token; a pool without a token calls in plaintext."""
     pool = AgentPool(token)
+    with pytest.raises(Unavailable, match="the agent token is sent to a network address only over TLS pinning the "
+                                          "agent's certificate"):
+        await pool.get(agent.target).checkpointed_jobs()
+    assert agent.calls == []
+    await pool.close()
+    pool = AgentPool()
     client = pool.get(agent.target)
     assert not client.tls
     with pytest.raises(TimeSliceServerError, match="UNAVAILABLE"):  # this agent speaks only TLS
@@ -556,3 +564,21 @@ async def test_a_rollback_goes_through_the_agents_current_channel() -> None:
     with pytest.raises(SwitchError, match="rolled back"):
         await SwitchCoordinator(pool)(GroupSpec(id="g", backend="freeze", agents=("x", "y")), "a", "b", True)
     assert sorted(calls) == [("x-new", "restore", "a"), ("x-old", "checkpoint", "a"), ("y", "checkpoint", "a")]
+
+
+def test_a_token_for_network_agents_without_pinned_certificates_is_refused_at_start(tmp_path: Path) -> None:
+    """Issue 24, item 6, at configuration time: the standalone orchestrator and the controller
+    refuse to start where their agent token would go in clear; unix sockets are fine."""
+    from timeslice.controller.app import ControllerConfig
+    from timeslice.controller.orchestrator.config import OrchestratorConfig
+
+    token, cert = tmp_path / "token", tmp_path / "agent.pem"
+    group = {"id": "g", "backend": "freeze", "agents": ["10.0.0.7:50052", "unix:///run/agent.sock"]}
+    with pytest.raises(ValueError, match=r"agent_token_file: the token would go in clear to 10\.0\.0\.7:50052"):
+        OrchestratorConfig.model_validate({"agent_token_file": token, "groups": [group]})
+    OrchestratorConfig.model_validate({"agent_token_file": token, "groups": [group],
+                                       "agent_certificates": {"10.0.0.7:50052": cert}})
+    OrchestratorConfig.model_validate({"groups": [group]})  # no token: nothing to leak
+    with pytest.raises(ValueError, match="the token would go in clear to a network address"):
+        ControllerConfig(agent_token_file=token, agent_template="{node}:50052")
+    ControllerConfig(agent_token_file=token, agent_template="unix:///run/{node}.sock")

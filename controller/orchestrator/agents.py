@@ -7,6 +7,9 @@ Bearer <token>` for agents that run with `--agent-auth tokenreview`. Every step 
 operation id (`new_operation_id`, or the caller's: the same id on a resend of a step whose
 reply was lost, so that the agent runs it once and answers with its outcome).
 
+The token is never sent in clear to a network address: a TCP target without a certificate is
+refused while the pool has a token (a unix socket is fine: its file mode guards it).
+
 TLS: the controller's reconciler hands the pool each agent's certificate as its plugin
 pod publishes it (`set_certificates`, target -> PEM; kubelet plugin `--agent-tls`). For a
 target with a certificate the channel is TLS with that certificate as the only trusted
@@ -274,7 +277,7 @@ class AgentPool:
     """Agent clients by target, created on first use, all sending `token` (None: no
     token); `MISSING_PREFIX` targets get a `MissingAgent`. Targets with a certificate
     (`set_certificates`) get a TLS client pinning it; the others a plaintext one, or, with
-    `require_tls`, an `UnusableAgent` that says why."""
+    `require_tls` or (network targets) a token, an `UnusableAgent` that says why."""
 
     def __init__(self, token: TokenFile | None = None, require_tls: bool = False) -> None:
         self._token = token
@@ -321,13 +324,17 @@ class AgentPool:
             return MissingAgent(target)
         certificate = self._certificates.get(target)
         if certificate is None:
-            if self.require_tls:
-                log.warning("agent refused target=%s: no TLS certificate published and TLS is required", target)
+            token_in_clear = self._token is not None and not target.startswith("unix:")
+            if self.require_tls or token_in_clear:
+                log.warning("agent refused target=%s: no TLS certificate published and %s", target,
+                            "TLS is required" if self.require_tls else "the agent token goes only over TLS")
                 return UnusableAgent(
                     target, f"agent {target}",
                     f"it publishes no TLS certificate (no annotation {AGENT_CERTIFICATE_ANNOTATION} on its "
-                    "timeslice-kubelet-plugin pod: run the plugin with --agent-tls) and the controller runs with "
-                    "--require-agent-tls")
+                    "timeslice-kubelet-plugin pod: run the plugin with --agent-tls) and " + (
+                        "the controller runs with --require-agent-tls" if self.require_tls else
+                        "the agent token is sent to a network address only over TLS pinning the agent's "
+                        "certificate: in clear, whoever listens there first would receive it"))
             log.info("agent channel target=%s tls=off", target)
             return AgentClient(target, self._token)
         try:

@@ -158,7 +158,8 @@ class OrchestratorConfig(BaseModel):
     `agent_token_file`: a token sent to every node agent (standalone nodes run `timeslice
     node-agent --token-file` with the same token); `agent_certificates`: node-agent target
     -> its certificate (PEM file, written by `timeslice node-agent --tls`), pinned: a target
-    listed here is called over TLS, and only that certificate is accepted."""
+    listed here is called over TLS, and only that certificate is accepted. With a token, every
+    network (non-unix) agent target must be listed: the token never goes in clear."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -170,6 +171,18 @@ class OrchestratorConfig(BaseModel):
     agent_token_file: Path | None = None
     agent_certificates: dict[str, Path] = {}
     groups: list[GroupSpec] = []
+
+    @model_validator(mode="after")
+    def _token_only_over_pinned_tls(self) -> OrchestratorConfig:
+        if self.agent_token_file is None:
+            return self
+        clear = sorted({a for g in self.groups for a in g.agents
+                        if not a.startswith("unix:") and a not in self.agent_certificates})
+        if clear:
+            raise ValueError(f"agent_token_file: the token would go in clear to {', '.join(clear)} (whoever listens "
+                             "there first would receive it): pin each one's certificate under agent_certificates "
+                             "(`timeslice node-agent --tls` writes it), or reach the agent on a unix socket")
+        return self
 
     @model_validator(mode="after")
     def _unique_ids(self) -> OrchestratorConfig:
