@@ -163,11 +163,14 @@ def call_metadata() -> tuple[tuple[str, str], ...] | None:
 
 
 def group_of(s: Settings, group_id: str | None) -> str:
+    """The group a call names: `group_id`, else the client's default; "" in a cluster pod that
+    sends a token (the orchestrator takes the calling pod's only claim of this driver, DESIGN.md
+    "lock group"). Raises ValueError when none is named and no token is sent."""
     group = group_id or s.group_id
-    if not group:
+    if not group and call_metadata() is None:
         raise ValueError(f"no group id: name one (`--group` on the command line, `group_id=` in Python) or "
                          f"set {ENV_GROUP}")
-    return group
+    return group or ""
 
 
 def acquire_request(s: Settings, group: str, priority: int | None, remaining: float | None,

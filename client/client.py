@@ -263,7 +263,8 @@ class TimeSliceOrchestratorClient:
 
         Works on plain and `async def` functions, with `with` and `async with`.
         `group_id` names the claim set (the pod-level claim name); it may be
-        omitted when `$TIMESLICE_GROUP` or the client's default names it.
+        omitted when `$TIMESLICE_GROUP` or the client's default names it, or in a cluster
+        pod with a single claim of this driver (the orchestrator takes it from the pod's token).
         """
         group = _rpc.group_of(self._s, group_id)
         return AcceleratorScope(

@@ -119,3 +119,53 @@ async def test_a_pod_that_names_no_job_locks_as_its_pods_job(server, tmp_path, m
     token.unlink()
     with pytest.raises(ValueError, match="no job id"):
         TimeSliceOrchestratorClient(target, group_id="gpu")
+
+
+async def test_a_pod_with_one_claim_may_name_no_group(server, tmp_path, monkeypatch) -> None:
+    """Issue 24 (peer suite): DESIGN says that with a single claim the name may be omitted, yet
+    acquire() raised "no group id". With a token the orchestrator takes the calling pod's only
+    claim of this driver; a pod with several is told to name one; without a token the client
+    still says what to set."""
+    target, _ = server
+    token = tmp_path / "token"
+    monkeypatch.setenv("TIMESLICE_TOKEN_FILE", str(token))
+    monkeypatch.delenv("TIMESLICE_JOB", raising=False)
+    monkeypatch.delenv("TIMESLICE_GROUP", raising=False)
+    token.write_text("token-a")
+    client = TimeSliceOrchestratorClient(target)
+    grant = await asyncio.to_thread(client.acquire)
+    assert grant.epoch == 1
+    await asyncio.to_thread(client.release)
+    client.close()
+    token.write_text("token-x")  # pod-x: no claim of this driver
+    other = TimeSliceOrchestratorClient(target)
+    with pytest.raises(GroupNotFound, match=r"no group named, and the calling pod \(pod-x\) holds no claim"):
+        await asyncio.to_thread(other.acquire)
+    other.close()
+    token.unlink()
+    with pytest.raises(ValueError, match="no group id"):
+        TimeSliceOrchestratorClient(target, "ns/a").acquire()
+
+
+async def test_a_pod_with_several_claims_is_told_to_name_one(tmp_path, monkeypatch) -> None:
+    from timeslice import InvalidRequest
+
+    orch = Orchestrator([GroupSpec(id="g1", members=(MemberSpec(claim_set="ns/a:gpu", claims_by_agent={},
+                                                                 pod_uids=("pod-a",)),)),
+                         GroupSpec(id="g2", members=(MemberSpec(claim_set="ns/a:rollout", claims_by_agent={},
+                                                                 pod_uids=("pod-a",)),))])
+    orch.set_aliases({(pod_key("pod-a"), "gpu"): (("g1", "ns/a:gpu"),),
+                      (pod_key("pod-a"), "rollout"): (("g2", "ns/a:rollout"),)})
+    srv, port = await create_server(orch, "127.0.0.1:0", TokenReviewAuthenticator(FakeReviews({"token-a": "pod-a"})))
+    token = tmp_path / "token"
+    token.write_text("token-a")
+    monkeypatch.setenv("TIMESLICE_TOKEN_FILE", str(token))
+    monkeypatch.delenv("TIMESLICE_GROUP", raising=False)
+    client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(InvalidRequest, match=r"holds 2 claims of this driver \(gpu, rollout\): name one"):
+            await asyncio.to_thread(client.acquire)
+    finally:
+        client.close()
+        await srv.stop(0)
+        await orch.close()

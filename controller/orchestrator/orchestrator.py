@@ -21,7 +21,7 @@ from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.controller.orchestrator.switch import SwitchCoordinator, own_records, records_of
-from timeslice.driver.errors import FailedPrecondition, NotFound, SwitchFailed, TimeSliceServerError
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, NotFound, SwitchFailed, TimeSliceServerError
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -123,7 +123,18 @@ class Orchestrator:
         trainer and sampler pods both call their claim "gpu"), the one whose pods include
         `pod_uid` (the caller's, from its token) is meant. In a group with members, only
         members may act. `job` "": the job of the pod `pod_uid` (the caller named none).
-        Raises NotFound, FailedPrecondition (a shared name and no pod that decides)."""
+        `name` "": the pod's only claim of this driver (DESIGN.md: with a single claim the
+        name may be omitted). Raises NotFound, FailedPrecondition (a shared name and no pod
+        that decides), InvalidArgument (no name, and the pod has several claims)."""
+        if not name:
+            key = pod_key(pod_uid)
+            names = sorted({n for k, n in self._aliases if k == key})
+            if len(names) != 1:
+                raise (NotFound if not names else InvalidArgument)(
+                    f"no group named, and the calling pod ({pod_uid or 'unknown: no token'}) holds "
+                    + (f"{len(names)} claims of this driver ({', '.join(names)}): name one (group_id=, or "
+                       "$TIMESLICE_GROUP)" if names else "no claim of this driver"))
+            name = names[0]
         if not job:
             targets = self._aliases.get((pod_key(pod_uid), name), ())
             if not targets:

@@ -114,9 +114,9 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
 
     async def _resolve(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[LockGroup, str]:
         """(group, member job) the request acts for, admitted for the caller."""
-        group_id = _check_id("group_id", request.group_id)
         if self._auth is None:
-            return self._orch.group_for(_check_id("job_id", request.job_id), group_id)
+            return self._orch.group_for(_check_id("job_id", request.job_id), _check_id("group_id", request.group_id))
+        group_id = _check_id("group_id", request.group_id) if request.group_id else ""  # "": the pod's only claim
         caller = await self._auth.identify(context)
         job = request.job_id or caller.job_id  # "": the job of the caller's pod (token -> pod -> claim sets)
         group, job = self._orch.group_for(_check_id("job_id", job) if job else "", group_id, caller.pod_uid)
