@@ -1138,6 +1138,23 @@ async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_the_last
     await g.close()
 
 
+async def test_a_resident_is_not_granted_at_once_after_a_job_that_declared_nothing_held_since_the_report() -> None:
+    """Cooperative schedules seed 80422: a declared nothing (unsettled); in a hold no report
+    covered, it grew from its 35 GB model to 78 GB (optimizer state). b (resident, 38 GB
+    declared) was granted 5 ms after a's release on the report from before that growth (its
+    room reckoned with a at its peak so far) and ran out of memory. Its grant waits for a fresh
+    report, which moves a out."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await hold(g, "b", memory=38 * GB)  # resident, nothing on the GPU yet
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 35 * GB))  # its model
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 78 * GB))  # its optimizer state, unreported
+    gpu.calls.clear()
+    await hold(g, "b", memory=38 * GB)
+    assert gpu.calls[:1] == [("checkpoint", "a")], gpu.calls
+    await g.close()
+
+
 def test_the_switch_speed_is_the_fastest_each_way_not_an_average_with_a_first_switchs_one_off_costs() -> None:
     """H200, cooperative: each process's first checkpoint also pinned the pool (47 GB in
     8-17 s), then ~1 s; the average kept a waiter deferred 37 s behind 2 s moves."""

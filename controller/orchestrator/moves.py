@@ -801,15 +801,17 @@ def roomy(g: LockGroup, incoming: str) -> bool:
     grown to their need (`Residency.worst_case`: that holder may have built its model or
     optimizer state since): grant at once. Otherwise the grant waits for a fresh report
     and a plan (also for a job whose state may be checkpointed: `MemoryMoves.unconfirmed`,
-    and for one whose processes started after that report: `Residency.started_since_report`; and
-    after a resident job left since that report: `Residency.left_since_report`)."""
+    and for one whose processes started after that report: `Residency.started_since_report`;
+    after a resident job left since that report: `Residency.left_since_report`; and after a job
+    whose need is not known held since that report: `Residency.unsettled_held_since_report`)."""
     r = g.residency
     fraction, fixed = parse_headroom(g.spec.memory_headroom)
     last = r.snapshot
     if not r.known(incoming) and (r.lru(excluding=[incoming]) or (last is not None and crowded(
             last, held_by_others(incoming, last, devices_of(incoming, last, r.peaks)), (fraction, fixed)))):
         return False  # unsettled: granted alone (none of others' memory: schedules seed 30039), after a plan
-    if g.moves.unconfirmed(incoming) or r.started_since_report(incoming) or r.left_since_report():
+    if g.moves.unconfirmed(incoming) or r.started_since_report(incoming) or r.left_since_report() \
+            or r.unsettled_held_since_report(excluding=incoming):
         return False
     snap = r.worst_case(excluding=incoming)
     if snap is None or last is None:
