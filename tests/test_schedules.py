@@ -400,7 +400,7 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
 # stress-test` runs more (hack/stress-test.sh).
 SEEDS = {
     "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370, 30009, 30039, 30053, 30078, 30166, 60299, 60321, 70281,
-                    70367],
+                    70367, 80422],
     "cuda": [*range(1, 9), 29, 252, 259, 289, 957, 990],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7), 896, 937],
