@@ -36,7 +36,7 @@ from typing import Any
 from kubernetes.aio import client as k8s
 from timeslice.controller import grouping, jobs, node_agents
 from timeslice.controller.grouping import Snapshot
-from timeslice.controller.reflector import DEFAULT_BACKOFF, Obj, Reflector
+from timeslice.controller.reflector import DEFAULT_BACKOFF, WATCH_SECONDS, Obj, Reflector
 from timeslice.driver import names
 from timeslice.driver.backoff import Backoff
 
@@ -100,7 +100,7 @@ class ClusterState:
     `agent_namespace`: where the node-plugin pods run (None: node agents are not looked up)."""
 
     def __init__(self, api: k8s.ApiClient, on_change: OnChange, *, agent_namespace: str | None = None,
-                 debounce_seconds: float = 0.1, resync_seconds: float = 300.0, watch_seconds: int = 240,
+                 debounce_seconds: float = 0.1, resync_seconds: float = 300.0, watch_seconds: int = WATCH_SECONDS,
                  backoff: Backoff = DEFAULT_BACKOFF) -> None:
         resource, core = k8s.ResourceV1Api(api), k8s.CoreV1Api(api)
         common: dict[str, Any] = {"on_change": self._changed, "resync_seconds": resync_seconds,

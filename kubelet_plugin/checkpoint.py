@@ -60,11 +60,16 @@ class Checkpoint:
         self.claims[uid] = record
         self._save()
 
-    def pop(self, uid: str) -> dict[str, Any] | None:
+    def pop(self, uid: str, save: bool = True) -> dict[str, Any] | None:
+        """Forget `uid`'s record and persist (`save` False: the caller calls `save()` once for
+        many: each write serializes every claim and fsyncs, on the event loop)."""
         record = self.claims.pop(uid, None)
-        if record is not None:
+        if record is not None and save:
             self._save()
         return record
+
+    def save(self) -> None:
+        self._save()
 
     def _save(self) -> None:
         data = {"apiVersion": API_VERSION, "checksum": _checksum(self.claims), "claims": self.claims}

@@ -162,9 +162,15 @@ class ClaimPreparer:
         """Forget prepared claims that no longer exist (a missed NodeUnprepareResources: the
         plugin was down when the claim was deleted): a claim the API server no longer has,
         or has under another uid, loses its CDI spec and checkpoint entry. A claim whose read
-        fails otherwise is kept (asked again next time). Returns the uids removed."""
+        fails otherwise is kept (asked again next time). The checkpoint is written once for all
+        of them: a write per claim serialized every claim and fsynced on the event loop (500 gone
+        claims blocked it for 4.6 s at start-up, and the kubelet's GetInfo calls missed their 1 s
+        deadline; issue 24). A crash before that write prunes them again at the next start.
+        Returns the uids removed."""
         refs = [ClaimRef(rec["namespace"], uid, rec["name"]) for uid, rec in list(self.checkpoint.claims.items())]
         gone = await asyncio.gather(*(self._prune_one(ref) for ref in refs))
+        if any(gone):
+            self.checkpoint.save()
         return [ref.uid for ref, g in zip(refs, gone) if g]
 
     async def _prune_one(self, ref: ClaimRef) -> bool:
@@ -181,7 +187,7 @@ class ClaimPreparer:
             if claim is not None and (claim.get("metadata") or {}).get("uid") == ref.uid:
                 return False
             cdi.remove(self.cdi_dir, ref.uid)
-            self.checkpoint.pop(ref.uid)
+            self.checkpoint.pop(ref.uid, save=False)  # saved once for all (`prune_gone`)
         log.warning("prepared claim %s/%s uid=%s no longer exists: its CDI spec and checkpoint entry are removed (its "
                     "unprepare was missed)", ref.namespace, ref.name, ref.uid)
         return True
