@@ -291,8 +291,9 @@ def _parse_claim(claim: Mapping[str, Any], warnings: list[GroupingWarning]) -> _
     if any(per_request[r] != cfg for r in requests[1:]):
         warnings.append(GroupingWarning(
             ref, CONFLICTING_JOB_CONFIG,
-            f"requests {', '.join(requests)} carry different TimeSliceConfigs; "
-            f"request {requests[0]!r} decides for the claim: {JobConfig.of(cfg).describe()} job={cfg.job}"))
+            f"requests {', '.join(requests)} carry different TimeSliceConfigs: the node plugin refuses to prepare "
+            "this claim (a claim is locked as one unit), so its pods do not start; give every request the same "
+            "config (an entry without `requests` applies to all) or split the claim"))
     reserved = {c.get("uid") for c in (claim.get("status") or {}).get("reservedFor") or ()
                 if c.get("resource", "pods") == "pods" and c.get("uid")}
     return _Claim(ref, sorted({(r.get("pool", ""), r.get("device", "")) for r in results}),
@@ -458,8 +459,8 @@ def _group(claim_sets: list[ClaimSet], warnings: list[GroupingWarning]) -> Group
             if mine != theirs:
                 warnings.append(GroupingWarning(
                     cs.oldest, CONFLICTING_GROUP_CONFIG,
-                    f"claim set {cs.name!r} of job {cs.job} asks {key}={mine}, but group {gid} "
-                    f"uses {key}={theirs} of its oldest claim set ({first.name!r} of job {first.job})"))
+                    f"claim set {cs.id} asks {key}={mine}, but group {gid} uses {key}={theirs} of its oldest "
+                    f"claim set {first.id}"))
     return Group(id=gid, claim_sets=tuple(claim_sets), nodes=tuple(sorted({n for cs in claim_sets for n in cs.nodes})),
                  gpus=tuple(gpus), backend=first.config.backend,
                  lease_seconds=max(cs.config.lease_seconds for cs in claim_sets),

@@ -248,6 +248,24 @@ def test_group_backend_from_oldest_claim_set_lease_is_the_longest() -> None:
     g = only_group(s)
     assert (g.backend, g.lease_seconds) == ("cuda", 20.0)
     assert [(x.claim.name, x.reason) for x in s.warnings] == [("b-gpu", CONFLICTING_GROUP_CONFIG)]
+    # claim sets by id, not by their pod-level names (both "gpu" here: the message named neither apart)
+    ids = [cs.id for g in s.groups.values() for cs in g.claim_sets]
+    assert all(i in s.warnings[0].message for i in ids), (ids, s.warnings[0].message)
+
+
+def test_a_claim_whose_requests_differ_in_config_is_said_to_be_refused_by_the_plugin() -> None:
+    """Peer suite (issue 24): the Warning said "request 'r0' decides for the claim" while the node
+    plugin refuses to prepare such a claim (kubelet_plugin/preparer.py): the user was told it
+    would run."""
+    w = one_node()
+    c = w.claim(w.pod("a", job="a"), "gpu", [("node-a", "gpu-0-seat-0"), ("node-a", "gpu-0-seat-1")],
+                config=[ts_config(["r0"], priority=1), ts_config(["r1"], priority=2)])
+    for result, request in zip(c["status"]["allocation"]["devices"]["results"], ("r0", "r1")):
+        result["request"] = request
+    s = w.snapshot()
+    assert [x.reason for x in s.warnings] == [CONFLICTING_JOB_CONFIG]
+    assert "the node plugin refuses to prepare this claim" in s.warnings[0].message
+    assert "decides" not in s.warnings[0].message
 
 
 def test_invalid_config_uses_defaults_with_a_warning() -> None:
