@@ -85,7 +85,8 @@ def test_jobs_that_ask_for_the_extended_resource_share_one_gpu(kube, stack) -> N
     """Issue 12, item 13 (gate DRAExtendedResource): the example's trainers ask for
     `timeslice.dev/gpu: 1` instead of a claim. kube-scheduler makes each pod's claim, the
     plugin prepares it, and the trainers lock it by that name: they alternate as with
-    claims. A pod asking for the implicit name is refused at admission, saying what to ask for."""
+    claims. A pod asking for the implicit name, or for more than one, is refused at admission,
+    saying what to ask for."""
     kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
     try:
         group = run_example_and_check(kube, layout=EXTENDED)
@@ -99,6 +100,10 @@ def test_jobs_that_ask_for_the_extended_resource_share_one_gpu(kube, stack) -> N
                     "limits": {"deviceclass.resource.kubernetes.io/gpu.timeslice.dev": "1"}}}]}}
     r = kube.run("create", "--dry-run=server", "-f", "-", input=json.dumps(implicit), check=False)
     assert r.returncode != 0 and "Ask for timeslice.dev/gpu instead" in r.stderr, r.stderr
+    # more than one: kube-scheduler's claim would be refused (no distinct-GPU constraint); said at once
+    implicit["spec"]["containers"][0]["resources"]["limits"] = {"timeslice.dev/gpu": "2"}
+    r = kube.run("create", "--dry-run=server", "-f", "-", input=json.dumps(implicit), check=False)
+    assert r.returncode != 0 and "ask for more than one timeslice.dev/gpu" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(400)
