@@ -50,6 +50,7 @@ from timeslice.driver.bearer import TokenFile
 from timeslice.driver.errors import Unauthenticated
 from timeslice.driver.events import EventRecorder
 from timeslice.driver.liveness import Heartbeat, tasks_alive
+from timeslice.driver.tasks import cancel_and_wait
 
 log = logging.getLogger("timeslice.controller")
 
@@ -119,12 +120,15 @@ class ControllerConfig(BaseModel):
 class _LeaseLock(LeaseLock):
     """The library's LeaseLock (kubernetes.aio.leaderelection), with every Lease call bounded
     by `request_timeout` seconds, and `renewed_at` (monotonic seconds) when this replica last
-    sent a write of the Lease as its holder that succeeded. Without a bound a call waits for the client's default of
-    300 s: the library's renew loop checks its renew deadline only between calls, so a leader
-    whose API server connection hung kept serving beside the standby that took the Lease
-    after it lapsed (issue 24: both served for 21.5 of 30 s). `create` also drops the
-    library's `pretty=True` (kubernetes 37.0.2's own argument validation rejects it, so no
-    Lease was ever created)."""
+    sent a write of the Lease as its holder that succeeded. Without a bound a call waits for
+    the client's default of 300 s: the library's renew loop checks its renew deadline only
+    between calls, so a leader whose API server connection hung kept serving beside the
+    standby that took the Lease after it lapsed (issue 24: both served for 21.5 of 30 s).
+    The bound is `asyncio.timeout`, not `asyncio.wait_for`, which on Python 3.11 swallows a
+    cancellation that meets the call's end (CPython gh-86296): the controller's stop then
+    waited for the library to give up by itself (95 s in e2e/test_leader_serving.py).
+    `create` also drops the library's `pretty=True` (kubernetes 37.0.2's own argument
+    validation rejects it, so no Lease was ever created)."""
 
     def __init__(self, name: str, namespace: str, identity: str, api: k8s.ApiClient, request_timeout: float) -> None:
         super().__init__(name, namespace, identity, api)
@@ -133,7 +137,8 @@ class _LeaseLock(LeaseLock):
 
     async def get(self, name: str, namespace: str) -> Any:
         try:
-            return await asyncio.wait_for(super().get(name, namespace), self.request_timeout)
+            async with asyncio.timeout(self.request_timeout):
+                return await super().get(name, namespace)
         except TimeoutError:  # the library reads a failed get's `reason`
             return False, ApiException(status=0, reason=f"no answer within {self.request_timeout:g} s")
 
@@ -141,7 +146,8 @@ class _LeaseLock(LeaseLock):
         body = k8s.V1Lease(metadata=k8s.V1ObjectMeta(name=name), spec=self.update_lease(election_record))
         sent = time.monotonic()
         try:
-            await asyncio.wait_for(self.api_instance.create_namespaced_lease(namespace, body), self.request_timeout)
+            async with asyncio.timeout(self.request_timeout):
+                await self.api_instance.create_namespaced_lease(namespace, body)
         except (ApiException, TimeoutError) as err:
             log.warning("lease not created %s/%s: %s", namespace, name, getattr(err, "reason", None) or "no answer")
             return False
@@ -151,7 +157,8 @@ class _LeaseLock(LeaseLock):
     async def update(self, name: str, namespace: str, updated_record: Any) -> bool:
         sent = time.monotonic()
         try:
-            ok = await asyncio.wait_for(super().update(name, namespace, updated_record), self.request_timeout)
+            async with asyncio.timeout(self.request_timeout):
+                ok = await super().update(name, namespace, updated_record)
         except TimeoutError:
             log.warning("lease not renewed %s/%s: no answer within %g s", namespace, name, self.request_timeout)
             return False
@@ -269,9 +276,7 @@ class Controller:
                 if not serving.done():  # stop serving before the Lease can lapse and a standby take it
                     log.error("Lease not renewed for %g s identity=%s (the API server does not answer): stopping "
                               "serving and exiting", c.renew_deadline, self.cfg.identity)
-                    serving.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await serving
+                    await cancel_and_wait(serving)
                     stop.set()
                     return
                 await serving
@@ -324,9 +329,7 @@ async def run(cfg: ControllerConfig, stop: asyncio.Event | None = None) -> None:
     finally:
         if heartbeat is not None:
             await heartbeat.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await cancel_and_wait(task)  # (a cancel the election library swallows is sent again)
         await ctl.state.stop()
         await ctl.writer.stop()
         await ctl.warnings.stop()
