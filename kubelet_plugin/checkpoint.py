@@ -58,19 +58,16 @@ class Checkpoint:
 
     def put(self, uid: str, record: dict[str, Any]) -> None:
         self.claims[uid] = record
-        self._save()
+        self.save()
 
     def pop(self, uid: str, save: bool = True) -> dict[str, Any] | None:
         """Forget `uid`'s record and persist (`save` False: the caller calls `save()` once for
         many: each write serializes every claim and fsyncs, on the event loop)."""
         record = self.claims.pop(uid, None)
         if record is not None and save:
-            self._save()
+            self.save()
         return record
 
     def save(self) -> None:
-        self._save()
-
-    def _save(self) -> None:
         data = {"apiVersion": API_VERSION, "checksum": _checksum(self.claims), "claims": self.claims}
         write_atomic(self.path, json.dumps(data, sort_keys=True).encode())

@@ -52,6 +52,7 @@ class Orchestrator:
         # (client job, claim-set name) -> (group id, member job): in a cluster a client names
         # its pod-level claim, and holds the lock as its claim set
         self._aliases: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+        self._handles: dict[str, tuple[str, ...]] = {}  # of `_aliases`: key -> its handles, sorted
         for spec in groups:
             self.add_group(spec)
 
@@ -108,6 +109,10 @@ class Orchestrator:
         """Replace the (job, handle) -> [(group id, member job)] table (the reconciler; a
         handle is a pod-level claim name or a claim source)."""
         self._aliases = dict(aliases)
+        handles: dict[str, set[str]] = {}
+        for key, handle in self._aliases:
+            handles.setdefault(key, set()).add(handle)
+        self._handles = {key: tuple(sorted(h)) for key, h in handles.items()}
 
     def set_agent_certificates(self, certificates: Mapping[str, str]) -> None:
         """Replace the table node-agent target -> the certificate (PEM) its plugin pod
@@ -127,8 +132,7 @@ class Orchestrator:
         name may be omitted). Raises NotFound, FailedPrecondition (a shared name and no pod
         that decides), InvalidArgument (no name, and the pod has several claims)."""
         if not name:
-            key = pod_key(pod_uid)
-            names = sorted({n for k, n in self._aliases if k == key})
+            names = self._handles.get(pod_key(pod_uid), ())  # (not a scan of every alias at each call)
             if len(names) != 1:
                 raise (NotFound if not names else InvalidArgument)(
                     f"no group named, and the calling pod ({pod_uid or 'unknown: no token'}) holds "

@@ -127,13 +127,13 @@ class Residency:
         at = self._started.get(job)
         return at is not None and self.snapshot is not None and at >= self.snapshot.taken_at
 
-    def unsettled_held_since_report(self, excluding: str = "") -> list[str]:
-        """Jobs whose need is not known (declared nothing, not settled) that held after the last
-        snapshot was taken (not `excluding`): what it shows of them may be far below what they
-        hold now (cooperative schedules seed 80422: an undeclared job restored its 35 MB model,
+    def unsettled_held_since_report(self, excluding: str = "") -> bool:
+        """Whether a job whose need is not known (declared nothing, not settled) held after the
+        last snapshot was taken (not `excluding`): what it shows of that job may be far below
+        what it holds now (cooperative schedules seed 80422: an undeclared job restored its 35 MB model,
         built 43 MB of optimizer state and released; a resident granted 5 ms later, its room
         reckoned from the report before that growth, ran out of memory)."""
-        return sorted(j for j in {*self._holding, *self._ended} - {excluding} if not self.known(j))
+        return any(not self.known(j) for j in {*self._holding, *self._ended} - {excluding})
 
     def left_since_report(self) -> bool:
         """Whether a resident job left the group after the last snapshot was taken: its processes
