@@ -172,7 +172,9 @@ class NodeAgent:
         self._peaks: dict[str, dict[str, int]] = {}
         self._sampled: dict[str, tuple[list[int], float]] = {}  # job -> (its pids, when a report named it)
         self._sampler: asyncio.Task[None] | None = None
-        self._seen_live: set[int] = set()  # PIDs that NVML lists and /proc showed alive (`_exiting`)
+        # PIDs known alive in this namespace (`_exiting`): NVML listed them while /proc showed
+        # them alive, or a report resolved them as a job's
+        self._seen_live: set[int] = set()
         self._busy: dict[str, int] = {}  # job -> its steps running or waiting for its lock (`busy`)
         # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
         # a gap (`SAMPLE_GAP_SECONDS`) misses what happened in it
@@ -482,6 +484,7 @@ class NodeAgent:
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
                 pids_of[job.job_id] = list(await self._pids(job))
+                self._seen_live.update(pids_of[job.job_id])
                 view.processes[job.job_id] = _names(pids_of[job.job_id])
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
@@ -529,8 +532,10 @@ class NodeAgent:
 
     def _exiting(self, gpus: Sequence[GpuInfo]) -> dict[str, int]:
         """Per GPU uuid, the bytes NVML lists for processes that ended (`procfs.exit_state`): a
-        zombie or exiting one, or one gone from /proc that a sample saw alive (a PID never seen
-        alive may be another PID namespace's, or a test's stand-in: not counted)."""
+        zombie or exiting one, or one gone from /proc that a sample saw alive or a report resolved
+        as a job's (a job's process killed between two samples: schedules seed 5, `cuda`). A PID
+        never known alive may be another PID namespace's, or a test's stand-in: not counted. A
+        known PID is forgotten once it is neither listed nor alive."""
         out: dict[str, int] = {}
         listed: set[int] = set()
         for g in gpus:
@@ -544,7 +549,7 @@ class NodeAgent:
                     n += b
             if n:
                 out[g.uuid] = n
-        self._seen_live &= listed
+        self._seen_live = {p for p in self._seen_live if p in listed or exit_state(p) == "live"}
         return out
 
     def _sampled_now(self) -> None:
