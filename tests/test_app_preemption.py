@@ -247,7 +247,7 @@ async def test_a_merge_revokes_an_app_holders_lease_and_sleeps_its_engine_after_
         takeover.carry(new, old, {"a"})
         with pytest.raises(StaleLease, match=r"revoked .*moved to group new"):
             new.keep_alive("a", ga.lease_id, ga.epoch)
-        assert new.holder is not None and new.holder.job_id == "b" and new.moves.unreleased() == ["a"]
+        assert new.holder is not None and new.holder.job_id == "b" and new.awake.unreleased() == ["a"]
         new.release("b", gb.lease_id, gb.epoch, "b-1")
         again = asyncio.create_task(new.acquire("b", 0, "b-2", None))
         await eventually(lambda: len(new.queue) == 1, what="b waiting")
@@ -297,3 +297,42 @@ async def test_a_dead_clients_waiter_leaves_and_its_hold_left_by_the_jobs_next_p
         assert moves[-1] == (("a",), "b", True)
     finally:
         await g.close()
+
+
+async def test_a_lapsed_holder_whose_processes_all_ended_is_dropped_and_the_waiter_granted(
+        make_cluster, children, engine_dirs) -> None:
+    """a's client was killed (no release, no Leave), then its engine process ended: nothing
+    will ever release a's hold. The node agents find no process of a left; a is dropped and
+    b granted (it waited for good)."""
+    log, _ = engine_dirs
+    c, _, b, tb = await _killed_holder(make_cluster, children, engine_dirs)
+    a_engine_process = children[0]
+    try:
+        a_engine_process.kill()
+        a_engine_process.wait()
+        grant = await asyncio.wait_for(tb, 15)
+        assert grant.epoch > 1 and "a" not in (await c.status()).resident_job_ids
+        await b.release()
+    finally:
+        await b.close()
+
+
+async def test_a_restarted_orchestrator_drops_a_job_that_must_leave_and_has_no_process_left(
+        make_cluster, children, engine_dirs) -> None:
+    """App schedules seed 97 (failing in CI): a left (its client's `Leave`) while a switch was
+    moving it off the GPUs; the orchestrator was killed before that switch ended and its
+    state file named a as a job that must leave. The restarted orchestrator adopted a as
+    unreleased (its client may still generate) and every later grant waited for a release
+    that could never come. a's processes are all gone: a is dropped and b granted."""
+    c, _ = await two_jobs(make_cluster, children, engine_dirs)
+    a_engine_process = children[0]
+    a_engine_process.kill()
+    a_engine_process.wait()
+    c.orchestrator.group("g").adopt(None, set(), 1000, must_leave={"a"}, residents={"a"})
+    b = c.client("b")
+    try:
+        grant = await asyncio.wait_for(b.acquire(timeout=30), 15)
+        assert grant.epoch == 1001 and "a" not in (await c.status()).resident_job_ids
+        await b.release()
+    finally:
+        await b.close()

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 
 from timeslice.controller.orchestrator import takeover
+from timeslice.controller.orchestrator.awake_engines import AwakeEngines
 from timeslice.controller.orchestrator.callers import Callers
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.exits import wait_for_exits
@@ -89,6 +90,7 @@ class LockGroup:
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
         self.warnings: tuple[str, ...] = ()  # configuration conflicts among its claims (set by the reconciler)
         self.moves = MemoryMoves(self)
+        self.awake = AwakeEngines(self)
         self.idle = IdleRestores(self)
         self.preemption = Preemption(self)
         self.leases = Leases(self)
@@ -277,11 +279,11 @@ class LockGroup:
         nor waits is dropped (`drop_job`: if its state is off the GPUs, or being moved off,
         it is restored once the group is idle, then forgotten; if it is on them, it is never
         moved again). Returns "left", or "busy" when the job holds or waits (holding with no
-        waiter: `MemoryMoves.left_holding`)."""
+        waiter: `AwakeEngines.left_holding`)."""
         waits = any(w.job_id == job_id for w in self.queue)
         if self.holder is not None and self.holder.job_id == job_id:
             if not waits:
-                self.moves.left_holding(job_id)
+                self.awake.left_holding(job_id)
             return "busy"
         if waits:
             return "busy"
@@ -307,6 +309,7 @@ class LockGroup:
         self.leases.stop()
         self.preemption.stop_clock()
         await self.moves.close()
+        await self.awake.close()
         await self.idle.close()
 
     # -- internals -------------------------------------------------------------
@@ -398,7 +401,7 @@ class LockGroup:
                 return
         self.epoch += 1
         self.counters.grants += 1
-        restored = self.moves.woken(job_id) or restored  # an engine woken since its last grant: said so
+        restored = self.awake.woken(job_id) or restored  # an engine woken since its last grant: said so
         parked = next((self.preemption.forget(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
         self.leases.remember(lease_id)

@@ -84,7 +84,7 @@ class IdleRestores:
         """Orphans, and on `freeze` every frozen job: one at a time (each restore that
         succeeds triggers the next); one that failed is not tried again in the background."""
         g = self._g
-        if not self.now() or g.moves.unreleased():  # an engine whose client may still use it is not slept
+        if not self.now() or g.awake.unreleased():  # an engine whose client may still use it is not slept
             return
         frozen = g.residency.checkpointed if g.spec.backend == names.BACKEND_FREEZE else set()
         for job in sorted(self._orphans - self._failed) + sorted(frozen - self._orphans - self._failed):

@@ -24,7 +24,7 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
   sleeping engine fails. Its late calls are refused as with `none`, and also those of a
   holder preempted at `maxHoldSeconds` or by a merge (`refuse_revoked`); its engine is
   slept only once its client released (its refused release is noted first), and nobody is
-  granted in its place until then (`MemoryMoves.unreleased`).
+  granted in its place until then (`AwakeEngines`).
 """
 
 from __future__ import annotations
@@ -139,14 +139,14 @@ class Leases:
     def refuse_revoked(self, job_id: str, lease_id: str, epoch: int, what: str,
                        request_id: str | None = None) -> None:
         """A keep-alive, or a release (`request_id`: its caller's Acquire, "" for the whole
-        hold), under the lease of an `app` hold that ended unreleased (`MemoryMoves.unreleased`;
+        hold), under the lease of an `app` hold that ended unreleased (`AwakeEngines`;
         a hold whose lease is not known, adopted or carried without it: any lease this group
         did not grant, of an epoch not past its own). A release is noted first: its caller's
         part ends, and once no caller is left its engine may sleep (the group dispatches).
         Then raises StaleLease (the client raises `LeaseLost`: its hold ended). Returns for
         any other lease."""
         g = self._g
-        found = g.moves.unreleased_hold(job_id)
+        found = g.awake.unreleased_hold(job_id)
         if found is None:
             return
         h, why = found
@@ -162,7 +162,7 @@ class Leases:
             else:
                 log.info("release of an unreleased hold noted group=%s job=%s epoch=%d: its engine may sleep", g.id,
                          job_id, epoch)
-                g.moves.released(job_id)
+                g.awake.released(job_id)
                 g.record_placement()
                 g.dispatch()
                 g.idle.refresh_memory()

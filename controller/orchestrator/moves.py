@@ -22,12 +22,8 @@ fits beside them (their processes may still compute): preempted holders, *fenced
 jobs nobody will ask for (dropped, or lapsed while preempted), restored when the group is
 idle (`idle_restores.py`) so no process stays stopped, then forgotten.
 
-Backend `app` (`unreleased`, `woken`): the agent calls the job's engine, it does not stop
-the job's client, so a sleep under a client that still generates fails its requests. A
-holder whose hold ended without its release (its lease revoked at `maxHoldSeconds` or by
-a merge, or lapsed) must leave too, but its engine is not slept, and nobody is granted in
-its place, until its client released; and an engine woken without a grant (a rollback's
-wake) is reported to its client at its next grant.
+Backend `app`: a holder whose hold ended without its release leaves the GPUs only once its
+client released, or is gone (`awake_engines.py`); nobody is granted in its place until then.
 """
 
 from __future__ import annotations
@@ -106,10 +102,6 @@ class MemoryMoves:
         # jobs a rollback could not put back: on the GPUs or not (settled before a grant: `_settle_unsure`;
         # else until the next answered memory report)
         self._unsure: set[str] = set()
-        # backend app: job -> (its hold that ended unreleased, or None when not known, and why): see `unreleased`
-        self._unreleased: dict[str, tuple[Hold | None, str]] = {}
-        self._woken: set[str] = set()  # backend app: engines woken without a grant, reported at the next (`woken`)
-        self._left: set[str] = set()  # backend app: holders a process of which left (`left_holding`)
         # node agents whose checkpoint records a takeover could not read: read before a grant (`records_unknown`)
         self.records_unknown: set[str] = set()
         self._records_task: asyncio.Task[None] | None = None
@@ -136,31 +128,18 @@ class MemoryMoves:
         self._restore_failures.pop(job, None)
         self._fenced.discard(job)
         self._lapsed.discard(job)
-        self._unreleased.pop(job, None)
-        self._left.discard(job)
+        self._g.awake.granted(job)
 
     def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> bool:
         """`job`'s lease lapsed while it held (or was revoked: `hold`, the hold that ended, and
         `why`): cut off, not gone, it may still compute, so it leaves the GPUs before anyone is
-        granted. On backend `app` only once its client released (`unreleased`). Returns True
-        when the job is to be dropped instead: on `app`, a process of it left while it held
-        and nothing renewed the lease since (`left_holding`)."""
+        granted. On backend `app` only once its client released (`AwakeEngines.lapsed`, whose
+        answer it returns: whether the job is to be dropped instead)."""
         if self._g.spec.backend == names.BACKEND_APP:
-            self._unreleased[job] = (hold, why)
-            return job in self._left
+            return self._g.awake.lapsed(job, hold, why)
         if self._g.spec.backend != names.BACKEND_NONE:
             self._lapsed.add(job)
         return False
-
-    def left_holding(self, job: str) -> None:
-        """Backend `app`: a process of `job` left (`Leave`) while the job held, with no waiter
-        of it: another caller's part of the hold remained. Should the lease then lapse, the
-        job is dropped (`lapsed`), not left `unreleased` for a release that a caller which
-        died will never send (app schedules seed 5: a client killed mid-hold, started again,
-        joined its job's hold, finished and left; the lease lapsed and every other job's
-        grant waited for the dead caller's release). A new grant of the job forgets it."""
-        if self._g.spec.backend == names.BACKEND_APP:
-            self._left.add(job)
 
     def evicting(self, job: str) -> bool:
         """Whether the switch in flight moves `job` off the GPUs (its outcome says where it is)."""
@@ -177,42 +156,13 @@ class MemoryMoves:
         unconfirmed = getattr(self._g.switcher, "unconfirmed", None)
         return unconfirmed is not None and bool(unconfirmed(self._g.spec, job))
 
-    def unreleased(self, excluding: str = "") -> list[str]:
-        """Jobs on backend `app`, still on the GPUs, whose hold ended without their client's
-        release (`lapsed`: its lease revoked at `maxHoldSeconds` or by a merge, or lapsed): the
-        client may still be generating on its engine, which the agent calls but does not stop,
-        so the engine is not slept, and nobody who needs its room is granted, until its client
-        released (`released`), its job is dropped (its processes are done: pods gone, claim set
-        left, `Leave`), or it holds again (`granted`)."""
-        g = self._g
-        return sorted(j for j in self._unreleased if j != excluding and j in g.residency.residents)
-
-    def unreleased_hold(self, job: str) -> tuple[Hold | None, str] | None:
-        """(the hold that ended unreleased, None when not known: adopted or carried without it,
-        and why) of an `unreleased` job; None for any other."""
-        return self._unreleased.get(job)
-
-    def released(self, job: str) -> None:
-        """Every caller of `job`'s unreleased hold released: its engine may sleep."""
-        self._unreleased.pop(job, None)
-
-    def woken(self, job: str) -> bool:
-        """Whether `job`'s engine (backend `app`) was woken without a grant since its last one
-        (a failed switch's rollback woke it, or a restore for nobody): its next grant says
-        restored, so its client learns that its engine reloaded its state (a vLLM sleep of
-        level 2 discards the weights; a wake does not bring them back). Reported once."""
-        if job not in self._woken:
-            return False
-        self._woken.discard(job)
-        return True
-
     def dropped(self, job: str, held: bool) -> None:
         """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job,
         or one the switch in flight moves off) still resident is fenced: nobody is granted
         until a switch has checkpointed (or frozen, or found gone) its processes; then, like
         one dropped while checkpointed, it is restored when the group is idle, then forgotten."""
         g = self._g
-        if (held or job in self._lapsed | self._fenced | self._evicting | self._unreleased.keys()) \
+        if (held or job in self._lapsed | self._fenced | self._evicting | g.awake.unreleased_jobs()) \
                 and g.spec.backend != "none" and job in g.residency.residents:  # dropped again while fenced: it stays
             self._fenced.add(job)  # (being evicted: an orphan once out)
         elif job in g.residency.checkpointed and g.spec.backend != "none":
@@ -220,8 +170,7 @@ class MemoryMoves:
         else:
             g.residency.forget(job)
         self._lapsed.discard(job)
-        self._unreleased.pop(job, None)  # its processes are done: its engine may sleep
-        self._left.discard(job)
+        g.awake.dropped(job)
         self._restore_failures.pop(job, None)
         self._granted_at.pop(job, None)
 
@@ -241,12 +190,13 @@ class MemoryMoves:
             self._settle_unsure()
             return
         incoming = next_job(g, head)
-        awake = self.unreleased(excluding=incoming)
+        awake = g.awake.unreleased(excluding=incoming)
         if awake:
             own = next((w.job_id for w in g.queue if w.job_id in awake), None)
-            if own is None or self.unreleased(excluding=own):
+            if own is None or g.awake.unreleased(excluding=own):
                 log.info("grant of %s waits group=%s: the engine of %s stays awake until its client releases (%s)",
-                         incoming, g.id, ", ".join(awake), "; ".join(self._unreleased[j][1] for j in awake))
+                         incoming, g.id, ", ".join(awake), "; ".join(g.awake.why(j) for j in awake))
+                g.awake.watch(awake)
                 return
             incoming = own
         r = g.residency
@@ -409,7 +359,7 @@ class MemoryMoves:
         GPUs: they must leave whether or not the incoming job fits beside them (their
         processes may still be computing; on backend `app` once their client released:
         `unreleased`)."""
-        jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed | self._unreleased.keys())
+        jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed | self._g.awake.unreleased_jobs())
         return [j for j in dict.fromkeys(jobs) if j != incoming and j in self._g.residency.residents]
 
     def stage_next(self) -> None:
@@ -692,7 +642,7 @@ class MemoryMoves:
             g.residency.moved_out(job)
         self._unsure.update(err.off_gpu)  # an agent may still finish the rollback (its undo at a restart)
         if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
-            self._woken.update(j for j in evict if j not in err.off_gpu)
+            g.awake.woke([j for j in evict if j not in err.off_gpu])
         log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
         g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
         return err.record
@@ -720,7 +670,7 @@ class MemoryMoves:
         elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
             r.forget(incoming)
             if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
-                self._woken.add(incoming)
+                g.awake.woke([incoming])
         elif restore and record is not None:
             r.moved_in(incoming, next_up=beside is not None)
         return vanished

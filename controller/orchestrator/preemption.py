@@ -11,7 +11,7 @@ too: the agent puts the job's engine to sleep but does not stop its client, whic
 mid-phase, sending requests that a sleeping engine fails; and a wake under a hold its
 client believes uninterrupted would not tell it that its engine reloaded (vLLM level 2
 discards the weights). Its keep-alives and release are refused (its client raises
-`LeaseLost`), and its engine sleeps only once its client released (`MemoryMoves.unreleased`);
+`LeaseLost`), and its engine sleeps only once its client released (`AwakeEngines`);
 its next grant is a new one, restored.
 """
 

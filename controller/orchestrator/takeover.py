@@ -129,7 +129,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
     GPUs (checkpointed, or frozen) before `new` grants anyone, and is restored in its turn,
     invisibly to its code; with `none` or `cooperative` (nothing stops it) its lease is
     revoked and it must leave as a lapsed holder, with `app` once its client released
-    (`MemoryMoves.unreleased`, which carries along). Callers carry the old group of the
+    (`AwakeEngines`, which carries along). Callers carry the old group of the
     highest-priority holder first."""
     new.epoch = max(new.epoch, old.epoch)
     r_old, r_new = old.residency, new.residency
@@ -142,7 +142,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
             r_new.peaks[job] = dict(r_old.peaks[job])
     for job in old.moves.must_leave(""):
         if job in jobs:
-            new.moves.lapsed(job, *(old.moves.unreleased_hold(job) or (None, "its lease lapsed")))
+            new.moves.lapsed(job, *(old.awake.unreleased_hold(job) or (None, "its lease lapsed")))
     for w in old.queue:
         if w.job_id not in jobs:
             continue
