@@ -304,7 +304,6 @@ async def test_a_lapsed_holder_whose_processes_all_ended_is_dropped_and_the_wait
     """a's client was killed (no release, no Leave), then its engine process ended: nothing
     will ever release a's hold. The node agents find no process of a left; a is dropped and
     b granted (it waited for good)."""
-    log, _ = engine_dirs
     c, _, b, tb = await _killed_holder(make_cluster, children, engine_dirs)
     a_engine_process = children[0]
     try:
