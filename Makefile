@@ -32,7 +32,8 @@ test: lint unit-all e2e ## the whole suite: lint, unit + integration (slow ones 
 unit: $(STAMP) ## unit and integration tests without those marked slow (> 5 s each): the quick loop (integration tests of timeslice.integrations run once unit-all installed their frameworks)
 	$(BIN)/pytest -q -m "not slow" tests
 
-unit-all: $(INTEGRATIONS) ## every unit and integration test (real gRPC servers and processes; GPU tests skip without a GPU)
+unit-all: $(INTEGRATIONS) ## every unit and integration test (real gRPC servers and processes, a real Prometheus scrape; GPU tests skip without a GPU)
+	@command -v prometheus >/dev/null || apt-get install -y -q --no-install-recommends prometheus >/dev/null
 	TIMESLICE_TEST_INTEGRATIONS=required $(BIN)/pytest -q tests
 
 lint: $(STAMP) ## ruff, mypy (orchestrator, node agent), shellcheck, YAML parses, generated stubs match proto/, helm lint + template (builds helm)

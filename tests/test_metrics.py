@@ -101,6 +101,16 @@ async def test_group_metrics_follow_grants_waits_switches_failures_and_preemptio
     # a did not wait for another job: only for the memory report its first grant plans with
     assert value(s, "timeslice_acquire_wait_seconds_bucket", group="g", le="0.1") >= 1
     assert value(s, "timeslice_group_held_seconds_total", group="g") >= held2  # a's ended hold is kept
+    # per job, under a label a scrape keeps (Prometheus sets `job` itself)
+    assert value(s, "timeslice_job_grants_total", group="g", timeslice_job="a") == 1
+    assert value(s, "timeslice_job_grants_total", group="g", timeslice_job="b") == 1
+    assert value(s, "timeslice_job_held_seconds_total", group="g", timeslice_job="a") >= held2
+    assert value(s, "timeslice_job_waited_seconds_total", group="g", timeslice_job="b") >= 0.3
+    assert value(s, "timeslice_job_checkpoints_total", group="g", timeslice_job="a") == 1
+    assert value(s, "timeslice_job_restores_total", group="g", timeslice_job="b") == 0
+    assert value(s, "timeslice_job_switch_bytes_total", group="g", timeslice_job="a", direction="checkpointed") == 1000
+    b_held = value(s, "timeslice_job_held_seconds_total", group="g", timeslice_job="b")  # b holds now: it grows
+    await eventually(lambda: _grew(url, "b", b_held), what="b's current hold counted")
 
     c.backends["node-0"].fail.add("checkpoint")  # b -> a fails and rolls back
     with pytest.raises(grpc.aio.AioRpcError):
@@ -120,14 +130,28 @@ async def test_group_metrics_follow_grants_waits_switches_failures_and_preemptio
     assert value(s, "timeslice_group_switches_total", group="g") == 2
     assert value(s, "timeslice_switch_bytes_total", group="g", direction="restored") == 1000  # a came back
     assert value(s, "timeslice_switch_bytes_total", group="g", direction="checkpointed") == 2000
+    assert value(s, "timeslice_job_restores_total", group="g", timeslice_job="a") == 1
+    assert value(s, "timeslice_job_switch_bytes_total", group="g", timeslice_job="a", direction="restored") == 1000
+    assert value(s, "timeslice_job_switch_bytes_total", group="g", timeslice_job="b", direction="checkpointed") == 1000
     assert value(s, "timeslice_group_waiters", group="g") == 1  # b, re-queued with its lease
     await c.stub.Release(release("a", ga))
+    c.orchestrator.drop_job("g", "b", "its pods are gone")  # a dropped job's series go with it
+    assert await _series_of(url, "b") == set()
+    assert "timeslice_job_grants_total" in await _series_of(url, "a")
 
     await c.orchestrator.remove_group("g")  # every series of g goes; h stays
     s = await scrape(url)
     assert not [key for key in s if ("group", "g") in key[1]]
     assert value(s, "timeslice_group_grants_total", group="h") == 0
     assert c.orchestrator.metrics.switch_seconds.collect()[0].samples == []
+
+
+async def _series_of(url: str, job: str) -> set[str]:
+    return {name for name, labels in await scrape(url) if ("timeslice_job", job) in labels}
+
+
+async def _grew(url: str, job: str, held: float) -> bool:
+    return value(await scrape(url), "timeslice_job_held_seconds_total", group="g", timeslice_job=job) > held
 
 
 async def _release_when_waiting(c, job: str, grant) -> None:

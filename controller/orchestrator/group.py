@@ -50,6 +50,7 @@ from timeslice.controller.orchestrator.group_model import (
     GroupEvent,
     GroupView,
     Hold,
+    JobCounters,
     Observer,
     Switcher,
     SwitchRecord,
@@ -85,6 +86,7 @@ class LockGroup:
         self.residency = Residency()
         self.epoch = 0
         self.counters = Counters()
+        self.job_counters: dict[str, JobCounters] = {}  # job -> its totals (`JobCounters`)
         self.recent: deque[SwitchRecord] = deque(maxlen=RECENT_SWITCHES)
         self.recent_holds: deque[tuple[float, float]] = deque(maxlen=RECENT_HOLDS)
         self.failed_jobs: dict[str, str] = {}  # job -> why it failed (acquires refused until it is dropped)
@@ -260,6 +262,7 @@ class LockGroup:
         self.record_placement()
         self.idle.forget(job_id)
         self.failed_jobs.pop(job_id, None)
+        self.job_counters.pop(job_id, None)
         self.dispatch()
         self.idle.refresh_memory()
 
@@ -328,6 +331,7 @@ class LockGroup:
         now = self.clock()
         held = max(0.0, now - h.granted_at)
         self.counters.held_seconds += held
+        self.job_counters.setdefault(h.job_id, JobCounters()).held_seconds += held
         self.recent_holds.append((h.granted_at, now))
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
                  h.epoch, held, why)
@@ -347,8 +351,21 @@ class LockGroup:
                 w.future.set_exception(err)
                 w.future.exception()  # retrieved here: the caller may be gone already
 
+    def _count_moves(self, record: SwitchRecord) -> None:
+        """A switch that succeeded: what it moved, per job (`JobCounters`) of the jobs counted
+        since their grant or hold (a dropped job moved off, or restored for nobody, is not)."""
+        for job, n in record.checkpointed_by_job.items():
+            if (jc := self.job_counters.get(job)) is not None and job not in record.gone:
+                jc.checkpoints += 1
+                jc.bytes_checkpointed += n
+        if record.restore_seconds and (jc := self.job_counters.get(record.to_job)) is not None:
+            jc.restores += 1
+            jc.bytes_restored += record.bytes_restored
+
     def notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None,
                 waited: float = 0.0) -> None:
+        if kind == "switched" and record is not None:
+            self._count_moves(record)
         if self._observer is None:
             return
         try:
@@ -401,6 +418,9 @@ class LockGroup:
                 return
         self.epoch += 1
         self.counters.grants += 1
+        jc = self.job_counters.setdefault(job_id, JobCounters())
+        jc.grants += 1
+        jc.waited_seconds += max(now - w.enqueued_at for w in waiters)
         restored = self.awake.woken(job_id) or restored  # an engine woken since its last grant: said so
         parked = next((self.preemption.forget(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
         lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease

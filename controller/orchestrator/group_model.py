@@ -4,7 +4,7 @@ makes `SwitchRecord`s; status, claim status, Events and metrics read the views).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -37,6 +37,7 @@ class SwitchRecord:
     # the step that ran and failed: "checkpoint" (of an evicted job) or "restore" (of `to_job`);
     # "" when none did (a plan without room, a restore that could not start yet)
     failed_step: str = ""
+    checkpointed_by_job: dict[str, int] = field(default_factory=dict)  # of `evicted`: bytes moved off, by job
 
     @property
     def seconds(self) -> float:
@@ -139,6 +140,22 @@ class Counters:
 
 
 @dataclass
+class JobCounters:
+    """One job's totals in its group, since the group last saw it arrive (a dropped job's
+    go with it). `held_seconds`: seconds of its ended holds; `waited_seconds`: per grant,
+    the longest wait among its callers, summed; `checkpoints`, `restores`: switches that
+    moved it off or onto the GPUs, and the bytes they moved."""
+
+    grants: int = 0
+    held_seconds: float = 0.0
+    waited_seconds: float = 0.0
+    checkpoints: int = 0
+    restores: int = 0
+    bytes_checkpointed: int = 0
+    bytes_restored: int = 0
+
+
+@dataclass
 class WaiterView:
     job_id: str
     priority: int
@@ -172,6 +189,7 @@ class GroupView:
     # job -> device -> its reservation (jobs that declared or settled; the others run alone)
     reserved: dict[str, dict[str, int]] = field(default_factory=dict)
     settled: list[str] = field(default_factory=list)  # jobs whose memory stopped growing
+    jobs: dict[str, JobCounters] = field(default_factory=dict)  # job -> its totals (ended holds)
 
 
 
@@ -193,4 +211,4 @@ def group_view(g: LockGroup) -> GroupView:
         peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot,
         warnings=list(g.warnings), declared=dict(g.residency.declared),
         reserved={j: g.residency.need(j) for j in g.residency.known_jobs() if g.residency.known(j)},
-        settled=sorted(g.residency.settled))
+        settled=sorted(g.residency.settled), jobs={j: replace(c) for j, c in g.job_counters.items()})

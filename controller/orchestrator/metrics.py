@@ -11,7 +11,11 @@ controller` with `--metrics-listen HOST:PORT`. Two kinds of series, all labelled
   `timeslice_group_{grants,switches,failed_switches,lease_expiries,preemptions}_total`
   and `timeslice_group_held_seconds_total` (seconds a holder held the lock, the current
   hold included: `rate(timeslice_group_held_seconds_total[5m])` is the group's duty
-  cycle, 0..1). A removed group is simply not there at the next scrape.
+  cycle, 0..1). Per job (label `timeslice_job`, `JOB`): the counters
+  `timeslice_job_{grants,held_seconds,waited_seconds,checkpoints,restores}_total` and
+  `timeslice_job_switch_bytes_total{direction}` (`JobCounters`; held seconds include the
+  current hold), and the gauge `timeslice_job_device_bytes{kind}` (memory reports). A
+  removed group, or a job the group dropped, is simply not there at the next scrape.
 - fed by group events (`observe`, chained with the other observers): the histograms
   `timeslice_switch_duration_seconds{group,result}` (result ok|failed; checkpoint plus
   restore seconds) and `timeslice_acquire_wait_seconds{group}` (per grant, the longest
@@ -19,8 +23,9 @@ controller` with `--metrics-listen HOST:PORT`. Two kinds of series, all labelled
   `timeslice_switch_bytes_total{group,direction}` (direction checkpointed|restored).
   `forget(group_id)` drops a removed group's label sets, so cardinality stays bounded.
 
-Collectors run on the event loop thread (the HTTP server is aiohttp on the same loop):
-they read group state that only that thread changes.
+Collectors run on the event loop thread (the HTTP server is aiohttp on the same loop,
+prometheus-client's own aiohttp exporter: gzip when asked, OpenMetrics when the scraper
+negotiates it): they read group state that only that thread changes.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from timeslice.driver.grpc_server import host_port
@@ -47,6 +53,10 @@ log = logging.getLogger("timeslice.orchestrator")
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,
            250.0, 600.0)
 RESULTS = ("ok", "failed")
+JOB = "timeslice_job"
+"""The job's label: Prometheus sets `job` on every scraped series (the scrape config's job
+name) and renames a target's own `job` label to `exported_job`, so a `job` label of ours
+would not survive a scrape under its name."""
 DIRECTIONS = ("checkpointed", "restored")
 
 
@@ -87,7 +97,7 @@ class GroupCollector(Collector):
                                       "(last node-agent report); kind now | peak (the most seen while resident) | "
                                       "declared (what it declared, per GPU) | reserved (what placement keeps for it; "
                                       "only once declared or settled).",
-                                      labels=["group", "job", "kind"])
+                                      labels=["group", JOB, "kind"])
         device_free = GaugeMetricFamily("timeslice_device_free_bytes", "Free memory of a GPU of the group (last "
                                         "node-agent report, NVML).", labels=["group", "device"])
         device_total = GaugeMetricFamily("timeslice_device_total_bytes", "Memory of a GPU of the group (NVML).",
@@ -95,6 +105,24 @@ class GroupCollector(Collector):
         held_total = CounterMetricFamily("timeslice_group_held_seconds",
                                          "Seconds a holder held the group's lock, the current hold included "
                                          "(its rate is the group's duty cycle).", labels=["group"])
+        per_job = {
+            "grants": CounterMetricFamily("timeslice_job_grants", "Grants of the group's lock to the job.",
+                                          labels=["group", JOB]),
+            "held_seconds": CounterMetricFamily("timeslice_job_held_seconds", "Seconds the job held the group's "
+                                                "lock, its current hold included (its rate is the job's share of "
+                                                "the lock).", labels=["group", JOB]),
+            "waited_seconds": CounterMetricFamily("timeslice_job_waited_seconds", "Seconds the job waited for "
+                                                  "its grants (per grant, the longest wait among its callers; "
+                                                  "over timeslice_job_grants_total: its mean wait).",
+                                                  labels=["group", JOB]),
+            "checkpoints": CounterMetricFamily("timeslice_job_checkpoints", "Switches that moved the job's "
+                                               "state off the GPUs.", labels=["group", JOB]),
+            "restores": CounterMetricFamily("timeslice_job_restores", "Switches that moved the job's state "
+                                            "onto the GPUs.", labels=["group", JOB]),
+        }
+        job_moved = CounterMetricFamily("timeslice_job_switch_bytes", "Bytes switches moved of the job's state "
+                                        "(summed over nodes); direction checkpointed | restored.",
+                                        labels=["group", JOB, "direction"])
         for group in self._groups() if self._active() else ():
             v = group.view()
             labels = [v.group_id]
@@ -105,6 +133,13 @@ class GroupCollector(Collector):
             for name, family in counters.items():
                 family.add_metric(labels, getattr(v.counters, name))
             held_total.add_metric(labels, v.counters.held_seconds + v.held_seconds)
+            for job, jc in v.jobs.items():
+                current = v.held_seconds if v.holder is not None and v.holder.job_id == job else 0.0
+                for name, family in per_job.items():
+                    family.add_metric([v.group_id, job], getattr(jc, name) + (current if name == "held_seconds"
+                                                                              else 0))
+                job_moved.add_metric([v.group_id, job, "checkpointed"], jc.bytes_checkpointed)
+                job_moved.add_metric([v.group_id, job, "restored"], jc.bytes_restored)
             residents.add_metric(labels, len(v.resident_jobs))
             for job, peak in v.peaks.items():
                 job_bytes.add_metric([v.group_id, job, "peak"], sum(peak.values()))
@@ -119,7 +154,7 @@ class GroupCollector(Collector):
                     device_free.add_metric([v.group_id, device], mem.free)
                     device_total.add_metric([v.group_id, device], mem.total)
         yield from (waiters, held, epoch, info, *counters.values(), held_total, residents, job_bytes, device_free,
-                    device_total)
+                    device_total, *per_job.values(), job_moved)
 
 
 class OrchestratorMetrics:
@@ -159,10 +194,6 @@ class OrchestratorMetrics:
         with contextlib.suppress(KeyError):
             self.acquire_wait.remove(group_id)
 
-    def exposition(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
-
 
 async def start_metrics_server(metrics: OrchestratorMetrics, listen: str) -> tuple[web.AppRunner, int]:
     """Serve `GET /metrics` on `listen` (`HOST:PORT`, port 0 picks one) on this event loop;
@@ -170,12 +201,8 @@ async def start_metrics_server(metrics: OrchestratorMetrics, listen: str) -> tup
     a malformed address, OSError when it cannot be bound."""
     host, port = host_port(listen, "metrics listen address")
 
-    async def handle(request: web.Request) -> web.Response:
-        body = metrics.exposition()  # collectors run here, on the loop thread
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     app = web.Application()
-    app.router.add_get("/metrics", handle)
+    app.router.add_get("/metrics", make_aiohttp_handler(metrics.registry))  # collectors run on the loop thread
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

@@ -122,7 +122,8 @@ class SwitchCoordinator:
                     (done and not failures and all(r.processes == 0 for r in done.values())):
                 gone.append(job)
             failures = {a: e for a, e in failures.items() if not isinstance(e, NotFound)}
-            rec.bytes_checkpointed += sum(r.bytes for r in done.values())
+            rec.checkpointed_by_job[job] = sum(r.bytes for r in done.values())
+            rec.bytes_checkpointed += rec.checkpointed_by_job[job]
             if failures:
                 rec.checkpoint_seconds = time.monotonic() - t0
                 back = await self._undo(self._current([*done, *_unknown(failures)]), "restore", spec, job)
