@@ -6,7 +6,9 @@ group as real clients (`AsyncTimeSliceOrchestratorClient`, spread over P load
 processes). Every job loops: acquire, hold H seconds, release, acquire again, so each
 release hands the lock to a waiter. Hand-off latency is the time from the holder's
 `release()` call to the next holder's `acquire()` return (CLOCK_MONOTONIC, shared by
-all processes on Linux). Prints one JSON object (and writes it with --out).
+all processes on Linux). `--state-file`: the orchestrator keeps a state file, as a
+standalone one does (each grant that changes a holder is delivered once written). Prints
+one JSON object (and writes it with --out).
 
     python bench/handoff.py --groups 100 --jobs 8 --hold 0.2 --seconds 20 --out bench/results/handoff.json
 """
@@ -93,13 +95,19 @@ def main() -> int:
     p.add_argument("--hold", type=float, default=0.2, help="seconds each grant is held")
     p.add_argument("--seconds", type=float, default=20.0, help="measured duration")
     p.add_argument("--procs", type=int, default=2, help="client load processes")
+    p.add_argument("--state-file", action="store_true",
+                   help="give the orchestrator a state file (in a temporary directory), as a standalone one keeps")
     p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args()
 
     port = free_port()
     groups = [f"g{i:03d}" for i in range(a.groups)]
+    state_dir = tempfile.TemporaryDirectory(prefix="handoff-state-")
+    config = {"listen": f"127.0.0.1:{port}", "groups": [{"id": g, "backend": "none"} for g in groups]}
+    if a.state_file:
+        config["state_file"] = str(Path(state_dir.name) / "state.json")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump({"listen": f"127.0.0.1:{port}", "groups": [{"id": g, "backend": "none"} for g in groups]}, f)
+        json.dump(config, f)
     orch = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "orchestrator", "--config", f.name,
                              "--log-level", "WARNING"])
     try:
@@ -123,8 +131,9 @@ def main() -> int:
         orch.terminate()
         orch.wait()
         os.unlink(f.name)
+        state_dir.cleanup()
     result = {
-        "benchmark": "handoff", "backend": "none", "transport": "tcp 127.0.0.1",
+        "benchmark": "handoff", "backend": "none", "transport": "tcp 127.0.0.1", "state_file": a.state_file,
         "groups": a.groups, "jobs_per_group": a.jobs, "hold_seconds": a.hold, "seconds": a.seconds,
         "load_processes": a.procs, "handoffs": len(latencies), "handoffs_per_second": round(len(latencies) / wall, 1),
         "handoff_ms_p50": round(pct(latencies, 50), 3), "handoff_ms_p90": round(pct(latencies, 90), 3),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from timeslice.driver.errors import StaleLease
@@ -142,7 +143,12 @@ async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> N
     g = LockGroup(GroupSpec(id="g"), None, state=state)  # type: ignore[arg-type]
     with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
         await g.acquire("a", 0, "r", None)
-    assert g.epoch == 0 and g.holder is None
+    assert g.holder is None  # (its epoch was never delivered: the next grant's is past it)
+    folder.unlink()
+    folder.mkdir()  # the disk is back: the next grant is written, then delivered
+    grant = await g.acquire("a", 0, "r2", None)
+    assert grant.epoch == 2 and StateFile(folder / "state.json").placement("g").holder == "a"
+    assert StateFile(folder / "state.json").start("g") > grant.epoch
 
 
 async def test_a_restarted_orchestrator_adopts_only_its_groups_checkpoints_from_a_shared_agent(make_cluster) -> None:
@@ -249,3 +255,40 @@ async def test_a_checkpoint_confirmed_while_a_switch_moves_the_job_out_is_placed
         await g.acquire("b", 0, "b1", None)
     assert "a" in g.residency.residents and "a" not in g.residency.checkpointed
     await orch.close()
+
+
+async def test_grants_are_delivered_only_once_written_and_one_write_serves_a_loop_turn(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """The state file is written off the event loop: the grants of 50 groups made in one loop
+    turn share one write, and none is delivered before that write is on disk (a restart would
+    otherwise forget the holder, or repeat its epoch)."""
+    import threading
+
+    from timeslice.controller.orchestrator import state_file
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.state_file import StateFile
+
+    path = tmp_path / "state.json"
+    state = StateFile(path)
+    entered, gate, writes = threading.Event(), threading.Event(), []
+    real = state_file.write_atomic
+
+    def held_write(target, data: bytes) -> None:  # runs in the writer's thread
+        entered.set()
+        assert gate.wait(30)
+        real(target, data)
+        writes.append(json.loads(data))
+
+    monkeypatch.setattr(state_file, "write_atomic", held_write)
+    groups = [LockGroup(GroupSpec(id=f"g{i}"), None, state=state) for i in range(50)]  # type: ignore[arg-type]
+    tasks = [asyncio.create_task(g.acquire("a", 0, "r", None)) for g in groups]
+    assert await asyncio.to_thread(entered.wait, 30)
+    assert not any(t.done() for t in tasks) and all(g.holder is not None for g in groups)  # held, not delivered
+    gate.set()
+    grants = await asyncio.gather(*tasks)
+    assert len(writes) == 1
+    assert {g: p["holder"] for g, p in writes[0]["groups"].items()} == {f"g{i}": "a" for i in range(50)}
+    assert all(writes[0]["epochs"][f"g{i}"] > grant.epoch for i, grant in enumerate(grants))
+    for g in groups:
+        await g.close()

@@ -277,7 +277,7 @@ class CooperativeJobs:
         checkpoint a late restore."""
         try:
             if kind == "restore":
-                offered = self._offers([p])[0]
+                offered = (await self._offers([p]))[0]
                 try:
                     ack = await self._command(p, "checkpoint", offered, LATE_ROLLBACK_TIMEOUT_SECONDS)
                 except BaseException:
@@ -370,7 +370,7 @@ class CooperativeJobs:
         procs = [p for p in self._live(group, job) if not (p.checkpointed and not p.unanswered)]
         for p in procs:
             self._check_answered(p)
-        offers = self._offers(procs)
+        offers = await self._offers(procs)
         # all at once: a job's ranks hold their state on different GPUs, each moving over its own link
         results = await asyncio.gather(*(self._command(p, "checkpoint", o, timeout) for p, o in zip(procs, offers)),
                                        return_exceptions=True)
@@ -565,18 +565,16 @@ class CooperativeJobs:
             self._on_lost(p.group, p.job, reason)
 
     def _persist(self) -> None:
-        """Write where every checkpoint into the pool is (write-ahead for offers). A failed
-        write is logged: the processes' reports still tell a restarted orchestrator."""
+        """Record where every checkpoint into the pool is (write-ahead for offers: `_offers`
+        waits for the write). A failed write is logged by the state file: the processes'
+        reports still tell a restarted orchestrator."""
         if self._state is None or not self._state.persistent or self.pool is None:
             return
         records = [PoolCheckpoint(p.group, p.job, p.stream_id, p.pid,
                                   tuple(p.pool_ranges if p.checkpointed else p.offered),
                                   p.nbytes if p.checkpointed else None, p.checksum if p.checkpointed else None)
                    for procs in self._procs.values() for p in procs.values() if p.checkpointed or p.offered]
-        try:
-            self._state.record_pool(self.pool.path, self.pool.size, records)
-        except OSError as err:
-            log.error("pinned pool checkpoints not persisted: %s", err)
+        self._state.record_pool(self.pool.path, self.pool.size, records)
 
     def reap(self) -> None:
         """Forget the processes gone for longer than the grace while checkpointed or holding
@@ -615,10 +613,11 @@ class CooperativeJobs:
             raise BackendError(f"process {p.pid} of job {p.job} has not answered an earlier memory command (it timed "
                                "out): where its state is is unknown, so it is not moved until it answers")
 
-    def _offers(self, procs: list[_Process]) -> list[list[tuple[int, int]]]:
+    async def _offers(self, procs: list[_Process]) -> list[list[tuple[int, int]]]:
         """Pool ranges for each process about to checkpoint: one process gets every free
         range (its state may have grown since it registered); several at once get room for
-        their registered bytes each, while it lasts ([]: it keeps its own host copy)."""
+        their registered bytes each, while it lasts ([]: it keeps its own host copy).
+        Returns once the offers are on disk (a failed write is logged by the state file)."""
         if self.pool is None or time.monotonic() < self._quiet_until:
             return [[] for _ in procs]
         self.reap()
@@ -626,6 +625,9 @@ class CooperativeJobs:
         for p, offered in zip(procs, offers):
             p.offered = offered
         self._persist()  # before any command goes: a restart hands these ranges to nobody else
+        if self._state is not None:
+            with contextlib.suppress(OSError):
+                await self._state.durable()
         return offers
 
     def _checkpointed(self, p: _Process, offered: Ranges, ack: pb.MemoryCommandAck) -> None:

@@ -32,6 +32,7 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -58,7 +59,7 @@ from timeslice.controller.orchestrator.group_model import (
 )
 from timeslice.controller.orchestrator.idle_restores import IdleRestores
 from timeslice.controller.orchestrator.leases import Leases
-from timeslice.controller.orchestrator.lock_queue import LockQueue
+from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
 from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import PREEMPTED, Preemption
 from timeslice.controller.orchestrator.residency import Residency
@@ -159,6 +160,11 @@ class LockGroup:
             # 896: a job's process was killed holding, its next process joined phase after phase, each
             # shorter than a keep-alive interval, and the lease lapsed under it)
             self.leases.renew(h)
+            if self.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
+                try:
+                    await self.state.durable()
+                except OSError as err:
+                    raise SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}") from None
             return self._grant_info(h, waited=0.0)
         if job_id in self.failed_jobs:
             raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
@@ -305,6 +311,13 @@ class LockGroup:
         """Persist who may be computing or on the GPUs: `takeover.record_placement`."""
         takeover.record_placement(self, incoming)
 
+    async def placement_written(self) -> None:
+        """Return once what `record_placement` recorded is on disk; a failed write is logged
+        (by the state file) and not raised: the next grant writes again or is refused."""
+        if self.state is not None:
+            with contextlib.suppress(OSError):
+                await self.state.durable()
+
     def view(self) -> GroupView:
         return group_view(self)
 
@@ -403,19 +416,11 @@ class LockGroup:
             self.dispatch()
             return
         now = self.clock()
+        durable = None  # unpersisted, a restart could repeat the epoch or forget the holder: delivered once written
         if self.state is not None:
-            try:
-                self.state.reserve(self.id, self.epoch + 1)
-                takeover.persist_placement(self, job_id)
-            except OSError as err:  # unpersisted, a restart could repeat the epoch or forget the holder
-                log.error("epoch and holder not persisted group=%s: %s", self.id, err)
-                for w in waiters:
-                    self.preemption.forget(w)  # a preempted holder's entry too: its keep-alives now fail
-                    w.future.set_exception(SwitchFailed(f"group {self.id}: cannot persist the fencing epoch and "
-                                                        f"holder: {err}"))
-                    w.future.exception()  # retrieved here: a preempted holder's entry has no caller
-                self.dispatch()  # the next job's grant meets the same refusal: none is granted unpersisted
-                return
+            self.state.reserve(self.id, self.epoch + 1)
+            takeover.persist_placement(self, job_id)
+            durable = self.state.durable()
         self.epoch += 1
         self.counters.grants += 1
         jc = self.job_counters.setdefault(job_id, JobCounters())
@@ -432,14 +437,41 @@ class LockGroup:
                  switch_seconds, max(w.priority for w in waiters),
                  parked.past_epochs | {parked.epoch} if parked else frozenset())
         self.holder = h
-        for w in waiters:
-            w.future.set_result(self._grant_info(h, waited=now - w.enqueued_at))
+        if durable is None or durable.done():  # (done at once only when nothing was pending)
+            self._deliver(h, waiters, now)
+        else:
+            durable.add_done_callback(lambda f: self._persisted(h, waiters, now, f))
         log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
         self.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
         self.leases.arm()
         self.preemption.arm()
         self.moves.watch_holder()
         self.moves.stage_next()
+
+    def _deliver(self, h: Hold, waiters: list[Waiter], granted_at: float) -> None:
+        for w in waiters:
+            if not w.future.done():  # (a caller that left meanwhile)
+                w.future.set_result(self._grant_info(h, waited=granted_at - w.enqueued_at))
+
+    def _persisted(self, h: Hold, waiters: list[Waiter], granted_at: float, written: asyncio.Future[None]) -> None:
+        """The state file answered for the grant of `h`: deliver it, or (the write failed, or
+        the hold ended meanwhile) fail its waiters with SwitchFailed, their clients ask again,
+        and end the hold: none is granted unpersisted."""
+        err = written.exception()
+        if err is None and self.holder is h:
+            self._deliver(h, waiters, granted_at)
+            return
+        why = f"cannot persist the fencing epoch and holder: {err}" if err is not None else \
+            "its hold ended before its fencing epoch and holder were persisted"
+        log.error("grant withdrawn group=%s job=%s epoch=%d: %s", self.id, h.job_id, h.epoch, why)
+        for w in waiters:
+            self.preemption.forget(w)  # a preempted holder's entry too: its keep-alives now fail
+            if not w.future.done():
+                w.future.set_exception(SwitchFailed(f"group {self.id}: {why}"))
+                w.future.exception()  # retrieved here: a preempted holder's entry has no caller
+        if self.holder is h:
+            self.end_hold(h, "not persisted")
+            self.dispatch()  # the next job's grant meets the same refusal while the file cannot be written
 
     def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
         return GrantInfo(h.lease_id, h.epoch, self.spec.lease_seconds, waited, h.restored, h.switch_seconds)

@@ -240,3 +240,5 @@ class Orchestrator:
             await group.close()
         await self._pool.close()
         await self.cooperative.close()
+        if self._state is not None:
+            await self._state.close()

@@ -18,7 +18,13 @@ the reconnect grace has passed), then its bytes and checksum once acknowledged; 
 once restored or forgotten. Written by `CooperativeJobs`. A record does not make its job
 checkpointed after a restart (the process may have restored after it was written): until
 the process confirms it, its job counts as on the GPUs.
-Every write is `write_atomic` (fsync'd). File format (JSON):
+Every write is `write_atomic` (fsync'd), off the event loop: a change is made in memory and
+marks the file dirty; one task writes a snapshot of everything in a thread, so the changes
+of one loop turn, and those made while a write is in flight, share one write (at 1000
+groups, writing the whole file on the loop before each grant cut hand-offs from 942/s to
+372/s). What must be on disk before something happens waits for `durable()`: a grant is
+delivered, a hold joined, a switch started and a checkpoint command sent only once the
+state that tells a restarted orchestrator about them is written. File format (JSON):
 
     {"apiVersion": "timeslice.dev/orchestrator-state/v1",
      "epochs": {"<group>": <end of block>},
@@ -36,6 +42,8 @@ controller adopts epochs and the holder from claim status instead.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Iterable
@@ -126,6 +134,15 @@ class StateFile:
         self._ends: dict[str, int] = {}
         self._placements: dict[str, Placement] = {}
         self._pool: tuple[str, int, tuple[PoolCheckpoint, ...]] | None = None  # (path, bytes, checkpoints)
+        # each part's JSON, serialized again only when it changed (`_snapshot`)
+        self._epochs_json: str | None = None
+        self._group_json: dict[str, str] = {}
+        self._stale: set[str] = set()  # groups whose `_group_json` is out of date
+        self._pool_json: str | None = None
+        self._dirty = False  # changed since the snapshot last written (or being written)
+        self._writer: asyncio.Task[None] | None = None
+        self._next: list[asyncio.Future[None]] = []  # durable() callers that the next snapshot covers
+        self._writing: list[asyncio.Future[None]] = []  # ... that the snapshot being written covers
         if path is None:
             return
         if path.exists():
@@ -142,12 +159,13 @@ class StateFile:
             self._ends = dict(data.epochs)
             self._placements = {g: Placement(p.holder, tuple(p.mustLeave), tuple(p.residents))
                                 for g, p in data.groups.items()}
+            self._stale = set(self._placements)
             if data.pool is not None:
                 self._pool = (data.pool.path, data.pool.bytes, tuple(
                     PoolCheckpoint(c.group, c.job, c.stream, c.pid, tuple((o, n) for o, n in c.ranges), c.bytes,
                                    c.checksum) for c in data.pool.checkpoints))
         try:
-            self._write()
+            write_atomic(path, self._snapshot())
         except OSError as err:
             raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
                              "refused; give the orchestrator a writable path") from None
@@ -161,21 +179,23 @@ class StateFile:
         return self._placements.get(group_id, Placement())
 
     def reserve(self, group_id: str, epoch: int) -> None:
-        """Before `epoch` is granted: persist a new block when it passes the current one.
-        Raises OSError (the grant must not happen: its epoch could repeat after a restart)."""
+        """Before `epoch` is granted: a new block when it passes the current one (the grant
+        waits for `durable()`: its epoch could repeat after a restart)."""
         if self._path is None or epoch <= self._ends.get(group_id, 0):
             return
         self._ends[group_id] = epoch + BLOCK
-        self._write()
+        self._epochs_json = None
+        self._changed()
         log.debug("epoch block reserved group=%s up_to=%d", group_id, self._ends[group_id])
 
     def record(self, group_id: str, holder: str | None, must_leave: Iterable[str], residents: Iterable[str]) -> None:
-        """Persist the group's placement when it changed. Raises OSError."""
+        """The group's placement, written when it changed (`durable()`)."""
         p = Placement(holder, tuple(sorted(must_leave)), tuple(sorted(set(residents))))
         if self._path is None or self._placements.get(group_id) == p:
             return
         self._placements[group_id] = p
-        self._write()
+        self._stale.add(group_id)
+        self._changed()
 
     @property
     def persistent(self) -> bool:
@@ -189,22 +209,82 @@ class StateFile:
         return Path(self._pool[0]), self._pool[2]
 
     def record_pool(self, path: Path, size: int, checkpoints: Iterable[PoolCheckpoint]) -> None:
-        """Persist the pool's checkpoints when they changed. Raises OSError."""
+        """The pool's checkpoints, written when they changed (`durable()`)."""
         pool = (str(path), size, tuple(sorted(checkpoints, key=lambda c: (c.group, c.job, c.stream))))
         if self._path is None or self._pool == pool:
             return
         self._pool = pool
-        self._write()
+        self._pool_json = None
+        self._changed()
 
-    def _write(self) -> None:
+    def durable(self) -> asyncio.Future[None]:
+        """A future done once every change made so far is on disk: its result None, or the
+        OSError of the write that failed (the change stays pending: the next `durable()`
+        writes it again). Done at once when nothing is pending (or no path was given).
+        Call on the event loop."""
+        fut = asyncio.get_running_loop().create_future()
+        if self._dirty:
+            self._next.append(fut)
+            self._start_writer()
+        elif self._writer is not None and not self._writer.done():
+            self._writing.append(fut)
+        else:
+            fut.set_result(None)
+        return fut
+
+    def _changed(self) -> None:
+        self._dirty = True
+        with contextlib.suppress(RuntimeError):  # no loop running (a start-up adoption): the next durable() writes
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        if self._writer is None or self._writer.done():  # started now, it runs after this loop turn's changes
+            self._writer = asyncio.get_running_loop().create_task(self._write(), name="orchestrator-state-file")
+
+    async def _write(self) -> None:
+        """Write snapshots while changes are pending; settle the `durable()` futures each covers."""
         assert self._path is not None
-        groups = {g: {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents)}
-                  for g, p in self._placements.items()}
-        data: dict[str, object] = {"apiVersion": API_VERSION, "epochs": self._ends, "groups": groups}
-        if self._pool is not None:
+        while self._dirty:
+            self._dirty = False
+            self._writing, self._next = self._next, []
+            try:
+                await asyncio.to_thread(write_atomic, self._path, self._snapshot())
+            except Exception as exc:  # (a bug too must fail the waiting grants, never leave them waiting)
+                err = exc if isinstance(exc, OSError) else OSError(f"{type(exc).__name__}: {exc}")
+                self._dirty = True
+                log.error("orchestrator state file %s not written: %s", self._path, err)
+                for fut in (*self._writing, *self._next):
+                    if not fut.done():
+                        fut.set_exception(err)
+                        fut.exception()  # retrieved: a caller that went away does not log it again
+                self._writing, self._next = [], []
+                return
+            for fut in self._writing:
+                if not fut.done():
+                    fut.set_result(None)
+            self._writing = []
+
+    async def close(self) -> None:
+        """Write what is pending (a failed write is logged)."""
+        with contextlib.suppress(OSError):
+            await self.durable()
+
+    def _snapshot(self) -> bytes:
+        """The file's bytes now, built on the loop from each part's JSON, serialized once per
+        change (`_group_json`): a write at 1000 groups re-serializes only what changed."""
+        if self._epochs_json is None:
+            self._epochs_json = json.dumps(self._ends)
+        for g in self._stale:
+            p = self._placements[g]
+            self._group_json[g] = f"{json.dumps(g)}: " + json.dumps(
+                {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents)})
+        self._stale.clear()
+        if self._pool_json is None and self._pool is not None:
             path, size, checkpoints = self._pool
-            data["pool"] = {"path": path, "bytes": size, "checkpoints": [
+            self._pool_json = json.dumps({"path": path, "bytes": size, "checkpoints": [
                 {"group": c.group, "job": c.job, "stream": c.stream, "pid": c.pid,
                  "ranges": [list(r) for r in c.ranges],
-                 "bytes": c.nbytes, "checksum": c.checksum} for c in checkpoints]}
-        write_atomic(self._path, json.dumps(data).encode())
+                 "bytes": c.nbytes, "checksum": c.checksum} for c in checkpoints]})
+        pool = f', "pool": {self._pool_json}' if self._pool_json is not None else ""
+        return (f'{{"apiVersion": {json.dumps(API_VERSION)}, "epochs": {self._epochs_json}, '
+                f'"groups": {{{", ".join(self._group_json.values())}}}{pool}}}').encode()

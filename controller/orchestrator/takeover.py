@@ -76,16 +76,13 @@ def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[st
 
 def record_placement(g: LockGroup, incoming: str | None = None) -> None:
     """Persist who may be computing or on the GPUs (standalone `StateFile`), with the
-    `incoming` job of a switch about to start. A failed write is logged; the next grant
-    writes again or is refused."""
-    try:
-        persist_placement(g, g.holder.job_id if g.holder else None, incoming)
-    except OSError as err:
-        log.error("placement not persisted group=%s: %s", g.id, err)
+    `incoming` job of a switch about to start (which waits for `LockGroup.placement_written`)."""
+    persist_placement(g, g.holder.job_id if g.holder else None, incoming)
 
 
 def persist_placement(g: LockGroup, holder: str | None, incoming: str | None = None) -> None:
-    """Write `g`'s placement with `holder` as its holder. Raises OSError."""
+    """Record `g`'s placement with `holder` as its holder (written off the loop:
+    `StateFile.durable`)."""
     if g.state is not None:
         g.state.record(g.id, holder, g.moves.must_leave(holder or ""),
                        [*g.residency.residents, *(j for j in (holder, incoming) if j)])
