@@ -392,7 +392,7 @@ class CooperativeJobs:
                             group, job, p.pid, sum(n for _, n in offered), p.registered)
             done.append(p)
             moved += ack.bytes or p.registered
-        self._persist()
+        await self._persisted()  # the switch's restore runs in the memory they freed: recorded first
         if failed is not None:
             note = await undo(done, lambda q: self._restore_one(q, timeout), lambda q: f"pid {q.pid}",
                               f"cooperative checkpoint group={group} job={job} failed ({failed})")
@@ -576,6 +576,13 @@ class CooperativeJobs:
                    for procs in self._procs.values() for p in procs.values() if p.checkpointed or p.offered]
         self._state.record_pool(self.pool.path, self.pool.size, records)
 
+    async def _persisted(self) -> None:
+        """`_persist`, and return once it is on disk (a failed write is logged by the state file)."""
+        self._persist()
+        if self._state is not None:
+            with contextlib.suppress(OSError):
+                await self._state.durable()
+
     def reap(self) -> None:
         """Forget the processes gone for longer than the grace while checkpointed or holding
         pool ranges (their state went with them: a job's process that starts again starts
@@ -617,17 +624,14 @@ class CooperativeJobs:
         """Pool ranges for each process about to checkpoint: one process gets every free
         range (its state may have grown since it registered); several at once get room for
         their registered bytes each, while it lasts ([]: it keeps its own host copy).
-        Returns once the offers are on disk (a failed write is logged by the state file)."""
+        Returns once the offers are on disk."""
         if self.pool is None or time.monotonic() < self._quiet_until:
             return [[] for _ in procs]
         self.reap()
         offers = [self.pool.take_all()] if len(procs) == 1 else [self.pool.take(p.registered) for p in procs]
         for p, offered in zip(procs, offers):
             p.offered = offered
-        self._persist()  # before any command goes: a restart hands these ranges to nobody else
-        if self._state is not None:
-            with contextlib.suppress(OSError):
-                await self._state.durable()
+        await self._persisted()  # before any command goes: a restart hands these ranges to nobody else
         return offers
 
     def _checkpointed(self, p: _Process, offered: Ranges, ack: pb.MemoryCommandAck) -> None:
