@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.names import install_hint
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -161,7 +162,7 @@ def _kubelet_plugin(a: argparse.Namespace) -> int:
         "registry_dir": a.registry_dir, "agent_listen": a.agent_listen, "agent_auth": a.agent_auth,
         "agent_allowed_users": _names(a.agent_allowed_users), "agent_tls": a.agent_tls or None,
         "backends": tuple(a.backends.split(",")) if a.backends else None, "orchestrator": a.orchestrator,
-        "liveness_file": a.liveness_file,
+        "liveness_file": a.liveness_file, "driver_root": a.driver_root, "driver_root_host": a.driver_root_host,
     }.items() if v is not None}
     asyncio.run(run(KubeletPluginConfig(**fields)))
     return 0
@@ -389,6 +390,14 @@ def parser() -> argparse.ArgumentParser:
                                    "(CDI), and checkpoint/restore claims' processes for the orchestrator.")
     k.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node (default $NODE_NAME)")
     k.add_argument("--fake-gpus", help="publish fake GPUs instead of NVML's, e.g. 4xH200 (tests, demos)")
+    k.add_argument("--driver-root", metavar="PATH",
+                   help="the NVIDIA driver's root as mounted in this container: libnvidia-ml.so.1 and libcuda.so.1 "
+                        "are loaded from there, a node without them is refused at start, and claims' CDI specs "
+                        "bind-mount the driver's libraries into /usr/local/nvidia/lib64 (default: none; the "
+                        "libraries the image or the host's loader finds, no mounts)")
+    k.add_argument("--driver-root-host", metavar="PATH",
+                   help="the same directory as --driver-root on the node, for the CDI mounts (default: "
+                        "--driver-root)")
     k.add_argument("--sharing", choices=["seats", "consumable"], help="how a GPU is published (default seats)")
     k.add_argument("--seats", type=int, help="seats per GPU in seats mode (default 4)")
     k.add_argument("--state-dir", help="checkpoint and agent records (default <plugins>/gpu.timeslice.dev/state)")
@@ -545,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `timeslice status | head`: the reader left; no traceback (Python docs, signal)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except (OSError, ValueError) as err:  # a bad config file, flag value or address: a line per problem, no traceback
+    except (OSError, ValueError, FailedPrecondition) as err:  # a bad config file, flag value or address, a node
+        # without the NVIDIA driver (GpuDiscoveryError): a line per problem, no traceback
         for line in str(err).splitlines() or [""]:
             print(f"timeslice {a.command}: error: {line}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from timeslice.kubelet_plugin.agent.tls import self_signed
 from timeslice.kubelet_plugin.agent_certificate import CertificatePublisher
 from timeslice.kubelet_plugin.checkpoint import Checkpoint
 from timeslice.kubelet_plugin.devices import GpuInfo, discover_gpus
+from timeslice.kubelet_plugin.driver_root import DriverRoot
 from timeslice.kubelet_plugin.health import DeviceRef, NvmlHealthSource, StaticHealthSource
 from timeslice.kubelet_plugin.plugin_server import PluginServerConfig, create_servers
 from timeslice.kubelet_plugin.preparer import ClaimPreparer
@@ -81,6 +82,8 @@ class KubeletPluginConfig(BaseModel):
     # prepared claims are checked against the API server at start and this often, seconds
     prune_seconds: float = Field(default=300.0, gt=0)
     liveness_file: Path | None = None
+    driver_root: Path | None = None
+    driver_root_host: Path | None = None
 
     @field_validator("backends")
     @classmethod
@@ -125,7 +128,12 @@ async def _prune_periodically(preparer: ClaimPreparer, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None)."""
+    """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None). Raises
+    GpuDiscoveryError at once on a node without the NVIDIA driver (`--driver-root`)."""
+    driver = DriverRoot(cfg.driver_root, cfg.driver_root_host or cfg.driver_root) \
+        if cfg.driver_root is not None and cfg.fake_gpus is None else None
+    if driver is not None:
+        driver.load()  # before NVML is first asked
     api = await kubeapi.api_client()
     resource_api = k8s.ResourceV1Api(api)
     events = EventRecorder(k8s.CoreV1Api(api), f"{names.DRIVER_NAME}/kubelet-plugin", cfg.node_name)
@@ -143,7 +151,8 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     devices, table = device_table(gpus, cfg)
     preparer = ClaimPreparer(node_name=cfg.node_name, read_claim=read_claim, lookup=table.get,
                              checkpoint=Checkpoint(cfg.state_dir / "checkpoint.json"), cdi_dir=cfg.cdi_dir,
-                             events=events, orchestrator=cfg.orchestrator)
+                             events=events, orchestrator=cfg.orchestrator,
+                             driver_mounts=driver.mounts() if driver is not None else ())
     restored = preparer.restore_cdi_specs()
     pruner = asyncio.create_task(_prune_periodically(preparer, cfg.prune_seconds), name="prune-claims")
     publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)

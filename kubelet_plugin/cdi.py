@@ -2,8 +2,9 @@
 
 Owned by the kubelet plugin; called by the claim preparer. Format: Container Device
 Interface spec 0.6.0 (keys `cdiVersion`, `kind`, `devices[].name`,
-`devices[].containerEdits{env, deviceNodes}`, top-level `containerEdits`; see
-reference/dra-protocol.md section 4). Kind `timeslice.dev/gpu`; device names carry the
+`devices[].containerEdits{env, deviceNodes}`, top-level `containerEdits{env, deviceNodes,
+mounts}`; see reference/dra-protocol.md section 4). The top-level mounts are the driver's
+libraries (`driver_root.py`), read-only binds.) Kind `timeslice.dev/gpu`; device names carry the
 claim UID (runtimes cache specs), so CDI ids are `timeslice.dev/gpu=<claim uid>-<device>`.
 
 Env keys never collide between CDI devices (runtimes keep the last value of a repeated
@@ -54,6 +55,7 @@ class ClaimSpec:
     shared_device_nodes: tuple[str, ...] = field(default=())
     admin_access: bool = False
     env: tuple[str, ...] = ()  # more KEY=VALUE for every container of the claim
+    mounts: tuple[tuple[str, str], ...] = ()  # (host path, container path), read-only binds: the driver's libraries
 
     def cdi_id(self, device: str) -> str:
         return f"{KIND}={self.claim_uid}-{device}"
@@ -78,6 +80,9 @@ def render(spec: ClaimSpec) -> dict[str, object]:
     edits: dict[str, object] = {"env": claim_env}
     if spec.shared_device_nodes:
         edits["deviceNodes"] = _nodes(spec.shared_device_nodes)
+    if spec.mounts:
+        edits["mounts"] = [{"hostPath": host, "containerPath": inside, "options": ["ro", "nosuid", "nodev", "bind"]}
+                           for host, inside in spec.mounts]
     devices = []
     for d in spec.devices:
         dev_edits: dict[str, object] = {"env": [f"{env_key('DEVICE', d.device)}={d.physical_gpu}"]}

@@ -138,8 +138,10 @@ class ClaimPreparer:
 
     def __init__(self, *, node_name: str, read_claim: Callable[[str, str], Any],
                  lookup: Callable[[str], DeviceInfo | None], checkpoint: Checkpoint, cdi_dir: Path,
-                 events: EventRecorder | None = None, orchestrator: str = "") -> None:
+                 events: EventRecorder | None = None, orchestrator: str = "",
+                 driver_mounts: tuple[tuple[str, str], ...] = ()) -> None:
         self.node = node_name
+        self._driver_mounts = driver_mounts  # (host path, container path): `DriverRoot.mounts`
         self._read_claim = read_claim
         self._lookup = lookup
         self.checkpoint = checkpoint
@@ -284,7 +286,7 @@ class ClaimPreparer:
                           for d in rec["devices"]),
             orchestrator=self._orchestrator,
             shared_device_nodes=tuple(sorted(n for n in nodes if not _per_gpu_node(n))),
-            admin_access=rec["admin_access"],
+            admin_access=rec["admin_access"], mounts=self._driver_mounts,
             env=tuple(f"{k}={v}" for k, v in names.NCCL_NO_PEER_MEMORY_ENV.items())
             if any(c.get("ncclPeerTransports") is False for c in rec["configs"].values()) else ())
 

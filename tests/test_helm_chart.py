@@ -186,3 +186,27 @@ def test_helm_lint_passes_strict() -> None:
 
 def test_objects_are_unique() -> None:
     by_key(render(values=[LOCAL_VALUES]), "chart")
+
+
+def test_gpu_node_values_mount_the_driver_select_gpu_nodes_and_pull_with_secrets(tmp_path: Path) -> None:
+    """values-gpu-nodes.yaml (issue 24, item 2): the plugin on labelled GPU nodes only, tolerating
+    the GPU taint, the host's driver root mounted read-only and named to the plugin; pull
+    secrets on both pods."""
+    gpu_values = CHART / "values-gpu-nodes.yaml"
+    secrets = tmp_path / "secrets.yaml"
+    secrets.write_text(yaml.safe_dump({"imagePullSecrets": [{"name": "regcred"}]}))
+    objs = objects(render(values=[gpu_values, secrets]))
+    pod = objs[("DaemonSet", "timeslice-kubelet-plugin")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--driver-root"):][:4] == ["--driver-root", "/driver-root", "--driver-root-host", "/"]
+    assert {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True,
+            "mountPropagation": "HostToContainer"} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "driver-root", "hostPath": {"path": "/", "type": "Directory"}} in pod["volumes"]
+    controller = objs[("Deployment", "timeslice-controller")]["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == controller["imagePullSecrets"] == [{"name": "regcred"}]
+    p = helm("lint", "--strict", str(CHART), "--values", str(gpu_values))
+    assert p.returncode == 0, p.stdout + p.stderr
+    with pytest.raises(RenderError, match="driver"):
+        render(sets=["driver.root=relative/path"])
