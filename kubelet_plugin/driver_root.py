@@ -58,18 +58,31 @@ class DriverRoot:
         return found
 
     def _resolve(self, rel: Path) -> Path | None:
-        """`rel` with its symlinks followed inside the root (an absolute link names a file as
-        the node's driver root sees it, so it is read under the root), relative to the root;
-        None when it does not lead to a file."""
-        for _ in range(40):  # the kernel's own bound on links followed (MAXSYMLINKS)
-            full = self.path / rel
-            if not full.is_symlink():
-                return rel if full.is_file() else None
-            target = Path(os.readlink(full))
-            rel = Path(os.path.normpath(target.relative_to("/") if target.is_absolute() else rel.parent / target))
-            if rel.parts[:1] == ("..",):  # a relative link out of the root
-                return None
-        return None
+        """`rel` resolved inside the root as the kernel would inside a chroot there: component by
+        component, each symlink followed (an absolute one from the root, `..` never above it),
+        so a linked directory on the way is the root's, never this container's. Returns the
+        path relative to the root, with no link left in it, when it names a file; else None."""
+        todo, cur, hops = list(rel.parts), Path(), 0
+        while todo:
+            part = todo.pop(0)
+            if part in ("", ".", "/"):
+                continue
+            if part == "..":
+                cur = cur.parent
+                continue
+            nxt = cur / part
+            full = self.path / nxt
+            if full.is_symlink():
+                hops += 1
+                if hops > 40:  # the kernel's own bound on links followed (MAXSYMLINKS)
+                    return None
+                target = Path(os.readlink(full))
+                if target.is_absolute():
+                    cur = Path()
+                todo = [*target.parts, *todo]
+                continue
+            cur = nxt
+        return cur if (self.path / cur).is_file() else None
 
     def load(self) -> None:
         """Load NVML and the CUDA driver library from the root (RTLD_GLOBAL: later opens of

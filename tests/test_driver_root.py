@@ -62,3 +62,19 @@ def test_the_kubelet_plugin_refuses_a_node_without_the_driver_in_one_line(tmp_pa
     assert p.returncode == 2, p.stderr
     assert p.stderr.startswith("timeslice kubelet-plugin: error: no NVIDIA driver under the driver root / ")
     assert "Traceback" not in p.stderr and "nodeSelector" in p.stderr
+
+
+def test_a_linked_directory_on_the_way_is_the_roots_not_the_plugins(tmp_path: Path) -> None:
+    """The GPU operator's driver root links directories absolutely (usr/lib/x86_64-linux-gnu ->
+    /usr/lib64): read under the root, never in the plugin's own file system (review, issue 24)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "usr/lib64").mkdir(parents=True)
+    (root / "usr/lib64/libnvidia-ml.so.1").write_bytes(b"elf")
+    (root / "usr/lib").mkdir()
+    outside.mkdir()
+    (outside / "libcuda.so.1").write_bytes(b"not the driver's")
+    (root / "usr/lib/x86_64-linux-gnu").symlink_to("/usr/lib64")
+    (root / "usr/lib/aarch64-linux-gnu").symlink_to(outside)  # absolute, to a place outside the root
+    (root / "lib64").symlink_to("../../..")  # relative, above the root: clamped to it
+    libs = DriverRoot(root, Path("/run/nvidia/driver")).libraries()
+    assert libs == {"libnvidia-ml.so.1": Path("usr/lib64/libnvidia-ml.so.1")}

@@ -292,3 +292,54 @@ async def test_grants_are_delivered_only_once_written_and_one_write_serves_a_loo
     assert all(writes[0]["epochs"][f"g{i}"] > grant.epoch for i, grant in enumerate(grants))
     for g in groups:
         await g.close()
+
+
+async def test_a_join_that_cannot_be_persisted_leaves_no_caller_in_the_hold(tmp_path) -> None:
+    """A caller that joins its job's hold while a write is pending, and whose join fails (the
+    write failed) or goes away, is not left as a caller of the hold: the holder's release ends
+    it (review, issue 24: the hold went on under a caller that was gone)."""
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.state_file import StateFile
+    from timeslice.driver.errors import SwitchFailed
+
+    folder = tmp_path / "state"
+    folder.mkdir()
+    state = StateFile(folder / "state.json")
+    g = LockGroup(GroupSpec(id="g"), None, state=state)  # type: ignore[arg-type]
+    grant = await g.acquire("a", 0, "r1", None)
+    folder.joinpath("state.json").unlink()
+    folder.rmdir()
+    folder.write_text("x")  # the disk fails
+    state.record("other", "x", [], [])  # a change pending: the join waits for its write
+    with pytest.raises(SwitchFailed, match="cannot persist"):
+        await g.acquire("a", 0, "r2", None)
+    assert g.holder is not None and g.holder.request_ids == {"r1"}
+    g.release("a", grant.lease_id, grant.epoch, "r1")
+    assert g.holder is None
+    await g.close()
+
+
+async def test_an_app_group_in_a_cluster_never_drops_an_unreleased_job_by_its_processes() -> None:
+    """In a cluster the agents find a job's processes through its claims, and a failed API read
+    leaves them out of a report as if there were none: the watch for gone clients is off there
+    (the job is dropped when its pods are gone)."""
+    from timeslice.controller.orchestrator.config import GroupSpec, MemberSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+
+    class Reports:
+        asked = 0
+
+        async def __call__(self, *args):  # type: ignore[no-untyped-def]
+            raise AssertionError("no switch")
+
+        async def memory(self, *args, **kw):  # type: ignore[no-untyped-def]
+            Reports.asked += 1
+            raise AssertionError("no report asked")
+
+    member = MemberSpec(claim_set="ns/a:gpu", claims_by_agent={"unix:///x": (("ns", "a"),)},
+                        app={"engine": "vllm", "url": "http://127.0.0.1:1"})
+    g = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///x",), members=(member,)), Reports())
+    g.awake.watch(["ns/a:gpu"])
+    assert g.awake._watch is None and Reports.asked == 0
+    await g.close()

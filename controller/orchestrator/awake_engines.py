@@ -39,6 +39,7 @@ class AwakeEngines:
         self._woken: set[str] = set()  # engines woken without a grant, reported at the next (`woken`)
         self._left: set[str] = set()  # holders a process of which left (`left_holding`)
         self._watch: asyncio.Task[None] | None = None
+        self._closed = False
 
     def granted(self, job: str) -> None:
         """`job` holds again: a hold of it that ended unreleased is superseded."""
@@ -107,7 +108,11 @@ class AwakeEngines:
         node agents now and every `GONE_CHECK_SECONDS` while it waits; a job none of whose
         processes is left on any node (every agent answered) is dropped, which lets the
         group move its engine's memory (a switch finds it gone) and grant. Without a switcher
-        that reports memory, nothing is looked for."""
+        that reports memory, or in a cluster, nothing is looked for: there the agents find a
+        job's processes through its claims, a failed API read leaves them out of a report as if
+        there were none, and the job is dropped when its pods are gone."""
+        if self._g.spec.members or self._closed:  # (cluster mode: members name the claim sets)
+            return
         if (self._watch is None or self._watch.done()) and hasattr(self._g.switcher, "memory"):
             self._watch = asyncio.get_running_loop().create_task(self._look(jobs), name=f"awake-{self._g.id}")
 
@@ -131,6 +136,7 @@ class AwakeEngines:
         g.dispatch()
 
     async def close(self) -> None:
+        self._closed = True
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):

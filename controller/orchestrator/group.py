@@ -163,8 +163,11 @@ class LockGroup:
             if self.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
                 try:
                     await self.state.durable()
-                except OSError as err:
-                    raise SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}") from None
+                except BaseException as err:  # (its caller went away, or the write failed): not a caller of it
+                    h.request_ids.discard(request_id)
+                    if isinstance(err, OSError):
+                        raise SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}") from None
+                    raise
             return self._grant_info(h, waited=0.0)
         if job_id in self.failed_jobs:
             raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
@@ -349,6 +352,7 @@ class LockGroup:
         log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
                  h.epoch, held, why)
         self.holder = None
+        h.ended = True
         # a hold that ended otherwise than by its release (lease lapsed, preempted, its caller
         # left) may still compute and grow unwatched: it does not settle its job
         self.residency.hold_ended(h.job_id, observed=why == "released")
@@ -458,7 +462,7 @@ class LockGroup:
         the hold ended meanwhile) fail its waiters with SwitchFailed, their clients ask again,
         and end the hold: none is granted unpersisted."""
         err = written.exception()
-        if err is None and self.holder is h:
+        if err is None and not h.ended:  # (held here, or in the group it was carried to)
             self._deliver(h, waiters, granted_at)
             return
         why = f"cannot persist the fencing epoch and holder: {err}" if err is not None else \

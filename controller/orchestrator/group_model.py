@@ -124,6 +124,7 @@ class Hold:
     # a new Acquire of the job ends it rather than join it
     streams_closed: bool = False
     processes_ended: bool = False
+    ended: bool = False  # `LockGroup.end_hold` ran (a hold carried to another group goes on there)
 
 
 @dataclass
