@@ -14,6 +14,7 @@ checkpointed first). `TIMESLICE_SCHEDULE_EXAMPLES` sets the number of schedules 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -103,7 +104,8 @@ async def _run(ops, residency: str, fail_every: int) -> None:
 
 async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> None:
     gpu = ModelGpu(fail_every)
-    g = _group(gpu, residency, StateFile(state_path))
+    state = StateFile(state_path)
+    g = _group(gpu, residency, state)
     grants: dict[str, object] = {}  # job -> its current grant
     pending: dict[str, asyncio.Task] = {}
     epochs: list[int] = []
@@ -139,13 +141,18 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             await asyncio.gather(*pending.values(), return_exceptions=True)
             pending.clear()
             await g.close()
+            await state.close()  # (its writes are done: a new one reads the file)
             state = StateFile(state_path)  # what the last run wrote, read as a restarted orchestrator does
             g = _group(gpu, residency, state)
             takeover.adopt_standalone(g, state, set(gpu.off))  # gpu.off: what the agents' records say
         elif op == "lapse" and g.holder is not None:
             g.holder.lease_deadline = 0.0
             g.leases.on_timer(g.holder)
-        for _ in range(5):  # let switches and grants run
+        for _ in range(5):  # let switches and grants run, and the state file be written (off the loop)
+            await asyncio.sleep(0)
+        with contextlib.suppress(OSError):
+            await state.durable()
+        for _ in range(5):
             await asyncio.sleep(0)
         for j, task in list(pending.items()):
             if task.done():
@@ -167,3 +174,4 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
     # no grant left without a caller (an adopted hold's callers are the earlier leader's: it lapses with its lease)
     assert g.holder is None or g.holder.request_ids or g.holder.callers_unknown
     await g.close()
+    await state.close()
