@@ -41,13 +41,9 @@ class AwakeEngines:
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
 
-    def granted(self, job: str) -> None:
-        """`job` holds again: a hold of it that ended unreleased is superseded."""
-        self._unreleased.pop(job, None)
-        self._left.discard(job)
-
-    def dropped(self, job: str) -> None:
-        """`job` is gone: its processes are done, its engine may sleep."""
+    def forget(self, job: str) -> None:
+        """`job` holds again (a hold of it that ended unreleased is superseded), or it is gone
+        (its processes are done: its engine may sleep)."""
         self._unreleased.pop(job, None)
         self._left.discard(job)
 

@@ -128,7 +128,7 @@ class MemoryMoves:
         self._restore_failures.pop(job, None)
         self._fenced.discard(job)
         self._lapsed.discard(job)
-        self._g.awake.granted(job)
+        self._g.awake.forget(job)
 
     def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> bool:
         """`job`'s lease lapsed while it held (or was revoked: `hold`, the hold that ended, and
@@ -170,7 +170,7 @@ class MemoryMoves:
         else:
             g.residency.forget(job)
         self._lapsed.discard(job)
-        g.awake.dropped(job)
+        g.awake.forget(job)
         self._restore_failures.pop(job, None)
         self._granted_at.pop(job, None)
 
