@@ -577,11 +577,10 @@ class CooperativeJobs:
         self._state.record_pool(self.pool.path, self.pool.size, records)
 
     async def _persisted(self) -> None:
-        """`_persist`, and return once it is on disk (a failed write is logged by the state file)."""
+        """`_persist`, and return once it is written (`StateFile.written`)."""
         self._persist()
         if self._state is not None:
-            with contextlib.suppress(OSError):
-                await self._state.durable()
+            await self._state.written()
 
     def reap(self) -> None:
         """Forget the processes gone for longer than the grace while checkpointed or holding

@@ -32,7 +32,6 @@ Rules (DESIGN.md, "Lock groups and the orchestrator"):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -313,13 +312,6 @@ class LockGroup:
     def record_placement(self, incoming: str | None = None) -> None:
         """Persist who may be computing or on the GPUs: `takeover.record_placement`."""
         takeover.record_placement(self, incoming)
-
-    async def placement_written(self) -> None:
-        """Return once what `record_placement` recorded is on disk; a failed write is logged
-        (by the state file) and not raised: the next grant writes again or is refused."""
-        if self.state is not None:
-            with contextlib.suppress(OSError):
-                await self.state.durable()
 
     def view(self) -> GroupView:
         return group_view(self)

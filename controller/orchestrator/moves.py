@@ -620,7 +620,8 @@ class MemoryMoves:
         g.record_placement(incoming)  # a restore may finish after a crash here: it may be on the GPUs
         self._evicting = frozenset(evict)
         try:
-            await g.placement_written()
+            if g.state is not None:  # a failed write is logged: the next grant writes again or is refused
+                await g.state.written()
             return await g.switcher(g.spec, tuple(evict), incoming, restore,
                                     **({"restore_first": True} if first else {}))
         finally:

@@ -241,4 +241,4 @@ class Orchestrator:
         await self._pool.close()
         await self.cooperative.close()
         if self._state is not None:
-            await self._state.close()
+            await self._state.written()

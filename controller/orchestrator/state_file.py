@@ -264,8 +264,9 @@ class StateFile:
                     fut.set_result(None)
             self._writing = []
 
-    async def close(self) -> None:
-        """Write what is pending (a failed write is logged)."""
+    async def written(self) -> None:
+        """Return once every change made so far is written, or its write failed (logged by
+        the writer, not raised here: the next change or `durable()` writes it again)."""
         with contextlib.suppress(OSError):
             await self.durable()
 

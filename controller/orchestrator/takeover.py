@@ -76,7 +76,7 @@ def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[st
 
 def record_placement(g: LockGroup, incoming: str | None = None) -> None:
     """Persist who may be computing or on the GPUs (standalone `StateFile`), with the
-    `incoming` job of a switch about to start (which waits for `LockGroup.placement_written`)."""
+    `incoming` job of a switch about to start (which waits for `StateFile.written`)."""
     persist_placement(g, g.holder.job_id if g.holder else None, incoming)
 
 

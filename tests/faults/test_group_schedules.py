@@ -14,7 +14,6 @@ checkpointed first). `TIMESLICE_SCHEDULE_EXAMPLES` sets the number of schedules 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -141,7 +140,7 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             await asyncio.gather(*pending.values(), return_exceptions=True)
             pending.clear()
             await g.close()
-            await state.close()  # (its writes are done: a new one reads the file)
+            await state.written()  # (its writes are done: a new one reads the file)
             state = StateFile(state_path)  # what the last run wrote, read as a restarted orchestrator does
             g = _group(gpu, residency, state)
             takeover.adopt_standalone(g, state, set(gpu.off))  # gpu.off: what the agents' records say
@@ -150,8 +149,7 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             g.leases.on_timer(g.holder)
         for _ in range(5):  # let switches and grants run, and the state file be written (off the loop)
             await asyncio.sleep(0)
-        with contextlib.suppress(OSError):
-            await state.durable()
+        await state.written()
         for _ in range(5):
             await asyncio.sleep(0)
         for j, task in list(pending.items()):
@@ -174,4 +172,4 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
     # no grant left without a caller (an adopted hold's callers are the earlier leader's: it lapses with its lease)
     assert g.holder is None or g.holder.request_ids or g.holder.callers_unknown
     await g.close()
-    await state.close()
+    await state.written()
