@@ -37,7 +37,7 @@ status=0
 # Server dependencies the GPU image lacks (its package list: device/KINDS.md), at this machine's versions.
 WHEELS="grpcio protobuf grpcio-health-checking pydantic pydantic-core annotated-types typing-inspection
 typing-extensions cryptography cffi pycparser kubernetes durationpy websocket-client requests-oauthlib oauthlib
-aiohttp-retry urllib3 xxhash"
+aiohttp-retry urllib3 xxhash prometheus-client"
 
 wheels() {
   local py="${PY_HERE:-.venv/bin/python}" dir="${WHL_DIR:-.whl}" pins
