@@ -185,7 +185,14 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def grant_of(group: str, job: str, r: pb.AcquireResponse, request_id: str) -> Grant:
+def grant_of(s: Settings, group: str, r: pb.AcquireResponse, request_id: str) -> Grant:
+    """The grant of an Acquire's response. A client of one-box mode that named no job learns
+    the one it acts for (`pgid-<N>`) and puts it in its environment as $TIMESLICE_JOB, so
+    that every process it starts from now on is that job's wherever it goes (a worker that
+    double-forks or calls `setsid`; `timeslice serve` finds them by it)."""
+    job = s.job_id or r.job_id
+    if not s.job_id and r.job_id and s.target.startswith("unix:"):
+        os.environ.setdefault(ENV_JOB, r.job_id)
     return Grant(group_id=group, job_id=job, lease_id=r.lease_id, epoch=r.epoch,
                  lease_seconds=r.lease_seconds, waited_seconds=r.waited_seconds,
                  restored=r.restored, switch_seconds=r.switch_seconds, request_id=request_id)

@@ -91,7 +91,7 @@ class AsyncTimeSliceOrchestratorClient:
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
-        hold = _Hold(_rpc.grant_of(group, self._s.job_id, resp, request_id))
+        hold = _Hold(_rpc.grant_of(self._s, group, resp, request_id))
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
         self._held.add(group)

@@ -136,7 +136,7 @@ class TimeSliceOrchestratorClient:
             lambda remaining: self._stub.Acquire(
                 _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
                 metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
-        return _rpc.grant_of(group, self._s.job_id, resp, request_id)
+        return _rpc.grant_of(self._s, group, resp, request_id)
 
     def _hold(self, hold: _Hold) -> None:
         """Record `hold` (from now on the group's memory commands find this job inside its

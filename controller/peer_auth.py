@@ -99,11 +99,43 @@ class PeerAuthenticator:
 
     def admit(self, caller: PeerCaller, group: Any, job: str) -> None:
         """The caller's scope joins `job`. Raises PermissionDenied (`PeerJobs.bind`; a scope
-        that is no job's to have, `_shared`)."""
-        shared = self._shared(caller.scope, caller.credentials.pid)
-        if shared:
-            raise PermissionDenied(shared)
+        that is no job's to have, `_shared`; two jobs in one process group, `_one_job`; a
+        name serve gives, taken by a caller it would not give it to, `_squatted`)."""
+        why = self._shared(caller.scope, caller.credentials.pid) or self._one_job(caller, job) or \
+            self._squatted(caller, job)
+        if why:
+            raise PermissionDenied(why)
         self._jobs.bind(job, caller.credentials, caller.scope)
+
+    def _one_job(self, caller: PeerCaller, job: str) -> str:
+        """Why `caller` cannot be its process group's job `job` ("" when it can): another live
+        process of the group acted for it, and neither started the other (issue 23: two jobs
+        that a Python launcher, `make -j` or `timeout` started in its group were one job and
+        held at once). Ranks of one torchrun share its run id and are one job."""
+        if job != caller.scope.job_name:
+            return ""
+        other = self._jobs.unrelated_caller(caller.scope, caller.credentials)
+        if other is None:
+            return ""
+        return (f"process {caller.credentials.pid} names no job, and process {other} of its {caller.scope}, "
+                "which neither started it nor was started by it, acts for the group's job already: two jobs "
+                "started by one program (a launcher, `make -j`, `timeout`) share its process group, so serve cannot "
+                "tell them apart. Name each job (TIMESLICE_JOB=<name>, inherited by its processes), or start each "
+                "in its own session (`setsid`, `subprocess.Popen(..., start_new_session=True)`)")
+
+    def _squatted(self, caller: PeerCaller, job: str) -> str:
+        """Why `caller` may not name `job` ("" when it may): `pgid-<N>` and `cgroup-<name>`
+        are the names serve gives the callers in that scope; another scope takes one only
+        when the job is live and the caller's uid's (a job's process that left its group
+        with TIMESLICE_JOB inherited), so nobody, root included, takes a name before its
+        scope calls."""
+        if job == caller.scope.job_name or not job.startswith(("pgid-", "cgroup-")):
+            return ""
+        if self._jobs.owned_by(job, caller.credentials.uid):
+            return ""
+        return (f"process {caller.credentials.pid} (uid {caller.credentials.uid}, in {caller.scope}) cannot name "
+                f"job {job!r}: serve gives that name to the processes of that scope, and it has no live job of "
+                "yours. Name your job otherwise (TIMESLICE_JOB=<name>)")
 
     def _shared(self, scope: Scope, pid: int) -> str:
         """Why `scope` can be no job's ("" when it can): the root cgroup, which every process

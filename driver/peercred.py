@@ -136,6 +136,29 @@ def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
     return sorted(inside)
 
 
+def named(job: str, uid: int, proc: Path = Path("/proc"),
+          elsewhere: Callable[[Scope], bool] = lambda _: False) -> list[int]:
+    """Live PIDs whose real uid is `uid` (any uid when `uid` is 0) and whose environment, as
+    they were started, has TIMESLICE_JOB=`job` (a job's client puts it there for every
+    process it starts: `client/_rpc.grant_of`), unless their process group is another job's
+    (`elsewhere`); never this process. They are the job's wherever they went: a worker that
+    double-forked away from its job's tree and group."""
+    me, want = os.getpid(), job.encode()
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            if (uid and _uid(pid, proc) != uid) or environ_value(pid, b"TIMESLICE_JOB", proc) != want or \
+                    elsewhere(Scope("process-group", str(_stat_pgid(pid, proc)))):
+                continue
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        found.append(pid)
+    return sorted(found)
+
+
 def stat_fields(pid: int, proc: Path = Path("/proc")) -> list[bytes]:
     """The fields of /proc/<pid>/stat after "pid (comm) ": state ppid pgrp ... (proc(5); comm
     may hold spaces and ')'). Raises OSError (gone)."""
@@ -155,6 +178,31 @@ def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
     except OSError:
         return None
     return None if fields[0] == b"Z" else int(fields[19])
+
+
+def ancestors(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """`pid`'s parent, its parent's parent, ... up to (not including) PID 1 or a process
+    already gone; [] when `pid` itself is gone."""
+    found: list[int] = []
+    while True:
+        try:
+            pid = _stat_ppid_pgid(pid, proc)[0]
+        except (OSError, ValueError, IndexError):
+            return found
+        if pid <= 1 or pid in found:
+            return found
+        found.append(pid)
+
+
+def environ_value(pid: int, name: bytes, proc: Path = Path("/proc")) -> bytes | None:
+    """The value of `name` in `pid`'s environment as it was started (/proc/<pid>/environ);
+    None when it has none, is gone, or is not ours to read."""
+    try:
+        entries = (proc / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = name + b"="
+    return next((e[len(prefix):] for e in entries if e.startswith(prefix)), None)
 
 
 def _stat_pgid(pid: int, proc: Path) -> int:
@@ -309,6 +357,7 @@ class PeerJobs:
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
+        self._callers: dict[Scope, dict[int, int | None]] = {}  # pid -> start time of who acted for the group's own job
         self._cgroup2 = cgroup2_root()  # where cgroup scopes are looked up (mounted once, read once)
         self._path = path
         if path is not None:
@@ -373,6 +422,33 @@ class PeerJobs:
         self._save()
         log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
 
+    def unrelated_caller(self, scope: Scope, caller: PeerCredentials) -> int | None:
+        """`caller` acts for the job `scope` stands for when nobody names one (`pgid-<N>`):
+        the PID of a live earlier caller of it that neither started `caller` nor was started
+        by it (two jobs of one launcher, `make -j` or `timeout` in one process group), and
+        is no rank of the same torchrun (both have one TORCHELASTIC_RUN_ID), else None, and
+        then `caller` is recorded. Cgroup scopes: always None (a cgroup is made for a job:
+        Slurm, `systemd-run --scope`)."""
+        if scope.kind != "process-group":
+            return None
+        callers = self._callers.setdefault(scope, {})
+        for pid, born in list(callers.items()):
+            if start_time(pid) != born or born is None:
+                del callers[pid]
+        if caller.pid not in callers:
+            run = environ_value(caller.pid, b"TORCHELASTIC_RUN_ID")
+            mine = set(ancestors(caller.pid))
+            for pid in callers:
+                if pid not in mine and caller.pid not in ancestors(pid) and \
+                        (run is None or environ_value(pid, b"TORCHELASTIC_RUN_ID") != run):
+                    return pid
+            callers[caller.pid] = start_time(caller.pid)
+        return None
+
+    def owned_by(self, job: str, uid: int) -> bool:
+        """Whether `job` has live processes bound and belongs to `uid`."""
+        return bool(self.scopes(job)) and self._owner.get(job) == uid
+
     def job_of(self, scope: Scope) -> str | None:
         """The job `scope` is bound to (None: none yet)."""
         return self._job_of.get(scope)
@@ -388,6 +464,7 @@ class PeerJobs:
         for scope in [s for s in self._job_of if not self._alive(s)]:
             job = self._job_of.pop(scope)
             self._born.pop(scope, None)
+            self._callers.pop(scope, None)
             if job not in self._job_of.values():
                 self._owner.pop(job, None)
 

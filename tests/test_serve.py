@@ -88,11 +88,12 @@ def env_for(sock: str, **extra: str) -> dict[str, str]:
     return {**env, "TIMESLICE_ORCHESTRATOR": f"unix://{sock}", **extra}
 
 
-@pytest.mark.parametrize("worker", ["in-group", "setsid"])
+@pytest.mark.parametrize("worker", ["in-group", "setsid", "daemon"])
 async def test_two_jobs_in_their_own_process_groups_share_the_group_and_the_other_is_frozen(served, tmp_path,
                                                                                           worker: str) -> None:
     """Each job's worker is frozen while the other job holds, also a worker that left its
-    job's process group with `setsid` (issue 23: it kept running, an escaped job)."""
+    job's process group with `setsid`, or its process tree too by a double fork (issue 23:
+    each kept running, an escaped job)."""
     sock, _ = served
     assert os.stat(sock).st_mode & 0o777 == 0o600
     jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3", worker,

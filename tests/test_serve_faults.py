@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import sys
 import textwrap
@@ -374,3 +375,67 @@ def test_the_cgroup_v2_hierarchy_is_found_where_it_is_mounted_also_on_hybrid_hos
     assert cgroup2_root(v2) == Path("/sys/fs/cgroup")
     assert cgroup2_root(hybrid) == Path("/sys/fs/cgroup/unified")
     assert cgroup2_root(v1_only) is None
+
+
+# A client that holds until the test lets it go (a file), so that two of them overlap.
+OVERLAPPING = textwrap.dedent("""
+    import os, sys, time
+    from timeslice import TimeSliceOrchestratorClient, AccessDenied
+    c = TimeSliceOrchestratorClient(group_id='g')
+    try:
+        with c.on_accelerators(timeout=30):
+            print('held', os.getpid(), flush=True)
+            while not os.path.exists(sys.argv[1]):
+                time.sleep(0.02)
+    except AccessDenied as e:
+        print('refused:', e, flush=True)
+    c.close()
+""")
+
+LAUNCHER = ("import subprocess, sys\nps = [subprocess.Popen(sys.argv[1:]) for _ in range(2)]\n"
+            "sys.exit(max(p.wait() for p in ps))\n")
+
+
+@pytest.mark.parametrize("shape", ["python-launcher", "make", "timeout", "torchrun-ranks", "parent-and-child"])
+async def test_two_unnamed_jobs_of_one_program_are_never_one_job(tmp_path, shape: str) -> None:
+    """Issue 23: two unnamed jobs that one program started in its process group (not a shell:
+    a Python launcher, `make -j2`, `timeout` over a script) were one job, `pgid-<N>`, and both
+    held at once. Now the second to call is refused with the way out. One job's processes stay
+    one job: ranks of one torchrun (one TORCHELASTIC_RUN_ID) and a job's own child."""
+    client, go = tmp_path / "client.py", tmp_path / "go"
+    client.write_text(OVERLAPPING)
+    cmd = f"{sys.executable} {client} {go}"
+    (tmp_path / "Makefile").write_text(f"all: a b\na:\n\t{cmd}\nb:\n\t{cmd}\n")
+    (tmp_path / "two.sh").write_text(f"{cmd} & {cmd} & wait\n")
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    parent = (f"import subprocess, sys\np = subprocess.Popen(sys.argv[1:4])\nsys.argv = sys.argv[:1] + sys.argv[4:]\n"
+              f"exec(open({str(client)!r}).read())\np.wait()")
+    body = {"python-launcher": f"exec {sys.executable} {tmp_path / 'launcher.py'} {cmd}",
+            "make": f"exec make -s -j2 -C {tmp_path}",
+            "timeout": f"exec timeout 120 bash {tmp_path / 'two.sh'}",
+            "torchrun-ranks": f"TORCHELASTIC_RUN_ID=r1 exec {sys.executable} {tmp_path / 'launcher.py'} {cmd}",
+            "parent-and-child": f"exec {sys.executable} -c {shlex.quote(parent)} {cmd} {go}"}[shape]
+    async with serve_process(tmp_path, lease_seconds=60) as (sock, _, _):
+        proc = await script(sock, body)
+        assert proc.stdout is not None
+        seen: list[str] = []
+        while len(seen) < 2:
+            seen.append((await asyncio.wait_for(proc.stdout.readline(), 60)).decode())
+            assert seen[-1], seen
+        go.touch()
+        out = "".join(seen) + (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
+    verdicts = sorted(line.split()[0] for line in out.splitlines() if line.startswith(("held", "refused:")))
+    if shape in ("torchrun-ranks", "parent-and-child"):
+        assert verdicts == ["held", "held"], out  # one job: its processes join its hold
+    else:
+        assert verdicts == ["held", "refused:"], out
+        assert "Name each job" in out and "start_new_session" in out, out
+
+
+async def test_a_name_serve_gives_a_process_group_cannot_be_taken_by_another(tmp_path) -> None:
+    """Issue 23: another process could name its job `pgid-<N>` before group N called, and
+    group N's own job was then refused (or, with `--socket-mode 660`, another user's)."""
+    async with serve_process(tmp_path) as (sock, _, _):
+        squat = await script(sock, f"TIMESLICE_JOB=pgid-{os.getpid()} exec timeslice run --group g --timeout 20 true")
+        out = (await asyncio.wait_for(squat.communicate(), 60))[0].decode()
+        assert squat.returncode != 0 and "serve gives that name to the processes of that scope" in out, out

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"\xa5\x01\n\x15MemoryCommandsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x11\n\tstream_id\x18\x05 \x01(\t\x12\x30\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x1c.timeslice.v1.PoolCheckpoint\"Z\n\x0ePoolCheckpoint\x12\'\n\x06ranges\x18\x01 \x03(\x0b\x32\x17.timeslice.v1.PoolRange\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\r\"\xa1\x01\n\rMemoryCommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tpool_path\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\'\n\x06ranges\x18\x08 \x03(\x0b\x32\x17.timeslice.v1.PoolRangeJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"+\n\tPoolRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xb6\x01\n\x10MemoryCommandAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05op_id\x18\x03 \x01(\t\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x18\n\x10registered_bytes\x18\t \x01(\x04\x12\x0c\n\x04lost\x18\n \x01(\x08\"\x1a\n\x18MemoryCommandAckResponse\"\x87\x01\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\"\x8b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\"0\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"\x1f\n\rLeaveResponse\x12\x0e\n\x06result\x18\x01 \x01(\t\"L\n\x14\x43\x61ncelAcquireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"$\n\x15\x43\x61ncelAcquireResponse\x12\x0b\n\x03was\x18\x01 \x01(\t\"g\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x9c\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x12\x11\n\tresidency\x18\x10 \x01(\t\x12\x18\n\x10resident_job_ids\x18\x11 \x03(\t\x12(\n\x04jobs\x18\x12 \x03(\x0b\x32\x1a.timeslice.v1.JobResidency\x12+\n\x07\x64\x65vices\x18\x13 \x03(\x0b\x32\x1a.timeslice.v1.DeviceMemory\x12\x10\n\x08warnings\x18\x14 \x03(\t\"\xb4\x01\n\x0cJobResidency\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12\x63heckpointed_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x65\x63lared_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07settled\x18\x08 \x01(\x08\"\\\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01*;\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x0e\n\nJOB_FAILED\x10\x01\x32\xdd\x05\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12X\n\rCancelAcquire\x12\".timeslice.v1.CancelAcquireRequest\x1a#.timeslice.v1.CancelAcquireResponse\x12@\n\x05Leave\x12\x1a.timeslice.v1.LeaveRequest\x1a\x1b.timeslice.v1.LeaveResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponse\x12T\n\x0eMemoryCommands\x12#.timeslice.v1.MemoryCommandsRequest\x1a\x1b.timeslice.v1.MemoryCommand0\x01\x12Z\n\x10\x41\x63kMemoryCommand\x12\x1e.timeslice.v1.MemoryCommandAck\x1a&.timeslice.v1.MemoryCommandAckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftimeslice/v1/orchestrator.proto\x12\x0ctimeslice.v1\"\xa5\x01\n\x15MemoryCommandsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\x03\x12\x11\n\tstream_id\x18\x05 \x01(\t\x12\x30\n\ncheckpoint\x18\x06 \x01(\x0b\x32\x1c.timeslice.v1.PoolCheckpoint\"Z\n\x0ePoolCheckpoint\x12\'\n\x06ranges\x18\x01 \x03(\x0b\x32\x17.timeslice.v1.PoolRange\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\r\"\xa1\x01\n\rMemoryCommand\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tpool_path\x18\x03 \x01(\t\x12\x12\n\npool_bytes\x18\x04 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x07 \x01(\x01\x12\'\n\x06ranges\x18\x08 \x03(\x0b\x32\x17.timeslice.v1.PoolRangeJ\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07\"+\n\tPoolRange\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\xb6\x01\n\x10MemoryCommandAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05op_id\x18\x03 \x01(\t\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x0e\n\x06pinned\x18\x08 \x01(\x08\x12\x18\n\x10registered_bytes\x18\t \x01(\x04\x12\x0c\n\x04lost\x18\n \x01(\x08\"\x1a\n\x18MemoryCommandAckResponse\"\x87\x01\n\x0e\x41\x63quireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x06 \x01(\x04\"\x9b\x01\n\x0f\x41\x63quireResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x10\n\x08restored\x18\x05 \x01(\x08\x12\x16\n\x0eswitch_seconds\x18\x06 \x01(\x01\x12\x0e\n\x06job_id\x18\x07 \x01(\t\"0\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\"\x1f\n\rLeaveResponse\x12\x0e\n\x06result\x18\x01 \x01(\t\"L\n\x14\x43\x61ncelAcquireRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"$\n\x15\x43\x61ncelAcquireResponse\x12\x0b\n\x03was\x18\x01 \x01(\t\"g\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x12\n\nrequest_id\x18\x05 \x01(\t\":\n\x0fReleaseResponse\x12\x0f\n\x07waiters\x18\x01 \x01(\r\x12\x16\n\x0eswitch_started\x18\x02 \x01(\x08\"U\n\x10KeepAliveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"4\n\x11KeepAliveResponse\x12\x1f\n\x17lease_remaining_seconds\x18\x01 \x01(\x01\")\n\x15GetGroupStatusRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\"\x13\n\x11ListGroupsRequest\"?\n\x12ListGroupsResponse\x12)\n\x06groups\x18\x01 \x03(\x0b\x32\x19.timeslice.v1.GroupStatus\"p\n\x06Holder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x14\n\x0cheld_seconds\x18\x04 \x01(\x01\x12\x1f\n\x17lease_remaining_seconds\x18\x05 \x01(\x01\"U\n\x06Waiter\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\x05\x12\x17\n\x0fwaiting_seconds\x18\x03 \x01(\x01\x12\x10\n\x08position\x18\x04 \x01(\r\"\xd4\x01\n\x0cSwitchRecord\x12\x13\n\x0b\x66rom_job_id\x18\x01 \x01(\t\x12\x11\n\tto_job_id\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1a\n\x12\x63heckpoint_seconds\x18\x05 \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12\x62ytes_checkpointed\x18\x07 \x01(\x04\x12\x16\n\x0e\x62ytes_restored\x18\x08 \x01(\x04\x12\x18\n\x10\x66inished_at_unix\x18\t \x01(\x01\"\x9c\x04\n\x0bGroupStatus\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12$\n\x06holder\x18\x03 \x01(\x0b\x32\x14.timeslice.v1.Holder\x12%\n\x07waiters\x18\x04 \x03(\x0b\x32\x14.timeslice.v1.Waiter\x12\x17\n\x0fresident_job_id\x18\x05 \x01(\t\x12\x1c\n\x14\x63heckpointed_job_ids\x18\x06 \x03(\t\x12\r\n\x05phase\x18\x07 \x01(\t\x12\r\n\x05\x65poch\x18\x08 \x01(\x04\x12\x0e\n\x06grants\x18\t \x01(\x04\x12\x10\n\x08switches\x18\n \x01(\x04\x12\x17\n\x0f\x66\x61iled_switches\x18\x0b \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0c \x01(\x04\x12\x33\n\x0frecent_switches\x18\r \x03(\x0b\x32\x1a.timeslice.v1.SwitchRecord\x12\x15\n\ragent_targets\x18\x0e \x03(\t\x12\x13\n\x0bpreemptions\x18\x0f \x01(\x04\x12\x11\n\tresidency\x18\x10 \x01(\t\x12\x18\n\x10resident_job_ids\x18\x11 \x03(\t\x12(\n\x04jobs\x18\x12 \x03(\x0b\x32\x1a.timeslice.v1.JobResidency\x12+\n\x07\x64\x65vices\x18\x13 \x03(\x0b\x32\x1a.timeslice.v1.DeviceMemory\x12\x10\n\x08warnings\x18\x14 \x03(\t\"\xb4\x01\n\x0cJobResidency\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12\x63heckpointed_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x64\x65\x63lared_bytes\x18\x06 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07settled\x18\x08 \x01(\x08\"\\\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x12\n\nfree_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x61ge_seconds\x18\x04 \x01(\x01*;\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x0e\n\nJOB_FAILED\x10\x01\x32\xdd\x05\n\x0cOrchestrator\x12\x46\n\x07\x41\x63quire\x12\x1c.timeslice.v1.AcquireRequest\x1a\x1d.timeslice.v1.AcquireResponse\x12\x46\n\x07Release\x12\x1c.timeslice.v1.ReleaseRequest\x1a\x1d.timeslice.v1.ReleaseResponse\x12X\n\rCancelAcquire\x12\".timeslice.v1.CancelAcquireRequest\x1a#.timeslice.v1.CancelAcquireResponse\x12@\n\x05Leave\x12\x1a.timeslice.v1.LeaveRequest\x1a\x1b.timeslice.v1.LeaveResponse\x12L\n\tKeepAlive\x12\x1e.timeslice.v1.KeepAliveRequest\x1a\x1f.timeslice.v1.KeepAliveResponse\x12P\n\x0eGetGroupStatus\x12#.timeslice.v1.GetGroupStatusRequest\x1a\x19.timeslice.v1.GroupStatus\x12O\n\nListGroups\x12\x1f.timeslice.v1.ListGroupsRequest\x1a .timeslice.v1.ListGroupsResponse\x12T\n\x0eMemoryCommands\x12#.timeslice.v1.MemoryCommandsRequest\x1a\x1b.timeslice.v1.MemoryCommand0\x01\x12Z\n\x10\x41\x63kMemoryCommand\x12\x1e.timeslice.v1.MemoryCommandAck\x1a&.timeslice.v1.MemoryCommandAckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'timeslice.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=2881
-  _globals['_ERRORREASON']._serialized_end=2940
+  _globals['_ERRORREASON']._serialized_start=2897
+  _globals['_ERRORREASON']._serialized_end=2956
   _globals['_MEMORYCOMMANDSREQUEST']._serialized_start=50
   _globals['_MEMORYCOMMANDSREQUEST']._serialized_end=215
   _globals['_POOLCHECKPOINT']._serialized_start=217
@@ -48,41 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIREREQUEST']._serialized_start=732
   _globals['_ACQUIREREQUEST']._serialized_end=867
   _globals['_ACQUIRERESPONSE']._serialized_start=870
-  _globals['_ACQUIRERESPONSE']._serialized_end=1009
-  _globals['_LEAVEREQUEST']._serialized_start=1011
-  _globals['_LEAVEREQUEST']._serialized_end=1059
-  _globals['_LEAVERESPONSE']._serialized_start=1061
-  _globals['_LEAVERESPONSE']._serialized_end=1092
-  _globals['_CANCELACQUIREREQUEST']._serialized_start=1094
-  _globals['_CANCELACQUIREREQUEST']._serialized_end=1170
-  _globals['_CANCELACQUIRERESPONSE']._serialized_start=1172
-  _globals['_CANCELACQUIRERESPONSE']._serialized_end=1208
-  _globals['_RELEASEREQUEST']._serialized_start=1210
-  _globals['_RELEASEREQUEST']._serialized_end=1313
-  _globals['_RELEASERESPONSE']._serialized_start=1315
-  _globals['_RELEASERESPONSE']._serialized_end=1373
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1375
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1460
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1462
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1514
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1516
-  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1557
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1559
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1578
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=1580
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=1643
-  _globals['_HOLDER']._serialized_start=1645
-  _globals['_HOLDER']._serialized_end=1757
-  _globals['_WAITER']._serialized_start=1759
-  _globals['_WAITER']._serialized_end=1844
-  _globals['_SWITCHRECORD']._serialized_start=1847
-  _globals['_SWITCHRECORD']._serialized_end=2059
-  _globals['_GROUPSTATUS']._serialized_start=2062
-  _globals['_GROUPSTATUS']._serialized_end=2602
-  _globals['_JOBRESIDENCY']._serialized_start=2605
-  _globals['_JOBRESIDENCY']._serialized_end=2785
-  _globals['_DEVICEMEMORY']._serialized_start=2787
-  _globals['_DEVICEMEMORY']._serialized_end=2879
-  _globals['_ORCHESTRATOR']._serialized_start=2943
-  _globals['_ORCHESTRATOR']._serialized_end=3676
+  _globals['_ACQUIRERESPONSE']._serialized_end=1025
+  _globals['_LEAVEREQUEST']._serialized_start=1027
+  _globals['_LEAVEREQUEST']._serialized_end=1075
+  _globals['_LEAVERESPONSE']._serialized_start=1077
+  _globals['_LEAVERESPONSE']._serialized_end=1108
+  _globals['_CANCELACQUIREREQUEST']._serialized_start=1110
+  _globals['_CANCELACQUIREREQUEST']._serialized_end=1186
+  _globals['_CANCELACQUIRERESPONSE']._serialized_start=1188
+  _globals['_CANCELACQUIRERESPONSE']._serialized_end=1224
+  _globals['_RELEASEREQUEST']._serialized_start=1226
+  _globals['_RELEASEREQUEST']._serialized_end=1329
+  _globals['_RELEASERESPONSE']._serialized_start=1331
+  _globals['_RELEASERESPONSE']._serialized_end=1389
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1391
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1476
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1478
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1530
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_start=1532
+  _globals['_GETGROUPSTATUSREQUEST']._serialized_end=1573
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1575
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1594
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1596
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=1659
+  _globals['_HOLDER']._serialized_start=1661
+  _globals['_HOLDER']._serialized_end=1773
+  _globals['_WAITER']._serialized_start=1775
+  _globals['_WAITER']._serialized_end=1860
+  _globals['_SWITCHRECORD']._serialized_start=1863
+  _globals['_SWITCHRECORD']._serialized_end=2075
+  _globals['_GROUPSTATUS']._serialized_start=2078
+  _globals['_GROUPSTATUS']._serialized_end=2618
+  _globals['_JOBRESIDENCY']._serialized_start=2621
+  _globals['_JOBRESIDENCY']._serialized_end=2801
+  _globals['_DEVICEMEMORY']._serialized_start=2803
+  _globals['_DEVICEMEMORY']._serialized_end=2895
+  _globals['_ORCHESTRATOR']._serialized_start=2959
+  _globals['_ORCHESTRATOR']._serialized_end=3692
 # @@protoc_insertion_point(module_scope)

@@ -109,20 +109,22 @@ class AcquireRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "epoch", "lease_seconds", "waited_seconds", "restored", "switch_seconds")
+    __slots__ = ("lease_id", "epoch", "lease_seconds", "waited_seconds", "restored", "switch_seconds", "job_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     epoch: int
     lease_seconds: float
     waited_seconds: float
     restored: bool
     switch_seconds: float
-    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., restored: _Optional[bool] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
+    job_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., restored: _Optional[bool] = ..., switch_seconds: _Optional[float] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("job_id", "group_id")

@@ -140,7 +140,7 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         grant = await group.acquire(job, request.priority, request_id, t or None, request.memory_bytes)
         return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch, lease_seconds=grant.lease_seconds,
                                   waited_seconds=grant.waited_seconds, restored=grant.restored,
-                                  switch_seconds=grant.switch_seconds)
+                                  switch_seconds=grant.switch_seconds, job_id=job)
 
     @rpc_method
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

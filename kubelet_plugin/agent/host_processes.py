@@ -2,9 +2,9 @@
 
 Owned by the node agent of one-box mode (`timeslice serve`: `PeerProcessResolver`) and
 of a standalone node (`timeslice node-agent`: `EnvironProcessResolver`). A job's
-candidates are the process groups or cgroups of the clients that acted for it
-(`PeerJobs`, bound by the orchestrator's peer authenticator), or the processes whose
-environment names it (`TIMESLICE_JOB=<job>`). As on a cluster node (`pod_processes.py`)
+candidates are the processes whose environment names it (`TIMESLICE_JOB=<job>`) and, in
+one-box mode, the process groups or cgroups of the clients that acted for it (`PeerJobs`,
+bound by the orchestrator's peer authenticator). As on a cluster node (`pod_processes.py`)
 they are narrowed to those with a CUDA context on this machine's GPUs (NVML) or, without
 NVML, to those marked TIMESLICE_ACCELERATOR_PROCESS=1 (so a CPU job's client process,
 which must keep running to ask for the lock again, is never frozen).
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from timeslice.driver.errors import NotFound
-from timeslice.driver.peercred import PeerJobs, Scope, members
+from timeslice.driver.peercred import PeerJobs, Scope, members, named
 from timeslice.kubelet_plugin.agent import model_gpu
 from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, environ, marked
 
@@ -75,7 +75,8 @@ class _HostResolver:
 
 
 class PeerProcessResolver(_HostResolver):
-    """One-box mode: the job's scopes from `jobs`."""
+    """One-box mode: the processes of the job's scopes from `jobs` (and their descendants that
+    left them), and its owner's processes started with TIMESLICE_JOB=<job> (`peercred.named`)."""
 
     def __init__(self, jobs: PeerJobs, proc: Path = Path("/proc"),
                  cuda_pids: Callable[[set[str]], set[int] | None] = cuda_pids_on,
@@ -88,8 +89,9 @@ class PeerProcessResolver(_HostResolver):
             return self._jobs.job_of(scope) not in (None, job_id)
 
         scopes = self._jobs.scopes(job_id)
-        pids = sorted({p for scope, uid in scopes for p in members(scope, uid, self._proc, elsewhere)})
-        return pids, f"in {', '.join(str(s) for s, _ in scopes) or 'no scope yet'}"
+        pids = {p for scope, uid in scopes for p in members(scope, uid, self._proc, elsewhere)}
+        pids |= {p for uid in {uid for _, uid in scopes} for p in named(job_id, uid, self._proc, elsewhere)}
+        return sorted(pids), f"in {', '.join(str(s) for s, _ in scopes) or 'no scope yet'} or named by TIMESLICE_JOB"
 
 
 class EnvironProcessResolver(_HostResolver):
