@@ -14,6 +14,7 @@ makes the caller's scope part of it, so the node agent moves those processes wit
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,8 @@ from timeslice.driver.peercred import (
     scope_of,
 )
 
+_USER_JOB = re.compile(r"uid\d+/")
+
 
 @dataclass(frozen=True)
 class PeerCaller:
@@ -41,6 +44,18 @@ class PeerCaller:
     unnamed_job: str
     refusal: str = ""
     pod_uid: str = ""
+    serving_uid: int = 0  # the uid `timeslice serve` runs as
+
+    def job_for(self, named: str) -> str:
+        """The job a call naming `named` acts for: `named` for serve's own user and root, and
+        for the names serve gives (`pgid-<N>`, `cgroup-<name>`: `PeerAuthenticator._squatted`
+        guards them); `uid<U>/<named>` for another user U (a shared socket, `--socket-mode
+        660`), so that one user's job names never meet another's: nobody takes a name before
+        its user does."""
+        uid = self.credentials.uid
+        if uid in (0, self.serving_uid) or named.startswith((f"uid{uid}/", "pgid-", "cgroup-")):
+            return named
+        return f"uid{uid}/{named}"
 
     @property
     def job_id(self) -> str:
@@ -59,6 +74,7 @@ class PeerAuthenticator:
         self._front = front
         self._jobs = jobs
         self._scope = scope
+        self._serving_uid = os.geteuid()
         # a job never shares the server's own cgroup (the unnamed programs started beside it would be one job)
         self._own_cgroup = ""
         if scope == "cgroup":
@@ -84,14 +100,14 @@ class PeerAuthenticator:
         bound = self._jobs.job_of(scope)
         shared = self._shared(scope, creds.pid)
         if shared:
-            return PeerCaller(creds, scope, "", refusal=shared)
+            return PeerCaller(creds, scope, "", refusal=shared, serving_uid=self._serving_uid)
         if bound is None and led_by_a_shell(scope, creds.pid):
             return PeerCaller(creds, scope, "", refusal=(
                 f"process {creds.pid} names no job and is in {scope}, whose leader is a shell: a script, whose "
                 "commands (jobs started with `&` among them) all share that group, so it cannot tell one job from "
                 "another. Start each job in its own process group (`setsid CMD &`), or name it (TIMESLICE_JOB, "
-                "--job)"))
-        return PeerCaller(creds, scope, bound or scope.job_name)
+                "--job)"), serving_uid=self._serving_uid)
+        return PeerCaller(creds, scope, bound or scope.job_name, serving_uid=self._serving_uid)
 
     async def authenticate(self, context: Any) -> str:
         """Status calls: any local caller that could connect (the socket's mode decides)."""
@@ -125,17 +141,19 @@ class PeerAuthenticator:
 
     def _squatted(self, caller: PeerCaller, job: str) -> str:
         """Why `caller` may not name `job` ("" when it may): `pgid-<N>` and `cgroup-<name>`
-        are the names serve gives the callers in that scope; another scope takes one only
-        when the job is live and the caller's uid's (a job's process that left its group
-        with TIMESLICE_JOB inherited), so nobody, root included, takes a name before its
-        scope calls."""
-        if job == caller.scope.job_name or not job.startswith(("pgid-", "cgroup-")):
+        are the names serve gives the callers in that scope, `uid<U>/<name>` user U's
+        (`PeerCaller.job_for`); another takes one only while the job is live and its uid's
+        (a job's process that left its group with TIMESLICE_JOB inherited) or it is root,
+        so nobody, root included, takes a name before its scope or user does."""
+        uid = caller.credentials.uid
+        if job == caller.scope.job_name or job.startswith(f"uid{uid}/") or \
+                not (job.startswith(("pgid-", "cgroup-")) or _USER_JOB.match(job)):
             return ""
-        if self._jobs.owned_by(job, caller.credentials.uid):
+        if self._jobs.owned_by(job, uid) or (uid == 0 and self._jobs.scopes(job)):
             return ""
-        return (f"process {caller.credentials.pid} (uid {caller.credentials.uid}, in {caller.scope}) cannot name "
-                f"job {job!r}: serve gives that name to the processes of that scope, and it has no live job of "
-                "yours. Name your job otherwise (TIMESLICE_JOB=<name>)")
+        return (f"process {caller.credentials.pid} (uid {uid}, in {caller.scope}) cannot name job {job!r}: serve "
+                "gives that name to the processes of one scope or one user, and it has no live job of yours. Name "
+                "your job otherwise (TIMESLICE_JOB=<name>)")
 
     def _shared(self, scope: Scope, pid: int) -> str:
         """Why `scope` can be no job's ("" when it can): the root cgroup, which every process

@@ -140,17 +140,18 @@ def named(job: str, uid: int, proc: Path = Path("/proc"),
           elsewhere: Callable[[Scope], bool] = lambda _: False) -> list[int]:
     """Live PIDs whose real uid is `uid` (any uid when `uid` is 0) and whose environment, as
     they were started, has TIMESLICE_JOB=`job` (a job's client puts it there for every
-    process it starts: `client/_rpc.grant_of`), unless their process group is another job's
-    (`elsewhere`); never this process. They are the job's wherever they went: a worker that
-    double-forked away from its job's tree and group."""
-    me, want = os.getpid(), job.encode()
+    process it starts: `client/_rpc.grant_of`; for a job `uid<U>/<name>`, also `<name>`: what
+    user U named it), unless their process group is another job's (`elsewhere`); never this
+    process. They are the job's wherever they went: a worker that double-forked away from its
+    job's tree and group."""
+    me, want = os.getpid(), {job.encode(), job.removeprefix(f"uid{uid}/").encode()}
     found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
         pid = int(entry.name)
         try:
-            if (uid and _uid(pid, proc) != uid) or environ_value(pid, b"TIMESLICE_JOB", proc) != want or \
+            if (uid and _uid(pid, proc) != uid) or environ_value(pid, b"TIMESLICE_JOB", proc) not in want or \
                     elsewhere(Scope("process-group", str(_stat_pgid(pid, proc)))):
                 continue
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read

@@ -21,8 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 from timeslice.cli.serve import ServeConfig, gpu_count, orchestrator_config
+from timeslice.controller.peer_auth import PeerAuthenticator, PeerCaller
 from timeslice.driver.errors import PermissionDenied
-from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope
+from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, UnixFront
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -275,3 +276,27 @@ def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job
     jobs.bind("j", PeerCredentials(pid=4, uid=0, gid=0), Scope("cgroup", "/"))  # root may act for any job
     assert sorted(str(s) for s, _ in jobs.scopes("j")) == ["cgroup /", f"process-group {os.getpgrp()}"]
     assert {uid for _, uid in jobs.scopes("j")} == {1000}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_on_a_shared_socket_no_user_takes_a_job_name_before_its_owner() -> None:
+    """Issue 23: with `--socket-mode 660`, another user could name a job first ('train', or
+    `pgid-<N>` of the serving user's group), and the owner's job of that name was refused."""
+    sessions = [subprocess.Popen(["sleep", "60"], start_new_session=True, user=uid) for uid in (65534, 0)]
+    try:
+        auth = PeerAuthenticator(UnixFront(Path("/nonexistent/sock")), PeerJobs())
+        other, own = (PeerCaller(PeerCredentials(p.pid, uid, uid), Scope("process-group", str(p.pid)),
+                                 f"pgid-{p.pid}", serving_uid=0) for p, uid in zip(sessions, (65534, 0), strict=True))
+        assert other.job_for("train") == "uid65534/train" and own.job_for("train") == "train"
+        assert other.job_for("uid65534/train") == "uid65534/train"  # idempotent
+        assert other.job_for("uid0/train") == "uid65534/uid0/train"  # never another user's name
+        auth.admit(other, None, other.job_for("train"))
+        auth.admit(own, None, own.job_for("train"))  # its own 'train', not refused
+        with pytest.raises(PermissionDenied, match="serve gives that name"):
+            auth.admit(other, None, f"pgid-{own.scope.key}")  # the serving user's group's name
+        with pytest.raises(PermissionDenied, match="serve gives that name"):
+            auth.admit(own, None, "uid65534/later")  # user 65534's name, before it named it (root too)
+    finally:
+        for p in sessions:
+            p.kill()
+            p.wait()

@@ -438,4 +438,4 @@ async def test_a_name_serve_gives_a_process_group_cannot_be_taken_by_another(tmp
     async with serve_process(tmp_path) as (sock, _, _):
         squat = await script(sock, f"TIMESLICE_JOB=pgid-{os.getpid()} exec timeslice run --group g --timeout 20 true")
         out = (await asyncio.wait_for(squat.communicate(), 60))[0].decode()
-        assert squat.returncode != 0 and "serve gives that name to the processes of that scope" in out, out
+        assert squat.returncode != 0 and "serve gives that name to the processes of one scope or one user" in out, out

@@ -85,6 +85,10 @@ class Caller(Protocol):
         """The job a call that names none acts for ("": the job of the caller's pod)."""
         ...
 
+    def job_for(self, named: str) -> str:
+        """The job a call that names `named` acts for."""
+        ...
+
 
 class Authenticator(Protocol):
     """Who calls: the cluster's TokenReview (`controller/auth.py`) or one-box mode's peer
@@ -118,7 +122,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
             return self._orch.group_for(_check_id("job_id", request.job_id), _check_id("group_id", request.group_id))
         group_id = _check_id("group_id", request.group_id) if request.group_id else ""  # "": the pod's only claim
         caller = await self._auth.identify(context)
-        job = request.job_id or caller.job_id  # "": the job of the caller's pod (token -> pod -> claim sets)
+        # unnamed, "": the job of the caller's pod (token -> pod -> claim sets)
+        job = caller.job_for(_check_id("job_id", request.job_id)) if request.job_id else caller.job_id
         group, job = self._orch.group_for(_check_id("job_id", job) if job else "", group_id, caller.pod_uid)
         self._auth.admit(caller, group, job)
         return group, job
