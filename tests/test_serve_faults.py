@@ -317,6 +317,9 @@ async def test_unnamed_jobs_started_with_an_ampersand_from_one_script_are_refuse
         shebang = await script(sock, f"exec {both}")
         out = (await asyncio.wait_for(shebang.communicate(), 90))[0].decode()
         assert out.count("refused:") == 2 and "held" not in out, out
+        dash = await script(sock, f"exec sh -c 'python {client} & python {client} & wait'")  # `sh -c`
+        out = (await asyncio.wait_for(dash.communicate(), 90))[0].decode()
+        assert out.count("refused:") == 2 and "held" not in out, out
 
 
 async def test_a_script_killed_between_acquire_and_release_does_not_keep_the_group(tmp_path) -> None:
