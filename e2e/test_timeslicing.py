@@ -23,6 +23,7 @@ import yaml
 
 from e2e.example_check import EXAMPLE, NS, TARGET, recorded_holders, run_example_and_check, status
 from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfig, wait
+from tests.prometheus_server import PROMETHEUS, check_dashboard, free_port, prometheus_server, query
 
 EXTENDED = EXAMPLE.parent / "local-extended"
 
@@ -54,10 +55,12 @@ class Controller:
     def __init__(self, work: Path, name: str, kubeconfig: str, listen: str = TARGET) -> None:
         self.log_path = work / f"{name}.log"
         self.log = open(self.log_path, "ab")
+        self.metrics = f"127.0.0.1:{free_port()}"  # every replica serves metrics (a follower: no groups)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "timeslice.cli.main", "controller", "--listen", listen, "--agent-template",
              agent_socket(work), "--default-backend", "freeze", "--auth", "tokenreview", "--leader-election",
-             "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1"],
+             "--lease-duration", "4", "--renew-deadline", "3", "--retry-period", "1", "--metrics-listen",
+             self.metrics],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "KUBECONFIG": kubeconfig, "POD_NAME": name, "POD_NAMESPACE": "timeslice-system"})
 
@@ -78,6 +81,35 @@ def leader(controllers: list[Controller]) -> Controller | None:
 @pytest.mark.timeout(400)
 def test_two_jobs_share_one_gpu_and_alternate(kube, stack) -> None:
     run_example_and_check(kube)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (make unit-all installs Debian's)")
+def test_a_real_prometheus_scrape_of_the_controllers_shows_each_job_on_every_panel(kube, stack, tmp_path) -> None:
+    """Issue 24, item 3, in the cluster: a real Prometheus scrapes both controller replicas
+    while the example's Jobs alternate; once three switches were scraped three times, every
+    dashboard panel evaluates, the per-job panels with one series per job (`timeslice_job`:
+    the claim sets' ids) and the per-group ones with the group."""
+    kube.run("delete", "-k", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s", timeout=180)
+    checked: list[BaseException | None] = [RuntimeError("no three switches scraped while the jobs ran")]
+
+    def check_while_they_run() -> None:
+        if checked[-1] is None or not query(base, "count_over_time(timeslice_group_switches_total[1m]) >= 3 and "
+                                                  "timeslice_group_switches_total >= 3"):
+            return
+        jobs = {r["metric"]["timeslice_job"] for r in query(base, "timeslice_job_grants_total")}
+        groups = {r["metric"]["group"] for r in query(base, "timeslice_group_switches_total")}
+        try:
+            assert len(jobs) == 2 and all(NS in j for j in jobs), jobs
+            check_dashboard(base, jobs, groups)
+            checked.append(None)
+        except AssertionError as err:  # not every series yet (a job not restored once): the next poll
+            checked.append(err)
+
+    with prometheus_server(tmp_path) as (base, targets):
+        targets.write_text(json.dumps([{"targets": [c.metrics for c in stack]}]))
+        run_example_and_check(kube, during=check_while_they_run)
+    assert checked[-1] is None, checked[-1]
 
 
 @pytest.mark.timeout(400)

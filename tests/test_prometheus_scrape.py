@@ -16,11 +16,7 @@ import contextlib
 import json
 import os
 import re
-import shutil
-import socket
-import urllib.parse
-import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,40 +24,18 @@ import pytest
 from timeslice import AsyncTimeSliceOrchestratorClient
 from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
-from tests.test_grafana import dashboard, panels
+from tests import prometheus_server
+from tests.prometheus_server import PROMETHEUS, RANGE, check_dashboard
 from tests.test_node_agent_cli import start, stop
 from tests.test_schedules import MB, fake_driver_agent, job_process
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None and os.environ.get("TIMESLICE_TEST_INTEGRATIONS") != "required",
     reason="no prometheus binary (make unit-all installs Debian's)")
-SCRAPE_JOB = "timeslice"
-RANGE = "1m"  # $__rate_interval and $__range: Prometheus scrapes every 1 s here
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 async def query(base: str, expr: str) -> list[dict[str, Any]]:
-    """An instant query's result vector; fails on a Prometheus error (bad PromQL)."""
-    answer = await asyncio.to_thread(_get, f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    assert answer["status"] == "success", (expr, answer)
-    return list(answer["data"]["result"])
-
-
-def as_promql(expr: str) -> str:
-    """Grafana's variables as Prometheus takes them: every group and backend, ranges of `RANGE`."""
-    expr = re.sub(r"\$__(rate_interval|range|interval)", RANGE, expr)
-    return re.sub(r"\$\{?(group|backend)\}?", ".*", expr)
+    return await asyncio.to_thread(prometheus_server.query, base, expr)
 
 
 async def _drain(stream: asyncio.StreamReader | None) -> None:
@@ -70,33 +44,10 @@ async def _drain(stream: asyncio.StreamReader | None) -> None:
 
 
 @pytest.fixture
-async def prometheus(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
+def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """(Prometheus' base URL, the file its scrape config reads targets from)."""
-    targets = tmp_path / "targets.json"
-    targets.write_text("[]")
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                               "scrape_configs": [{"job_name": SCRAPE_JOB, "file_sd_configs": [
-                                   {"files": [str(targets)], "refresh_interval": "1s"}]}]}))
-    port = _free_port()
-    proc = await asyncio.create_subprocess_exec(
-        PROMETHEUS or "prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    drain = asyncio.create_task(_drain(proc.stderr))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):  # its readiness, 60 s at most
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(urllib.request.urlopen, f"{base}/-/ready", None, 2)
-                break
-            assert proc.returncode is None, "prometheus exited"
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("prometheus not ready within 60 s")
-        yield base, targets
-    finally:
-        await stop(proc)  # type: ignore[arg-type]
-        await drain
+    with prometheus_server.prometheus_server(tmp_path) as running:
+        yield running
 
 
 async def _hand_offs(target: str, gpu: ModelGpu, pids: dict[str, int], done: asyncio.Event) -> None:
@@ -143,22 +94,7 @@ async def test_every_dashboard_panel_shows_one_series_per_job_from_a_real_scrape
             await asyncio.sleep(0.1)
         else:
             pytest.fail("no three scrapes of two switches within 60 s")
-        assert [r["metric"]["job"] for r in await query(base, "up == 1")] == [SCRAPE_JOB]
-        assert await query(base, '{exported_job!=""}') == []  # no label of ours was renamed
-        seen: dict[str, list[dict[str, Any]]] = {}
-        for panel in panels(dashboard()["panels"]):
-            for t in panel.get("targets", []):
-                seen[t["expr"]] = result = await query(base, as_promql(t["expr"]))
-                legend = t.get("legendFormat", "")
-                if "{{timeslice_job}}" in legend:
-                    per_job = sorted(r["metric"].get("timeslice_job", "") for r in result)
-                    ways = len(result) // 2 if "{{direction}}" in legend else len(result)
-                    assert sorted(set(per_job)) == ["a", "b"] and ways == 2, (panel["title"], result)
-                elif legend.startswith("{{group}}"):
-                    assert {r["metric"].get("group") for r in result} == {"g"}, (panel["title"], result)
-        # Only what never happened here has no series: failed switches (none failed)
-        empty = sorted(e for e, r in seen.items() if not r)
-        assert all('result="failed"' in e for e in empty), empty
+        await asyncio.to_thread(check_dashboard, base, {"a", "b"}, {"g"})
     finally:
         done.set()
         with contextlib.suppress(Exception):
