@@ -9,7 +9,6 @@ with kustomize (each e2e test installs what it needs: e2e/test_in_cluster.py, te
 from __future__ import annotations
 
 import copy
-import time
 from typing import Any
 
 import pytest
@@ -136,12 +135,54 @@ def test_helm_install_brings_up_the_driver_and_uninstall_removes_it(kube) -> Non
         status = helm("status", RELEASE, "--namespace", RELEASE_NAMESPACE, env=env, timeout=60)
         assert "STATUS: deployed" in status.stdout, status.stdout + status.stderr
     finally:
-        start = time.monotonic()
-        uninstall = helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "180s",
-                         env=env, timeout=240)
-        gone = wait(lambda: not any(cluster_objects(kube).values()), 180, "every object of the release deleted")
-        print(f"helm uninstall: {uninstall.stdout.strip()} {uninstall.stderr.strip()} "
-              f"(all gone after {time.monotonic() - start:.0f} s)")
-    assert uninstall.returncode == 0 and gone, uninstall.stdout + uninstall.stderr
+        _uninstall(kube)
     releases = helm("list", "--all", "--namespace", RELEASE_NAMESPACE, "--short", env=env, timeout=60)
     assert RELEASE not in releases.stdout.split(), releases.stdout
+
+
+def _uninstall(kube) -> None:
+    uninstall = helm("uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "180s",
+                     env=kube.env, timeout=240)
+    assert wait(lambda: not any(cluster_objects(kube).values()), 180, "every object of the release deleted")
+    assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
+
+
+@pytest.mark.timeout(600)
+def test_gpu_node_values_run_the_plugin_on_gpu_nodes_only_and_it_refuses_a_node_without_the_driver(
+        kube, node_name) -> None:
+    """Issue 24, item 2, on the local cluster (no GPU, no NVIDIA driver): with
+    values-gpu-nodes.yaml (and no fake GPUs) the plugin DaemonSet schedules nothing on a node
+    without the GPU label; labelled, the node gets a plugin pod that tolerates the GPU taint,
+    mounts the host's root as the driver root, and refuses to start in one line saying that
+    the driver is not there and what to set."""
+    kube.run("delete", "-k", str(BASE), "--ignore-not-found", "--wait=true", "--timeout=180s", check=False,
+             timeout=240)
+    wait(lambda: not any(cluster_objects(kube).values()), 180, "no driver installed (an earlier test's objects)")
+    install = helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--values", str(LOCAL_VALUES),
+                   "--values", str(CHART / "values-gpu-nodes.yaml"), "--set", "devices.fakeGPUs=null",
+                   env=kube.env, timeout=300)
+    try:
+        assert install.returncode == 0, install.stdout + install.stderr
+        ds = wait(lambda: (d := kube.json("get", "daemonset", "-n", SYSTEM, "timeslice-kubelet-plugin"))
+                  .get("status", {}).get("observedGeneration") and d, 60, "the plugin DaemonSet observed")
+        assert ds["status"]["desiredNumberScheduled"] == 0, ds["status"]  # this node has no GPU label
+        assert not pods(kube, "timeslice-kubelet-plugin")
+        kube.run("label", "node", node_name, "nvidia.com/gpu.present=true")
+
+        def refused() -> dict | None:
+            found = pods(kube, "timeslice-kubelet-plugin")
+            if not found:
+                return None
+            name = found[0]["metadata"]["name"]
+            text = "".join(kube.run("logs", "-n", SYSTEM, name, *prev, check=False).stdout for prev in ((), ("-p",)))
+            return found[0] if "no NVIDIA driver under the driver root /" in text else None
+
+        pod = wait(refused, 180, "the plugin pod on the labelled node, refusing: no driver")
+        spec = pod["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert any(v["name"] == "driver-root" and v["hostPath"]["path"] == "/" for v in spec["volumes"]), spec
+
+        assert not ready(kube.json("get", "pod", "-n", SYSTEM, pod["metadata"]["name"]))
+    finally:
+        kube.run("label", "node", node_name, "nvidia.com/gpu.present-", check=False)
+        _uninstall(kube)
