@@ -343,3 +343,38 @@ async def test_an_app_group_in_a_cluster_never_drops_an_unreleased_job_by_its_pr
     g.awake.watch(["ns/a:gpu"])
     assert g.awake._watch is None and Reports.asked == 0
     await g.close()
+
+
+async def test_a_grant_held_back_for_a_slow_state_file_write_gets_its_whole_lease(tmp_path, monkeypatch) -> None:
+    """Issue 24 review: a grant is delivered only once its epoch and holder are written; its
+    lease was timed from the decision, so a write that took most of a lease (a loaded disk)
+    left the client too little to send its first keep-alive, and the group went on to the
+    next job while the holder computed. The lease now runs from the delivery."""
+    import threading
+
+    from timeslice.controller.orchestrator import state_file
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.orchestrator import Orchestrator
+    from timeslice.controller.orchestrator.state_file import StateFile
+
+    now = [100.0]
+    started, go = threading.Event(), threading.Event()
+    write = state_file.write_atomic
+
+    def slow_write(path, data) -> None:  # the grant's write waits until the test lets it go
+        started.set()
+        go.wait(30)
+        write(path, data)
+
+    orch = Orchestrator([GroupSpec(id="g", backend="none", lease_seconds=10)], state=StateFile(tmp_path / "s.json"))
+    monkeypatch.setattr(state_file, "write_atomic", slow_write)
+    g = orch.group("g")
+    g.clock = lambda: now[0]
+    grant = asyncio.ensure_future(g.acquire("a", 0, "a1", None))
+    await asyncio.to_thread(started.wait, 30)
+    now[0] += 9.5  # the write took 9.5 of the 10 s lease
+    go.set()
+    got = await asyncio.wait_for(grant, 30)
+    assert g.holder is not None and g.holder.epoch == got.epoch
+    assert g.holder.lease_deadline - now[0] == pytest.approx(10)
+    await orch.close()

@@ -455,6 +455,8 @@ class LockGroup:
         and end the hold: none is granted unpersisted."""
         err = written.exception()
         if err is None and not h.ended:  # (held here, or in the group it was carried to)
+            # the lease runs from the delivery: a slow write must not eat the client's lease
+            h.lease_deadline = max(h.lease_deadline, self.clock() + self.spec.lease_seconds)
             self._deliver(h, waiters, granted_at)
             return
         why = f"cannot persist the fencing epoch and holder: {err}" if err is not None else \
