@@ -127,7 +127,7 @@ class PeerAuthenticator:
         """Why `caller` cannot be its process group's job `job` ("" when it can): another live
         process of the group acted for it, and neither started the other (issue 23: two jobs
         that a Python launcher, `make -j` or `timeout` started in its group were one job and
-        held at once). Ranks of one torchrun share its run id and are one job."""
+        held at once). A job's own workers stay one job (`peercred.one_job`)."""
         if job != caller.scope.job_name:
             return ""
         other = self._jobs.unrelated_caller(caller.scope, caller.credentials)

@@ -195,6 +195,30 @@ def ancestors(pid: int, proc: Path = Path("/proc")) -> list[int]:
         found.append(pid)
 
 
+def one_job(a: int, b: int, proc: Path = Path("/proc")) -> bool:
+    """Whether processes `a` and `b` of one process group are one job's as far as their
+    lineage tells: one started the other; both are ranks of one torchrun (one
+    TORCHELASTIC_RUN_ID); or both are multiprocessing workers of one parent (`fork`: the
+    parent's command line; `spawn`/`forkserver`: `--multiprocessing-fork`; torch's
+    `mp.spawn` ranks). Else they may be two jobs one program started (a launcher's
+    `subprocess.Popen` twice, `make -j`)."""
+    if b in ancestors(a, proc) or a in ancestors(b, proc):
+        return True
+    run = environ_value(a, b"TORCHELASTIC_RUN_ID", proc)
+    if run is not None and run == environ_value(b, b"TORCHELASTIC_RUN_ID", proc):
+        return True
+    parents = [ancestors(pid, proc)[:1] for pid in (a, b)]
+    return bool(parents[0]) and parents[0] == parents[1] and all(_worker_of(pid, parents[0][0], proc) for pid in (a, b))
+
+
+def _worker_of(pid: int, parent: int, proc: Path) -> bool:
+    try:
+        argv, parent_argv = ((proc / str(p) / "cmdline").read_bytes() for p in (pid, parent))
+    except OSError:
+        return False
+    return argv == parent_argv or b"\0--multiprocessing-fork" in argv
+
+
 def environ_value(pid: int, name: bytes, proc: Path = Path("/proc")) -> bytes | None:
     """The value of `name` in `pid`'s environment as it was started (/proc/<pid>/environ);
     None when it has none, is gone, or is not ours to read."""
@@ -425,10 +449,9 @@ class PeerJobs:
 
     def unrelated_caller(self, scope: Scope, caller: PeerCredentials) -> int | None:
         """`caller` acts for the job `scope` stands for when nobody names one (`pgid-<N>`):
-        the PID of a live earlier caller of it that neither started `caller` nor was started
-        by it (two jobs of one launcher, `make -j` or `timeout` in one process group), and
-        is no rank of the same torchrun (both have one TORCHELASTIC_RUN_ID), else None, and
-        then `caller` is recorded. Cgroup scopes: always None (a cgroup is made for a job:
+        the PID of a live earlier caller of it that is not of one job with `caller`
+        (`one_job`: two jobs of one launcher, `make -j` or `timeout` in one process group),
+        else None, and then `caller` is recorded. Cgroup scopes: always None (a cgroup is made for a job:
         Slurm, `systemd-run --scope`)."""
         if scope.kind != "process-group":
             return None
@@ -437,12 +460,9 @@ class PeerJobs:
             if start_time(pid) != born or born is None:
                 del callers[pid]
         if caller.pid not in callers:
-            run = environ_value(caller.pid, b"TORCHELASTIC_RUN_ID")
-            mine = set(ancestors(caller.pid))
-            for pid in callers:
-                if pid not in mine and caller.pid not in ancestors(pid) and \
-                        (run is None or environ_value(pid, b"TORCHELASTIC_RUN_ID") != run):
-                    return pid
+            other = next((pid for pid in callers if not one_job(caller.pid, pid)), None)
+            if other is not None:
+                return other
             callers[caller.pid] = start_time(caller.pid)
         return None
 

@@ -399,12 +399,14 @@ LAUNCHER = ("import subprocess, sys\nps = [subprocess.Popen(sys.argv[1:]) for _ 
             "sys.exit(max(p.wait() for p in ps))\n")
 
 
-@pytest.mark.parametrize("shape", ["python-launcher", "make", "timeout", "torchrun-ranks", "parent-and-child"])
+@pytest.mark.parametrize("shape", ["python-launcher", "make", "timeout", "torchrun-ranks", "parent-and-child",
+                                   "multiprocessing-spawn", "multiprocessing-fork"])
 async def test_two_unnamed_jobs_of_one_program_are_never_one_job(tmp_path, shape: str) -> None:
     """Issue 23: two unnamed jobs that one program started in its process group (not a shell:
     a Python launcher, `make -j2`, `timeout` over a script) were one job, `pgid-<N>`, and both
     held at once. Now the second to call is refused with the way out. One job's processes stay
-    one job: ranks of one torchrun (one TORCHELASTIC_RUN_ID) and a job's own child."""
+    one job: ranks of one torchrun (one TORCHELASTIC_RUN_ID), a job's own child, and ranks a
+    Python program starts with multiprocessing (`spawn`, as torch's `mp.spawn`; `fork`)."""
     client, go = tmp_path / "client.py", tmp_path / "go"
     client.write_text(OVERLAPPING)
     cmd = f"{sys.executable} {client} {go}"
@@ -413,11 +415,25 @@ async def test_two_unnamed_jobs_of_one_program_are_never_one_job(tmp_path, shape
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     parent = (f"import subprocess, sys\np = subprocess.Popen(sys.argv[1:4])\nsys.argv = sys.argv[:1] + sys.argv[4:]\n"
               f"exec(open({str(client)!r}).read())\np.wait()")
+    ranks = tmp_path / "ranks.py"  # two ranks of one job, as torch.multiprocessing.spawn starts them
+    ranks.write_text(textwrap.dedent(f"""
+        import multiprocessing as mp, runpy, sys
+        def rank(go):
+            sys.argv = ["client", go]
+            runpy.run_path({str(client)!r})
+        if __name__ == "__main__":
+            ctx = mp.get_context(sys.argv[1])
+            ps = [ctx.Process(target=rank, args=(sys.argv[2],)) for _ in range(2)]
+            [p.start() for p in ps]
+            [p.join() for p in ps]
+    """))
     body = {"python-launcher": f"exec {sys.executable} {tmp_path / 'launcher.py'} {cmd}",
             "make": f"exec make -s -j2 -C {tmp_path}",
             "timeout": f"exec timeout 120 bash {tmp_path / 'two.sh'}",
             "torchrun-ranks": f"TORCHELASTIC_RUN_ID=r1 exec {sys.executable} {tmp_path / 'launcher.py'} {cmd}",
-            "parent-and-child": f"exec {sys.executable} -c {shlex.quote(parent)} {cmd} {go}"}[shape]
+            "parent-and-child": f"exec {sys.executable} -c {shlex.quote(parent)} {cmd} {go}",
+            "multiprocessing-spawn": f"exec {sys.executable} {ranks} spawn {go}",
+            "multiprocessing-fork": f"exec {sys.executable} {ranks} fork {go}"}[shape]
     async with serve_process(tmp_path, lease_seconds=60) as (sock, _, _):
         proc = await script(sock, body)
         assert proc.stdout is not None
@@ -428,7 +444,7 @@ async def test_two_unnamed_jobs_of_one_program_are_never_one_job(tmp_path, shape
         go.touch()
         out = "".join(seen) + (await asyncio.wait_for(proc.communicate(), 60))[0].decode()
     verdicts = sorted(line.split()[0] for line in out.splitlines() if line.startswith(("held", "refused:")))
-    if shape in ("torchrun-ranks", "parent-and-child"):
+    if shape in ("torchrun-ranks", "parent-and-child", "multiprocessing-spawn", "multiprocessing-fork"):
         assert verdicts == ["held", "held"], out  # one job: its processes join its hold
     else:
         assert verdicts == ["held", "refused:"], out
