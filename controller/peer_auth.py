@@ -134,7 +134,8 @@ class PeerAuthenticator:
         if other is None:
             return ""
         return (f"process {caller.credentials.pid} names no job, and process {other} of its {caller.scope}, "
-                "which neither started it nor was started by it, acts for the group's job already: two jobs "
+                "which is of another lineage (neither started the other, and they are no ranks of one torchrun or "
+                "multiprocessing parent), acts for the group's job already: two jobs "
                 "started by one program (a launcher, `make -j`, `timeout`) share its process group, so serve cannot "
                 "tell them apart. Name each job (TIMESLICE_JOB=<name>, inherited by its processes), or start each "
                 "in its own session (`setsid`, `subprocess.Popen(..., start_new_session=True)`)")

@@ -451,8 +451,8 @@ class PeerJobs:
         """`caller` acts for the job `scope` stands for when nobody names one (`pgid-<N>`):
         the PID of a live earlier caller of it that is not of one job with `caller`
         (`one_job`: two jobs of one launcher, `make -j` or `timeout` in one process group),
-        else None, and then `caller` is recorded. Cgroup scopes: always None (a cgroup is made for a job:
-        Slurm, `systemd-run --scope`)."""
+        else None, and then `caller` is recorded. Cgroup scopes: always None (a cgroup is
+        made for a job: Slurm, `systemd-run --scope`)."""
         if scope.kind != "process-group":
             return None
         callers = self._callers.setdefault(scope, {})
