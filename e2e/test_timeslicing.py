@@ -26,6 +26,8 @@ from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfi
 from tests.prometheus_server import PROMETHEUS, check_dashboard, free_port, prometheus_server, query
 
 EXTENDED = EXAMPLE.parent / "local-extended"
+# what no fake GPU reads (no NVML) and the `freeze` backend never moves: these panels may be empty here
+UNMEASURED = ("timeslice_job_device_bytes", "timeslice_device_", "switch_bytes")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def test_a_real_prometheus_scrape_of_the_controllers_shows_each_job_on_every_pan
         groups = {r["metric"]["group"] for r in query(base, "timeslice_group_switches_total")}
         try:
             assert len(jobs) == 2 and all(NS in j for j in jobs), jobs
-            check_dashboard(base, jobs, groups)
+            check_dashboard(base, jobs, groups, unmeasured=UNMEASURED)
             checked.append(None)
         except AssertionError as err:  # not every series yet (a job not restored once): the next poll
             checked.append(err)
