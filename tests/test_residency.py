@@ -937,6 +937,34 @@ async def test_a_newcomer_asks_for_a_memory_report_then_waits_while_the_resident
     await g.close()
 
 
+async def test_a_newcomer_waits_on_a_report_taken_after_the_residents_first_hold_grew() -> None:
+    """On the H200 (undeclared, `cuda`): job a built 48 GB in its first hold after the memory
+    report at its grant (it held nothing then); b's grant was decided on that report, a move of
+    nothing, so a was checkpointed (22 s), and likewise the third job: 0.66x of one after the
+    other (bench/results/rl-grpo-b-serve-cuda-6c19413-h200.json). A job whose need is not known
+    held since the report: a fresh one is asked for first, and b waits while a is between phases."""
+    now = [0.0]
+    gpu = FakeGpu()
+    gpu.prior_speed = lambda spec: 2e9  # type: ignore[attr-defined]
+    g = group(gpu, declare=False, clock=lambda: now[0])
+    grant_a = await g.acquire("a", 0, "a-0", timeout=None)
+    await eventually(lambda: g.residency.snapshot is not None)  # the holder watch's first report: a holds 0
+    b_waits = asyncio.create_task(g.acquire("b", 0, "b-0", timeout=None))
+    await eventually(lambda: len(g.queue) == 1)
+    gpu.on["a"] = 60 * GB  # a builds its model and optimizer state in its first hold
+    reports = gpu.reports
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await eventually(lambda: gpu.reports > reports)
+    grant_a = await g.acquire("a", 0, "a-1", timeout=None)  # passes b: nothing moved
+    assert not b_waits.done() and gpu.calls == []
+    now[0] = 31.0  # a idle longer than moving its 60 GB takes
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    grant_b = await b_waits
+    assert gpu.calls == [("checkpoint", "a")]
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    await g.close()
+
+
 async def test_resident_first_zero_keeps_strict_queue_order() -> None:
     gpu = FakeGpu(a=45)
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",), resident_first_seconds=0), gpu)

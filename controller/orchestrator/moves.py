@@ -219,18 +219,25 @@ class MemoryMoves:
         its GPUs was granted more recently than the move would take (`move_seconds`): it is
         between its phases and will be back before moving it out pays. The lock stays free
         for the residents; a timer dispatches again when the deferral ends. Without a memory
-        report yet, one is asked for first (once per epoch). Measured on the H200 with the
+        report yet, or with one older than a hold of a job whose need is not known (it may
+        have grown since: on the H200 an undeclared job built 48 GB in its first hold after the
+        report at its grant, the next job's move looked free, and three jobs of 57 GB moved
+        22-29 s each at their first holds, 0.66x; bench/results/rl-grpo-b-serve-cuda-h200.json),
+        one is asked for first (once per epoch). Measured on the H200 with the
         driver's checkpoint (`cuda`): 3 jobs of 57 GB (two fit) switched every phase at ~30 s
         a switch, 0.54x of one after the other (bench/results/rl-grpo-b-serve-cuda-h200.json),
         and 2 jobs of 19 GB that fit, while unsettled, every phase at 5-15 s, 0.67x (a run
         not kept); with the deferral 0.83x, now 1.05x (bench/results/rl-grpo-a-serve-h200.json)."""
         g = self._g
-        if g.residency.snapshot is None and switch_speed(g) is not None:
+        r = g.residency
+        if (r.snapshot is None or r.unsettled_held_since_report(excluding=head.job_id)) and \
+                switch_speed(g) is not None:
             if self._reported_at_epoch != g.epoch:  # measure first, then decide
                 self._reported_at_epoch = g.epoch
                 self._report_task = asyncio.get_running_loop().create_task(self._report_then_dispatch())
                 return True
-            return False
+            if r.snapshot is None:
+                return False
         seconds = move_seconds(g, head.job_id)
         now = g.clock()
         left = pass_remaining(g, head)
