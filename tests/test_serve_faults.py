@@ -380,18 +380,19 @@ def test_the_cgroup_v2_hierarchy_is_found_where_it_is_mounted_also_on_hybrid_hos
     assert cgroup2_root(v1_only) is None
 
 
-# A client that holds until the test lets it go (a file), so that two of them overlap.
+# A client that holds until the test lets it go (a file), so that two of them overlap. Each
+# verdict is one write(2) of one line (two processes share the pipe: print's pieces interleaved).
 OVERLAPPING = textwrap.dedent("""
     import os, sys, time
     from timeslice import TimeSliceOrchestratorClient, AccessDenied
     c = TimeSliceOrchestratorClient(group_id='g')
     try:
         with c.on_accelerators(timeout=30):
-            print('held', os.getpid(), flush=True)
+            os.write(1, f"held {os.getpid()}\\n".encode())
             while not os.path.exists(sys.argv[1]):
                 time.sleep(0.02)
     except AccessDenied as e:
-        print('refused:', e, flush=True)
+        os.write(1, f"refused: {e}\\n".encode())
     c.close()
 """)
 
