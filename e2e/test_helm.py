@@ -174,6 +174,8 @@ def test_gpu_node_values_run_the_plugin_on_gpu_nodes_only_and_it_refuses_a_node_
             if not found:
                 return None
             name = found[0]["metadata"]["name"]
+            waiting = next(iter(found[0].get("status", {}).get("containerStatuses", [])), {}).get("state", {})
+            assert "CreateContainer" not in waiting.get("waiting", {}).get("reason", ""), waiting  # never started
             text = "".join(kube.run("logs", "-n", SYSTEM, name, *prev, check=False).stdout for prev in ((), ("-p",)))
             return found[0] if "no NVIDIA driver under the driver root /" in text else None
 

@@ -201,9 +201,15 @@ def test_gpu_node_values_mount_the_driver_select_gpu_nodes_and_pull_with_secrets
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     command = pod["containers"][0]["command"]
     assert command[command.index("--driver-root"):][:4] == ["--driver-root", "/driver-root", "--driver-root-host", "/"]
-    assert {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True,
-            "mountPropagation": "HostToContainer"} in pod["containers"][0]["volumeMounts"]
+    # the host's root: no propagation (it needs "/" shared or slave; the local cluster's runtime
+    # refused the container: "path / is mounted on / but it is not a shared or slave mount")
+    mount = {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True}
+    assert mount in pod["containers"][0]["volumeMounts"]
     assert {"name": "driver-root", "hostPath": {"path": "/", "type": "Directory"}} in pod["volumes"]
+    operator = objects(render(values=[gpu_values], sets=["driver.root=/run/nvidia/driver"]))
+    mounts = operator[("DaemonSet", "timeslice-kubelet-plugin")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "driver-root", "mountPath": "/driver-root", "readOnly": True,
+            "mountPropagation": "HostToContainer"} in mounts["volumeMounts"]  # a driver container's, mounted later
     controller = objs[("Deployment", "timeslice-controller")]["spec"]["template"]["spec"]
     assert pod["imagePullSecrets"] == controller["imagePullSecrets"] == [{"name": "regcred"}]
     p = helm("lint", "--strict", str(CHART), "--values", str(gpu_values))
