@@ -20,6 +20,7 @@ from typing import Any
 
 from timeslice.driver.errors import PermissionDenied, ProcessGone, Unauthenticated
 from timeslice.driver.peercred import (
+    SCOPE_JOB_PREFIXES,
     PeerCredentials,
     PeerJobs,
     Scope,
@@ -53,7 +54,7 @@ class PeerCaller:
         660`), so that one user's job names never meet another's: nobody takes a name before
         its user does."""
         uid = self.credentials.uid
-        if uid in (0, self.serving_uid) or named.startswith((f"uid{uid}/", "pgid-", "cgroup-")):
+        if uid in (0, self.serving_uid) or named.startswith((f"uid{uid}/", *SCOPE_JOB_PREFIXES)):
             return named
         return f"uid{uid}/{named}"
 
@@ -148,7 +149,7 @@ class PeerAuthenticator:
         so nobody, root included, takes a name before its scope or user does."""
         uid = caller.credentials.uid
         if job == caller.scope.job_name or job.startswith(f"uid{uid}/") or \
-                not (job.startswith(("pgid-", "cgroup-")) or _USER_JOB.match(job)):
+                not (job.startswith(SCOPE_JOB_PREFIXES) or _USER_JOB.match(job)):
             return ""
         if self._jobs.owned_by(job, uid) or (uid == 0 and self._jobs.scopes(job)):
             return ""

@@ -39,6 +39,8 @@ from timeslice.driver.private_paths import private_dir
 log = logging.getLogger("timeslice.serve")
 
 ScopeKind = Literal["process-group", "cgroup"]
+# The prefixes of the job ids serve gives callers that name none (`Scope.job_name`).
+SCOPE_JOB_PREFIXES = ("pgid-", "cgroup-")
 _CHUNK = 256 * 1024
 
 
