@@ -38,6 +38,8 @@ def describe() -> dict[str, Any]:
         pass
     if "MemTotal" in (mem := host_memory()):
         info["mem_total_kib"] = mem["MemTotal"] // 1024
+    if mem.get("HugePages_Total"):  # reserved huge pages: where `timeslice serve` puts its pinned pool
+        info["huge_pages"] = {"reserved": mem["HugePages_Total"], "page_bytes": mem.get("Hugepagesize", 0)}
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)

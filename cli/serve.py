@@ -9,7 +9,8 @@ job of the caller's process group (or cgroup), whose processes the node agent mo
 config format; a group without `agents` uses this machine's agent) or are one per GPU.
 Cooperative groups get the node's pinned pool (`PinnedPool`, built by the orchestrator's
 `running` as for `timeslice orchestrator`): a file in a private directory (mode 0700)
-under /dev/shm, sized by `--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop;
+under /dev/shm (on hugetlbfs where the host reserved huge pages for it: `huge_pages`), sized by
+`--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop;
 one that a killed serve left is removed at the next start with its state dir, once nothing
 maps it (`pinned_pool.remove_left`).
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from timeslice.controller.orchestrator import pinned_pool
+from timeslice.controller.orchestrator import huge_pages, pinned_pool
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
@@ -123,8 +124,10 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
 def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinned_pool.SHM
                  ) -> Iterator[OrchestratorConfig]:
     """`config` with a pinned pool for its cooperative groups: a file in a new directory
-    under `shm` (mode 0700, the serving user's: no other user's job can map it), `size`
-    bytes (None: `pinned_pool.default_size` of this machine's GPUs; 0: no pool); the
+    (mode 0700, the serving user's: no other user's job can map it) on a hugetlbfs mount whose
+    reserved huge pages hold it (`huge_pages.mount_for`: each process registers it with CUDA
+    several times faster), else under `shm`; `size` bytes (None: `pinned_pool.default_size` of
+    this machine's GPUs; 0: no pool; on hugetlbfs rounded down to whole pages); the
     directory and everything in it is removed on exit. `config` as it is when no group is
     cooperative or it names its own `pinned_pool`. Raises ValueError (a size and a
     `pinned_pool` both given), OSError (`shm` unusable)."""
@@ -136,15 +139,23 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
     left = recorded_pool(config.state_file)  # before the size: what it takes of `shm` comes back
     if left is not None:
         pinned_pool.remove_left(left, shm)
-    if size is None:
-        size = pinned_pool.default_size(sum(g.total for g in gpus()), shm)
+    gpu_bytes = sum(g.total for g in gpus()) if size is None else 0
+    want = pinned_pool.default_size(gpu_bytes, None) if size is None else size
+    huge = huge_pages.mount_for(want) if want else None
+    root = shm if huge is None else huge.path
+    if huge is not None:
+        size = want // huge.page_size * huge.page_size
+    elif size is None:
+        size = pinned_pool.default_size(gpu_bytes, shm)
         if size == 0:
             log.warning("no pinned pool: %s has no free space; cooperative jobs keep their own host copies "
                         "(slower)", shm)
     if size == 0:
         yield config
         return
-    with tempfile.TemporaryDirectory(prefix="timeslice-pool-", dir=shm) as folder:  # mkdtemp: mode 0700
+    with tempfile.TemporaryDirectory(prefix="timeslice-pool-", dir=root) as folder:  # mkdtemp: mode 0700
+        log.info("pinned pool bytes=%d on %s%s", size, root,
+                 "" if huge is None else f" (hugetlbfs, {huge.page_size}-byte pages reserved by the host)")
         yield config.model_copy(update={"pinned_pool": PinnedPoolSpec(path=Path(folder) / "pool", bytes=size)})
 
 

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 
 import grpc
@@ -173,16 +173,41 @@ def coop_job(sock: Path, tmp_path: Path, name: str, rounds: int,
                                           start_new_session=True)
 
 
+@pytest.fixture
+def reserved_huge_pages(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount (2 MiB pages) with 4 more huge pages reserved on the host, as an admin
+    reserves them (`vm.nr_hugepages`); both undone after. Needs root (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting hugetlbfs and reserving huge pages need root")
+    mount, nr = tmp_path / "hugepages", Path("/proc/sys/vm/nr_hugepages")
+    mount.mkdir()
+    before = int(nr.read_text())
+    subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(mount)], check=True)
+    try:
+        nr.write_text(str(before + 4))
+        assert int(nr.read_text()) == before + 4, "the host found no memory for 4 huge pages"
+        yield mount
+    finally:
+        nr.write_text(str(before))
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 @pytest.mark.timeout(180)
-async def test_a_cooperative_group_on_serve_moves_each_jobs_state_through_its_private_pool(no_kubernetes, tmp_path,
-                                                                                         short_tmp) -> None:
+@pytest.mark.parametrize(("huge", "gb", "size"), [(False, "0.0042", 4_200_000),
+                                                  (True, "0.0042", 4 << 20),  # rounded down to two 2 MiB pages
+                                                  (True, "0.0108", 10_800_000)])  # more than the 4 pages reserved
+async def test_a_cooperative_group_on_serve_moves_each_jobs_state_through_its_private_pool(
+        no_kubernetes, tmp_path, short_tmp, huge, gb, size, request) -> None:
+    """On /dev/shm, or on hugetlbfs where the host reserved huge pages for the whole pool."""
+    mount = request.getfixturevalue("reserved_huge_pages") if huge else None
     sock = short_tmp / "orchestrator.sock"
     before = _pool_dirs()
-    async with cooperative_serve(tmp_path, sock, "--pinned-pool-gb", "0.004") as (pool, log):
-        assert pool.parent.parent == Path("/dev/shm") and pool.parent.name not in before
+    async with cooperative_serve(tmp_path, sock, "--pinned-pool-gb", gb) as (pool, log):
+        assert pool.parent.parent == (mount if size % (2 << 20) == 0 else Path("/dev/shm"))
+        assert pool.parent.name not in before
         folder, made = os.stat(pool.parent), os.stat(pool)
         assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.geteuid()
-        assert stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.geteuid() and made.st_size == 4_000_000
+        assert stat.S_IMODE(made.st_mode) == 0o600 and made.st_uid == os.geteuid() and made.st_size == size
         jobs = [await coop_job(sock, tmp_path, name, 4, "a,b") for name in "ab"]
         for job in jobs:
             assert await asyncio.wait_for(job.wait(), 120) == 0, log.read_text()[-4000:]

@@ -1,11 +1,11 @@
 """PinnedPool: one node's pinned host memory for cooperative checkpoints, shared by its jobs.
 
 Owned by the orchestrator (one-box mode: `timeslice orchestrator`, the demo, the RL
-benchmark). The pool is a file on a memory filesystem (e.g. `/dev/shm`) that every
-cooperative job process of the node maps and registers with CUDA once
-(`cudaHostRegister`, CUDA Runtime API), so copies run at the link's pinned speed
-(reference/checkpoint-h200.md: ~51 GB/s each way on the H200) while the host holds
-only what is checkpointed now, not a buffer per job. Its size is the node's bound on
+benchmark). The pool is a file on a memory filesystem (`/dev/shm`, or hugetlbfs where
+the host reserved huge pages for it: `huge_pages`) that every cooperative job process of
+the node maps and registers with CUDA once (`cudaHostRegister`, CUDA Runtime API), so
+copies run at the link's pinned speed (reference/checkpoint-h200.md: ~51 GB/s each way on
+the H200) while the host holds only what is checkpointed now, not a buffer per job. Its size is the node's bound on
 pinned memory: a job whose state does not fit in the largest free range falls back to
 its own pageable memory (slower, with a warning), it does not fail.
 
@@ -39,23 +39,26 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from timeslice.controller.orchestrator import huge_pages
+
 log = logging.getLogger("timeslice.cooperative")
 # The pool of a node without a GPU (tests, demos), bytes.
 NO_GPU_BYTES = 10**9
 SHM = Path("/dev/shm")
 
 
-def default_size(gpu_bytes: int, shm: Path = SHM) -> int:
+def default_size(gpu_bytes: int, shm: Path | None = SHM) -> int:
     """Bytes of a pool nobody sized: the GPUs' total memory (`gpu_bytes`, bytes; 0: no GPU,
-    then `NO_GPU_BYTES`), capped by three quarters of the host's memory and by the free
-    space of the memory filesystem `shm`. What is checkpointed is what does not fit on the
+    then `NO_GPU_BYTES`), capped by three quarters of the host's memory and (unless None) by
+    the free space of the memory filesystem `shm`. What is checkpointed is what does not fit on the
     GPUs, and a swap holds two states at once (the one going out is written before the one
     coming in is read back): on the H200 host (135 GB) half the host held one 50 GB state,
     so every swap of two such jobs waited for host memory (bench/results/
     rl-grpo-b-serve-cooperative-h200.json); three quarters hold two and leave the jobs'
     own processes a quarter. Raises OSError when `shm` cannot be read."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(0, min(gpu_bytes or NO_GPU_BYTES, host * 3 // 4, shutil.disk_usage(shm).free))
+    free = host if shm is None else shutil.disk_usage(shm).free
+    return max(0, min(gpu_bytes or NO_GPU_BYTES, host * 3 // 4, free))
 
 
 def in_use(path: Path) -> bool:
@@ -78,7 +81,7 @@ def in_use(path: Path) -> bool:
 
 def remove_left(path: Path, shm: Path = SHM) -> bool:
     """Remove `path`'s folder when it is a private pool an earlier `timeslice serve` left
-    under `shm` (`timeslice-pool-*`, this user's, not a symbolic link) and nothing uses it
+    under `shm` or a hugetlbfs mount (`timeslice-pool-*`, this user's, not a symbolic link) and nothing uses it
     (`in_use`): a serve that was killed (SIGKILL) did not remove its own, and each start
     makes a new one. True when removed; a pool in use stays (its processes restore from it)."""
     folder = path.parent
@@ -86,7 +89,8 @@ def remove_left(path: Path, shm: Path = SHM) -> bool:
         st = folder.lstat()
     except OSError:
         return False
-    if folder.parent != shm or not folder.name.startswith("timeslice-pool-") or not stat.S_ISDIR(st.st_mode) \
+    roots = {shm, *(m.path for m in huge_pages.mounts())}
+    if folder.parent not in roots or not folder.name.startswith("timeslice-pool-") or not stat.S_ISDIR(st.st_mode) \
             or st.st_uid != os.getuid() or in_use(path):
         return False
     shutil.rmtree(folder, ignore_errors=True)
@@ -131,10 +135,14 @@ class PinnedPool:
             try:
                 try:
                     os.fchmod(fd, 0o600)
+                    huge = huge_pages.page_size_of(self.path)
+                    if huge is not None and self.size % huge:
+                        raise OSError(errno.EINVAL, f"a pool on hugetlbfs is a whole number of its {huge}-byte pages")
                     os.ftruncate(fd, self.size)
                     if self.populate:
                         os.posix_fallocate(fd, 0, self.size)  # the node's memory is taken once, here, not mid-switch
-                        _write_zeros(fd, self.size)
+                        if huge is None:  # (hugetlbfs clears each page as it allocates it)
+                            _write_zeros(fd, self.size)
                 finally:
                     os.close(fd)
             except OSError as err:
