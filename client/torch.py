@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from timeslice import host_memory
 from timeslice.memory_commands import MemoryCommandLoop, Ranges, pieces, prefix
 
 log = logging.getLogger("timeslice.torch")
@@ -319,10 +320,17 @@ class TorchState:
         a request up to a power of two (47 GB asks 2**36 B, 68.7 GB), and on the H200 host (128 GiB)
         two jobs of 47 GB that checkpointed into such buffers were killed with their states
         (bench/results/rl-grpo-b-agent-cooperative-nopool-h200.json). Raises MemoryError when
-        the host has not that much."""
+        the host has not that much (`host_memory`: the allocation itself succeeds and the kernel
+        kills the process as the copy fills it), before anything is copied: the checkpoint
+        fails, the orchestrator rolls its switch back, and the job keeps computing."""
         if self._own is not None and self._own.numel() >= total:
             return self._own
         self._own = None
+        available = host_memory.available_bytes()
+        if total > available - host_memory.RESERVE_BYTES:
+            raise MemoryError(f"no host memory for a {total}-byte checkpoint of this process's GPU state: the host has "
+                              f"{available} bytes available (MemAvailable) and keeps {host_memory.RESERVE_BYTES}; "
+                              "the node's pinned pool could not take it")
         try:
             self._own = torch.empty(total, dtype=torch.uint8)
         except RuntimeError as err:

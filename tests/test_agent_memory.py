@@ -16,9 +16,10 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.host_memory import RESERVE_BYTES as HOST_RESERVE_BYTES
 from timeslice.kubelet_plugin.agent import node_agent
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
-from timeslice.kubelet_plugin.agent.node_agent import HOST_RESERVE_BYTES, NodeAgent
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 

@@ -899,18 +899,18 @@ async def test_a_plan_asks_the_processes_for_what_they_registered_now(coop) -> N
 async def test_a_cooperative_plan_counts_the_pools_free_bytes_and_the_hosts_not_more(coop) -> None:
     """H200, 3 x 57 GB, `serve`'s 67 GB pool: a second job's checkpoint did not fit in the pool,
     went to its process's own host memory, and the kernel killed the job (SIGKILL). A plan
-    now checks each checkpoint against the pool's free bytes plus the node's available host
-    memory, as it does for the other backends."""
+    now checks each checkpoint against the pool's free bytes or else the node's available host
+    memory (`placement._take_host_memory`: a checkpoint is never split between them)."""
     agent = NodeAgent(StaticProcessResolver(), memory_probe=lambda: [GpuInfo("GPU-0", 0, 100 * 2**20, 100 * 2**20, {})],
                       host_probe=lambda: 5)
     orch, _ = await coop(agent=agent, pool_bytes=1 << 20)
     g = orch.group("g")
     snap = await g.switcher.memory(g.spec, [])  # type: ignore[attr-defined]
-    assert list(snap.host_available.values()) == [5 + (1 << 20)]
+    assert list(snap.host_available.values()) == [5] and list(snap.pool_free.values()) == [1 << 20]
     assert orch.cooperative.pool is not None
     orch.cooperative.pool.take(1 << 19)
     snap = await g.switcher.memory(g.spec, [])  # type: ignore[attr-defined]
-    assert list(snap.host_available.values()) == [5 + (1 << 19)]
+    assert list(snap.host_available.values()) == [5] and list(snap.pool_free.values()) == [1 << 19]
 
 
 @pytest.mark.parametrize(("exits", "seen", "vanishes"),

@@ -176,6 +176,28 @@ def test_a_restore_first_lends_the_checkpoints_its_host_memory_where_its_state_f
         plan_room("n", ["a"], s, {}, parse_headroom("10%"), alone=True, restore_first=True)
 
 
+def test_a_checkpoint_goes_wholly_to_the_pool_or_wholly_to_host_memory_never_split() -> None:
+    """H100 host (80 GB GPU, 128 GiB host, the default 85.5 GB pool), 3 x 57 GB on `serve`: one
+    state was in the pool (38.6 GB of it left free), and the plan sent a second 47 GB state out
+    on the pool's free bytes plus the host's ~30 GB; the state went wholly to its process's own
+    buffer and the kernel killed the job. A state goes into the pool when its free bytes hold it,
+    else into host memory when that holds it; else the incoming job waits."""
+    from timeslice.controller.orchestrator.placement import NoHostRoom
+
+    h = parse_headroom("10%")
+    s = dataclasses.replace(snap(free=33, total=80, host=30, a=47), pool_free={"agent-0": 38 * GB})
+    with pytest.raises(NoHostRoom, match=r"it holds 47.00 GB, the node has 30.00 GB available and 38.00 GB free in "
+                                         r"its pinned pool \(a checkpoint is not split"):
+        plan_room("n", ["a"], s, {}, h, alone=True)
+    assert plan_room("n", ["a"], dataclasses.replace(s, pool_free={"agent-0": 47 * GB}), {}, h, alone=True) == ["a"]
+    assert plan_room("n", ["a"], dataclasses.replace(s, host_available={"agent-0": 48 * GB}), {}, h,
+                     alone=True) == ["a"]
+    two = dataclasses.replace(snap(free=0, total=100, host=50, a=47, b=47), pool_free={"agent-0": 50 * GB})
+    assert plan_room("n", ["a", "b"], two, {}, h, alone=True) == ["a", "b"]  # one to the pool, one to the host
+    with pytest.raises(NoHostRoom, match="to checkpoint b"):
+        plan_room("n", ["a", "b"], dataclasses.replace(two, host_available={"agent-0": 40 * GB}), {}, h, alone=True)
+
+
 def test_place_restores_first_only_a_checkpointed_job_with_nobody_computing_beside_the_switch() -> None:
     """`place` (placement.py): the plan with the restore first where the checkpoints lack host
     memory, only when the incoming job is checkpointed and nobody stays computing beside the

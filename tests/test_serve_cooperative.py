@@ -461,3 +461,19 @@ def test_a_state_the_pool_cannot_take_goes_to_a_pageable_buffer_of_exactly_its_s
     buf = state._own_buffer(3 * 2**20 + 5)
     assert buf.numel() == buf.untyped_storage().nbytes() == 3 * 2**20 + 5 and not buf.is_pinned()
     assert state._own_buffer(2**20) is buf and state._own_buffer(4 * 2**20).numel() == 4 * 2**20
+
+
+def test_a_state_the_host_cannot_hold_fails_its_checkpoint_before_anything_is_copied() -> None:
+    """H100 host, 3 x 57 GB on `serve`: a 47 GB state the pool could not take went to its own
+    buffer with ~30 GB available, and the kernel killed the job as the copy filled it (the
+    allocation itself succeeds: memory is overcommitted). Now the checkpoint raises MemoryError
+    first (the switch rolls back; the job keeps computing)."""
+    pytest.importorskip("torch")
+    from timeslice import host_memory
+    from timeslice.torch import TorchState
+
+    state = TorchState()
+    too_big = host_memory.available_bytes() - host_memory.RESERVE_BYTES + 2**30
+    with pytest.raises(MemoryError, match=r"bytes available \(MemAvailable\) and keeps 2147483648"):
+        state._own_buffer(too_big)
+    assert state._own is None

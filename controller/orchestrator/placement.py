@@ -51,7 +51,9 @@ class DeviceMemory:
 @dataclass
 class MemorySnapshot:
     """The group's memory as its node agents reported it; bytes; `taken_at` monotonic seconds (when asked).
-    `host_available`: per agent target, host bytes a checkpoint may use."""
+    `host_available`: per agent target, host bytes a checkpoint may use; `pool_free`: per agent target, the
+    free bytes of the node's pinned pool (cooperative): a checkpoint goes wholly into the pool when its free
+    ranges hold it, else wholly into its process's host memory (`timeslice.torch`), never split."""
 
     devices: dict[str, DeviceMemory] = field(default_factory=dict)
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> device -> bytes
@@ -60,6 +62,7 @@ class MemorySnapshot:
     # only the registered state leaves; the CUDA context and the rest stay)
     movable_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     host_available: dict[str, int] = field(default_factory=dict)
+    pool_free: dict[str, int] = field(default_factory=dict)
     # job -> device -> the most it held since the agent's previous report (sampled every
     # 100 ms while the orchestrator watches a hold); at least device_bytes
     peak_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -142,9 +145,9 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     """
     lacking = lacking_room(incoming, snap, peaks, headroom, declared)
     mine = devices_of(incoming, snap, peaks)
-    host = dict(snap.host_available)
+    host, pool = dict(snap.host_available), dict(snap.pool_free)
     if restore_first:
-        _lend_host_memory(incoming, snap, headroom, host)
+        _lend_host_memory(incoming, snap, headroom, pool if pool else host)
     evict: list[str] = []
     for job in residents_lru:
         if not lacking and not alone:
@@ -153,7 +156,7 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
         if not any(held.get(dev, 0) > 0 for dev in (mine if alone else lacking)):
             continue
         if host_checked:
-            _take_host_memory(job, incoming, held, host)
+            _take_host_memory(job, incoming, held, host, pool)
         evict.append(job)
         for dev in list(lacking):
             short, must = lacking[dev]
@@ -191,7 +194,8 @@ def _reserve(mem: DeviceMemory, headroom: tuple[float, int]) -> int:
 def _lend_host_memory(incoming: str, snap: MemorySnapshot, headroom: tuple[float, int],
                       host: dict[str, int]) -> None:
     """`plan_room(restore_first=True)`: `incoming`'s checkpoint must fit beside everybody now; the host
-    memory its restore gives back is added to `host` (per agent). Raises NoRoom."""
+    memory its restore gives back is added to `host` (per agent: the pinned pool's free bytes where the
+    node has one, whose ranges the restore gives back). Raises NoRoom."""
     for dev, n in snap.checkpointed_bytes.get(incoming, {}).items():
         mem = snap.devices.get(dev)
         room = mem.free - _reserve(mem, headroom) if mem is not None else 0
@@ -202,13 +206,21 @@ def _lend_host_memory(incoming: str, snap: MemorySnapshot, headroom: tuple[float
         host[agent_of(dev)] = host.get(agent_of(dev), 0) + n
 
 
-def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: dict[str, int]) -> None:
-    """Take from `host` (per agent) the bytes `job`'s checkpoint needs. Raises NoHostRoom."""
+def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: dict[str, int],
+                      pool: dict[str, int]) -> None:
+    """Take the bytes `job`'s checkpoint needs, per agent, from its node's pool (`pool`) when they fit
+    there, else from its host memory (`host`): one checkpoint is never split between them (H100 host,
+    3 x 57 GB: a 47 GB state was sent out with 38.6 GB of the pool free and ~30 GB of host memory, and
+    the kernel killed the job as its own buffer filled). Raises NoHostRoom."""
     for agent, n in _per_agent(held).items():
+        if n <= pool.get(agent, 0):
+            pool[agent] -= n
+            continue
         if n > host.get(agent, 0):
+            in_pool = f" and {_gb(pool[agent])} free in its pinned pool" if agent in pool else ""
             raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
-                             f"{_gb(host.get(agent, 0))} available (the group serves the others; {incoming} "
-                             "stays where it is)")
+                             f"{_gb(host.get(agent, 0))} available{in_pool} (a checkpoint is not split between "
+                             f"them; the group serves the others; {incoming} stays where it is)")
         host[agent] -= n
 
 

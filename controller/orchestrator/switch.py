@@ -259,9 +259,8 @@ class SwitchCoordinator:
         the pool's free bytes as host memory, checkpoint sizes, what can leave the GPU."""
         (dev,) = snap.devices
         pool = self.cooperative.pool
-        if pool is not None:  # a checkpoint lands in the pool's free ranges first, the rest in host memory
-            node = agent_of(dev)
-            snap.host_available[node] = snap.host_available.get(node, 0) + pool.size - pool.used_bytes
+        if pool is not None:  # a checkpoint lands wholly in the pool's free ranges, else in host memory
+            snap.pool_free[agent_of(dev)] = pool.size - pool.used_bytes
         for job in jobs:  # what the job's processes registered is what they hold when restored
             n = self.cooperative.registered_bytes(spec.id, job)
             if self.cooperative.checkpointed(spec.id, job):

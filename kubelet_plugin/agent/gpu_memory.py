@@ -1,4 +1,4 @@
-"""GPU memory per GPU and per process, from NVML (`nvidia-ml-py`); host memory from /proc.
+"""GPU memory per GPU and per process, from NVML (`nvidia-ml-py`).
 
 Owned by the node agent; used to report the bytes a checkpoint moves and the memory
 report (`GetMemory`) that residency decisions rest on. Tests replace NVML with a model
@@ -15,7 +15,7 @@ import threading
 from timeslice.kubelet_plugin.agent import model_gpu
 from timeslice.kubelet_plugin.agent.gpu_info import GpuInfo
 
-__all__ = ["GpuInfo", "gpus", "host_available_bytes", "process_gpu_bytes", "process_gpus"]
+__all__ = ["GpuInfo", "gpus", "process_gpu_bytes", "process_gpus"]
 
 log = logging.getLogger("timeslice.agent")
 _lock = threading.Lock()
@@ -76,15 +76,3 @@ def gpus() -> list[GpuInfo]:
             procs[p.pid] = procs.get(p.pid, 0) + int(p.usedGpuMemory or 0)
         out.append(GpuInfo(uuid if isinstance(uuid, str) else uuid.decode(), i, int(mem.total), int(mem.free), procs))
     return out
-
-
-def host_available_bytes() -> int:
-    """`MemAvailable` of /proc/meminfo, bytes (0 when unreadable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError as err:
-        log.warning("cannot read /proc/meminfo: %s", err)
-    return 0

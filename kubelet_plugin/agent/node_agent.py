@@ -7,7 +7,7 @@ A step that names an operation id runs once (`steps.Operations`): a resend joins
 gets its outcome again, and after a restart the records answer it (a checkpoint recorded
 under that id, a restore that consumed a record under it) instead of running it again.
 A checkpoint into host memory (`cuda`, `cuda-checkpoint`) is refused before anything is
-touched when the host lacks memory for it (MemAvailable minus `HOST_RESERVE_BYTES`).
+touched when the host lacks memory for it (MemAvailable minus `host_memory.RESERVE_BYTES`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
+from timeslice import host_memory
 from timeslice.driver import names
 from timeslice.driver.errors import (
     BackendError,
@@ -35,7 +36,7 @@ from timeslice.driver.errors import (
 from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING, STOPPED, Backend, ProcState
-from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus, host_available_bytes
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import exit_state, proc_state
@@ -45,8 +46,6 @@ from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome
 __all__ = ["JobRef", "MemoryView", "NodeAgent", "StepOutcome", "StepRequest", "job_state", "live_pids"]
 
 log = logging.getLogger("timeslice.agent")
-# Host memory a checkpoint must leave to the node's other processes, bytes.
-HOST_RESERVE_BYTES = 2 << 30
 # A memory watch (`memory(watch_seconds=...)`) samples NVML this often, seconds: a job that
 # grows faster than idle residents can leave is not saved by sampling more often.
 WATCH_INTERVAL_SECONDS = 0.1
@@ -152,7 +151,7 @@ class NodeAgent:
                  lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS,
                  claim_resolver: ClaimProcessResolver | None = None,
                  memory_probe: Callable[[], list[GpuInfo]] = gpus,
-                 host_probe: Callable[[], int] = host_available_bytes) -> None:
+                 host_probe: Callable[[], int] = host_memory.available_bytes) -> None:
         self.resolver = resolver
         self.claim_resolver = claim_resolver
         given = list(backends)
@@ -453,10 +452,10 @@ class NodeAgent:
     async def _check_host_room(self, job_id: str, need: int) -> None:
         """Raise FailedPrecondition when the host cannot take `need` more bytes."""
         available = await asyncio.to_thread(self._host_probe)
-        if need > available - HOST_RESERVE_BYTES:
+        if need > available - host_memory.RESERVE_BYTES:
             raise FailedPrecondition(
                 f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "
-                f"the node has {available / 1e9:.2f} GB available and keeps {HOST_RESERVE_BYTES / 1e9:.2f} GB "
+                f"the node has {available / 1e9:.2f} GB available and keeps {host_memory.RESERVE_BYTES / 1e9:.2f} GB "
                 "for its other processes; nothing was touched, the job stays on the GPUs")
 
     async def memory(self, jobs: Sequence[JobRef], watch_seconds: float = 0.0, low_free: int = 0) -> MemoryView:
