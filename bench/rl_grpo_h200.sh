@@ -5,7 +5,7 @@
 # STAGE:
 #   wheels          HERE, not on the GPU machine: download into .whl/ the server dependencies the GPU image lacks
 #                   (pinned to this machine's .venv); the device tool carries them (`carry: [".whl"]`)
-#   hugepages       reserve HUGEPAGES_GB (102) of 2 MiB huge pages and mount hugetlbfs (an admin's one-time set-up:
+#   hugepages       reserve 2 MiB huge pages for serve's default pool (or HUGEPAGES_GB) and mount hugetlbfs (an admin's set-up:
 #                   `timeslice serve` then puts the pinned pool there); without it the pool is on /dev/shm
 #   probe           the GPU, shared memory, CPUs, CPU contention, and whether the installed product imports
 #   solo-a|solo-b|solo-c      the shape's jobs alone, one after the other -> OUTDIR/solo-<shape>.json
@@ -83,11 +83,15 @@ for stage in "$@"; do
   case "$stage" in
     wheels) wheels || exit 1 ;;
     hugepages)  # the host's one-time set-up that `timeslice serve` uses when present (docs/one-box.md): 2 MiB huge
-      # pages reserved for the pinned pool (HUGEPAGES_GB, default 102: the default pool of the H200 host, three
-      # quarters of its 135 GB) and a hugetlbfs mount; the call fails when the host refuses either
+      # pages reserved for the pinned pool (as many as serve's default pool takes on this host, or HUGEPAGES_GB) and
+      # a hugetlbfs mount; the call fails when the host refuses either
       mountpoint -q /dev/hugepages || { mkdir -p /dev/hugepages && mount -t hugetlbfs -o pagesize=2M none /dev/hugepages; } \
         || { echo "no hugetlbfs mount" >&2; exit 1; }
-      pages=$(( ${HUGEPAGES_GB:-102} * 1000000000 / 2097152 ))
+      pages=$(python3 -c "
+from timeslice.cli.serve import gpus
+from timeslice.controller.orchestrator.pinned_pool import default_size
+gb = '${HUGEPAGES_GB:-}'
+print(-(-(int(float(gb) * 1e9) if gb else default_size(sum(g.total for g in gpus()), None)) // 2097152))") || exit 1
       echo "$pages" > /proc/sys/vm/nr_hugepages
       grep -E '^Huge' /proc/meminfo
       [ "$(cat /proc/sys/vm/nr_hugepages)" -ge "$pages" ] || { echo "the host reserved fewer than $pages huge pages" >&2; exit 1; }
