@@ -29,7 +29,7 @@
 set -uo pipefail
 out="$1"
 shift
-export TIMESLICE_MACHINE="${TIMESLICE_MACHINE:-lent NVIDIA H200 host (device tool, nvidia-h200)}"
+export TIMESLICE_MACHINE="${TIMESLICE_MACHINE:-lent $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) host (device tool)}"
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # device/KINDS.md
 steps="${STEPS:-6}"
