@@ -23,7 +23,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,13 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.machine import emit
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.machine import emit, free_port
 
 
 async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float, seconds: float) -> list[float]:

@@ -6,10 +6,18 @@ import contextlib
 import json
 import os
 import platform
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (benchmarks and tests give it to a server they start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def host_memory() -> dict[str, int]:

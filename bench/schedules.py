@@ -231,15 +231,6 @@ def fit_together(jobs: list[JobSpec]) -> list[JobSpec]:
     return out
 
 
-def _free_port() -> int:
-    """A TCP port of 127.0.0.1 free now (the job's engine binds it, again after a restart)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the harness's worker dies (no orphans)."""
     import ctypes
@@ -321,7 +312,7 @@ class Run:
         elif sched.backend == "cuda":  # the agent's real backend over the fake driver (bench/fake_cuda)
             agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
             agent_env[fake_driver().FAULTS_ENV] = json.dumps(list(sched.driver_faults))
-        ports = {j.name: _free_port() for j in sched.jobs} if sched.backend == "app" else {}
+        ports = {j.name: machine.free_port() for j in sched.jobs} if sched.backend == "app" else {}
         if ports:  # each job is its own engine (bench/schedule_job.py `Engine`)
             config["groups"][0]["apps"] = {name: {"engine": "vllm", "url": f"http://127.0.0.1:{port}"}
                                            for name, port in ports.items()}

@@ -221,15 +221,20 @@ def _worker_of(pid: int, parent: int, proc: Path) -> bool:
     return argv == parent_argv or b"\0--multiprocessing-fork" in argv
 
 
-def environ_value(pid: int, name: bytes, proc: Path = Path("/proc")) -> bytes | None:
-    """The value of `name` in `pid`'s environment as it was started (/proc/<pid>/environ);
-    None when it has none, is gone, or is not ours to read."""
+def environ(pid: int, proc: Path = Path("/proc")) -> list[bytes]:
+    """`pid`'s environment entries (`NAME=value`) as it was started (/proc/<pid>/environ); []
+    when it is gone or not ours to read."""
     try:
-        entries = (proc / str(pid) / "environ").read_bytes().split(b"\0")
+        return (proc / str(pid) / "environ").read_bytes().split(b"\0")
     except OSError:
-        return None
+        return []
+
+
+def environ_value(pid: int, name: bytes, proc: Path = Path("/proc")) -> bytes | None:
+    """The value of `name` in `pid`'s environment (`environ`); None when it has none, is gone, or
+    is not ours to read."""
     prefix = name + b"="
-    return next((e[len(prefix):] for e in entries if e.startswith(prefix)), None)
+    return next((e[len(prefix):] for e in environ(pid, proc) if e.startswith(prefix)), None)
 
 
 def _stat_pgid(pid: int, proc: Path) -> int:

@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.machine import free_port
 from e2e.example_check import EXAMPLE, NS, TARGET, recorded_holders, run_example_and_check, status
 from e2e.plugin_fixtures import agent_socket, node_agent_plugin, token_kubeconfig, wait
-from tests.prometheus_server import PROMETHEUS, check_dashboard, free_port, prometheus_server, query
+from tests.prometheus_server import PROMETHEUS, check_dashboard, prometheus_server, query
 
 EXTENDED = EXAMPLE.parent / "local-extended"
 # what no fake GPU reads (no NVML) and the `freeze` backend never moves: these panels may be empty here

@@ -9,7 +9,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -18,16 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.machine import free_port
+
 PROMETHEUS = shutil.which("prometheus")
 SCRAPE_JOB = "timeslice"
 RANGE = "1m"  # $__rate_interval and $__range: Prometheus scrapes every 1 s here
-
-
-def free_port() -> int:
-    """A loopback TCP port free now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> Any:

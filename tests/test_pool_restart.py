@@ -22,7 +22,6 @@ import mmap
 import os
 import queue
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server as create_agent_server
 from timeslice.memory_commands import _check_private, pieces, pool_checksum
 
+from bench.machine import free_port
 from tests.conftest import eventually
 from tests.test_cooperative import FakeStore, connected, job
 
@@ -216,17 +216,11 @@ class Box:
         return {c["job"]: c for c in data.get("pool", {}).get("checkpoints", [])}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 async def box(short_tmp: Path) -> AsyncIterator[Box]:
     agent_target = f"unix://{short_tmp / 'agent.sock'}"
     agent_server, _ = await create_agent_server(NodeAgent(StaticProcessResolver()), agent_target)
-    port = _free_port()
+    port = free_port()
     config = short_tmp / "orchestrator.yaml"
     pool, state = short_tmp / "pool", short_tmp / "state.json"
     config.write_text(json.dumps({  # YAML is a superset of JSON

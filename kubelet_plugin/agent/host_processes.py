@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from timeslice.driver.errors import NotFound
-from timeslice.driver.peercred import PeerJobs, Scope, members, named
+from timeslice.driver.peercred import PeerJobs, Scope, environ, members, named
 from timeslice.kubelet_plugin.agent import model_gpu
-from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, environ, marked
+from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, marked
 
 log = logging.getLogger("timeslice.agent")
 JOB_ENV = b"TIMESLICE_JOB="

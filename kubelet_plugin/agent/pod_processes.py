@@ -20,6 +20,7 @@ from typing import Any
 
 from timeslice.driver import names
 from timeslice.driver.errors import NotFound
+from timeslice.driver.peercred import environ
 
 log = logging.getLogger("timeslice.agent")
 MARKER = b"TIMESLICE_ACCELERATOR_PROCESS="
@@ -41,14 +42,6 @@ def pod_pids(pod_uids: Iterable[str], proc: Path = Path("/proc")) -> dict[str, l
                 found[uid].append(int(entry.name))
                 break
     return {uid: sorted(pids) for uid, pids in found.items()}
-
-
-def environ(pid: int, proc: Path = Path("/proc")) -> list[bytes]:
-    """`pid`'s environment entries (`NAME=value`); [] when it is gone or not ours to read."""
-    try:
-        return (proc / str(pid) / "environ").read_bytes().split(b"\0")
-    except OSError:
-        return []
 
 
 def marked(pid: int, claim_name: str = "", proc: Path = Path("/proc")) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ import pytest
 import yaml
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 
+from bench.machine import free_port
 from tests.conftest import python_child
 
 STALLING_AGENT = Path(__file__).with_name("stalling_agent.py")
@@ -76,12 +76,6 @@ POINTS = ["checkpoint:before", "checkpoint:after", "restore:before", "restore:af
 PHASES = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(what: str, check, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -98,7 +92,7 @@ class Rig:
     def __init__(self, work: Path, sock: Path, point: str) -> None:
         self.work, self.point = work, point
         self.marker, self.go = work / "at", work / "go"
-        self.target = f"127.0.0.1:{_free_port()}"
+        self.target = f"127.0.0.1:{free_port()}"
         self.files: list = []  # open log files, closed by stop()
         self.workers = {j: python_child(WORKER) for j in ("a", "b")}
         for w in self.workers.values():
