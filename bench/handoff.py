@@ -7,8 +7,11 @@ processes). Every job loops: acquire, hold H seconds, release, acquire again, so
 release hands the lock to a waiter. Hand-off latency is the time from the holder's
 `release()` call to the next holder's `acquire()` return (CLOCK_MONOTONIC, shared by
 all processes on Linux). `--state-file`: the orchestrator keeps a state file, as a
-standalone one does (each grant that changes a holder is delivered once written). Prints
-one JSON object (and writes it with --out).
+standalone one does (each grant that changes a holder is delivered once written). Rates:
+`handoffs_per_second` over the whole run (the load processes' start-up, 4000 clients
+connecting, and the last holds included), `handoffs_per_second_steady` while every job is
+in its loop (from the last job's first grant to the first stop). Prints one JSON object
+(and writes it with --out).
 
     python bench/handoff.py --groups 100 --jobs 8 --hold 0.2 --seconds 20 --out bench/results/handoff.json
 """
@@ -34,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.machine import emit, free_port
 
 
-async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float, seconds: float) -> list[float]:
-    """Run the jobs of `groups`; hand-off latencies in ms. Hold times are uniform in
+async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float,
+                         seconds: float) -> tuple[list[tuple[float, float]], float, float]:
+    """Run the jobs of `groups`: ([(grant time, hand-off latency in ms)], when every job had its
+    first grant, when the jobs stopped acquiring; CLOCK_MONOTONIC seconds). Hold times are uniform in
     [hold/2, 3*hold/2] and each group starts at a random offset, so groups are
     independent (as RL jobs are) rather than releasing in lock-step bursts."""
     from timeslice import AsyncTimeSliceOrchestratorClient
@@ -43,6 +48,7 @@ async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float,
     rng = random.Random(len(groups))
 
     events: dict[str, list[tuple[float, float, bool]]] = {g: [] for g in groups}  # (granted, released, waited)
+    first_grants: list[float] = []
     offsets = {g: rng.uniform(0, hold) for g in groups}
     stop_at = time.monotonic() + seconds
 
@@ -50,11 +56,15 @@ async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float,
         client = AsyncTimeSliceOrchestratorClient(target, f"{group}-job-{j}", group)
         await asyncio.sleep(offsets[group])
         gc.freeze()
+        t_first = None
         try:
             while time.monotonic() < stop_at:
                 t_acq = time.monotonic()
+                t_first = t_first or t_acq
                 await client.acquire()
                 t_granted = time.monotonic()
+                if t_acq == t_first:
+                    first_grants.append(t_granted)
                 await asyncio.sleep(hold * rng.uniform(0.5, 1.5))
                 t_release = time.monotonic()
                 events[group].append((t_granted, t_release, t_granted - t_acq > hold / 2))
@@ -63,13 +73,13 @@ async def run_group_jobs(target: str, groups: list[str], jobs: int, hold: float,
             await client.close()
 
     await asyncio.gather(*(job(g, j) for g in groups for j in range(jobs)))
-    latencies = []
+    handoffs = []
     for evs in events.values():
         evs.sort()
         for prev, nxt in itertools.pairwise(evs):
             if nxt[2]:  # the next holder had been waiting: a real hand-off
-                latencies.append((nxt[0] - prev[1]) * 1000.0)
-    return latencies
+                handoffs.append((nxt[0], (nxt[0] - prev[1]) * 1000.0))
+    return handoffs, max(first_grants, default=stop_at), stop_at
 
 
 def load_process(target: str, groups: list[str], jobs: int, hold: float, seconds: float, q: mp.Queue) -> None:
@@ -116,7 +126,7 @@ def main() -> int:
         t0 = time.monotonic()
         for pr in procs:
             pr.start()
-        latencies = [x for _ in procs for x in q.get()]
+        runs = [q.get() for _ in procs]
         for pr in procs:
             pr.join()
         wall = time.monotonic() - t0
@@ -125,10 +135,16 @@ def main() -> int:
         orch.wait()
         os.unlink(f.name)
         state_dir.cleanup()
+    latencies = [ms for handoffs, _, _ in runs for _, ms in handoffs]
+    # the steady window: every job of every load process in its loop (all first grants in), none stopped yet
+    begin, end = max(r[1] for r in runs), min(r[2] for r in runs)
+    steady = sum(begin <= t < end for handoffs, _, _ in runs for t, _ in handoffs)
     result = {
         "benchmark": "handoff", "backend": "none", "transport": "tcp 127.0.0.1", "state_file": a.state_file,
         "groups": a.groups, "jobs_per_group": a.jobs, "hold_seconds": a.hold, "seconds": a.seconds,
         "load_processes": a.procs, "handoffs": len(latencies), "handoffs_per_second": round(len(latencies) / wall, 1),
+        "steady_seconds": round(end - begin, 2),
+        "handoffs_per_second_steady": round(steady / (end - begin), 1) if end > begin else None,
         "handoff_ms_p50": round(pct(latencies, 50), 3), "handoff_ms_p90": round(pct(latencies, 90), 3),
         "handoff_ms_p99": round(pct(latencies, 99), 3), "handoff_ms_max": round(max(latencies), 3),
         "handoff_ms_mean": round(statistics.fmean(latencies), 3),
