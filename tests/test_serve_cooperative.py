@@ -340,21 +340,26 @@ def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_t
     assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
 
 
-def _left_pool(tmp_path: Path) -> Path:
-    """A pool folder as a killed serve leaves it, recorded in the state file of tmp_path/state."""
-    folder = Path(tempfile.mkdtemp(prefix="timeslice-pool-", dir="/dev/shm"))
-    (folder / "pool").write_bytes(b"\0" * 4096)
+def _left_pool(tmp_path: Path, root: Path = Path("/dev/shm"), size: int = 4096) -> Path:
+    """A pool folder as a killed serve leaves it under `root`, recorded in the state file of tmp_path/state."""
+    folder = Path(tempfile.mkdtemp(prefix="timeslice-pool-", dir=root))
+    fd = os.open(folder / "pool", os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)  # (hugetlbfs has no write(2): a size, then pages as they are mapped)
+    os.close(fd)
     (tmp_path / "state").mkdir(exist_ok=True)
     (tmp_path / "state" / "orchestrator-state.json").write_text(json.dumps({
         "apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 7}, "groups": {},
-        "pool": {"path": str(folder / "pool"), "bytes": 4096, "checkpoints": []}}))
+        "pool": {"path": str(folder / "pool"), "bytes": size, "checkpoints": []}}))
     return folder / "pool"
 
 
-def test_a_left_pool_is_removed_once_nothing_maps_it(tmp_path) -> None:
+@pytest.mark.parametrize("huge", [False, True])
+def test_a_left_pool_is_removed_once_nothing_maps_it(tmp_path, huge, request) -> None:
     """A new user's trial: serve killed with SIGKILL left its pool in /dev/shm (954 MB each
-    time); the next start made a new one. A pool a process still maps stays."""
-    pool = _left_pool(tmp_path)
+    time); the next start made a new one. A pool a process still maps stays. The same on a
+    hugetlbfs mount (huge pages the host reserved stay taken while the file exists)."""
+    pool = _left_pool(tmp_path, request.getfixturevalue("reserved_huge_pages"), 2 << 20) if huge else \
+        _left_pool(tmp_path)
     with subprocess.Popen([sys.executable, "-c", "import mmap, sys\nf = open(sys.argv[1], 'r+b')\n"
                            "m = mmap.mmap(f.fileno(), 0)\nf.close()\nprint('mapped', flush=True)\n"
                            "sys.stdin.readline()", str(pool)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
