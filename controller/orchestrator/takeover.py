@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+from timeslice.controller.orchestrator.group_model import ADOPTED, Hold, JobCounters
 from timeslice.controller.orchestrator.state_file import Placement, StateFile
 from timeslice.driver import names
 
@@ -45,6 +45,8 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
     if resident is not None:
         g.residency.held(resident, observed=False)  # it held before this orchestrator watched it
     g.epoch = epoch
+    for job in {*checkpointed, *([resident] if resident is not None else [])}:  # counted from here (`JobCounters`)
+        g.job_counters.setdefault(job, JobCounters())
     if resident is not None:
         now = g.clock()
         member = g.spec.member(resident)
