@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from timeslice import host_memory
 from timeslice.driver.errors import FailedPrecondition
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -145,7 +146,9 @@ def plan_room(incoming: str, residents_lru: Sequence[str], snap: MemorySnapshot,
     """
     lacking = lacking_room(incoming, snap, peaks, headroom, declared)
     mine = devices_of(incoming, snap, peaks)
-    host, pool = dict(snap.host_available), dict(snap.pool_free)
+    # what the node agents and the clients keep for the host is not a checkpoint's (`host_memory`)
+    host = {agent: n - host_memory.RESERVE_BYTES for agent, n in snap.host_available.items()}
+    pool = dict(snap.pool_free)
     if restore_first:
         _lend_host_memory(incoming, snap, headroom, pool if pool else host)
     evict: list[str] = []
@@ -219,8 +222,9 @@ def _take_host_memory(job: str, incoming: str, held: Mapping[str, int], host: di
         if n > host.get(agent, 0):
             in_pool = f" and {_gb(pool[agent])} free in its pinned pool" if agent in pool else ""
             raise NoHostRoom(f"no host memory to checkpoint {job} on {agent}: it holds {_gb(n)}, the node has "
-                             f"{_gb(host.get(agent, 0))} available{in_pool} (a checkpoint is not split between "
-                             f"them; the group serves the others; {incoming} stays where it is)")
+                             f"{_gb(host.get(agent, 0) + host_memory.RESERVE_BYTES)} available (less "
+                             f"{_gb(host_memory.RESERVE_BYTES)} kept for the host){in_pool} (a checkpoint is not "
+                             f"split between them; the group serves the others; {incoming} stays where it is)")
         host[agent] -= n
 
 
