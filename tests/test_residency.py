@@ -186,13 +186,14 @@ def test_a_checkpoint_goes_wholly_to_the_pool_or_wholly_to_host_memory_never_spl
 
     h = parse_headroom("10%")
     s = dataclasses.replace(snap(free=33, total=80, host=30, a=47), pool_free={"agent-0": 38 * GB})
-    with pytest.raises(NoHostRoom, match=r"it holds 47.00 GB, the node has 30.00 GB available \(less 2.15 GB kept for "
-                                         r"the host\) and 38.00 GB free in its pinned pool \(a checkpoint is not split"):
+    with pytest.raises(NoHostRoom, match=r"it holds 47.00 GB, the node has 30.00 GB available \(less 2.15 GB kept "
+                                         r"for the host\) and 38.00 GB free in its pinned pool \(a checkpoint is not "
+                                         r"split"):
         plan_room("n", ["a"], s, {}, h, alone=True)
     assert plan_room("n", ["a"], dataclasses.replace(s, pool_free={"agent-0": 47 * GB}), {}, h, alone=True) == ["a"]
     assert plan_room("n", ["a"], dataclasses.replace(s, host_available={"agent-0": 50 * GB}), {}, h,
                      alone=True) == ["a"]
-    with pytest.raises(NoHostRoom, match="it holds 47.00 GB, the node has 48.00 GB available"):  # the reserve
+    with pytest.raises(NoHostRoom, match=r"it holds 47\.00 GB, the node has 48\.00 GB available"):  # the reserve
         plan_room("n", ["a"], dataclasses.replace(s, host_available={"agent-0": 48 * GB}), {}, h, alone=True)
     two = dataclasses.replace(snap(free=0, total=100, host=52, a=47, b=47), pool_free={"agent-0": 50 * GB})
     assert plan_room("n", ["a", "b"], two, {}, h, alone=True) == ["a", "b"]  # one to the pool, one to the host
