@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-orchestrator", action="store_true",
                    help="run alone without the time-slicing client (solo baseline)")
     p.add_argument("--register", choices=["none", "all"], default="all",
-                   help="all: timeslice.torch.register(model, optimizer, extra tensor) before the first acquire")
+                   help="all: timeslice.torch.register before the first acquire (the node's pool is pinned while the "
+                        "job waits), then the model, optimizer and extra tensor added inside the first hold")
     args = p.parse_args(argv)
     if args.batch <= 0 or args.batch % GROUP:
         p.error(f"--batch must be a positive multiple of {GROUP}")
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> None:
         from timeslice import TimeSliceOrchestratorClient
 
         client = TimeSliceOrchestratorClient()
+    state = None
+    if client is not None and args.register == "all":  # as docs/backends.md shows: before the first hold
+        import timeslice.torch
+
+        state = timeslice.torch.register(client, group_id=args.group)
     holds = Holds(client, args.group, (lambda: torch.cuda.synchronize(device)) if on_cuda else lambda: None)
 
     def extra_checksum() -> list[int] | None:
@@ -281,11 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                 piece = extra[start:start + HASH_CHUNK]
                 piece.copy_(torch.randint(0, 256, piece.shape, dtype=torch.uint8, device=device, generator=gen))
         extra_at_start = extra_checksum()
-        if client is not None and args.register == "all":
-            import timeslice.torch
-
-            timeslice.torch.register(client, model, optimizer, *([] if extra is None else [extra]),
-                                     group_id=args.group)
+        if state is not None:
+            state.add(model, optimizer, *([] if extra is None else [extra]))
     n_params = sum(p.numel() for p in model.parameters())
     trained = model
     if dist is not None:
