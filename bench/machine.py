@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import socket
 import subprocess
 import time
@@ -14,10 +15,23 @@ from typing import Any
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 free now (benchmarks and tests give it to a server they start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port of 127.0.0.1 free now, for a server a benchmark or test starts later: below the
+    kernel's ephemeral range (`net.ipv4.ip_local_port_range`), which a port bound to 0 comes from
+    and so do the local ports of every outgoing connection meanwhile (randomized schedules, seed
+    170029: a job's engine found the port it was given taken). Raises OSError when none is found."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port of 127.0.0.1 below {low}")
 
 
 def host_memory() -> dict[str, int]:

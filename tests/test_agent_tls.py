@@ -49,6 +49,7 @@ from timeslice.kubelet_plugin.agent.server import create_server
 from timeslice.kubelet_plugin.agent.tls import AgentIdentity, self_signed
 from timeslice.kubelet_plugin.agent_certificate import CertificatePublisher
 
+from bench.machine import free_port
 from tests.conftest import FakeBackend, eventually
 from tests.fake_apiserver import FakeApiServer
 
@@ -449,7 +450,6 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
                                                                            monkeypatch) -> None:
     """`timeslice kubelet-plugin --agent-tls` as wired by kubelet_plugin/app.py: the agent
     port answers only a caller that pins the certificate found on the plugin's pod."""
-    import socket
 
     import yaml
     from timeslice.kubelet_plugin.app import KubeletPluginConfig, run
@@ -466,9 +466,7 @@ async def test_the_kubelet_plugin_serves_tls_and_publishes_its_certificate(pods,
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("POD_NAME", "plugin-a")
     monkeypatch.setenv("POD_NAMESPACE", "timeslice-system")
-    with socket.socket() as s:  # a free port for the agent
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the agent
     cfg = KubeletPluginConfig(node_name="node-a", fake_gpus="1xH200", state_dir=short_tmp / "state",
                               cdi_dir=short_tmp / "cdi", plugin_data_dir=short_tmp / "plugin",
                               registry_dir=short_tmp / "registry", agent_listen=f"127.0.0.1:{port}", agent_tls=True,

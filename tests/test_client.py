@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 
@@ -25,6 +24,7 @@ from timeslice.controller.orchestrator.service import OrchestratorServicer
 from timeslice.driver import grpc_server
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
+from bench.machine import free_port
 from tests.conftest import eventually
 
 
@@ -178,9 +178,7 @@ async def test_cancelled_by_the_server_is_retried_with_the_same_request_id() -> 
 
 
 async def test_orchestrator_started_late_is_reached_by_retries() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", unavailable_timeout=10)
     loop = asyncio.get_running_loop()
     refused = asyncio.Event()
