@@ -83,8 +83,10 @@ for stage in "$@"; do
   case "$stage" in
     wheels) wheels || exit 1 ;;
     hugepages)  # the host's one-time set-up that `timeslice serve` uses when present (docs/one-box.md): 2 MiB huge
-      # pages reserved for the pinned pool (as many as serve's default pool takes on this host, or HUGEPAGES_GB) and
-      # a hugetlbfs mount; the call fails when the host refuses either
+      # pages reserved for the pinned pool (as many as serve's default pool takes on this host, or HUGEPAGES_GB;
+      # HUGEPAGES_GB=0 gives them back: the pool is on /dev/shm again) and a hugetlbfs mount; the call fails when the
+      # host refuses either
+      if [ "${HUGEPAGES_GB:-}" = 0 ]; then echo 0 > /proc/sys/vm/nr_hugepages; grep -E '^HugePages_Total' /proc/meminfo; continue; fi
       mountpoint -q /dev/hugepages || { mkdir -p /dev/hugepages && mount -t hugetlbfs -o pagesize=2M none /dev/hugepages; } \
         || { echo "no hugetlbfs mount" >&2; exit 1; }
       pages=$(python3 -c "
