@@ -4,8 +4,8 @@ Every cooperative job process registers the parts of the pool it checkpoints int
 (`cudaHostRegister`) on its first switches, on the switch's path. On the H200 host a file in
 2 MiB huge pages was registered ~7x faster than one on /dev/shm in 4 KiB pages: 16 GB by a
 second process in 0.33 s (48.8 GB/s) against 2.7 s (5.9 GB/s), the copies through either at
-55 GB/s (bench/results/pin-probe-h200.json); shape b's first switches spent 5-6.5 s of their
-7 s registering 47 GB (bench/results/rl-grpo-b-serve-cooperative-6c19413-h200.json).
+55 GB/s (bench/results/pin-probe-h200.json); shape b's first checkpoints spent 5.2-6.5 s of
+their 6.1-7.5 s registering 47 GB (bench/results/rl-grpo-b-serve-cooperative-6c19413-h200.json).
 
 A pool goes on a hugetlbfs mount only when the host has reserved enough huge pages that no
 mapping has claimed yet (`vm.nr_hugepages`; the counters of `/sys/kernel/mm/hugepages/`, Linux
