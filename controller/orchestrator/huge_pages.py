@@ -35,11 +35,11 @@ class HugeMount:
     free: int
 
 
-def _mount_table(mounts_file: Path) -> list[tuple[Path, str]]:
-    """(mount point, filesystem type) of each line of `mounts_file` (`/proc/<pid>/mounts`, whose
-    spaces and tabs are octal escapes: proc(5)); [] when unreadable."""
+def _mount_table() -> list[tuple[Path, str]]:
+    """(mount point, filesystem type) of each line of `MOUNTS` (whose spaces and tabs are octal
+    escapes: proc(5)); [] when unreadable."""
     try:
-        lines = mounts_file.read_text().splitlines()
+        lines = MOUNTS.read_text().splitlines()
     except OSError:
         return []
     table = []
@@ -50,10 +50,10 @@ def _mount_table(mounts_file: Path) -> list[tuple[Path, str]]:
     return table
 
 
-def mounts(mounts_file: Path = MOUNTS, sysfs: Path = SYSFS) -> list[HugeMount]:
+def mounts() -> list[HugeMount]:
     """This process's hugetlbfs mounts with their free huge pages."""
     found = []
-    for point, kind in _mount_table(mounts_file):
+    for point, kind in _mount_table():
         if kind != "hugetlbfs":
             continue
         try:
@@ -61,36 +61,36 @@ def mounts(mounts_file: Path = MOUNTS, sysfs: Path = SYSFS) -> list[HugeMount]:
         except OSError:
             continue
         page = st.f_bsize
-        free = _free_pages(sysfs, page) * page
+        free = _free_pages(page) * page
         if st.f_blocks:  # mounted with size=: its own bound too
             free = min(free, st.f_bavail * page)
         found.append(HugeMount(point, page, free))
     return found
 
 
-def _free_pages(sysfs: Path, page_size: int) -> int:
+def _free_pages(page_size: int) -> int:
     """Huge pages of `page_size` bytes reserved and neither used nor promised (free - resv)."""
-    folder = sysfs / f"hugepages-{page_size // 1024}kB"
+    folder = SYSFS / f"hugepages-{page_size // 1024}kB"
     try:
         return max(0, int((folder / "free_hugepages").read_text()) - int((folder / "resv_hugepages").read_text()))
     except (OSError, ValueError):
         return 0
 
 
-def mount_for(size: int, mounts_file: Path = MOUNTS, sysfs: Path = SYSFS) -> HugeMount | None:
+def mount_for(size: int) -> HugeMount | None:
     """The hugetlbfs mount with the most free huge pages that holds a pool of `size` bytes (rounded
     down to its page size) and in which this user may create a folder; None when none does."""
-    fit = [m for m in mounts(mounts_file, sysfs)
+    fit = [m for m in mounts()
            if 0 < size // m.page_size * m.page_size <= m.free and os.access(m.path, os.W_OK | os.X_OK)]
     return max(fit, key=lambda m: m.free, default=None)
 
 
-def page_size_of(path: Path, mounts_file: Path = MOUNTS) -> int | None:
+def page_size_of(path: Path) -> int | None:
     """The huge page size (bytes) of the hugetlbfs mount `path` lies on; None when it lies on
     another filesystem (the mount is the longest mount point above it; the last of equals)."""
     real = Path(os.path.realpath(path))
     best: tuple[Path, str] | None = None
-    for point, kind in _mount_table(mounts_file):
+    for point, kind in _mount_table():
         if (point == real or point in real.parents) and (best is None or len(point.parts) >= len(best[0].parts)):
             best = (point, kind)
     if best is None or best[1] != "hugetlbfs":
