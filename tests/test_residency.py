@@ -13,9 +13,9 @@ import dataclasses
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.decisions import next_job
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.moves import next_job
 from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
 from timeslice.driver.headroom import parse_headroom
@@ -875,13 +875,13 @@ def test_resident_waiters_pass_the_head_for_its_pass_bound(case: str) -> None:
         g.recent_holds.extend((s, min(t, s + 4 * busy)) for s in range(0, int(t), 4))
     loop = asyncio.new_event_loop()
     try:
-        head = g.queue.push("a-1", "a", 0, 0.0, loop.create_future(),
+        g.queue.push("a-1", "a", 0, 0.0, loop.create_future(),
                             timeout=10.0 if case == "acquire timeout" else None)
         g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
         at(bound - 0.1)
-        assert next_job(g, head) == "b"
+        assert next_job(g.moves.facts()) == "b"
         at(bound)
-        assert next_job(g, head) == "a"
+        assert next_job(g.moves.facts()) == "a"
     finally:
         loop.close()
 
@@ -903,9 +903,9 @@ def test_a_newcomer_whose_grant_moves_nothing_is_not_passed_by_resident_waiters(
                                           device_bytes={"a": {"agent-0/gpu0": 30 * GB}, "b": {"agent-0/gpu0": 30 * GB}})
     loop = asyncio.new_event_loop()
     try:
-        head = g.queue.push("c-1", "c", 0, 0.0, loop.create_future())
+        g.queue.push("c-1", "c", 0, 0.0, loop.create_future())
         g.queue.push("b-1", "b", 0, 1.0, loop.create_future())
-        assert next_job(g, head) == first
+        assert next_job(g.moves.facts()) == first
     finally:
         loop.close()
 

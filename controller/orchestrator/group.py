@@ -383,18 +383,11 @@ class LockGroup:
             log.exception("group observer failed group=%s event=%s", self.id, kind)
 
     def dispatch(self) -> None:
-        """Grant the head waiter if the lock is free, moving memory first when needed; while
-        a job holds, stage the next one (`MemoryMoves.stage_next`)."""
-        if self.holder is not None:
-            self.moves.stage_next()
-            return
-        if self.switching is not None:
-            self.moves.grant_beside_staging()
-            return
-        head = self.queue.head()
-        if head is None:
-            return
-        self.moves.grant_or_switch(head)
+        """Do what the group's decision core says now (`decisions.decide`, run by
+        `MemoryMoves.dispatch`): grant the head waiter (or the resident one that goes first)
+        if the lock is free, moving memory first when needed; while a job holds, stage the
+        next one; while a staging runs, grant the job it keeps room beside."""
+        self.moves.dispatch()
 
     def grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
         """Grant `job_id`'s waiters one hold. Never while another job holds: that is a bug of
@@ -442,7 +435,7 @@ class LockGroup:
         self.leases.arm()
         self.preemption.arm()
         self.moves.watch_holder()
-        self.moves.stage_next()
+        self.moves.dispatch()  # (stages the next job)
 
     def _deliver(self, h: Hold, waiters: list[Waiter], granted_at: float) -> None:
         for w in waiters:

@@ -59,7 +59,7 @@ def moves_nothing(g: LockGroup, job: str) -> bool:
     """Whether granting `job` now moves no memory by the last report: its need is known
     (declared or settled), none of its state is checkpointed, and it fits beside the
     residents with the headroom (`plan_room` checkpoints nobody). False without a report.
-    Such a waiter is never passed by resident ones (`moves.next_job`): on the H200 four jobs
+    Such a waiter is never passed by resident ones (`decisions.next_job`): on the H200 four jobs
     of 31.7 GB that declared it (they fit) had the last to start passed for 30 s at its
     first acquire and 21 s at its first train step, and it ended 25 s after the others
     (bench/results/rl-grpo-c-serve-cooperative-declared-h200.json, 1.95x)."""

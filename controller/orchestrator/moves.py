@@ -36,6 +36,18 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
+from timeslice.controller.orchestrator.decisions import (
+    DispatchFacts,
+    GrantBeside,
+    GrantOnGpu,
+    ReadRecords,
+    SettleUnsure,
+    Stage,
+    Switch,
+    WaitForRelease,
+    Waiting,
+    decide,
+)
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.in_flight import on_gpus_after_steps
 from timeslice.controller.orchestrator.lock_queue import Waiter
@@ -175,43 +187,58 @@ class MemoryMoves:
         self._granted_at.pop(job, None)
 
     # -- grants ------------------------------------------------------------------------
-    def grant_or_switch(self, head: Waiter) -> None:
-        """The lock is free and `head` waits first: grant its job (or the resident one that
-        goes before it) at once when nothing must move, else start the switch that grants.
-        While a job is `unreleased` nothing is moved: a waiter of its own is granted (its
-        engine is awake: nothing moves for it, and its release may never come, e.g. from a
-        client that died and started again), any other waits for its release. A job that is
-        `unconfirmed` is granted through a restore, which its processes' reconnect decides."""
+    def facts(self) -> DispatchFacts:
+        """What the group knows now, for `decisions.decide`. The memory-aware facts (room by
+        the last report, how long resident waiters may pass the head) only on memory-aware
+        groups: the others decide without them."""
+        g, r = self._g, self._g.residency
+        aware = self.memory_aware
+        head = g.queue.head()
+        queued = {w.job_id for w in g.queue}
+        leaving = tuple(self.must_leave())
+        return DispatchFacts(
+            backend=g.spec.backend, memory_aware=aware,
+            holder=g.holder.job_id if g.holder else None, holder_epoch=g.holder.epoch if g.holder else 0,
+            switching=self.switching is not None, beside=self._beside,
+            queue=tuple(Waiting(w.job_id, w.priority) for w in g.queue),
+            residents=tuple(r.residents), checkpointed=frozenset(r.checkpointed),
+            unconfirmed=frozenset(j for j in queued if self.unconfirmed(j)),
+            known=frozenset(j for j in queued | ({g.holder.job_id} if g.holder else set()) if r.known(j)),
+            roomy=frozenset(j for j in queued if j in r.residents and roomy(g, j)) if aware else frozenset(),
+            leaving=leaving, unreleased=tuple(g.awake.unreleased()), failed=frozenset(g.failed_jobs),
+            unstaged=self._unstaged,
+            records_unknown=bool(self.records_unknown) and hasattr(g.switcher, "checkpointed"),
+            unsure=bool(self._unsure) and self._settles_unsure,
+            pass_remaining=pass_remaining(g, head) if aware and head is not None and not leaving else 0.0,
+            head_moves_nothing=aware and head is not None and moves_nothing(g, head.job_id))
+
+    def dispatch(self) -> None:
+        """Run what `decisions.decide` says the group does now."""
         g = self._g
-        if self.records_unknown and hasattr(g.switcher, "checkpointed"):  # (a switcher that reads no records)
+        d = decide(self.facts())
+        head = g.queue.head()
+        if isinstance(d, (GrantOnGpu, Switch)) and head is not None and d.job != head.job_id:
+            log.debug("resident first group=%s job=%s before=%s", g.id, d.job, head.job_id)
+        if isinstance(d, ReadRecords):
             self._read_records()
-            return
-        if self._unsure and self._settles_unsure:
+        elif isinstance(d, SettleUnsure):
             self._settle_unsure()
-            return
-        incoming = next_job(g, head)
-        awake = g.awake.unreleased(excluding=incoming)
-        if awake:
-            own = next((w.job_id for w in g.queue if w.job_id in awake), None)
-            if own is None or g.awake.unreleased(excluding=own):
-                log.info("grant of %s waits group=%s: the engine of %s stays awake until its client releases (%s)",
-                         incoming, g.id, ", ".join(awake), "; ".join(g.awake.why(j) for j in awake))
-                g.awake.watch(awake)
-                return
-            incoming = own
-        r = g.residency
-        restore = incoming in r.checkpointed or self.unconfirmed(incoming)
-        if g.spec.backend == "none" or (self.memory_aware and incoming in r.residents
-                                        and not self.must_leave(incoming) and roomy(g, incoming)):
-            self._grant_on_gpu(incoming)
-            return
-        evict = None if self.memory_aware else r.lru(excluding=[incoming])
-        if evict is not None and not evict and not restore:
-            self._grant_on_gpu(incoming)
-            return
-        if self.memory_aware and incoming == head.job_id and self._defer(head):
-            return
-        self.start_switch(evict, incoming, restore, grant=True)
+        elif isinstance(d, WaitForRelease):
+            log.info("grant waits group=%s: the engine of %s stays awake until its client releases (%s)",
+                     g.id, ", ".join(d.jobs), "; ".join(g.awake.why(j) for j in d.jobs))
+            g.awake.watch(list(d.jobs))
+        elif isinstance(d, GrantOnGpu):
+            self._grant_on_gpu(d.job)
+        elif isinstance(d, Switch):
+            if not (d.may_defer and head is not None and self._defer(head)):
+                self.start_switch(None if d.evict is None else list(d.evict), d.job, d.restore, grant=True)
+        elif isinstance(d, Stage):
+            self.switching, self._beside = (None, d.job), d.beside
+            self._switch_task = asyncio.get_running_loop().create_task(
+                self._switch(None, d.job, restore=True, grant=False, beside=d.beside), name=f"stage-{g.id}")
+        elif isinstance(d, GrantBeside):
+            log.debug("granted beside a staging group=%s job=%s", g.id, d.job)
+            g.grant(d.job, restored=False, switch_seconds=0.0)
 
     def _defer(self, head: Waiter) -> bool:
         """Whether `head`'s grant, which moves memory, waits (one job after the other on
@@ -361,47 +388,13 @@ class MemoryMoves:
         for job in {w.job_id for w in g.queue}:
             g.fail_job(job, SwitchFailed(f"group {g.id}: {why}"))
 
-    def must_leave(self, incoming: str) -> list[str]:
+    def must_leave(self, incoming: str = "") -> list[str]:
         """Holders preempted mid-phase, dropped, or whose lease lapsed, that are still on the
         GPUs: they must leave whether or not the incoming job fits beside them (their
         processes may still be computing; on backend `app` once their client released:
         `unreleased`)."""
         jobs = self._g.preemption.parked_jobs() + sorted(self._fenced | self._lapsed | self._g.awake.unreleased_jobs())
         return [j for j in dict.fromkeys(jobs) if j != incoming and j in self._g.residency.residents]
-
-    def stage_next(self) -> None:
-        """While a job holds (memory-aware groups): when the job that its release would
-        grant (`next_job`) is checkpointed, start the switch that makes room for it beside
-        the holder and restores it, without a grant. The holder's release then hands over
-        at once, or waits for the switch's end. Once per hold and job when there is no room
-        now (the hand-off plans again without the holder)."""
-        g = self._g
-        h, head = g.holder, g.queue.head()
-        if h is None or head is None or self.switching is not None or not self.memory_aware:
-            return
-        incoming = next_job(g, head)
-        if incoming == h.job_id or incoming not in g.residency.checkpointed or self.must_leave(incoming) \
-                or self._unstaged == (h.epoch, incoming) or incoming in g.failed_jobs \
-                or not (g.residency.known(incoming) and g.residency.known(h.job_id)):
-            return  # an unsettled job runs alone: nothing is staged beside it, nor it beside others
-        self.switching, self._beside = (None, incoming), h.job_id
-        self._switch_task = asyncio.get_running_loop().create_task(
-            self._switch(None, incoming, restore=True, grant=False, beside=h.job_id), name=f"stage-{g.id}")
-
-    def grant_beside_staging(self) -> None:
-        """Nobody holds while a staging runs: the job it was staged beside (room to its need
-        is kept for it) holds again at once when it waits at the head's priority or above,
-        rather than leaving the GPUs idle until the switch ends (measured on the H200: a
-        `cuda` switch of 45 GB takes ~35 s). The staged job could not be granted before the
-        switch ends anyway."""
-        g = self._g
-        job, head = self._beside, g.queue.head()
-        if job is None or head is None or self.must_leave(job) or job not in g.residency.residents:
-            return
-        w = next((w for w in g.queue if w.job_id == job), None)
-        if w is not None and w.priority >= head.priority:
-            log.debug("granted beside a staging group=%s job=%s", g.id, job)
-            g.grant(job, restored=False, switch_seconds=0.0)
 
     # -- the holder's growth ------------------------------------------------------------------
     def watch_holder(self) -> None:
@@ -589,7 +582,7 @@ class MemoryMoves:
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:
         """Plan (when `evict` is None), run the switch, record what moved, then grant, count a
-        failure or dispatch (`_ended`). `beside`: a staging (`stage_next`) next to this holder."""
+        failure or dispatch (`_ended`). `beside`: a staging (`decisions.Stage`) next to this holder."""
         g = self._g
         record: SwitchRecord | None = None
         first = False
@@ -731,26 +724,6 @@ class MemoryMoves:
             self._switch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._switch_task
-
-
-def next_job(g: LockGroup, head: Waiter) -> str:
-    """The job to grant next: the head waiter's, unless its grant would move memory (it is
-    not resident, or not roomy, and `moves_nothing` cannot show otherwise) and a
-    waiter of its priority is resident and fits (residency `auto`): that one goes first,
-    while resident waiters may pass it (`pass_remaining`). Jobs that alternate on
-    a GPU that holds only some of them then make one switch per run of phases instead of
-    one per phase (measured on the H200: 3 jobs of 50.8 GB, 32 switches in strict order, 14 with
-    this; bench/results/rl-grpo-b-h200.json)."""
-    r = g.residency
-    if not g.moves.memory_aware or g.moves.must_leave("") or pass_remaining(g, head) <= 0:
-        return head.job_id  # (a preempted or dropped holder leaves first anyway)
-    if (head.job_id in r.residents and roomy(g, head.job_id)) or moves_nothing(g, head.job_id):
-        return head.job_id
-    for w in g.queue:
-        if w.priority == head.priority and w.job_id in r.residents and roomy(g, w.job_id):
-            log.debug("resident first group=%s job=%s before=%s", g.id, w.job_id, head.job_id)
-            return w.job_id
-    return head.job_id
 
 
 def roomy(g: LockGroup, incoming: str) -> bool:
