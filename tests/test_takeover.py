@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-from timeslice.controller.orchestrator.group_model import group_view
 from timeslice.driver.errors import StaleLease
 from timeslice.v1 import orchestrator_pb2 as pb
 
@@ -31,7 +30,7 @@ async def test_presumptive_holder_keeps_its_lock_with_its_old_lease(make_cluster
     group.release("a", "old-lease", 7)
     grant = await waiter
     assert grant.epoch == 8 and grant.restored  # b was checkpointed: the switch restored it
-    jobs = group_view(group).jobs  # the adopted jobs are counted from their adoption (metrics per job)
+    jobs = group.view().jobs  # the adopted jobs are counted from their adoption (metrics per job)
     assert jobs["b"].restores == 1 and jobs["b"].grants == 1 and jobs["a"].checkpoints == 1, jobs
 
 

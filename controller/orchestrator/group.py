@@ -51,7 +51,6 @@ from timeslice.controller.orchestrator.group_model import (
     GroupView,
     Hold,
     JobCounters,
-    Observer,
     Switcher,
     SwitchRecord,
     group_view,
@@ -66,6 +65,8 @@ from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, SwitchFailed, Unavailable
 
 log = logging.getLogger("timeslice.orchestrator")
+
+Observer = Callable[["LockGroup", GroupEvent], None]  # told every `GroupEvent`; must not raise
 
 RECENT_SWITCHES = 16
 RECENT_HOLDS = 512  # (granted, ended) clock() seconds of the last holds: `move_cost.held_since`
@@ -314,7 +315,10 @@ class LockGroup:
         takeover.record_placement(self, incoming)
 
     def view(self) -> GroupView:
-        return group_view(self)
+        return group_view(self.spec, now=self.clock(), phase=self.phase, epoch=self.epoch, holder=self.holder,
+                          queue=self.queue, residency=self.residency, memory_aware=self.memory_aware,
+                          counters=self.counters, recent=self.recent, warnings=self.warnings,
+                          job_counters=self.job_counters)
 
     async def close(self) -> None:
         self.leases.stop()

@@ -3,16 +3,15 @@ makes `SwitchRecord`s; status, claim status, Events and metrics read the views).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.placement import MemorySnapshot
+from timeslice.controller.orchestrator.residency import Residency
 from timeslice.driver.errors import SwitchFailed
-
-if TYPE_CHECKING:
-    from timeslice.controller.orchestrator.group import LockGroup
 
 ADOPTED = "*adopted*"  # lease id of a presumptive holder after a leader change
 
@@ -89,9 +88,6 @@ class GroupEvent:
     epoch: int = 0
     record: SwitchRecord | None = None
     waited_seconds: float = 0.0
-
-
-Observer = Callable[["LockGroup", GroupEvent], None]
 
 
 @dataclass(frozen=True)
@@ -195,21 +191,24 @@ class GroupView:
 
 
 
-def group_view(g: LockGroup) -> GroupView:
-    """`g` now, for status output."""
-    now = g.clock()
-    h = g.holder
+def group_view(spec: GroupSpec, *, now: float, phase: str, epoch: int, holder: Hold | None,
+               queue: Iterable[Waiter], residency: Residency, memory_aware: bool, counters: Counters,
+               recent: Iterable[SwitchRecord], warnings: Sequence[str],
+               job_counters: Mapping[str, JobCounters]) -> GroupView:
+    """A group's state at clock() time `now`, for status output (copies: the view does not
+    change with the group)."""
+    h, r = holder, residency
     return GroupView(
-        group_id=g.id, backend=g.spec.backend, phase=g.phase, epoch=g.epoch,
+        group_id=spec.id, backend=spec.backend, phase=phase, epoch=epoch,
         holder=h, held_seconds=now - h.granted_at if h else 0.0,
         lease_remaining_seconds=max(0.0, h.lease_deadline - now) if h else 0.0,
-        waiters=[WaiterView(w.job_id, w.priority, now - w.enqueued_at, i) for i, w in enumerate(g.queue)],
-        resident_job=g.resident, checkpointed_jobs=sorted(g.checkpointed),
-        counters=Counters(**vars(g.counters)), recent_switches=list(g.recent),
-        agents=list(g.spec.agents),
-        residency=g.spec.residency if g.memory_aware else "exclusive",
-        resident_jobs=list(g.residency.residents),
-        peaks={j: dict(p) for j, p in g.residency.peaks.items()}, memory=g.residency.snapshot,
-        warnings=list(g.warnings), declared=dict(g.residency.declared),
-        reserved={j: g.residency.need(j) for j in g.residency.known_jobs() if g.residency.known(j)},
-        settled=sorted(g.residency.settled), jobs={j: replace(c) for j, c in g.job_counters.items()})
+        waiters=[WaiterView(w.job_id, w.priority, now - w.enqueued_at, i) for i, w in enumerate(queue)],
+        resident_job=r.most_recent, checkpointed_jobs=sorted(r.checkpointed),
+        counters=Counters(**vars(counters)), recent_switches=list(recent),
+        agents=list(spec.agents),
+        residency=spec.residency if memory_aware else "exclusive",
+        resident_jobs=list(r.residents),
+        peaks={j: dict(p) for j, p in r.peaks.items()}, memory=r.snapshot,
+        warnings=list(warnings), declared=dict(r.declared),
+        reserved={j: r.need(j) for j in r.known_jobs() if r.known(j)},
+        settled=sorted(r.settled), jobs={j: replace(c) for j, c in job_counters.items()})

@@ -15,8 +15,8 @@ from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.agents import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
-from timeslice.controller.orchestrator.group import LockGroup
-from timeslice.controller.orchestrator.group_model import GroupEvent, Observer, Switcher
+from timeslice.controller.orchestrator.group import LockGroup, Observer
+from timeslice.controller.orchestrator.group_model import GroupEvent, Switcher
 from timeslice.controller.orchestrator.metrics import OrchestratorMetrics
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.state_file import StateFile
