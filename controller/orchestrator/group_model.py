@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.placement import MemorySnapshot
+from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
 from timeslice.driver.errors import SwitchFailed
 
 if TYPE_CHECKING:
