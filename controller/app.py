@@ -39,7 +39,7 @@ from timeslice.controller.claim_status import ClaimStatusWriter
 from timeslice.controller.cluster_state import ClusterState
 from timeslice.controller.config_warnings import ConfigWarnings
 from timeslice.controller.grouping import Snapshot
-from timeslice.controller.orchestrator.agents import AgentPool
+from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator

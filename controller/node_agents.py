@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from timeslice.controller.orchestrator.agents import MISSING_PREFIX
+from timeslice.controller.orchestrator.agent_pool import MISSING_PREFIX
 from timeslice.driver.names import AGENT_CERTIFICATE_ANNOTATION
 
 PLUGIN_LABEL = ("app.kubernetes.io/name", "timeslice-kubelet-plugin")

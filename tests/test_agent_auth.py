@@ -18,7 +18,8 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from timeslice import AsyncTimeSliceOrchestratorClient, SwitchFailed
-from timeslice.controller.orchestrator.agents import AgentClient, AgentPool
+from timeslice.controller.orchestrator.agent_pool import AgentPool
+from timeslice.controller.orchestrator.agents import AgentClient
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server

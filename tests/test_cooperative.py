@@ -927,9 +927,9 @@ async def test_a_job_that_left_during_its_switch_is_waited_for_until_nvml_shows_
     registered. `vanishes` (cooperative schedules seed 36, with exit delays): seen at first,
     then a's PID left /proc while the driver still freed its memory; the switch took a's bytes
     for freed, and c grew into them. Now the devices' free bytes must show it."""
-    from timeslice.controller.orchestrator import switch
+    from timeslice.controller.orchestrator import memory_reports
 
-    monkeypatch.setattr(switch, "FREED_TIMEOUT_SECONDS", 30.0 if exits else 0.5)
+    monkeypatch.setattr(memory_reports, "FREED_TIMEOUT_SECONDS", 30.0 if exits else 0.5)
     orch, gpu, stores, clients = await sized_jobs(coop, monkeypatch, grace=30.0)
     a = clients["a"]
     g = orch.group("g")

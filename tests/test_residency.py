@@ -16,7 +16,8 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.decisions import next_job
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot, NoRoom, moves_may_come, plan_room
+from timeslice.controller.orchestrator.memory_snapshot import DeviceMemory, MemorySnapshot
+from timeslice.controller.orchestrator.placement import NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
 from timeslice.driver.headroom import parse_headroom
 

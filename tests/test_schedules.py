@@ -144,7 +144,7 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
     out (nothing to move: gone) and c in waited for nothing, and c's restore ran out of the
     model GPU's memory beside a's 60 MB. Now the restore waits until the GPU has room for
     c's checkpoint."""
-    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
@@ -240,7 +240,7 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
     agent names what ended processes still hold (`exiting_bytes`: the killed one here, gone from
     /proc after the agent saw it alive), and a join waits until it is freed. Backend cuda: the real
     node agent over the fake driver, the real lock group."""
-    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.group import LockGroup
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
@@ -286,7 +286,7 @@ async def test_the_memory_of_a_jobs_process_killed_between_two_samples_counts_as
     allocated and was killed before any sample listed it alive; the agent counted none of its
     memory as exiting (a PID never seen alive is not counted), its next process joined and ran out
     of memory beside it. A PID a report resolved as a job's is known alive."""
-    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
@@ -341,7 +341,7 @@ async def test_a_hold_that_a_node_agent_restart_cut_through_does_not_settle_its_
     started over): that hold counts as unobserved, so it does not settle mj on a peak that
     misses the cache (it did, after two observed holds: mj was then placed beside another
     job, and its next generate hit an OOM)."""
-    from timeslice.controller.orchestrator.agents import AgentPool
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.residency import Residency
     from timeslice.controller.orchestrator.switch import SwitchCoordinator

@@ -193,7 +193,7 @@ async def test_a_job_whose_checkpoint_only_the_state_file_records_counts_as_resi
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.group import LockGroup
     from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
-    from timeslice.controller.orchestrator.placement import MemorySnapshot
+    from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
     from timeslice.driver.errors import SwitchFailed
 
     class Switcher:

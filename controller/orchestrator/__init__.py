@@ -5,27 +5,31 @@ group's lock: in a cluster a *claim set*, `<namespace>/<job>:<pod-level claim na
 (`MemberSpec.claim_set`; one job may hold several claim sets, in several groups); in
 static mode a job name from the node agents' job tables.
 
-    config.py         GroupSpec / MemberSpec (a claim set) / OrchestratorConfig (static groups, YAML)
-    lock_queue.py     LockQueue: waiters in grant order
-    group.py          LockGroup: holder, fencing epoch, grants; owns the collaborators below
-    leases.py         Leases: lease timer and lease checks
-    callers.py        Callers: withdrawn waiters, a frozen job's waiter kept
-    exits.py          a caller that joins its job's hold waits for ended processes' memory to be freed
-    in_flight.py      steps the orchestrator gave up on: no grant until they ended, then the records decide
-    preemption.py     Preemption: maxHoldSeconds, parked (preempted) holders
-    moves.py          MemoryMoves: when and what to checkpoint and restore; confirmation before grants
-    idle_restores.py  IdleRestores: restores while the group is idle
-    takeover.py       adopting the agents' records after a restart or a leader change
-    group_model.py    the group's types (Hold, SwitchRecord, GroupView, ...) and its status view
-    residency.py      Residency: what the group learned of its jobs' memory (peaks, declared, settled)
-    placement.py      plan_room / place: which residents must leave for a job to fit (pure)
-    switch.py         SwitchCoordinator: checkpoint out / restore in over node agents, rollback
-    cooperative.py    CooperativeJobs: the `cooperative` backend's command streams
-    pinned_pool.py    PinnedPool: a node's shared pinned host memory
-    state_file.py     StateFile: epochs and placements a standalone restart must not forget
-    agents.py         AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
-    metrics.py        Prometheus metrics
-    orchestrator.py   Orchestrator: the groups, their switcher and observers
-    service.py        gRPC servicer for `timeslice.v1.Orchestrator`
-    server.py         create_server / serve
+    config.py           GroupSpec / MemberSpec (a claim set) / OrchestratorConfig (static groups, YAML)
+    lock_queue.py       LockQueue: waiters in grant order
+    group.py            LockGroup: holder, fencing epoch, grants; owns the collaborators below
+    leases.py           Leases: lease timer and lease checks
+    callers.py          Callers: withdrawn waiters, a frozen job's waiter kept
+    exits.py            a caller that joins its job's hold waits for ended processes' memory to be freed
+    in_flight.py        steps the orchestrator gave up on: no grant until they ended, then the records decide
+    preemption.py       Preemption: maxHoldSeconds, parked (preempted) holders
+    moves.py            MemoryMoves: when and what to checkpoint and restore; confirmation before grants
+    idle_restores.py    IdleRestores: restores while the group is idle
+    takeover.py         adopting the agents' records after a restart or a leader change
+    group_model.py      the group's types (Hold, SwitchRecord, GroupView, ...) and its status view
+    residency.py        Residency: what the group learned of its jobs' memory (peaks, declared, settled)
+    memory_snapshot.py  MemorySnapshot / DeviceMemory: the group's memory as its node agents reported it
+    placement.py        plan_room / place: which residents must leave for a job to fit (pure)
+    switch.py           SwitchCoordinator: checkpoint out / restore in over node agents, rollback
+    switch_steps.py     SwitchSteps: one step on every target of a job, resent by operation id when its reply is lost
+    memory_reports.py   MemoryReports: the memory report, and a switch's waits for memory freed or room
+    cooperative.py      CooperativeJobs: the `cooperative` backend's command streams
+    pinned_pool.py      PinnedPool: a node's shared pinned host memory
+    state_file.py       StateFile: epochs and placements a standalone restart must not forget
+    agents.py           AgentClient: gRPC calls to a node agent (TLS pinning its certificate)
+    agent_pool.py       AgentPool: the agent clients by target, stand-ins for agents not to call (MissingAgent, ...)
+    metrics.py          Prometheus metrics
+    orchestrator.py     Orchestrator: the groups, their switcher and observers
+    service.py          gRPC servicer for `timeslice.v1.Orchestrator`
+    server.py           create_server / serve
 """

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.controller.orchestrator.placement import MemorySnapshot
+from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.driver.errors import SwitchFailed
 

@@ -51,9 +51,9 @@ from timeslice.controller.orchestrator.decisions import (
 from timeslice.controller.orchestrator.group_model import Hold, SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.in_flight import on_gpus_after_steps
 from timeslice.controller.orchestrator.lock_queue import Waiter
+from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
 from timeslice.controller.orchestrator.move_cost import move_seconds, moves_nothing, pass_remaining, switch_speed
 from timeslice.controller.orchestrator.placement import (
-    MemorySnapshot,
     NoRoom,
     as_planned,
     crowded,

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from timeslice.controller.orchestrator import takeover
-from timeslice.controller.orchestrator.agents import AgentPool
+from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import LockGroup, Observer

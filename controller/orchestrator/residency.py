@@ -26,7 +26,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from timeslice.controller.orchestrator.placement import MemorySnapshot, as_planned, need_of
+from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
+from timeslice.controller.orchestrator.placement import as_planned, need_of
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least

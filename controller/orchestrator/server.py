@@ -12,7 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc.aio
-from timeslice.controller.orchestrator.agents import AgentPool
+from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import SwitchRecord
-from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot
+from timeslice.controller.orchestrator.memory_snapshot import DeviceMemory, MemorySnapshot
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
 GB = 10**9

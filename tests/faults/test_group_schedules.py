@@ -25,7 +25,7 @@ from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.placement import DeviceMemory, MemorySnapshot
+from timeslice.controller.orchestrator.memory_snapshot import DeviceMemory, MemorySnapshot
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver.errors import AcquireTimeout, StaleLease, SwitchFailed
 
