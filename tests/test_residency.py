@@ -16,6 +16,7 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.decisions import next_job
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GrantInfo, SwitchError, SwitchRecord
+from timeslice.controller.orchestrator.memory_plan import snapshot
 from timeslice.controller.orchestrator.memory_snapshot import DeviceMemory, MemorySnapshot
 from timeslice.controller.orchestrator.placement import NoRoom, moves_may_come, plan_room
 from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
@@ -287,9 +288,9 @@ async def test_a_resident_is_not_granted_at_once_on_a_report_older_than_a_restor
     await hold(g, "b", memory=45 * GB)
     await hold(g, "a", memory=72 * GB)  # b leaves for a's declared 72 GB
     assert gpu.calls == [("checkpoint", "b")]
-    snap = await g.moves.snapshot()  # (a report with b checkpointed, as the background restore's plan takes)
+    snap = await snapshot(g)  # (a report with b checkpointed, as the background restore's plan takes)
     assert snap is not None
-    g.moves.start_switch([], "b", restore=True, grant=False)  # a background restore: b fits beside a's 30 GB now
+    g.moves.runner.start([], "b", restore=True, grant=False)  # a background restore: b fits beside a's 30 GB now
     await hold(g, "a")  # asks during the restore: on the report from before it, a would be granted at once
     assert gpu.calls[-2:] == [("restore", "b"), ("checkpoint", "b")], gpu.calls  # b left first: a may grow
     # and the group, idle, restores b in the background only where a could still grow to 72 GB: not here
@@ -577,7 +578,7 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
     rollback, and the job was never marked failed. Now the third restore step that fails in
     a row fails the job: `JobFailed` (not retried by clients), refused at once until dropped."""
     from timeslice.controller.orchestrator.group_model import SwitchError
-    from timeslice.controller.orchestrator.moves import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
 
     class BadRestore(FakeGpu):
         async def __call__(self, spec, evict, incoming, restore):
@@ -614,7 +615,7 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
 async def test_a_job_that_finds_no_room_again_and_again_never_fails() -> None:
     """Before: three plans in a row without room (another job's state in the way, a GPU
     someone else uses) failed the job for good, although nothing of it was lost."""
-    from timeslice.controller.orchestrator.moves import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
 
     events: list[str] = []
     gpu = FakeGpu(a=60)
@@ -1166,7 +1167,8 @@ async def test_nothing_is_staged_into_the_room_a_holder_declared() -> None:
     assert gpu.calls == [("checkpoint", "a")]
     grant_b = await g.acquire("b", 0, "b-1", timeout=None, memory=70 * GB)
     a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None, memory=46 * GB))
-    await eventually(lambda: g.moves._unstaged is not None or "a" in g.residency.residents, what="a staging planned")
+    await eventually(lambda: g.moves.runner.unstaged is not None or "a" in g.residency.residents,
+                     what="a staging planned")
     assert "a" in g.residency.checkpointed and gpu.calls == [("checkpoint", "a")]
     gpu.on["b"] = 70 * GB  # b's optimizer state: it fits because a stayed out
     g.release("b", grant_b.lease_id, grant_b.epoch)
@@ -1306,11 +1308,11 @@ async def test_a_job_whose_process_started_again_settles_afresh() -> None:
     gpu.procs["a"] = "100:1"
     await hold(g, "b", memory=55 * GB)
     await hold(g, "a", then=lambda: gpu.set("a", 31))  # its first generate: model and KV cache (alone)
-    await g.moves.snapshot()
+    await snapshot(g)
     gpu.on["a"], gpu.procs["a"] = 0, "200:9"  # SIGTERMed and started again
     for _ in range(2):  # its generate again, then its first train step (31 GB: optimizer state, no KV cache)
         await hold(g, "a", then=lambda: gpu.set("a", 31))
-        await g.moves.snapshot()
+        await snapshot(g)
     await hold(g, "b", memory=55 * GB)  # restored beside a: 31 + 55 of 100
     await still_runs_alone(g, gpu, "a", grows_to=44, beside="b")
 
@@ -1332,14 +1334,14 @@ async def test_a_hold_that_ended_without_its_release_neither_counts_nor_settles_
     g = group(gpu, declare=False)
     for _ in range(2):
         await hold(g, "a")
-        await g.moves.snapshot()
+        await snapshot(g)
     assert g.residency.holds["a"] == 2
     await g.acquire("a", 0, "a-lapsing", timeout=None)
     g.end_hold(g.holder, "lease expired")  # type: ignore[arg-type]
-    await g.moves.snapshot()
+    await snapshot(g)
     assert g.residency.holds["a"] == 2 and "a" not in g.residency.settled
     await hold(g, "a")  # released, no growth: settles
-    await g.moves.snapshot()
+    await snapshot(g)
     assert g.residency.holds["a"] == 3 and "a" in g.residency.settled
     await g.close()
 
@@ -1434,13 +1436,13 @@ async def test_a_takeover_that_could_not_read_an_agents_records_grants_nothing_u
     answers: list[bool] = []
     gpu.checkpointed = checkpointed  # type: ignore[attr-defined]
     g = group(gpu)
-    g.moves.records_unknown.add("agent-0")  # as `Orchestrator.checkpointed_jobs` leaves it
+    g.moves.settling.records_unknown.add("agent-0")  # as `Orchestrator.checkpointed_jobs` leaves it
     with pytest.raises(SwitchFailed, match="cannot be read"):
         await g.acquire("b", 0, "b-1", timeout=None)
     assert not gpu.calls and g.holder is None
     answers.append(True)  # the agent is back
     grant = await g.acquire("b", 0, "b-2", timeout=None)
-    assert grant.restored and ("restore", "b") in gpu.calls and not g.moves.records_unknown
+    assert grant.restored and ("restore", "b") in gpu.calls and not g.moves.settling.records_unknown
     await g.close()
 
 
@@ -1458,7 +1460,7 @@ async def test_no_job_is_granted_on_a_report_of_ended_processes_nor_on_a_guess_w
     gpu = FakeGpu()
     g = group(gpu, declare=False)
     await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
-    await g.moves.snapshot()  # (a report while a is resident, as a watch or a plan takes)
+    await snapshot(g)  # (a report while a is resident, as a watch or a plan takes)
     assert g.residency.snapshot is not None and g.residency.snapshot.on_device("a") == {DEV: 80 * GB}
     gpu.on["ended"] = gpu.on.pop("a")  # a's process ended; the GPU keeps its bytes a while
     gpu.down = True  # with its node agent down, as in the seeds
@@ -1509,7 +1511,7 @@ async def test_a_new_process_of_the_holding_job_waits_its_turn_rather_than_join_
     g = group(gpu, declare=False)
     await g.acquire("a", 0, "a-1", timeout=None)
     gpu.on["a"] = 60 * GB  # a holds, loaded
-    await g.moves.snapshot()
+    await snapshot(g)
     g.job_started("a")  # a's stream opened during its hold (registered late): another caller joins
     assert (await g.acquire("a", 0, "a-rank-2", timeout=None)).epoch == g.holder.epoch  # type: ignore[union-attr]
     g.holder.request_ids.discard("a-rank-2")  # type: ignore[union-attr]
@@ -1535,7 +1537,7 @@ async def test_an_unsettled_resident_is_not_granted_at_once_beside_memory_others
     g = group(gpu, declare=False)
     await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 20 * GB))
     gpu.on["ended"] = 55 * GB  # a job that left, still exiting (its processes are no job's now)
-    await g.moves.snapshot()
+    await snapshot(g)
     with pytest.raises(SwitchFailed, match=r"would stay held by others.*a waits for it to be freed"):
         await g.acquire("a", 0, "a-2", timeout=None)
     del gpu.on["ended"]

@@ -8,12 +8,16 @@ static mode a job name from the node agents' job tables.
     config.py           GroupSpec / MemberSpec (a claim set) / OrchestratorConfig (static groups, YAML)
     lock_queue.py       LockQueue: waiters in grant order
     group.py            LockGroup: holder, fencing epoch, grants; owns the collaborators below
+    decisions.py        the decision core of a dispatch (pure): DispatchFacts -> grant, switch, stage, wait
+    moves.py            MemoryMoves: gathers the facts and runs the decision; the jobs that must leave
+    switch_run.py       SwitchRunner: the switch in progress (a staging, a confirmation before a grant), its outcome
+    memory_plan.py      memory reports and plans: which residents leave for a job to fit (over placement.py)
+    holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
     leases.py           Leases: lease timer and lease checks
     callers.py          Callers: withdrawn waiters, a frozen job's waiter kept
     exits.py            a caller that joins its job's hold waits for ended processes' memory to be freed
-    in_flight.py        steps the orchestrator gave up on: no grant until they ended, then the records decide
+    in_flight.py        Settling: steps the orchestrator gave up on, unread records: settled before a grant
     preemption.py       Preemption: maxHoldSeconds, parked (preempted) holders
-    moves.py            MemoryMoves: when and what to checkpoint and restore; confirmation before grants
     idle_restores.py    IdleRestores: restores while the group is idle
     takeover.py         adopting the agents' records after a restart or a leader change
     group_model.py      the group's types (Hold, SwitchRecord, GroupView, ...) and its status view

@@ -52,7 +52,7 @@ class DispatchFacts:
     `residents`: jobs with state on the GPUs, least recently held first; `checkpointed`: jobs
     whose state is off them; `unconfirmed`: jobs whose processes have not said since a restart
     where their state is; `known`: jobs whose need is known (declared or settled); `roomy`: the
-    queued residents that the last memory report leaves room to grow (`moves.roomy`);
+    queued residents that the last memory report leaves room to grow (`memory_plan.roomy`);
     `leaving`: resident jobs that must leave before anyone is granted (preempted, fenced, lapsed
     or unreleased holders), in that order; `unreleased`: `app` jobs left awake on the GPUs by a
     hold that ended without its release, sorted; `failed`: jobs failed for good; `unstaged`:

@@ -1,8 +1,8 @@
 """IdleRestores: what a lock group restores while nobody holds or waits.
 
-Owned by `LockGroup` (one per group); starts its restores through the group's
-`MemoryMoves`. Three kinds: *orphans*, checkpointed jobs nobody will ask for (dropped, or
-whose lease lapsed while preempted), restored so that none of their processes stays
+Owned by `LockGroup` (one per group); starts its restores through the group's switch runner
+(`MemoryMoves.runner`). Three kinds: *orphans*, checkpointed jobs nobody will ask for (dropped,
+or whose lease lapsed while preempted), restored so that none of their processes stays
 stopped, then forgotten; in memory-aware groups, checkpointed jobs that fit beside the
 residents without moving anyone (a job may touch its GPU after its last hold); and on
 `freeze`, every frozen job (freezing moves no memory: it only keeps a job from computing
@@ -19,6 +19,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+from timeslice.controller.orchestrator.memory_plan import plan, snapshot
 from timeslice.controller.orchestrator.placement import NoRoom
 from timeslice.driver import names
 
@@ -91,13 +92,13 @@ class IdleRestores:
             why = "nobody owns it any more" if job in self._orphans else "nobody holds the group"
             log.info("restoring a checkpointed job group=%s job=%s: %s", g.id, job, why)
             # a holder cut off by its lapsed lease may still compute: it is frozen first
-            g.moves.start_switch(g.moves.must_leave(job), job, restore=True, grant=False)
+            g.moves.runner.start(g.moves.must_leave(job), job, restore=True, grant=False)
             return
 
     async def _refresh(self) -> None:
         g = self._g
         try:
-            snap = await g.moves.snapshot()
+            snap = await snapshot(g)
             if snap is None:  # the agents report no GPU memory: as a group without memory reports
                 self._restore_unneeded_stops()
                 return
@@ -106,9 +107,9 @@ class IdleRestores:
             for job in sorted(g.residency.checkpointed - self._failed):
                 try:
                     # beside the residents at their needs: each may grow to it at its next grant
-                    if not (await g.moves.plan(job, allow_evictions=False, residents_grow=True)).evict and self.now():
+                    if not (await plan(g, job, allow_evictions=False, residents_grow=True)).evict and self.now():
                         log.info("background restore group=%s job=%s: the group is idle and it fits", g.id, job)
-                        g.moves.start_switch([], job, restore=True, grant=False)
+                        g.moves.runner.start([], job, restore=True, grant=False)
                         return
                 except NoRoom as err:
                     log.info("no background restore group=%s job=%s: %s", g.id, job, err)

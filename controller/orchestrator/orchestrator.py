@@ -168,14 +168,14 @@ class Orchestrator:
         """The group's jobs that its node agents report checkpointed (leader takeover). An
         agent that does not answer (its node has no plugin pod, it is restarting) is
         logged and skipped: the rest of the group's state is still worth adopting, and the
-        group reads that agent's records before its next grant (`MemoryMoves.records_unknown`)."""
+        group reads that agent's records before its next grant (`Settling.records_unknown`)."""
         found: set[str] = set()
         for target in group.spec.agents:
             try:
                 found |= await self._pool.get(target).checkpointed_jobs(records_of(group.spec))
             except TimeSliceServerError as err:
                 log.warning("checkpoint records unknown group=%s agent=%s: %s", group.id, target, err)
-                group.moves.records_unknown.add(target)
+                group.moves.settling.records_unknown.add(target)
         return own_records(group.spec, found)
 
     def groups(self) -> list[LockGroup]:
