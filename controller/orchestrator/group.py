@@ -2,10 +2,9 @@
 
 Owned by `Orchestrator`; called by the gRPC servicer. Single-threaded on the event
 loop: every method runs to completion between awaits, so state changes are atomic.
-Its collaborators, each owning its own state: `MemoryMoves` (moves.py: when and what to
-checkpoint and restore, the switch in progress), `IdleRestores` (idle_restores.py),
-`Preemption` (preemption.py: `maxHoldSeconds` and preempted holders), `Leases`
-(leases.py); `takeover.py` adopts recorded state; types and views are in group_model.py.
+The group's decisions of what to grant and move are `decisions.py` (pure), run by
+`MemoryMoves` (moves.py); a hold's life is holds.py, a job's departure departures.py
+(the whole map: `orchestrator/__init__.py`).
 
 Rules (DESIGN.md, "Lock groups and the orchestrator"):
 - One holding job at a time; every grant increments the fencing `epoch`.
@@ -34,17 +33,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
 
-from timeslice.controller.orchestrator import takeover
+from timeslice.controller.orchestrator import departures, holds, takeover
 from timeslice.controller.orchestrator.awake_engines import AwakeEngines
 from timeslice.controller.orchestrator.callers import Callers
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.exits import wait_for_exits
 from timeslice.controller.orchestrator.group_model import (
-    ADOPTED,
     Counters,
     GrantInfo,
     GroupEvent,
@@ -53,16 +49,17 @@ from timeslice.controller.orchestrator.group_model import (
     JobCounters,
     Switcher,
     SwitchRecord,
+    count_moves,
     group_view,
 )
 from timeslice.controller.orchestrator.idle_restores import IdleRestores
 from timeslice.controller.orchestrator.leases import Leases
-from timeslice.controller.orchestrator.lock_queue import LockQueue, Waiter
+from timeslice.controller.orchestrator.lock_queue import LockQueue
 from timeslice.controller.orchestrator.moves import MemoryMoves
-from timeslice.controller.orchestrator.preemption import PREEMPTED, Preemption
+from timeslice.controller.orchestrator.preemption import Preemption
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.driver.errors import AcquireTimeout, JobFailed, StaleLease, SwitchFailed, Unavailable
+from timeslice.driver.errors import AcquireTimeout, JobFailed
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -137,38 +134,9 @@ class LockGroup:
         memory = member.memory if member is not None and member.memory else memory
         if memory:
             self.residency.declare(job_id, memory)
-        h = self.holder
-        if h is not None and h.job_id == job_id and self.memory_aware:
-            # a process that joins may be the next one of a job whose holder was killed: it grows beside
-            # what the ended one still holds (schedules seed 8): exits.py. It shows the job alive meanwhile.
-            self.leases.renew(h)
-            await wait_for_exits(self.switcher, self.spec, job_id, self.residency.peaks, timeout)
-            if self.spec.members and self.spec.member(job_id) is None:
-                raise Unavailable(f"group {self.id}: job {job_id}'s claim set moved to another group while it "
-                                  "waited to join its hold; ask again")
-            h = self.holder  # (it may have ended meanwhile: then the caller waits its turn below)
-        if h is not None and h.job_id == job_id and h.processes_ended:
-            # cooperative schedules seed 30009: the holder's process was killed holding, the job's next
-            # process joined its hold at once and ran out of memory beside the ended one's bytes, which the
-            # GPU still held: a new process waits its turn, planned on a fresh report
-            self.end_hold(h, "its processes ended, and a new one of the job asks")
-            self.record_placement()
-            h = None
-        if h is not None and h.job_id == job_id:  # another process (or thread) of the holder joins its hold
-            h.request_ids.add(request_id)
-            # A joining caller shows the job alive: its lease runs again from now (none schedules seed
-            # 896: a job's process was killed holding, its next process joined phase after phase, each
-            # shorter than a keep-alive interval, and the lease lapsed under it)
-            self.leases.renew(h)
-            if self.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
-                try:
-                    await self.state.durable()
-                except BaseException as err:  # (its caller went away, or the write failed): not a caller of it
-                    h.request_ids.discard(request_id)
-                    if isinstance(err, OSError):
-                        raise SwitchFailed(f"group {self.id}: cannot persist the fencing epoch: {err}") from None
-                    raise
-            return self._grant_info(h, waited=0.0)
+        joined = await holds.join(self, job_id, request_id, timeout)
+        if joined is not None:
+            return joined
         if job_id in self.failed_jobs:
             raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
                                "retried: restart the job, which drops it)")
@@ -256,53 +224,16 @@ class LockGroup:
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:
-        """Forget a job that is gone: its waiters fail, its hold ends, its records go. A holder
-        dropped while its processes may still compute (a force-deleted pod, a dropped claim
-        set) is fenced first: nobody is granted until a switch has checkpointed (or frozen, or
-        found gone) its processes; then, like a job dropped while checkpointed, it is
-        restored when the group is idle (and fits), then forgotten: none of its processes
-        stays stopped without an owner."""
-        self.fail_job(job_id, StaleLease(f"group {self.id}: job {job_id} dropped: {reason}"))
-        self.preemption.disarm_when_unwaited()
-        held = self.holder is not None and self.holder.job_id == job_id
-        if held:
-            self.end_hold(self.holder, f"dropped: {reason}")  # type: ignore[arg-type]
-        self.moves.dropped(job_id, held)
-        self.record_placement()
-        self.idle.forget(job_id)
-        self.failed_jobs.pop(job_id, None)
-        self.job_counters.pop(job_id, None)
-        self.dispatch()
-        self.idle.refresh_memory()
+        """Forget a job that is gone: `departures.drop`."""
+        departures.drop(self, job_id, reason)
 
     def adopted_holder_gone(self, job_id: str) -> bool:
-        """The adopted (presumptive) holder `job_id` has no process left (`timeslice serve`
-        knows from the bindings it keeps in its state dir): dropped now (`drop_job`), rather
-        than the next job waiting out its lease. Returns whether it was dropped: not when
-        `job_id` is not the adopted holder (its client showed its lease since)."""
-        h = self.holder
-        if h is None or h.job_id != job_id or h.lease_id != ADOPTED:
-            return False
-        self.drop_job(job_id, "its processes are gone (found at restart)")
-        return True
+        """The adopted holder `job_id` has no process left: `departures.adopted_holder_gone`."""
+        return departures.adopted_holder_gone(self, job_id)
 
     def leave(self, job_id: str) -> str:
-        """A process of `job_id` is done with the group (`Leave`). A job that neither holds
-        nor waits is dropped (`drop_job`: if its state is off the GPUs, or being moved off,
-        it is restored once the group is idle, then forgotten; if it is on them, it is never
-        moved again). Returns "left", or "busy" when the job holds or waits (holding with no
-        waiter: `AwakeEngines.left_holding`)."""
-        waits = any(w.job_id == job_id for w in self.queue)
-        if self.holder is not None and self.holder.job_id == job_id:
-            if not waits:
-                self.awake.left_holding(job_id)
-            return "busy"
-        if waits:
-            return "busy"
-        if job_id in self.residency.residents or job_id in self.residency.checkpointed:
-            log.info("job left group=%s job=%s", self.id, job_id)
-            self.drop_job(job_id, "its processes are done with the group")
-        return "left"
+        """A process of `job_id` is done with the group (`Leave`): `departures.leave`."""
+        return departures.leave(self, job_id)
 
     def adopt(self, resident: str | None, checkpointed: set[str], epoch: int,
               must_leave: set[str] | frozenset[str] = frozenset(),
@@ -329,31 +260,12 @@ class LockGroup:
 
     # -- internals -------------------------------------------------------------
     def job_started(self, job_id: str) -> None:
-        """A new process of `job_id` connected with none of its earlier ones connected and no
-        checkpoint of its own (cooperative): it settles its memory afresh
-        (`Residency.started`), and a hold during which every stream of the job closed is its
-        ended processes' (`Hold.processes_ended`; a job's first stream that opens in its first
-        hold, or a stream that reconnects, ends nothing)."""
-        self.residency.started(job_id)
-        h = self.holder
-        if h is not None and h.job_id == job_id and h.streams_closed:
-            h.processes_ended = True
+        """A new process of `job_id` connected, none of its earlier ones connected: `holds.started`."""
+        holds.started(self, job_id)
 
     def end_hold(self, h: Hold, why: str) -> None:
-        now = self.clock()
-        held = max(0.0, now - h.granted_at)
-        self.counters.held_seconds += held
-        self.job_counters.setdefault(h.job_id, JobCounters()).held_seconds += held
-        self.recent_holds.append((h.granted_at, now))
-        log.info("hold ended group=%s job=%s epoch=%d held=%.3fs reason=%s", self.id, h.job_id,
-                 h.epoch, held, why)
-        self.holder = None
-        h.ended = True
-        # a hold that ended otherwise than by its release (lease lapsed, preempted, its caller
-        # left) may still compute and grow unwatched: it does not settle its job
-        self.residency.hold_ended(h.job_id, observed=why == "released")
-        self.leases.stop()
-        self.preemption.stop_clock()
+        """The hold `h` ends (`why`: "released", or how else): `holds.end`."""
+        holds.end(self, h, why)
 
     def fail_job(self, job_id: str, err: Exception) -> None:
         """Every waiter of `job_id` leaves the queue with `err` (a preempted holder's entry
@@ -364,21 +276,10 @@ class LockGroup:
                 w.future.set_exception(err)
                 w.future.exception()  # retrieved here: the caller may be gone already
 
-    def _count_moves(self, record: SwitchRecord) -> None:
-        """A switch that succeeded: what it moved, per job (`JobCounters`) of the jobs counted
-        since their grant or hold (a dropped job moved off, or restored for nobody, is not)."""
-        for job, n in record.checkpointed_by_job.items():
-            if (jc := self.job_counters.get(job)) is not None and job not in record.gone:
-                jc.checkpoints += 1
-                jc.bytes_checkpointed += n
-        if record.restore_seconds and (jc := self.job_counters.get(record.to_job)) is not None:
-            jc.restores += 1
-            jc.bytes_restored += record.bytes_restored
-
     def notify(self, kind: str, job_id: str, epoch: int = 0, record: SwitchRecord | None = None,
                 waited: float = 0.0) -> None:
         if kind == "switched" and record is not None:
-            self._count_moves(record)
+            count_moves(self.job_counters, record)
         if self._observer is None:
             return
         try:
@@ -388,85 +289,9 @@ class LockGroup:
 
     def dispatch(self) -> None:
         """Do what the group's decision core says now (`decisions.decide`, run by
-        `MemoryMoves.dispatch`): grant the head waiter (or the resident one that goes first)
-        if the lock is free, moving memory first when needed; while a job holds, stage the
-        next one; while a staging runs, grant the job it keeps room beside."""
+        `MemoryMoves.dispatch`): a grant, a switch, a staging, or nothing."""
         self.moves.dispatch()
 
     def grant(self, job_id: str, restored: bool, switch_seconds: float) -> None:
-        """Grant `job_id`'s waiters one hold. Never while another job holds: that is a bug of
-        the caller (randomized schedules seed 252: a grant confirmed by the agents after
-        another job's grant), logged, and the waiters stay queued."""
-        if self.holder is not None and self.holder.job_id != job_id:
-            log.error("grant of %s refused group=%s: job %s holds (epoch %d); it stays queued", job_id, self.id,
-                      self.holder.job_id, self.holder.epoch)
-            return
-        self.residency.held(job_id)
-        self.moves.granted(job_id)
-        self.idle.granted(job_id)
-        waiters = [w for w in self.queue.pop_job(job_id) if not w.future.done()]
-        if not waiters:  # every caller of the job left during the switch
-            self.dispatch()
-            return
-        now = self.clock()
-        durable = None  # unpersisted, a restart could repeat the epoch or forget the holder: delivered once written
-        if self.state is not None:
-            self.state.reserve(self.id, self.epoch + 1)
-            takeover.persist_placement(self, job_id)
-            durable = self.state.durable()
-        self.epoch += 1
-        self.counters.grants += 1
-        jc = self.job_counters.setdefault(job_id, JobCounters())
-        jc.grants += 1
-        jc.waited_seconds += max(now - w.enqueued_at for w in waiters)
-        restored = self.awake.woken(job_id) or restored  # an engine woken since its last grant: said so
-        parked = next((self.preemption.forget(w) for w in waiters if w.request_id.startswith(PREEMPTED)), None)
-        lease_id = parked.lease_id if parked else uuid.uuid4().hex  # a preempted holder keeps its lease
-        self.leases.remember(lease_id)
-        h = Hold(job_id, lease_id, self.epoch, now, now + self.spec.lease_seconds,
-                 # a parked entry's own id is no caller: its client releases under its first request id
-                 {w.request_id for w in waiters if not w.request_id.startswith(PREEMPTED)}
-                 | (parked.request_ids if parked else set()), restored,
-                 switch_seconds, max(w.priority for w in waiters),
-                 parked.past_epochs | {parked.epoch} if parked else frozenset())
-        self.holder = h
-        if durable is None or durable.done():  # (done at once only when nothing was pending)
-            self._deliver(h, waiters, now)
-        else:
-            durable.add_done_callback(lambda f: self._persisted(h, waiters, now, f))
-        log.info("granted group=%s job=%s epoch=%d restored=%s", self.id, job_id, h.epoch, restored)
-        self.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
-        self.leases.arm()
-        self.preemption.arm()
-        self.moves.watch_holder()
-        self.moves.dispatch()  # (stages the next job)
-
-    def _deliver(self, h: Hold, waiters: list[Waiter], granted_at: float) -> None:
-        for w in waiters:
-            if not w.future.done():  # (a caller that left meanwhile)
-                w.future.set_result(self._grant_info(h, waited=granted_at - w.enqueued_at))
-
-    def _persisted(self, h: Hold, waiters: list[Waiter], granted_at: float, written: asyncio.Future[None]) -> None:
-        """The state file answered for the grant of `h`: deliver it, or (the write failed, or
-        the hold ended meanwhile) fail its waiters with SwitchFailed, their clients ask again,
-        and end the hold: none is granted unpersisted."""
-        err = written.exception()
-        if err is None and not h.ended:  # (held here, or in the group it was carried to)
-            # the lease runs from the delivery: a slow write must not eat the client's lease
-            h.lease_deadline = max(h.lease_deadline, self.clock() + self.spec.lease_seconds)
-            self._deliver(h, waiters, granted_at)
-            return
-        why = f"cannot persist the fencing epoch and holder: {err}" if err is not None else \
-            "its hold ended before its fencing epoch and holder were persisted"
-        log.error("grant withdrawn group=%s job=%s epoch=%d: %s", self.id, h.job_id, h.epoch, why)
-        for w in waiters:
-            self.preemption.forget(w)  # a preempted holder's entry too: its keep-alives now fail
-            if not w.future.done():
-                w.future.set_exception(SwitchFailed(f"group {self.id}: {why}"))
-                w.future.exception()  # retrieved here: a preempted holder's entry has no caller
-        if self.holder is h:
-            self.end_hold(h, "not persisted")
-            self.dispatch()  # the next job's grant meets the same refusal while the file cannot be written
-
-    def _grant_info(self, h: Hold, waited: float) -> GrantInfo:
-        return GrantInfo(h.lease_id, h.epoch, self.spec.lease_seconds, waited, h.restored, h.switch_seconds)
+        """Grant `job_id`'s waiters one hold (`holds.grant`)."""
+        holds.grant(self, job_id, restored, switch_seconds)

@@ -152,6 +152,18 @@ class JobCounters:
     bytes_restored: int = 0
 
 
+def count_moves(job_counters: Mapping[str, JobCounters], record: SwitchRecord) -> None:
+    """A switch that succeeded: what it moved, per job (`JobCounters`) of the jobs counted
+    since their grant or hold (a dropped job moved off, or restored for nobody, is not)."""
+    for job, n in record.checkpointed_by_job.items():
+        if (jc := job_counters.get(job)) is not None and job not in record.gone:
+            jc.checkpoints += 1
+            jc.bytes_checkpointed += n
+    if record.restore_seconds and (jc := job_counters.get(record.to_job)) is not None:
+        jc.restores += 1
+        jc.bytes_restored += record.bytes_restored
+
+
 @dataclass
 class WaiterView:
     job_id: str
