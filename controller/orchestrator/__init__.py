@@ -20,7 +20,10 @@ static mode a job name from the node agents' job tables.
     residency.py      Residency: what the group learned of its jobs' memory (peaks, declared, settled)
     placement.py      plan_room / place: which residents must leave for a job to fit (pure)
     switch.py         SwitchCoordinator: checkpoint out / restore in over node agents, rollback
-    cooperative.py    CooperativeJobs: the `cooperative` backend's command streams
+    cooperative.py    CooperativeJobs: the `cooperative` backend's command streams, over the three below
+    cooperative_processes.py  Process / Processes / Commands: each job's processes, commands awaiting answers
+    cooperative_steps.py      CooperativeSteps: checkpoint and restore commands, late answers rolled back
+    cooperative_records.py    CheckpointRecords: pool ranges in the state file, adoption after a restart
     pinned_pool.py    PinnedPool: a node's shared pinned host memory
     state_file.py     StateFile: epochs and placements a standalone restart must not forget
     agents.py         AgentClient / AgentPool: gRPC calls to node agents (TLS pinning their certificates)
