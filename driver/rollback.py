@@ -3,7 +3,7 @@ ran when another part's failed, and say what could not be undone.
 
 Used by the node agent's backends (`backends.base.run_step`: a checkpoint or restore over a
 job's processes) and the orchestrator's cooperative backend (a checkpoint over a job's
-processes, `cooperative.CooperativeJobs`). The switch over a group's node agents undoes per
+processes, `cooperative_steps.CooperativeSteps`). The switch over a group's node agents undoes per
 agent (`switch.SwitchCoordinator`).
 """
 

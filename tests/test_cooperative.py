@@ -304,7 +304,7 @@ async def test_a_process_that_closes_its_stream_while_checkpointed_keeps_its_poo
         await asyncio.to_thread(b.acquire)
         assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]
         a._memory_loops[0].close()
-        await eventually(lambda: not orch.cooperative._procs[("g", "a")][a._memory_loops[0].stream_id].connected)
+        await eventually(lambda: not orch.cooperative._processes.of("g", "a")[a._memory_loops[0].stream_id].connected)
         assert orch.cooperative.pool.used_bytes == 64 * 1024  # type: ignore[union-attr]  # its bytes still there
         orch.drop_job("g", "a", "finished")
         assert orch.cooperative.pool.used_bytes == 0  # type: ignore[union-attr]
@@ -488,9 +488,9 @@ async def test_a_restore_answered_late_is_checkpointed_again_not_left_on_a_gpu_g
 async def test_a_job_whose_checkpointed_process_died_runs_again_with_a_new_process(coop, monkeypatch) -> None:
     """Before: every acquire of the job failed for good ("hold a checkpoint but are not
     connected"), after evicting and restoring the other job each time, and its pool range leaked."""
-    from timeslice.controller.orchestrator import cooperative
+    from timeslice.controller.orchestrator import cooperative_processes
 
-    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(cooperative_processes, "RECONNECT_GRACE_SECONDS", 0.2)
     orch, target = await coop(backend="cooperative")
     spec = orch.group("g").spec
     orch.add_group(type(spec)(**{**spec.model_dump(), "residency": "exclusive"}))
@@ -569,9 +569,9 @@ async def sized_jobs(coop, monkeypatch, grace: float, **kw: object) -> tuple[Orc
     """Jobs "c" and "a", 60 GB each on a 100 GB GPU (10% headroom): one fits at a time. c
     has run once; a loads its state inside its first hold (c is checkpointed for it), then
     registers it, and releases. `kw`: c's client arguments."""
-    from timeslice.controller.orchestrator import cooperative
+    from timeslice.controller.orchestrator import cooperative_processes
 
-    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", grace)
+    monkeypatch.setattr(cooperative_processes, "RECONNECT_GRACE_SECONDS", grace)
     stores: dict[str, FakeStore] = {}
     gpu = GpuModel(stores, {"a": 60 * GB, "c": 60 * GB}, {"a": 101, "c": 103})
     stores["c"] = SizedStore("c", 60 * GB, gpu)
@@ -641,9 +641,9 @@ async def test_a_resident_that_exits_or_reconnects_is_waited_for_not_failed(coop
     exiting or reconnecting"), killing a. Now the switch waits: b's process exited (the
     grace passes: nothing of it to move, a is granted) or it reconnects (then it is
     checkpointed as usual)."""
-    from timeslice.controller.orchestrator import cooperative
+    from timeslice.controller.orchestrator import cooperative_processes
 
-    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", 5.0 if comes_back else 0.3)
+    monkeypatch.setattr(cooperative_processes, "RECONNECT_GRACE_SECONDS", 5.0 if comes_back else 0.3)
     orch, target = await coop(residency="exclusive")
     sa, sb = FakeStore("a"), FakeStore("b")
     a, b = await jobs(target, sa, sb)
@@ -766,7 +766,7 @@ async def test_the_processes_of_a_job_are_checkpointed_at_once_each_into_its_own
         await asyncio.to_thread(a_ranks[0].release)
         await asyncio.to_thread(b.acquire)  # both ranks of a are checkpointed for b, at once
         assert all(s.device is None and s.own is None for s in stores)  # both in the pinned pool
-        (first, second) = sorted(r for p in orch.cooperative._procs[("g", "a")].values() for r in p.pool_ranges)
+        (first, second) = sorted(r for p in orch.cooperative._processes.of("g", "a").values() for r in p.pool_ranges)
         assert first[0] + first[1] <= second[0]  # one range each, disjoint
         await asyncio.to_thread(b.release)
         await asyncio.to_thread(a_ranks[1].acquire)
@@ -1055,7 +1055,7 @@ async def test_a_reconnect_fails_the_commands_its_old_stream_never_sent() -> Non
     old = jobs.stream("g", "a", "s1", os.getpid(), 10)
     assert (await anext(old)).kind == "hello"
     checkpoint = asyncio.create_task(jobs.checkpoint("g", "a", timeout=300))  # queued for the old stream
-    await eventually(lambda: jobs._procs[("g", "a")]["s1"].commands.qsize() == 1)
+    await eventually(lambda: jobs._processes.of("g", "a")["s1"].commands.qsize() == 1)
     new = jobs.stream("g", "a", "s1", os.getpid(), 10)
     assert (await anext(new)).kind == "hello"
     again = await asyncio.wait_for(anext(new), 20)  # sent again on the new stream, not left on the old one

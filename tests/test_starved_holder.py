@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from timeslice import AcquireTimeout, JobFailed, SwitchFailed, TimeSliceOrchestratorClient
-from timeslice.controller.orchestrator import cooperative
+from timeslice.controller.orchestrator import cooperative_processes
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
@@ -258,7 +258,7 @@ async def test_an_overdue_cooperative_holder_whose_stream_closes_lapses_at_once(
                                                                                  monkeypatch) -> None:
     """Killed while overdue: its stream closes, its lease lapses then (not at its next lease
     timer), and the waiter is granted without a failed switch."""
-    monkeypatch.setattr(cooperative, "RECONNECT_GRACE_SECONDS", 0.5)  # its memory is gone with it
+    monkeypatch.setattr(cooperative_processes, "RECONNECT_GRACE_SECONDS", 0.5)  # its memory is gone with it
     caplog.set_level(logging.WARNING, "timeslice.orchestrator")
     orch, target = coop_target
     a = holders(target, backend="cooperative")

@@ -244,7 +244,7 @@ async def test_a_checkpoint_confirmed_while_a_switch_moves_the_job_out_is_placed
     from timeslice.driver.errors import SwitchFailed
 
     async def switcher(spec, evict, incoming, restore) -> SwitchRecord:
-        orch.cooperative._on_learned("g", "a")  # a's process reconnects: its checkpoint is confirmed
+        orch._checkpoint_learned("g", "a")  # a's process reconnects: its checkpoint is confirmed (on_learned)
         rec = SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict), ok=False,
                            error="checkpoint of c failed; rolled back")  # a restored with the rest
         raise SwitchError(rec.error, rec)

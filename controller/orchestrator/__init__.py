@@ -10,6 +10,8 @@ static mode a job name from the node agents' job tables.
     group.py            LockGroup: holder, fencing epoch, grants; owns the collaborators below
     decisions.py        the decision core of a dispatch (pure): DispatchFacts -> grant, switch, stage, wait
     moves.py            MemoryMoves: gathers the facts and runs the decision; the jobs that must leave
+    holds.py            a hold's life: a caller joins its job's hold, a grant delivered once persisted, its end
+    departures.py       a job leaving the group: dropped, found gone at a restart, done with it (`Leave`)
     switch_run.py       SwitchRunner: the switch in progress (a staging, a confirmation before a grant), its outcome
     memory_plan.py      memory reports and plans: which residents leave for a job to fit (over placement.py)
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
@@ -27,7 +29,10 @@ static mode a job name from the node agents' job tables.
     switch.py           SwitchCoordinator: checkpoint out / restore in over node agents, rollback
     switch_steps.py     SwitchSteps: one step on every target of a job, resent by operation id when its reply is lost
     memory_reports.py   MemoryReports: the memory report, and a switch's waits for memory freed or room
-    cooperative.py      CooperativeJobs: the `cooperative` backend's command streams
+    cooperative.py      CooperativeJobs: the `cooperative` backend's command streams, over the three below
+    cooperative_processes.py  Process / Processes / Commands: each job's processes, commands awaiting answers
+    cooperative_steps.py      CooperativeSteps: checkpoint and restore commands, late answers rolled back
+    cooperative_records.py    CheckpointRecords: pool ranges in the state file, adoption after a restart
     pinned_pool.py      PinnedPool: a node's shared pinned host memory
     state_file.py       StateFile: epochs and placements a standalone restart must not forget
     agents.py           AgentClient: gRPC calls to a node agent (TLS pinning its certificate)

@@ -15,9 +15,9 @@ And, per node pinned pool (cooperative backend), where each process's checkpoint
 ranges offered to a checkpoint command before it is sent (write-ahead: after a restart
 they are handed to nobody else until that process reconnects and says what it did, or
 the reconnect grace has passed), then its bytes and checksum once acknowledged; dropped
-once restored or forgotten. Written by `CooperativeJobs`. A record does not make its job
-checkpointed after a restart (the process may have restored after it was written): until
-the process confirms it, its job counts as on the GPUs.
+once restored or forgotten. Written by `CooperativeJobs` (its `CheckpointRecords`). A
+record does not make its job checkpointed after a restart (the process may have restored
+after it was written): until the process confirms it, its job counts as on the GPUs.
 Every write is `write_atomic` (fsync'd), off the event loop: a change is made in memory and
 marks the file dirty; one task writes a snapshot of everything in a thread, so the changes
 of one loop turn, and those made while a write is in flight, share one write (at 1000
