@@ -215,7 +215,7 @@ async def test_a_restore_the_agent_reports_timed_out_counts_toward_failing_the_j
     """The agent's own StepTimeout comes back as DEADLINE_EXCEEDED: a reply, not a lost call.
     It was taken as "unreachable", so a job whose restore kept timing out never failed and
     every acquire repeated checkpoint -> restore -> rollback."""
-    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
     from timeslice.driver.errors import StepTimeout, SwitchFailed
 
     c = await make_cluster(backend="cuda")

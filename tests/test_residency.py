@@ -578,7 +578,7 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
     rollback, and the job was never marked failed. Now the third restore step that fails in
     a row fails the job: `JobFailed` (not retried by clients), refused at once until dropped."""
     from timeslice.controller.orchestrator.group_model import SwitchError
-    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
 
     class BadRestore(FakeGpu):
         async def __call__(self, spec, evict, incoming, restore):
@@ -615,7 +615,7 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
 async def test_a_job_that_finds_no_room_again_and_again_never_fails() -> None:
     """Before: three plans in a row without room (another job's state in the way, a GPU
     someone else uses) failed the job for good, although nothing of it was lost."""
-    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
 
     events: list[str] = []
     gpu = FakeGpu(a=60)

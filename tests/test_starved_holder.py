@@ -325,7 +325,7 @@ async def test_a_switch_that_keeps_failing_times_out_naming_it(make_cluster, cap
 
 
 async def test_a_job_whose_restore_keeps_failing_gets_job_failed_once_and_it_is_not_retried(make_cluster) -> None:
-    from timeslice.controller.orchestrator.switch_run import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
 
     c = await make_cluster(backend="cuda")
     a, b = c.client("a"), c.client("b")

@@ -61,6 +61,10 @@ class IdleRestores:
         """A background restore of `job` failed (or found no room): not again in the background."""
         self._failed.add(job)
 
+    def is_orphan(self, job: str) -> bool:
+        """Whether `job` is checkpointed and nobody will ask for it (`unowned`)."""
+        return job in self._orphans
+
     def restored_for_nobody(self, job: str) -> bool:
         """`job` was restored as an orphan (now forgotten here); its processes run on, unowned."""
         if job not in self._orphans:

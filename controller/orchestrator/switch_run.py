@@ -5,7 +5,8 @@ runs it through the group's `Switcher`: a switch (planned here when the decision
 leaves to a plan, `memory_plan.plan`), a staging beside the holder, the confirmation that a
 resident is on the GPUs before its grant, or room made for a holder that outgrew its
 reservation (holder_watch.py). Then it records what moved, grants, counts a failed restore
-(a job whose restores keep failing fails: `MAX_RESTORE_FAILURES`) and dispatches again.
+(a job whose restores keep failing fails) and dispatches again; what the outcome changes is
+decided by `switch_outcome.outcome` (pure).
 """
 
 from __future__ import annotations
@@ -18,6 +19,27 @@ from typing import TYPE_CHECKING
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
 from timeslice.controller.orchestrator.memory_plan import plan
 from timeslice.controller.orchestrator.placement import NoRoom
+from timeslice.controller.orchestrator.switch_outcome import (
+    CheckedOut,
+    Counted,
+    Dropped,
+    Effect,
+    FailWaiters,
+    Grant,
+    Held,
+    IdleFailed,
+    MovedIn,
+    OffGpu,
+    OutcomeFacts,
+    Recorded,
+    RestoredForNobody,
+    RestoreFailed,
+    SwitchResult,
+    Unstaged,
+    Unsure,
+    Woke,
+    outcome,
+)
 from timeslice.driver import names
 from timeslice.driver.errors import JobFailed, SwitchFailed
 
@@ -26,12 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("timeslice.orchestrator")
 
-# A job whose restore fails this many times in a row fails (`JobFailed`): its acquires are
-# refused with the last cause until it is dropped (its pods restarted), and the group serves
-# the others instead of repeating checkpoint(other) -> restore -> rollback at every acquire.
-# Only a restore step that ran and failed counts: not a plan without room, nor a checkpoint
-# of another job, nor agents that did not answer (none of them is the job's own fault).
-MAX_RESTORE_FAILURES = 3
 
 
 class SwitchRunner:
@@ -115,32 +131,38 @@ class SwitchRunner:
 
     async def _switch(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool,
                       beside: str | None = None) -> None:
-        """Plan (when `evict` is None), run the switch, record what moved, then grant, count a
-        failure or dispatch (`_ended`). `beside`: a staging (`decisions.Stage`) next to this holder."""
+        """Plan (when `evict` is None) and run the switch, then perform what its outcome changes
+        (`switch_outcome.outcome`) and dispatch. `beside`: a staging (`decisions.Stage`) next to
+        this holder."""
         g = self._g
-        record: SwitchRecord | None = None
-        first = False
-        vanished: list[str] = []  # evicted jobs with no process left anywhere: dropped once it ends
         try:
             if evict is None:
                 evict, first = await plan(g, incoming, allow_evictions=True, beside=beside)
                 self.switching = (evict[0] if evict else None, incoming)
-            record = await self._run(evict, incoming, restore, first, beside)
+            else:
+                first = False
+            result = SwitchResult("ran", await self._run(evict, incoming, restore, first, beside))
         except NoRoom as err:
-            record = self._no_room(incoming, beside, err)
+            result = SwitchResult("no-room", error=str(err))
         except SwitchError as err:
-            record = self._failed(evict or [], incoming, err)
+            result = SwitchResult("failed", err.record, err.off_gpu, str(err))
         except Exception as err:  # a Switcher bug: keep the group serving, say so loudly
             log.exception("switch crashed group=%s evict=%s to=%s", g.id, evict, incoming)
-            record = SwitchRecord(None, incoming, ok=False, error=f"internal error: {err!r}")
-            g.counters.failed_switches += 1
-            g.fail_job(incoming, SwitchFailed(f"group {g.id}: internal error: {err!r}"))
-        else:
-            vanished = self._moved(evict, record, incoming, restore, grant, beside)
+            result = SwitchResult("crashed", error=repr(err))
         finally:
             self.switching, self.beside = None, None
             self.task = None
-        self._ended(incoming, record, vanished, restore, grant, beside)
+        facts = OutcomeFacts(g.id, g.spec.backend, tuple(evict or ()), incoming, restore, grant, beside,
+                             frozenset(w.job_id for w in g.queue), g.idle.is_orphan(incoming),
+                             self._restore_failures.get(incoming, 0), g.holder.epoch if g.holder else 0)
+        record, effects = outcome(facts, result)
+        self._log(facts, result, record)
+        for effect in effects:
+            self._perform(effect)
+        g.preemption.switch_ended()
+        g.dispatch()
+        if g.idle.now() and (record is None or record.ok):
+            g.idle.refresh_memory()
 
     async def _run(self, evict: list[str], incoming: str, restore: bool, first: bool,
                    beside: str | None) -> SwitchRecord | None:
@@ -161,84 +183,80 @@ class SwitchRunner:
         finally:
             self.evicting = frozenset()
 
-    def _no_room(self, incoming: str, beside: str | None, err: NoRoom) -> SwitchRecord | None:
+    def _log(self, f: OutcomeFacts, result: SwitchResult, record: SwitchRecord | None) -> None:
         g = self._g
-        if beside is not None:  # not now: the hand-off plans again, without the holder
-            log.info("not staged group=%s job=%s beside %s: %s", g.id, incoming, beside, err)
-            self.unstaged = (g.holder.epoch if g.holder else 0, incoming)
-            return None
-        log.warning("no room group=%s job=%s: %s", g.id, incoming, err)
-        g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
-        return SwitchRecord(None, incoming, ok=False, error=str(err))
-
-    def _failed(self, evict: list[str], incoming: str, err: SwitchError) -> SwitchRecord:
-        g = self._g
-        g.counters.failed_switches += 1
-        for job in err.off_gpu:
-            g.residency.moved_out(job)
-        g.moves.settling.unsure.update(err.off_gpu)  # an agent may still finish the rollback (its undo at a restart)
-        if g.spec.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
-            g.awake.woke([j for j in evict if j not in err.off_gpu])
-        log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, evict, incoming, err)
-        g.fail_job(incoming, SwitchFailed(f"group {g.id}: {err}"))
-        return err.record
-
-    def _moved(self, evict: list[str], record: SwitchRecord | None, incoming: str, restore: bool, grant: bool,
-               beside: str | None) -> list[str]:
-        """Record a switch that succeeded; returns the evicted jobs found gone everywhere."""
-        g, r = self._g, self._g.residency
-        vanished = []
-        for job in evict:
-            if record is not None and job in record.gone and not any(w.job_id == job for w in g.queue):
-                vanished.append(job)
-                continue
-            r.moved_out(job)
-            if g.moves.left(job):  # fenced, and checkpointed: restored when idle, then forgotten
-                g.idle.unowned(job)
-        if record is not None:
-            g.counters.switches += 1
+        if result.kind == "no-room":
+            if f.beside is not None:
+                log.info("not staged group=%s job=%s beside %s: %s", g.id, f.incoming, f.beside, result.error)
+            else:
+                log.warning("no room group=%s job=%s: %s", g.id, f.incoming, result.error)
+        elif result.kind == "failed":
+            log.warning("switch failed group=%s evict=%s to=%s: %s", g.id, list(f.evict), f.incoming, result.error)
+        elif result.kind == "ran" and record is not None:
             log.info("switch done group=%s evict=%s to=%s seconds=%.3f bytes_out=%d bytes_in=%d", g.id,
-                     evict, incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
-        if grant:
-            r.held(incoming)
-        elif g.idle.restored_for_nobody(incoming):  # its processes run on, unowned
-            r.forget(incoming)
-            if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
-                g.awake.woke([incoming])
-        elif restore and record is not None:
-            r.moved_in(incoming, next_up=beside is not None)
-        return vanished
+                     list(f.evict), f.incoming, record.seconds, record.bytes_checkpointed, record.bytes_restored)
 
-    def _ended(self, incoming: str, record: SwitchRecord | None, vanished: list[str], restore: bool, grant: bool,
-               beside: str | None) -> None:
-        """After a switch, whatever its outcome: drop the jobs it found gone, keep its record,
-        grant, count a failed restore, and dispatch."""
+    def _perform(self, e: Effect) -> None:
+        """Perform one effect of a switch's outcome (`switch_outcome`)."""
         g = self._g
-        if record is not None:
-            record.finished_at_unix = time.time()
-            g.recent.append(record)
-            g.notify("switched" if record.ok else "switch-failed", incoming, record=record)
-        if grant and (record is None or record.ok):  # before the drops below, which dispatch (seed 252)
-            g.grant(incoming, restored=restore, switch_seconds=record.seconds if record else 0.0)
-        for job in vanished:  # nothing of it is anywhere: a one-box job killed with its client took part
-            g.moves.left(job)  # in every later hand-off ("nothing to restore"), for good
-            g.drop_job(job, "no process of it is left on its nodes")
-        if not grant and beside is None and (record is None or not record.ok):
-            g.idle.failed(incoming)
-        elif record is not None and record.failed_step == "restore" and not record.unreachable:
-            self._count_restore_failure(incoming, record)
-        g.preemption.switch_ended()
-        g.dispatch()
-        if g.idle.now() and (record is None or record.ok):
-            g.idle.refresh_memory()
-
-    def _count_restore_failure(self, job: str, record: SwitchRecord) -> None:
-        g = self._g
-        n = self._restore_failures[job] = self._restore_failures.get(job, 0) + 1
-        if n < MAX_RESTORE_FAILURES:
+        if self._placed(e):
             return
-        g.failed_jobs[job] = f"{n} restores in a row failed, the last: {record.error}"
-        log.error("job failed group=%s job=%s: %s", g.id, job, g.failed_jobs[job])
-        g.fail_job(job, JobFailed(f"group {g.id}: job {job} failed: {g.failed_jobs[job]} (it is not retried: "
-                                  "restart the job, which drops it)"))
-        g.notify("job-failed", job, record=record)
+        if isinstance(e, Counted):
+            if e.ok:
+                g.counters.switches += 1
+            else:
+                g.counters.failed_switches += 1
+        elif isinstance(e, Unsure):  # an agent may still finish the rollback (its undo at a restart)
+            g.moves.settling.unsure.update(e.jobs)
+        elif isinstance(e, Woke):
+            g.awake.woke(list(e.jobs))
+        elif isinstance(e, Unstaged):
+            self.unstaged = (e.epoch, e.job)
+        elif isinstance(e, FailWaiters):
+            g.fail_job(e.job, SwitchFailed(e.message))
+        elif isinstance(e, Recorded):
+            e.record.finished_at_unix = time.time()
+            g.recent.append(e.record)
+            g.notify("switched" if e.record.ok else "switch-failed", e.job, record=e.record)
+        elif isinstance(e, Grant):
+            g.grant(e.job, restored=e.restored, switch_seconds=e.switch_seconds)
+        elif isinstance(e, Dropped):
+            g.moves.left(e.job)  # in every later hand-off ("nothing to restore"), for good
+            g.drop_job(e.job, "no process of it is left on its nodes")
+        elif isinstance(e, IdleFailed):
+            g.idle.failed(e.job)
+        elif isinstance(e, RestoreFailed):
+            self._restore_failed(e)
+
+    def _placed(self, e: Effect) -> bool:
+        """Perform `e` when it says where a job's state is now (True), else nothing (False)."""
+        g, r = self._g, self._g.residency
+        if isinstance(e, CheckedOut):
+            r.moved_out(e.job)
+            if g.moves.left(e.job):  # fenced, and checkpointed: restored when idle, then forgotten
+                g.idle.unowned(e.job)
+        elif isinstance(e, OffGpu):
+            r.moved_out(e.job)
+        elif isinstance(e, Held):
+            r.held(e.job)
+        elif isinstance(e, RestoredForNobody):
+            g.idle.restored_for_nobody(e.job)
+            r.forget(e.job)
+            if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
+                g.awake.woke([e.job])
+        elif isinstance(e, MovedIn):
+            r.moved_in(e.job, next_up=e.next_up)
+        else:
+            return False
+        return True
+
+    def _restore_failed(self, e: RestoreFailed) -> None:
+        g = self._g
+        n = self._restore_failures[e.job] = self._restore_failures.get(e.job, 0) + 1
+        if not e.fails:
+            return
+        g.failed_jobs[e.job] = f"{n} restores in a row failed, the last: {e.record.error}"
+        log.error("job failed group=%s job=%s: %s", g.id, e.job, g.failed_jobs[e.job])
+        g.fail_job(e.job, JobFailed(f"group {g.id}: job {e.job} failed: {g.failed_jobs[e.job]} (it is not "
+                                    "retried: restart the job, which drops it)"))
+        g.notify("job-failed", e.job, record=e.record)
