@@ -13,6 +13,7 @@ static mode a job name from the node agents' job tables.
     holds.py            a hold's life: a caller joins its job's hold, a grant delivered once persisted, its end
     departures.py       a job leaving the group: dropped, found gone at a restart, done with it (`Leave`)
     switch_run.py       SwitchRunner: the switch in progress (a staging, a confirmation before a grant), its outcome
+    switch_outcome.py   the decision core of a switch's end (pure): OutcomeFacts + SwitchResult -> effects
     memory_plan.py      memory reports and plans: which residents leave for a job to fit (over placement.py)
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
     leases.py           Leases: lease timer and lease checks
