@@ -59,7 +59,7 @@ wheels: $(STAMP) ## build the timeslice wheel into dist/ (for the cluster's Pyth
 e2e: wheels ## bring up the local cluster (built from source, cached), run e2e/, tear it down
 	hack/e2e.sh
 
-stress-test: wheels ## the suite under load: unit 5 times, e2e once and 100 randomized schedules per backend while stress-ng keeps every core busy
+stress-test: wheels ## the suite under load: unit 5 times, e2e once and 1000 randomized schedules per backend while stress-ng keeps every core busy
 	hack/stress-test.sh
 
 cluster-up: wheels ## start the local single-node cluster (hack/local-cluster.sh up)

@@ -3,7 +3,7 @@
 # integration suite runs RUNS times (default 5), the e2e suite once, the lock group's hypothesis
 # schedules 10 000 times each (tests/faults/test_group*_schedules.py), its decision cores over
 # 100 000 random cases each (tests/test_decisions.py, tests/test_switch_outcome.py), and the randomized process
-# schedules (bench/schedules.py) SCHEDULES times per backend (default 100; the suite runs a slice);
+# schedules (bench/schedules.py) SCHEDULES times per backend (default 1000, about 40 minutes per backend on 2 cores; the suite runs a slice);
 # each run's time and result is printed. Needs stress-ng (Debian package, installed when missing)
 # and, for e2e, root.
 #   hack/stress-test.sh
@@ -33,13 +33,13 @@ if TIMESLICE_DECISION_EXAMPLES=100000 .venv/bin/pytest -q -p no:cacheprovider --
 echo "decision cores (hypothesis, 100000 cases each): $result in $(( $(date +%s) - start )) s"
 for backend in cooperative cuda freeze none app; do
   start=$(date +%s)
-  if .venv/bin/python bench/schedules.py --backend "$backend" --count "${SCHEDULES:-100}" --seed 100001 --workers 2 \
+  if .venv/bin/python bench/schedules.py --backend "$backend" --count "${SCHEDULES:-1000}" --seed 100001 --workers 2 \
       --out "/tmp/stress-schedules-$backend.json" >"/tmp/stress-schedules-$backend.log" 2>&1; then
     result=passed
   else
     result=FAILED; failed=1
   fi
   echo "schedules $backend: $result in $(( $(date +%s) - start )) s ($(grep -c '"failures": \[{' \
-    "/tmp/stress-schedules-$backend.log") of ${SCHEDULES:-100} failed; /tmp/stress-schedules-$backend.json)"
+    "/tmp/stress-schedules-$backend.log") of ${SCHEDULES:-1000} failed; /tmp/stress-schedules-$backend.json)"
 done
 exit "$failed"
