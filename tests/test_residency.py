@@ -1217,13 +1217,13 @@ def test_the_switch_speed_is_the_fastest_each_way_not_an_average_with_a_first_sw
     from timeslice.controller.orchestrator.move_cost import switch_speed
 
     g = LockGroup(GroupSpec(id="g", backend="cooperative", agents=("agent-0",)), FakeGpu())
-    assert switch_speed(g) is None  # no prior for cooperative, nothing measured
+    assert switch_speed(g.moves.costs()) is None  # no prior for cooperative, nothing measured
     g.recent.append(SwitchRecord("a", "b", checkpoint_seconds=17.0, bytes_checkpointed=47 * GB))
-    assert switch_speed(g) == (47 * GB / 17.0, 47 * GB / 17.0)  # no restore measured: as fast as out
+    assert switch_speed(g.moves.costs()) == (47 * GB / 17.0, 47 * GB / 17.0)  # no restore measured: as fast as out
     g.recent.append(SwitchRecord("b", "a", checkpoint_seconds=1.0, bytes_checkpointed=50 * GB,
                                  restore_seconds=0.5, bytes_restored=47 * GB))
     g.recent.append(SwitchRecord("a", "b", ok=False, checkpoint_seconds=0.1, bytes_checkpointed=50 * GB))
-    assert switch_speed(g) == (50 * GB, 94 * GB)
+    assert switch_speed(g.moves.costs()) == (50 * GB, 94 * GB)
 
 
 class SampledGpu(FakeGpu):

@@ -120,7 +120,7 @@ class GrantOnGpu:
 class Switch:
     """Checkpoint `evict` (None: as a fresh plan says) and restore `job` when `restore`, then
     grant it. `may_defer`: the grant moves memory for the head waiter; the runner may hold it
-    back while the residents are between their phases (`MemoryMoves._defer`)."""
+    back while the residents are between their phases (`deferral.Deferral.defer`)."""
 
     evict: tuple[str, ...] | None
     job: str

@@ -1,7 +1,7 @@
 """What a switch costs, and how long a grant that would make one waits (residency `auto`).
 
-Pure functions of a `LockGroup`'s records (owned by `MemoryMoves`, which decides with them;
-DESIGN.md, "Lock groups and the orchestrator"): the bytes per second its switches moved
+Pure functions of what a group recorded (`CostInputs`, gathered by `MemoryMoves.costs`, which
+decides with them; DESIGN.md, "Lock groups and the orchestrator"): the bytes per second its switches moved
 (`switch_speed`, each way), the seconds the switch that grants a job would take (`move_seconds`),
 whether it moves anything (`moves_nothing`), and how long resident waiters may pass that job
 (`pass_remaining`).
@@ -9,14 +9,15 @@ whether it moves anything (`moves_nothing`), and how long resident waiters may p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group_model import SwitchRecord
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.placement import NoRoom, plan_room
+from timeslice.controller.orchestrator.residency import Residency
 from timeslice.driver.headroom import parse_headroom
-
-if TYPE_CHECKING:
-    from timeslice.controller.orchestrator.group import LockGroup
 
 # A waiter whose grant moves memory is passed by resident waiters until they have held the
 # GPUs for this many times the move's seconds (`pass_remaining`): the moves then cost at most a
@@ -31,7 +32,25 @@ PASS_WALL_FACTOR = 2
 MIN_SPEED_SAMPLE_FRACTION = 0.01
 
 
-def pass_remaining(g: LockGroup, head: Waiter) -> float:
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost model reads of a group at clock() time `now` (read only): its spec
+    (`resident_first_seconds`, `memory_headroom`), what it learned of its jobs' memory, its
+    recent switches, the (granted, ended) clock() seconds of its last holds (`holds`, at most
+    `holds_kept`), when the current hold began (None: nobody holds), and the switcher's
+    `prior_speed` (bytes per second; None: none)."""
+
+    spec: GroupSpec
+    residency: Residency
+    now: float
+    recent: Sequence[SwitchRecord]
+    holds: Sequence[tuple[float, float]]
+    holds_kept: int | None
+    holding_since: float | None
+    prior_speed: float | None
+
+
+def pass_remaining(g: CostInputs, head: Waiter) -> float:
     """Wall-clock seconds, at the least, during which resident waiters may still pass `head`
     when its grant would move memory; 0: no longer (or never: `resident_first_seconds` 0).
     They pass it for `resident_first_seconds`; when `SWITCH_COST_FACTOR` times the move's
@@ -45,7 +64,7 @@ def pass_remaining(g: LockGroup, head: Waiter) -> float:
     first = g.spec.resident_first_seconds
     if first <= 0:
         return 0.0
-    waited = g.clock() - head.enqueued_at
+    waited = g.now - head.enqueued_at
     cap = float("inf") if head.timeout is None else head.timeout / 2 - waited
     seconds = move_seconds(g, head.job_id)
     if seconds is None or SWITCH_COST_FACTOR * seconds <= first:
@@ -55,7 +74,7 @@ def pass_remaining(g: LockGroup, head: Waiter) -> float:
     return max(0.0, left)
 
 
-def moves_nothing(g: LockGroup, job: str) -> bool:
+def moves_nothing(g: CostInputs, job: str, unconfirmed: bool) -> bool:
     """Whether granting `job` now moves no memory by the last report: its need is known
     (declared or settled), none of its state is checkpointed, and it fits beside the
     residents with the headroom (`plan_room` checkpoints nobody). False without a report.
@@ -65,7 +84,7 @@ def moves_nothing(g: LockGroup, job: str) -> bool:
     (bench/results/rl-grpo-c-serve-cooperative-declared-h200.json, 1.95x)."""
     r = g.residency
     snap = r.snapshot
-    if snap is None or not r.known(job) or job in r.checkpointed or g.moves.unconfirmed(job):
+    if snap is None or not r.known(job) or job in r.checkpointed or unconfirmed:
         return False
     try:
         return not plan_room(job, r.lru(excluding=[job]), snap, r.peaks, parse_headroom(g.spec.memory_headroom),
@@ -74,20 +93,19 @@ def moves_nothing(g: LockGroup, job: str) -> bool:
         return False
 
 
-def held_since(g: LockGroup, since: float) -> float:
+def held_since(g: CostInputs, since: float) -> float:
     """Seconds the group's holders held its GPUs since clock() time `since` (the current hold
     included); infinite when `since` is older than the holds the group remembers."""
-    now = g.clock()
-    holds = g.recent_holds
-    if len(holds) == holds.maxlen and holds[0][0] > since:
+    holds = g.holds
+    if len(holds) == g.holds_kept and holds[0][0] > since:
         return float("inf")
     held = sum(max(0.0, end - max(start, since)) for start, end in holds if end > since)
-    if g.holder is not None:
-        held += max(0.0, now - max(g.holder.granted_at, since))
+    if g.holding_since is not None:
+        held += max(0.0, g.now - max(g.holding_since, since))
     return held
 
 
-def move_seconds(g: LockGroup, job: str) -> float | None:
+def move_seconds(g: CostInputs, job: str) -> float | None:
     """Estimated seconds of the switch that grants `job`: its checkpoint restored, and the
     idle residents its plan evicts (`plan_room`) checkpointed, at the speeds of
     `switch_speed` (the driver's checkpoint on the H200: ~1.5 GB/s out, ~4 GB/s in; a
@@ -107,7 +125,7 @@ def move_seconds(g: LockGroup, job: str) -> float | None:
     return out / speed[0] + sum(snap.checkpointed_bytes.get(job, {}).values()) / speed[1]
 
 
-def switch_speed(g: LockGroup) -> tuple[float, float] | None:
+def switch_speed(g: CostInputs) -> tuple[float, float] | None:
     """(out, in) bytes per second: the fastest of the group's recent switches in each
     direction that moved at least `MIN_SPEED_SAMPLE_FRACTION` of a GPU (by the last memory
     report; any without one: it only decides whether to ask for a report). A process's first
@@ -122,6 +140,6 @@ def switch_speed(g: LockGroup) -> tuple[float, float] | None:
                if rec.bytes_checkpointed >= least and rec.checkpoint_seconds > 0), default=None)
     in_ = max((rec.bytes_restored / rec.restore_seconds for rec in ok
                if rec.bytes_restored >= least and rec.restore_seconds > 0), default=None)
-    prior = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
+    prior = g.prior_speed
     out, in_ = out or prior or in_, in_ or prior or out
     return (out, in_) if out and in_ else None

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS
@@ -53,12 +52,12 @@ from timeslice.controller.orchestrator.decisions import (
     Waiting,
     decide,
 )
+from timeslice.controller.orchestrator.deferral import Deferral
 from timeslice.controller.orchestrator.group_model import Hold
 from timeslice.controller.orchestrator.holder_watch import HolderWatch
 from timeslice.controller.orchestrator.in_flight import Settling
-from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.controller.orchestrator.memory_plan import roomy, snapshot
-from timeslice.controller.orchestrator.move_cost import move_seconds, moves_nothing, pass_remaining, switch_speed
+from timeslice.controller.orchestrator.memory_plan import roomy
+from timeslice.controller.orchestrator.move_cost import CostInputs, moves_nothing, pass_remaining
 from timeslice.controller.orchestrator.switch_run import SwitchRunner
 from timeslice.driver import names
 
@@ -80,10 +79,7 @@ class MemoryMoves:
         self.settling = Settling(group)
         self._fenced: set[str] = set()  # dropped holders to checkpoint before anyone is granted
         self._lapsed: set[str] = set()  # holders whose lease lapsed: checkpointed before anyone is granted
-        self._granted_at: dict[str, float] = {}  # job -> clock() at its last grant
-        self._deferred: asyncio.TimerHandle | None = None  # dispatches again when a deferral ends
-        self._report_task: asyncio.Task[None] | None = None  # a deferral's memory report
-        self._reported_at_epoch = -1  # the epoch a deferral last asked for a memory report at
+        self.deferral = Deferral(group)
 
     @property
     def memory_aware(self) -> bool:
@@ -104,7 +100,7 @@ class MemoryMoves:
     def granted(self, job: str) -> None:
         """`job` holds the lock with its state on the GPUs: nothing pending about it (a hold of
         it that ended unreleased is superseded: its client holds again)."""
-        self._granted_at[job] = self._g.clock()
+        self.deferral.granted(job)
         self.runner.forget(job)
         self._fenced.discard(job)
         self._lapsed.discard(job)
@@ -152,7 +148,7 @@ class MemoryMoves:
         self._lapsed.discard(job)
         g.awake.forget(job)
         self.runner.forget(job)
-        self._granted_at.pop(job, None)
+        self.deferral.forget(job)
 
     # -- grants ------------------------------------------------------------------------
     def facts(self) -> DispatchFacts:
@@ -164,6 +160,7 @@ class MemoryMoves:
         head = g.queue.head()
         queued = {w.job_id for w in g.queue}
         leaving = tuple(self.must_leave())
+        costs = self.costs() if aware and head is not None else None
         return DispatchFacts(
             backend=g.spec.backend, memory_aware=aware,
             holder=g.holder.job_id if g.holder else None, holder_epoch=g.holder.epoch if g.holder else 0,
@@ -177,8 +174,17 @@ class MemoryMoves:
             unstaged=self.runner.unstaged,
             records_unknown=bool(self.settling.records_unknown) and hasattr(g.switcher, "checkpointed"),
             unsure=bool(self.settling.unsure) and self.settling.settles_unsure,
-            pass_remaining=pass_remaining(g, head) if aware and head is not None and not leaving else 0.0,
-            head_moves_nothing=aware and head is not None and moves_nothing(g, head.job_id))
+            pass_remaining=pass_remaining(costs, head)
+            if costs is not None and head is not None and not leaving else 0.0,
+            head_moves_nothing=costs is not None and head is not None and moves_nothing(
+                costs, head.job_id, self.unconfirmed(head.job_id)))
+
+    def costs(self) -> CostInputs:
+        """What the cost model (move_cost.py) reads of the group now."""
+        g = self._g
+        prior = g.switcher.prior_speed(g.spec) if hasattr(g.switcher, "prior_speed") else None
+        return CostInputs(g.spec, g.residency, g.clock(), g.recent, g.recent_holds, g.recent_holds.maxlen,
+                          g.holder.granted_at if g.holder else None, prior)
 
     def dispatch(self) -> None:
         """Run what `decisions.decide` says the group does now."""
@@ -198,62 +204,13 @@ class MemoryMoves:
         elif isinstance(d, GrantOnGpu):
             self._grant_on_gpu(d.job)
         elif isinstance(d, Switch):
-            if not (d.may_defer and head is not None and self._defer(head)):
+            if not (d.may_defer and head is not None and self.deferral.defer(head)):
                 self.runner.start(None if d.evict is None else list(d.evict), d.job, d.restore, grant=True)
         elif isinstance(d, Stage):
             self.runner.stage(d.job, d.beside)
         elif isinstance(d, GrantBeside):
             log.debug("granted beside a staging group=%s job=%s", g.id, d.job)
             g.grant(d.job, restored=False, switch_seconds=0.0)
-
-    def _defer(self, head: Waiter) -> bool:
-        """Whether `head`'s grant, which moves memory, waits (one job after the other on
-        purpose): while resident waiters may pass `head` (`pass_remaining`) and an idle resident on
-        its GPUs was granted more recently than the move would take (`move_seconds`): it is
-        between its phases and will be back before moving it out pays. The lock stays free
-        for the residents; a timer dispatches again when the deferral ends. Without a memory
-        report yet, or with one older than a hold of a job whose need is not known (it may
-        have grown since: on the H200 an undeclared job built 48 GB in its first hold after the
-        report at its grant, the next job's move looked free, and three jobs of 57 GB moved
-        22-29 s each at their first holds, 0.66x; bench/results/rl-grpo-b-serve-cuda-h200.json),
-        one is asked for first (once per epoch). Measured on the H200 with the
-        driver's checkpoint (`cuda`): 3 jobs of 57 GB (two fit) switched every phase at ~30 s
-        a switch, 0.54x of one after the other (bench/results/rl-grpo-b-serve-cuda-h200.json),
-        and 2 jobs of 19 GB that fit, while unsettled, every phase at 5-15 s, 0.67x (a run
-        not kept); with the deferral 0.83x, now 1.05x (bench/results/rl-grpo-a-serve-h200.json)."""
-        g = self._g
-        r = g.residency
-        if (r.snapshot is None or r.unsettled_held_since_report(excluding=head.job_id)) and \
-                switch_speed(g) is not None:
-            if self._reported_at_epoch != g.epoch:  # measure first, then decide
-                self._reported_at_epoch = g.epoch
-                self._report_task = asyncio.get_running_loop().create_task(self._report_then_dispatch())
-                return True
-            if r.snapshot is None:
-                return False
-        seconds = move_seconds(g, head.job_id)
-        now = g.clock()
-        left = pass_remaining(g, head)
-        if seconds is None or left <= 0:
-            return False
-        active = [now - self._granted_at[j] for j in g.residency.lru(excluding=[head.job_id])
-                  if now - self._granted_at.get(j, -math.inf) < seconds]
-        if not active:
-            return False
-        wait = min(left, seconds - max(active))
-        if self._deferred is not None:
-            self._deferred.cancel()
-        self._deferred = asyncio.get_running_loop().call_later(wait, g.dispatch)
-        log.info("deferred group=%s job=%s for %.1f s: its grant moves memory (about %.1f s) and the residents "
-                 "are between phases", g.id, head.job_id, wait, seconds)
-        return True
-
-    async def _report_then_dispatch(self) -> None:
-        try:
-            await snapshot(self._g)
-        except Exception as err:  # an agent that does not answer: decide without a report
-            log.warning("no memory report group=%s: %s", self._g.id, err)
-        self._g.dispatch()
 
     def _grant_on_gpu(self, incoming: str) -> None:
         """Grant `incoming`, which the group believes has its state on the GPUs, once its node
@@ -285,9 +242,8 @@ class MemoryMoves:
         return fenced
 
     async def close(self) -> None:
-        if self._deferred is not None:
-            self._deferred.cancel()
-        for task in (self._report_task, self.watch.task, self.settling.records_task, self.settling.settle_task):
+        self.deferral.close()
+        for task in (self.deferral.report_task, self.watch.task, self.settling.records_task, self.settling.settle_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
