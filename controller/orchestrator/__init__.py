@@ -15,6 +15,8 @@ static mode a job name from the node agents' job tables.
     switch_run.py       SwitchRunner: the switch in progress (a staging, a confirmation before a grant), its outcome
     switch_outcome.py   the decision core of a switch's end (pure): OutcomeFacts + SwitchResult -> effects
     memory_plan.py      memory reports and plans: which residents leave for a job to fit (over placement.py)
+    deferral.py         Deferral: a grant that would move memory waits while residents are between phases
+    move_cost.py        the cost model (pure): switch speeds, a move's seconds, how long residents pass a waiter
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
     leases.py           Leases: lease timer and lease checks
     callers.py          Callers: withdrawn waiters, a frozen job's waiter kept
