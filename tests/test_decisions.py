@@ -1,5 +1,5 @@
-"""The decision core (`decisions.decide`) over random facts (hypothesis): whatever a group
-knows, what it decides keeps the lock's invariants. Pure: no loop, no group, no agent.
+"""The decision core (`decisions.decide`, `decisions.lease_timer`) over random facts
+(hypothesis): whatever a group knows, what it decides keeps the lock's invariants. Pure: no loop, no group, no agent.
 `TIMESLICE_DECISION_EXAMPLES` sets the number of fact sets (default 10 000)."""
 
 from __future__ import annotations
@@ -13,16 +13,22 @@ from timeslice.controller.orchestrator.decisions import (
     DispatchFacts,
     GrantBeside,
     GrantOnGpu,
+    KeepOverdue,
+    Lapse,
+    LeaseFacts,
     Nothing,
     ReadRecords,
+    Rearm,
     SettleUnsure,
     Stage,
     Switch,
     WaitForRelease,
     Waiting,
     decide,
+    lease_timer,
     next_job,
 )
+from timeslice.driver.names import STOPPING_BACKENDS
 
 JOBS = ("a", "b", "c", "d", "e")
 EXAMPLES = int(os.environ.get("TIMESLICE_DECISION_EXAMPLES", "10000"))
@@ -153,3 +159,25 @@ def test_an_awake_engine_keeps_its_gpus_until_its_client_releases_unless_its_own
     base = dict(backend="app", memory_aware=False, residents=("a",), unreleased=("a",))
     assert decide(DispatchFacts(**base, queue=(Waiting("b", 0),))) == WaitForRelease(("a",))
     assert decide(DispatchFacts(**base, queue=(Waiting("b", 0), Waiting("a", 0)))) == GrantOnGpu("a")
+
+
+lease_facts = st.builds(LeaseFacts, backend=st.sampled_from(["none", "freeze", "cuda", "cuda-checkpoint",
+                                                             "cooperative", "app"]),
+                        current=st.booleans(), now=st.floats(0, 20), deadline=st.floats(0, 20),
+                        streaming=st.booleans(), callers_unknown=st.booleans(), overdue=st.booleans())
+
+
+@settings(max_examples=2000, deadline=None)
+@given(lease_facts)
+def test_a_lease_lapses_only_past_its_deadline_and_never_under_a_computing_cooperative_holder(f: LeaseFacts) -> None:
+    d = lease_timer(f)
+    if isinstance(d, Lapse):  # past its deadline, and not a cooperative holder still computing
+        assert f.current and f.now >= f.deadline and not (f.streaming and not f.callers_unknown), (f, d)
+        # its late keep-alive queues it again only where the orchestrator stopped its processes
+        assert d.requeue == (f.backend in STOPPING_BACKENDS), (f, d)
+    if not f.current:  # a timer armed for a hold that ended does nothing
+        assert d == Nothing()
+    elif f.now < f.deadline:  # extended since it was armed
+        assert d == Rearm()
+    else:  # a holder past its deadline lapses, or is kept overdue while it computes
+        assert isinstance(d, (Lapse, KeepOverdue)), (f, d)

@@ -1,4 +1,5 @@
-"""The decision core of a lock group's dispatch: given what the group knows now, what it does.
+"""The decision core of a lock group: given what the group knows now, what it does next
+(`decide`, at a dispatch) and what a lapsing lease does (`lease_timer`).
 
 Pure: `decide(facts)` reads one immutable `DispatchFacts` record and returns one `Decision`,
 touching nothing; `MemoryMoves.dispatch` (moves.py) gathers the facts from the group and runs
@@ -213,3 +214,55 @@ def _grant_or_switch(f: DispatchFacts) -> Decision:
     if evict is not None and not evict and not restore:
         return GrantOnGpu(incoming)
     return Switch(evict, incoming, restore, may_defer=f.memory_aware and incoming == head.job)
+
+
+@dataclass(frozen=True)
+class LeaseFacts:
+    """What a holder's lease timer decides on when it fires (`Leases.on_timer`): whether the
+    hold it was armed for still holds (`current`), clock() seconds `now` and the lease's
+    `deadline`, whether a process of the holder keeps its memory command stream open
+    (`streaming`: cooperative), whether the hold's callers are unknown (adopted after a
+    restart), and whether it is already kept past its deadline (`overdue`)."""
+
+    backend: str
+    current: bool
+    now: float
+    deadline: float
+    streaming: bool = False
+    callers_unknown: bool = False
+    overdue: bool = False
+
+
+@dataclass(frozen=True)
+class Rearm:
+    """The lease was extended since the timer was armed: time it again."""
+
+
+@dataclass(frozen=True)
+class KeepOverdue:
+    """A cooperative holder past its deadline whose processes keep their streams open is
+    computing (its keep-alives are late): it keeps the lock; `first`: newly overdue."""
+
+    first: bool
+
+
+@dataclass(frozen=True)
+class Lapse:
+    """The hold ends. `requeue`: on a backend that stops processes, its lease is remembered so
+    that a late keep-alive queues it again and a late release is accepted."""
+
+    requeue: bool
+
+
+LeaseDecision = Nothing | Rearm | KeepOverdue | Lapse
+
+
+def lease_timer(f: LeaseFacts) -> LeaseDecision:
+    """What a fired lease timer does (leases.py's rules). Pure: reads `f` only."""
+    if not f.current:
+        return Nothing()
+    if f.now < f.deadline:  # extended by keep-alives since armed
+        return Rearm()
+    if f.streaming and not f.callers_unknown:  # (an adopted hold: the job may be idle)
+        return KeepOverdue(first=not f.overdue)
+    return Lapse(requeue=f.backend in names.STOPPING_BACKENDS)

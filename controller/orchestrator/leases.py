@@ -34,6 +34,7 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from timeslice.controller.orchestrator.decisions import KeepOverdue, Lapse, LeaseFacts, Rearm, lease_timer
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
 from timeslice.driver import names
 from timeslice.driver.errors import StaleLease
@@ -106,29 +107,34 @@ class Leases:
             self._timer = None
 
     def on_timer(self, h: Hold) -> None:
-        """`h`'s lease timer fired: it lapses unless extended since, or unless it is a
-        cooperative holder whose processes keep their command streams open (overdue)."""
+        """`h`'s lease timer fired: what it does is `decisions.lease_timer` (it lapses unless
+        extended since, or unless it is a cooperative holder whose processes keep their command
+        streams open: overdue)."""
         g = self._g
         self._timer = None
-        if g.holder is not h:
-            return
-        if g.clock() < h.lease_deadline:  # extended by keep-alives since armed
+        d = lease_timer(LeaseFacts(g.spec.backend, g.holder is h, g.clock(), h.lease_deadline,
+                                   g.holder is h and self._streaming(h.job_id), h.callers_unknown,
+                                   self._overdue is h))
+        if isinstance(d, Rearm):
             self.arm()
-            return
-        if self._streaming(h.job_id) and not h.callers_unknown:  # (an adopted hold: the job may be idle)
-            if self._overdue is not h:
+        elif isinstance(d, KeepOverdue):
+            if d.first:
                 log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock, its "
                             "processes keep their memory command streams open (computing; its keep-alives are "
                             "late), until they close or it releases", g.id, h.job_id, h.epoch)
             self._overdue = h
-            return
+        elif isinstance(d, Lapse):
+            self._lapse(h, d.requeue)
+
+    def _lapse(self, h: Hold, requeue: bool) -> None:
+        g = self._g
         g.counters.lease_expiries += 1
         log.warning("lease expired group=%s job=%s epoch=%d", g.id, h.job_id, h.epoch)
         g.notify("lease-expired", h.job_id, h.epoch)
         g.end_hold(h, "lease expired")
         if g.moves.lapsed(h.job_id, h, f"no keep-alive within {g.spec.lease_seconds:g} s"):
             g.drop_job(h.job_id, "a process of it left while it held and its lease lapsed since")
-        if g.spec.backend in names.STOPPING_BACKENDS:
+        if requeue:
             self._lapsed[h.lease_id] = h  # its late keep-alive queues it again
             while len(self._lapsed) > KNOWN_LEASES:
                 self._lapsed.popitem(last=False)
