@@ -24,12 +24,13 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from timeslice.controller.orchestrator import memory_reports
 from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.agents import AgentClient
 from timeslice.controller.orchestrator.config import MEMORY_BACKENDS, GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group_model import SwitchError, SwitchRecord
-from timeslice.controller.orchestrator.memory_reports import FREED_TIMEOUT_SECONDS, MemoryReports
+from timeslice.controller.orchestrator.memory_reports import MemoryReports
 from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
 from timeslice.controller.orchestrator.switch_steps import SwitchSteps, may_have_run
 from timeslice.driver import names
@@ -250,7 +251,7 @@ class SwitchCoordinator:
             short = await self._reports.room_for(spec, jobs)
             if short:
                 log.warning("rollback left group=%s jobs=%s checkpointed: no room to restore them within %.0f s: "
-                            "%s", spec.id, list(jobs), FREED_TIMEOUT_SECONDS, short)
+                            "%s", spec.id, list(jobs), memory_reports.FREED_TIMEOUT_SECONDS, short)
                 return Rollback(waiting=tuple(jobs))
         return Rollback(failed=tuple([job for job in jobs
                                       if not await self._steps.undo(self._steps.targets(spec, job), "restore",
