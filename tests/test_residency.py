@@ -1544,3 +1544,16 @@ async def test_an_unsettled_resident_is_not_granted_at_once_beside_memory_others
     grant = await hold(g, "a")
     assert not grant.restored and gpu.calls == []
     await g.close()
+
+
+def test_room_for_a_holder_that_outgrew_its_reservation_checkpoints_idle_residents_on_the_short_gpu_only() -> None:
+    """The holder h grew on gpu0 (free 5 GB under a 10 GB headroom): the least recently held
+    idle resident there leaves (a, 3 GB, is not enough: b too); c, on gpu1 only, stays."""
+    from timeslice.controller.orchestrator.placement import room_for_holder
+    snap = MemorySnapshot(devices={"n/gpu0": DeviceMemory(total=100 * GB, free=5 * GB),
+                                   "n/gpu1": DeviceMemory(total=100 * GB, free=50 * GB)},
+                          device_bytes={"a": {"n/gpu0": 3 * GB}, "b": {"n/gpu0": 20 * GB},
+                                        "c": {"n/gpu1": 40 * GB}, "h": {"n/gpu0": 60 * GB}})
+    assert room_for_holder(snap, ["c", "a", "b"], (0.1, 0)) == ["a", "b"]
+    assert room_for_holder(snap, ["c"], (0.1, 0)) == []  # nobody idle on the short GPU
+    assert room_for_holder(snap, ["a", "b"], (0.04, 0)) == []  # 5 GB free covers a 4 GB headroom

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.memory_plan import pin_if_moves_may_come
 from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
+from timeslice.controller.orchestrator.placement import room_for_holder
 from timeslice.driver.headroom import parse_headroom
 
 if TYPE_CHECKING:
@@ -77,20 +78,9 @@ class HolderWatch:
         """Checkpoint idle residents on the GPUs where `snap` shows less free than the
         headroom; True when it did."""
         g, r = self._g, self._g.residency
-        fraction, fixed = parse_headroom(g.spec.memory_headroom)
-        short = {dev: int(fraction * m.total) + fixed - m.free for dev, m in snap.devices.items()
-                 if m.free < int(fraction * m.total) + fixed}
-        if not short or g.moves.runner.switching is not None:
+        if g.moves.runner.switching is not None:
             return False
-        evict = []
-        for job in r.lru(excluding=[holder]):
-            held = snap.movable_bytes.get(job, snap.on_device(job))
-            if any(held.get(dev, 0) > 0 for dev in short):
-                evict.append(job)
-                for dev in short:
-                    short[dev] -= held.get(dev, 0)
-                if all(v <= 0 for v in short.values()):
-                    break
+        evict = room_for_holder(snap, r.lru(excluding=[holder]), parse_headroom(g.spec.memory_headroom))
         if not evict:
             return False
         log.warning("holder %s outgrew its reservation group=%s (free %s): checkpointing idle %s", holder,

@@ -269,3 +269,21 @@ def place(incoming: str, residents: Sequence[str], snap: MemorySnapshot, peaks: 
         except NoRoom as first:
             log.info("no restore first job=%s: %s", incoming, first)
             raise err from None
+
+
+def room_for_holder(snap: MemorySnapshot, idle_lru: Sequence[str], headroom: tuple[float, int]) -> list[str]:
+    """The idle residents to checkpoint, least recently held first, so that every GPU where
+    `snap` shows less free than the headroom (the holder outgrew its reservation) has it again:
+    only jobs with bytes on such a GPU, until each is covered, or all of them (never the holder:
+    `idle_lru` excludes it). Empty: no GPU is short, or nobody idle is on the short ones."""
+    short = {dev: _reserve(m, headroom) - m.free for dev, m in snap.devices.items() if m.free < _reserve(m, headroom)}
+    evict: list[str] = []
+    for job in idle_lru if short else ():
+        held = snap.movable_bytes.get(job, snap.on_device(job))
+        if any(held.get(dev, 0) > 0 for dev in short):
+            evict.append(job)
+            for dev in short:
+                short[dev] -= held.get(dev, 0)
+            if all(v <= 0 for v in short.values()):
+                break
+    return evict
