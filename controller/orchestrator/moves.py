@@ -28,7 +28,8 @@ client released, or is gone (`awake_engines.py`); nobody is granted in its place
 `MemoryMoves` decides (`decisions.decide` over `facts`) and keeps the jobs that must leave;
 its collaborators, each owning its own state: `SwitchRunner` (switch_run.py: the switch in
 flight and its outcome), `HolderWatch` (holder_watch.py: the holder's growth) and `Settling`
-(in_flight.py: records and unsure jobs settled before a grant); memory reports and plans are
+(in_flight.py: records and unsure jobs settled before a grant), `Deferral` (deferral.py: a grant
+that would move memory waits while residents are between phases); memory reports and plans are
 functions of the group (memory_plan.py).
 """
 
@@ -70,7 +71,7 @@ log = logging.getLogger("timeslice.orchestrator")
 class MemoryMoves:
     """When `group` moves GPU memory: its dispatch decisions, the jobs that must leave or be
     restored, and its collaborators (`runner`: the switch in progress; `watch`: the holder's
-    growth; `settling`: records and unsure jobs settled before a grant)."""
+    growth; `settling`: records and unsure jobs settled before a grant; `deferral`)."""
 
     def __init__(self, group: LockGroup) -> None:
         self._g = group
