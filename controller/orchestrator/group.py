@@ -103,7 +103,7 @@ class LockGroup:
     @property
     def switching(self) -> tuple[str | None, str] | None:
         """(first evicted job or None, incoming job) while a switch runs."""
-        return self.moves.switching
+        return self.moves.runner.switching
 
     @property
     def phase(self) -> str:

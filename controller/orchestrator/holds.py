@@ -109,7 +109,7 @@ def grant(g: LockGroup, job_id: str, restored: bool, switch_seconds: float) -> N
     g.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
     g.leases.arm()
     g.preemption.arm()
-    g.moves.watch_holder()
+    g.moves.watch.start()
     g.moves.dispatch()  # (stages the next job)
 
 

@@ -88,15 +88,6 @@ class MemoryMoves:
         spec = self._g.spec
         return spec.residency == "auto" and spec.backend in MEMORY_BACKENDS and hasattr(self._g.switcher, "memory")
 
-    @property
-    def switching(self) -> tuple[str | None, str] | None:
-        """(first evicted job or None, incoming job) while a switch runs (`SwitchRunner.switching`)."""
-        return self.runner.switching
-
-    def watch_holder(self) -> None:
-        """A job was granted: watch its growth (`HolderWatch.start`)."""
-        self.watch.start()
-
     # -- what happened to a job ------------------------------------------------------
     def granted(self, job: str) -> None:
         """`job` holds the lock with its state on the GPUs: nothing pending about it (a hold of
