@@ -60,7 +60,8 @@ class DispatchFacts:
     (holder's epoch, job) a staging found no room for; `beside`: the job a staging in flight
     makes room beside; `records_unknown` / `unsure`: checkpoint records to read / jobs to settle
     before any grant; `pass_remaining`: seconds resident waiters may still pass the head
-    waiter; `head_moves_nothing`: the head's grant moves no memory by the last report."""
+    waiter; `head_moves_nothing`: the head's grant moves no memory by the last report (left False
+    where it cannot decide: nothing may pass the head, or it is resident with room)."""
 
     backend: str
     memory_aware: bool

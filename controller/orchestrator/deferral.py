@@ -71,7 +71,7 @@ class Deferral:
             if r.snapshot is None:
                 return False
         seconds = move_seconds(costs, head.job_id)
-        now = g.clock()
+        now = costs.now
         left = pass_remaining(costs, head)
         if seconds is None or left <= 0:
             return False

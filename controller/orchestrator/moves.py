@@ -145,14 +145,17 @@ class MemoryMoves:
     # -- grants ------------------------------------------------------------------------
     def facts(self) -> DispatchFacts:
         """What the group knows now, for `decisions.decide`. The memory-aware facts (room by
-        the last report, how long resident waiters may pass the head) only on memory-aware
-        groups: the others decide without them."""
+        the last report, how long resident waiters may pass the head, whether the head's grant
+        moves nothing) only on memory-aware groups, the last only where it decides: the others
+        decide without them."""
         g, r = self._g, self._g.residency
         aware = self.memory_aware
         head = g.queue.head()
         queued = {w.job_id for w in g.queue}
         leaving = tuple(self.must_leave())
         costs = self.costs() if aware and head is not None else None
+        room = frozenset(j for j in queued if j in r.residents and roomy(g, j)) if aware else frozenset()
+        passing = pass_remaining(costs, head) if costs is not None and head is not None and not leaving else 0.0
         return DispatchFacts(
             backend=g.spec.backend, memory_aware=aware,
             holder=g.holder.job_id if g.holder else None, holder_epoch=g.holder.epoch if g.holder else 0,
@@ -161,15 +164,15 @@ class MemoryMoves:
             residents=tuple(r.residents), checkpointed=frozenset(r.checkpointed),
             unconfirmed=frozenset(j for j in queued if self.unconfirmed(j)),
             known=frozenset(j for j in queued | ({g.holder.job_id} if g.holder else set()) if r.known(j)),
-            roomy=frozenset(j for j in queued if j in r.residents and roomy(g, j)) if aware else frozenset(),
+            roomy=room,
             leaving=leaving, unreleased=tuple(g.awake.unreleased()), failed=frozenset(g.failed_jobs),
             unstaged=self.runner.unstaged,
             records_unknown=bool(self.settling.records_unknown) and hasattr(g.switcher, "checkpointed"),
             unsure=bool(self.settling.unsure) and self.settling.settles_unsure,
-            pass_remaining=pass_remaining(costs, head)
-            if costs is not None and head is not None and not leaving else 0.0,
-            head_moves_nothing=costs is not None and head is not None and moves_nothing(
-                costs, head.job_id, self.unconfirmed(head.job_id)))
+            pass_remaining=passing,
+            # (a plan of its own: asked only where it decides, while residents may pass a head without room)
+            head_moves_nothing=costs is not None and head is not None and passing > 0 and head.job_id not in room
+            and moves_nothing(costs, head.job_id, self.unconfirmed(head.job_id)))
 
     def costs(self) -> CostInputs:
         """What the cost model (move_cost.py) reads of the group now."""
@@ -235,13 +238,10 @@ class MemoryMoves:
 
     async def close(self) -> None:
         self.deferral.close()
-        for task in (self.deferral.report_task, self.watch.task, self.settling.records_task, self.settling.settle_task):
+        for task in (self.deferral.report_task, self.watch.task, self.settling.records_task,
+                     self.settling.settle_task, self.runner.task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.runner.task is not None:
-            self.runner.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.runner.task
 
