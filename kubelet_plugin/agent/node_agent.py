@@ -174,6 +174,7 @@ class NodeAgent:
         # PIDs known alive in this namespace (`_exiting`): NVML listed them while /proc showed
         # them alive, or a report resolved them as a job's
         self._seen_live: set[int] = set()
+        self._gone_since: dict[int, float] = {}  # known PIDs found gone (monotonic seconds), not yet forgotten
         self._busy: dict[str, int] = {}  # job -> its steps running or waiting for its lock (`busy`)
         # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
         # a gap (`SAMPLE_GAP_SECONDS`) misses what happened in it
@@ -470,6 +471,7 @@ class NodeAgent:
         orchestrator watches a holder's growth this way, and a plan made when a hold ends
         before its watch answers still learns the hold's peak). `exiting_bytes`: per GPU, what
         processes that ended still hold (nobody's; freed as the driver tears them down)."""
+        taken = time.monotonic()  # when the sample in `view.gpus` was asked for
         gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
                                               asyncio.to_thread(self._host_probe))
         if self._last_sample is not None:  # jobs are sampled: this sample may be the first after a gap
@@ -501,10 +503,11 @@ class NodeAgent:
                 for job_id in pids_of:
                     _raise(view.peak_bytes[job_id], self._peaks.pop(job_id, {}))
                 view.incarnation = self.incarnation
-                view.exiting_bytes = self._exiting(view.gpus)
+                view.exiting_bytes = self._exiting(view.gpus, taken)
                 view.busy_jobs = self.busy
                 return view
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
+            taken = time.monotonic()
             view.gpus = await asyncio.to_thread(self._memory_probe)
             self._sampled_now()
 
@@ -518,6 +521,7 @@ class NodeAgent:
                 self._last_sample = None
                 return
             try:
+                taken = time.monotonic()
                 gpus = await asyncio.to_thread(self._memory_probe)
                 self._sampled_now()
             except Exception as err:  # NVML failing: no sample, so the next one finds the gap
@@ -526,15 +530,19 @@ class NodeAgent:
             for job_id, (pids, _) in self._sampled.items():
                 _raise(self._peaks.setdefault(job_id, {}), _per_device(gpus, pids))
             if gpus:
-                self._exiting(gpus)  # (notes the processes alive now)
+                self._exiting(gpus, taken)  # (notes the processes alive now)
             await asyncio.sleep(WATCH_INTERVAL_SECONDS)
 
-    def _exiting(self, gpus: Sequence[GpuInfo]) -> dict[str, int]:
+    def _exiting(self, gpus: Sequence[GpuInfo], taken: float) -> dict[str, int]:
         """Per GPU uuid, the bytes NVML lists for processes that ended (`procfs.exit_state`): a
         zombie or exiting one, or one gone from /proc that a sample saw alive or a report resolved
         as a job's (a job's process killed between two samples: schedules seed 5, `cuda`). A PID
         never known alive may be another PID namespace's, or a test's stand-in: not counted. A
-        known PID is forgotten once it is neither listed nor alive."""
+        known PID is forgotten once it is gone and a sample asked for after that (`taken`:
+        monotonic seconds) does not list it: a sample asked for while it still lived, before it
+        allocated, is no proof that its memory is freed (a report resolved it, the sampler's
+        sample predated its allocation, and it was killed before that sample was read: its
+        memory then went uncounted, `tests/test_schedules.py`)."""
         out: dict[str, int] = {}
         listed: set[int] = set()
         for g in gpus:
@@ -548,7 +556,16 @@ class NodeAgent:
                     n += b
             if n:
                 out[g.uuid] = n
-        self._seen_live = {p for p in self._seen_live if p in listed or exit_state(p) == "live"}
+        now, keep = time.monotonic(), set()
+        for p in self._seen_live:
+            if p in listed or exit_state(p) == "live":
+                keep.add(p)
+                self._gone_since.pop(p, None)
+            elif taken < self._gone_since.setdefault(p, now):
+                keep.add(p)  # this sample may predate its end
+            else:
+                del self._gone_since[p]
+        self._seen_live = keep
         return out
 
     def _sampled_now(self) -> None:
