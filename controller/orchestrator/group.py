@@ -169,34 +169,11 @@ class LockGroup:
         """End the hold (or, for a preempted holder, its place in the queue: it stays
         checkpointed). With `request_id` (the caller's Acquire), while other callers of the
         job share the hold (the pods of one unit), only that caller's part ends: the hold
-        ends with the last one's release, or its lease. A late release under a lease that
-        lapsed here on a backend that stops processes is accepted (`Leases.released_lapsed`);
-        one under an `app` lease that was revoked or lapsed is noted, then refused
-        (`Leases.refuse_revoked`). Returns (waiters, switch started); (0, False) when other
-        callers still hold. Raises StaleLease."""
-        parked = self.preemption.entry(job_id, lease_id, epoch)
-        if parked is not None and self.callers.released_part(parked[1], request_id):
-            return 0, False  # nothing is handed over: the job's other callers hold on
-        if parked is not None:
-            self.preemption.forget(parked[0])
-            self.queue.remove(parked[0])
-            self.preemption.disarm_when_unwaited()
-            log.info("preempted holder released group=%s job=%s", self.id, job_id)
-            self.notify("released", job_id, epoch)
-            self.dispatch()
-            return len(self.queue), self.switching is not None
-        if self.leases.released_lapsed(job_id, lease_id, epoch):  # its hold ended with its lease: nothing to do
-            return len(self.queue), self.switching is not None
-        self.leases.refuse_revoked(job_id, lease_id, epoch, "release", request_id)
-        h = self.leases.check(job_id, lease_id, epoch, "release")
-        if self.callers.released_part(h, request_id):
-            return 0, False
-        self.end_hold(h, "released")
-        waiters = len(self.queue)
-        self.notify("released", job_id, epoch)
-        self.dispatch()
-        self.idle.refresh_memory()
-        return waiters, self.switching is not None
+        ends with the last one's release, or its lease. Which lease it shows and what that
+        does (a lapsed one, a revoked `app` one) is `lease_calls.lease_call`. Returns
+        (waiters, switch started); (0, False) when other callers still hold. Raises
+        StaleLease."""
+        return self.leases.release(job_id, lease_id, epoch, request_id)
 
     def cancel(self, job_id: str, request_id: str) -> str:
         """CancelAcquire of `job_id`'s request `request_id`: `Callers.gave_up`."""
@@ -204,23 +181,11 @@ class LockGroup:
 
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
         """Extend the lease; returns the seconds it now has (a preempted holder's lease
-        waits with it and does not lapse). A keep-alive for a lease this group does not
-        know (granted by an earlier leader), from a job that is checkpointed here, comes
-        from a holder switched out mid-phase under that leader (preempted, or lapsed while
-        cut off): its process is stopped on the GPU, so it is queued again with that lease
-        rather than left stopped for good (`takeover.requeue_switched_out`); so is a late
-        keep-alive under a lease that lapsed here on a backend that stops processes
-        (`Leases.requeue_lapsed`). One under an `app` lease that was revoked or lapsed is
-        refused (`Leases.refuse_revoked`). Raises StaleLease."""
-        parked = self.preemption.entry(job_id, lease_id, epoch)
-        if parked is not None:
-            parked[1].lease_deadline = self.clock() + self.spec.lease_seconds
-            return self.spec.lease_seconds
-        self.leases.refuse_revoked(job_id, lease_id, epoch, "keep-alive")
-        if takeover.requeue_switched_out(self, job_id, lease_id, epoch) or \
-                self.leases.requeue_lapsed(job_id, lease_id, epoch):
-            return self.spec.lease_seconds
-        self.leases.renew(self.leases.check(job_id, lease_id, epoch, "keep-alive"))
+        waits with it and does not lapse). A holder switched out mid-phase under an earlier
+        leader, or whose lease lapsed here, on a backend that stops processes, is queued
+        again under that lease; one under a revoked `app` lease is refused: the rules are
+        `lease_calls.lease_call`. Raises StaleLease."""
+        self.leases.keep_alive(job_id, lease_id, epoch)
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:

@@ -4,8 +4,10 @@ Owned by `LockGroup` (one per group). The holder's lease lapses `lease_seconds` 
 its grant or its last keep-alive: the hold ends, and with a backend that moves state the
 holder, cut off but perhaps still computing, leaves the GPUs before anyone is granted.
 A release or keep-alive must show the holder's job, lease id and epoch (or an earlier
-epoch of the same lease: a preempted holder's). The leases granted here are remembered
-(the last `KNOWN_LEASES`) to tell them from those an earlier leader granted.
+epoch of the same lease: a preempted holder's); which lease a call matches and what it then
+does is `lease_calls.lease_call` (pure), performed by `release` and `keep_alive` here. The
+leases granted here are remembered (the last `KNOWN_LEASES`) to tell them from those an
+earlier leader granted.
 
 A late keep-alive is not a dead holder (its keep-alive thread was starved: a process
 pinning tens of GB, a loaded node), so a lapse never costs a computing holder its phase:
@@ -16,13 +18,12 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
 - transparent backends (`cuda`, `freeze`, ...: the orchestrator stops the process itself):
   the lapsed holder leaves the GPUs before anyone is granted, and its lease is remembered
   (`lapsed`): its late keep-alive queues it again under that lease, like a preempted
-  holder (`requeue_lapsed`: restored in its turn, invisibly to its code), and its late
-  release is accepted (`released_lapsed`).
+  holder (restored in its turn, invisibly to its code), and its late release is accepted.
 - `none`: nothing stops a lapsed holder, so the next job may overlap it: its late calls are
   refused (the client raises `LeaseLost`).
 - `app`: the agent sleeps the job's engine but does not stop its client, whose requests a
   sleeping engine fails. Its late calls are refused as with `none`, and also those of a
-  holder preempted at `maxHoldSeconds` or by a merge (`refuse_revoked`); its engine is
+  holder preempted at `maxHoldSeconds` or by a merge; its engine is
   slept only once its client released (its refused release is noted first), and nobody is
   granted in its place until then (`AwakeEngines`).
 """
@@ -32,10 +33,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.decisions import KeepOverdue, Lapse, LeaseFacts, Rearm, lease_timer
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+from timeslice.controller.orchestrator.lease_calls import (
+    LAPSED,
+    PARKED,
+    REVOKED,
+    Act,
+    Lease,
+    LeaseCall,
+    LeaseCallFacts,
+    Unreleased,
+    lease_call,
+)
+from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.driver import names
 from timeslice.driver.errors import StaleLease
 
@@ -63,22 +78,6 @@ class Leases:
 
     def known(self, lease_id: str) -> bool:
         return lease_id in self._known
-
-    def check(self, job_id: str, lease_id: str, epoch: int, what: str) -> Hold:
-        """The hold this lease shows; a presumptive (adopted) holder's first call adopts its
-        lease. Raises StaleLease naming the actual holder."""
-        g = self._g
-        h = g.holder
-        if h is not None and h.lease_id == ADOPTED and h.job_id == job_id:
-            h.lease_id, h.epoch = lease_id, epoch  # the presumptive holder shows its lease
-            g.epoch = max(g.epoch, epoch)
-            self.remember(lease_id)
-        if h is None or h.job_id != job_id or h.lease_id != lease_id or (h.epoch != epoch and
-                                                                          epoch not in h.past_epochs):
-            now = f"job {h.job_id} epoch {h.epoch}" if h else "nobody"
-            raise StaleLease(f"group {g.id}: {what} by job {job_id} epoch {epoch} refused: "
-                             f"the holder is {now} (lease lapsed or superseded)")
-        return h
 
     def renew(self, h: Hold) -> None:
         """`h`'s lease runs `lease_seconds` from now (a keep-alive, or a caller of its job that
@@ -142,40 +141,6 @@ class Leases:
         g.dispatch()
         g.idle.refresh_memory()  # nobody waits: an idle freeze group thaws the jobs it froze
 
-    def refuse_revoked(self, job_id: str, lease_id: str, epoch: int, what: str,
-                       request_id: str | None = None) -> None:
-        """A keep-alive, or a release (`request_id`: its caller's Acquire, "" for the whole
-        hold), under the lease of an `app` hold that ended unreleased (`AwakeEngines`;
-        a hold whose lease is not known, adopted or carried without it: any lease this group
-        did not grant, of an epoch not past its own). A release is noted first: its caller's
-        part ends, and once no caller is left its engine may sleep (the group dispatches).
-        Then raises StaleLease (the client raises `LeaseLost`: its hold ended). Returns for
-        any other lease."""
-        g = self._g
-        found = g.awake.unreleased_hold(job_id)
-        if found is None:
-            return
-        h, why = found
-        if h is None or h.lease_id == ADOPTED:
-            if self.known(lease_id) or not 0 < epoch <= g.epoch:
-                return
-        elif h.lease_id != lease_id or (epoch != h.epoch and epoch not in h.past_epochs):
-            return
-        left = "its engine stays awake until its release"
-        if request_id is not None:
-            if h is not None and g.callers.released_part(h, request_id):
-                left = f"its engine stays awake until its other callers release ({len(h.request_ids)})"
-            else:
-                log.info("release of an unreleased hold noted group=%s job=%s epoch=%d: its engine may sleep", g.id,
-                         job_id, epoch)
-                g.awake.released(job_id)
-                g.record_placement()
-                g.dispatch()
-                g.idle.refresh_memory()
-                left = "noted: its engine may now sleep"
-        raise StaleLease(f"group {g.id}: {what} by job {job_id} epoch {epoch} refused: its lease is revoked ({why}); "
-                         f"{left}")
-
     def streams_closed(self, job_id: str) -> None:
         """Every memory command stream of `job_id`'s processes closed: if it holds, that is
         noted (`Hold.streams_closed`); if it is the overdue holder, its lease lapses now."""
@@ -191,45 +156,112 @@ class Leases:
         streaming = getattr(g.switcher, "streaming", None)
         return g.spec.backend == names.BACKEND_COOPERATIVE and streaming is not None and streaming(g.spec, job_id)
 
-    def _lapsed_hold(self, job_id: str, lease_id: str, epoch: int) -> Hold | None:
-        """The hold that lapsed under this lease (transparent backends) while its job is still
-        known here (resident or checkpointed) and does not hold again; None otherwise."""
+    # -- a release or keep-alive: what it does is `lease_calls.lease_call` ------------------------
+    def release(self, job_id: str, lease_id: str, epoch: int, request_id: str) -> tuple[int, bool]:
+        """Perform a release (`LockGroup.release`): returns (waiters, switch started), (0, False)
+        when other callers still share the hold. Raises StaleLease."""
         g = self._g
-        h = self._lapsed.get(lease_id)
-        if h is None or h.job_id != job_id or (epoch != h.epoch and epoch not in h.past_epochs):
-            return None
-        if (g.holder is not None and g.holder.job_id == job_id) or \
-                (job_id not in g.residency.residents and job_id not in g.residency.checkpointed):
-            del self._lapsed[lease_id]  # held again under another lease, or dropped: the lease is gone
-            return None
-        return h
+        d, on = self._decide(job_id, lease_id, epoch, request_id)
+        if d.act in (Act.PARKED_PART, Act.HOLDER_PART):
+            g.callers.released_part(on.held(), request_id)
+            return 0, False
+        if d.act is Act.PARKED_RELEASE:
+            assert on.entry is not None
+            g.preemption.forget(on.entry)
+            g.queue.remove(on.entry)
+            g.preemption.disarm_when_unwaited()
+            log.info("preempted holder released group=%s job=%s", g.id, job_id)
+            g.notify("released", job_id, epoch)
+            g.dispatch()
+        elif d.act is Act.LAPSED_RELEASE:
+            log.info("late release of a holder whose lease lapsed group=%s job=%s epoch=%d: accepted", g.id,
+                     job_id, epoch)
+        else:  # HOLDER_END
+            g.end_hold(on.held(), "released")
+            waiters = len(g.queue)
+            g.notify("released", job_id, epoch)
+            g.dispatch()
+            g.idle.refresh_memory()
+            return waiters, g.switching is not None
+        return len(g.queue), g.switching is not None
 
-    def requeue_lapsed(self, job_id: str, lease_id: str, epoch: int) -> bool:
-        """A keep-alive under a lease that lapsed here (transparent backends): the holder was
-        starved, not gone. It is queued again under that lease (`Preemption.park`): if it is
-        still on the GPUs and nobody waits it holds again at once; else it leaves the GPUs
-        (if it has not) before the job ahead of it is granted, and is restored in its turn,
-        as a preempted holder. True when queued."""
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> None:
+        """Perform a keep-alive (`LockGroup.keep_alive`). Raises StaleLease."""
         g = self._g
-        h = self._lapsed_hold(job_id, lease_id, epoch)
-        if h is None:
-            return False
-        del self._lapsed[lease_id]
-        log.warning("late keep-alive of a holder whose lease lapsed group=%s job=%s epoch=%d: queued again under "
-                    "its lease (%s)", g.id, job_id, h.epoch,
-                    "on the GPUs" if job_id in g.residency.residents else "checkpointed")
-        g.preemption.park(h)
-        g.dispatch()
-        g.preemption.arm()
-        return True
+        d, on = self._decide(job_id, lease_id, epoch, None)
+        if d.act is Act.PARKED_EXTEND:
+            on.held().lease_deadline = g.clock() + g.spec.lease_seconds
+        elif d.act is Act.REQUEUE_SWITCHED_OUT:
+            takeover.requeue_switched_out(g, job_id, lease_id, epoch)
+        elif d.act is Act.REQUEUE_LAPSED:
+            log.warning("late keep-alive of a holder whose lease lapsed group=%s job=%s epoch=%d: queued again "
+                        "under its lease (%s)", g.id, job_id, on.held().epoch,
+                        "on the GPUs" if job_id in g.residency.residents else "checkpointed")
+            g.preemption.park(on.held())
+            g.dispatch()
+            g.preemption.arm()
+        else:  # HOLDER_RENEW
+            self.renew(on.held())
 
-    def released_lapsed(self, job_id: str, lease_id: str, epoch: int) -> bool:
-        """A release under a lease that lapsed here (transparent backends): its hold had
-        already ended, and the job left the GPUs (or will) before anyone else computed, so
-        the release is accepted; nothing moves. True when it was such a release."""
-        if self._lapsed_hold(job_id, lease_id, epoch) is None:
-            return False
-        del self._lapsed[lease_id]
-        log.info("late release of a holder whose lease lapsed group=%s job=%s epoch=%d: accepted", self._g.id,
+    def _decide(self, job_id: str, lease_id: str, epoch: int, request_id: str | None) -> tuple[LeaseCall, _On]:
+        """What the call does and what it acts on; performs its bookkeeping (an adopted lease, a
+        lapsed one forgotten) and its refusal (a release under a revoked `app` lease noted
+        first: `_note_revoked`). Raises StaleLease."""
+        g = self._g
+        parked = g.preemption.parked(lease_id)
+        adopted = g.preemption.parked(ADOPTED)
+        unreleased = g.awake.unreleased_hold(job_id)
+        lapsed = self._lapsed.get(lease_id)
+        d = lease_call(LeaseCallFacts(
+            job_id, lease_id, epoch, request_id, g.spec.backend, g.epoch, self.known(lease_id), _lease(g.holder),
+            _lease(parked[1] if parked else None), _lease(adopted[1] if adopted else None), _lease(lapsed),
+            job_id in g.residency.residents, job_id in g.residency.checkpointed,
+            None if unreleased is None else Unreleased(_lease(unreleased[0]), unreleased[1])))
+        if d.forget_lapsed:
+            del self._lapsed[lease_id]
+        if d.act in PARKED:
+            entry, hold = parked or adopted  # type: ignore[misc]  # (the decision matched one)
+            on = _On(hold, entry)
+        else:
+            on = _On(lapsed if d.act in LAPSED else unreleased[0] if d.act in REVOKED else g.holder)  # type: ignore[index]
+        if d.adopt:  # the presumptive holder shows its lease: from now on its only one
+            on.held().lease_id, on.held().epoch = lease_id, epoch
+            g.epoch = max(g.epoch, epoch)
+            if on.hold is g.holder:
+                self.remember(lease_id)
+        if d.act in (Act.REVOKED_PART, Act.REVOKED_NOTE):
+            self._note_revoked(d, job_id, epoch, on.hold, request_id or "")
+        if d.refused:
+            raise StaleLease(f"group {g.id}: {d.refusal}")
+        return d, on
+
+    def _note_revoked(self, d: LeaseCall, job_id: str, epoch: int, h: Hold | None, request_id: str) -> None:
+        """A release under a revoked `app` lease is noted before its refusal: its caller's part
+        ends, and once no caller is left its engine may sleep (the group dispatches)."""
+        g = self._g
+        if d.act is Act.REVOKED_PART and h is not None:
+            g.callers.released_part(h, request_id)
+            return
+        log.info("release of an unreleased hold noted group=%s job=%s epoch=%d: its engine may sleep", g.id,
                  job_id, epoch)
-        return True
+        g.awake.released(job_id)
+        g.record_placement()
+        g.dispatch()
+        g.idle.refresh_memory()
+
+
+@dataclass
+class _On:
+    """What a release or keep-alive acts on: a hold (the parked, lapsed, revoked or holding one),
+    and a parked hold's queue entry."""
+
+    hold: Hold | None  # (None only where the act touches no hold: a refusal, a hold made anew)
+    entry: Waiter | None = None
+
+    def held(self) -> Hold:
+        assert self.hold is not None, "the decision acts on a hold"
+        return self.hold
+
+
+def _lease(h: Hold | None) -> Lease | None:
+    return None if h is None else Lease(h.job_id, h.lease_id, h.epoch, h.past_epochs, frozenset(h.request_ids))

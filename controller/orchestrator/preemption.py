@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from timeslice.controller.orchestrator.group_model import ADOPTED, Hold
+from timeslice.controller.orchestrator.group_model import Hold
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.driver import names
 
@@ -35,7 +35,7 @@ PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue ent
 
 class Preemption:
     """The clock (`arm`, `disarm_when_unwaited`, `stop_clock`) and the parked holders of
-    `group`, by lease id (`park`, `entry`, `forget`)."""
+    `group`, by lease id (`park`, `parked`, `forget`)."""
 
     def __init__(self, group: LockGroup) -> None:
         self._g = group
@@ -137,19 +137,10 @@ class Preemption:
         g.dispatch()
         g.idle.refresh_memory()
 
-    def entry(self, job_id: str, lease_id: str, epoch: int) -> tuple[Waiter, Hold] | None:
-        """The queue entry and suspended hold of a preempted holder that shows this lease."""
-        w, h = self._parked.get(lease_id, (None, None))
-        if h is None:  # a presumptive holder preempted before it showed its lease shows it now
-            w, h = self._parked.get(ADOPTED, (None, None))
-            if h is None or h.job_id != job_id:
-                return None
-            if h.lease_id == ADOPTED:  # from now on it is the only lease (still keyed ADOPTED, like its entry)
-                h.lease_id, h.epoch = lease_id, epoch
-                self._g.epoch = max(self._g.epoch, epoch)
-        if h.job_id != job_id or h.lease_id != lease_id or (epoch != h.epoch and epoch not in h.past_epochs):
-            return None
-        return w, h  # type: ignore[return-value]
+    def parked(self, lease_id: str) -> tuple[Waiter, Hold] | None:
+        """The queue entry and suspended hold of the preempted holder keyed by `lease_id`
+        (`ADOPTED`: a presumptive holder preempted before it showed its lease)."""
+        return self._parked.get(lease_id)
 
     def forget(self, w: Waiter) -> Hold | None:
         """The suspended hold of `w` when `w` is a preempted holder's entry (now forgotten)."""

@@ -90,22 +90,17 @@ def persist_placement(g: LockGroup, holder: str | None, incoming: str | None = N
                        [*g.residency.residents, *(j for j in (holder, incoming) if j)])
 
 
-def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> bool:
-    """A keep-alive for a lease this group does not know (granted by an earlier leader),
-    from a job that is checkpointed here, comes from a holder switched out mid-phase under
-    that leader (preempted, or lapsed while cut off): its process is stopped on the GPU,
-    so it is queued again with that lease rather than left stopped for good. True when
-    queued. Only on backends that stop processes (`STOPPING_BACKENDS`); elsewhere the
-    keep-alive is refused and its client's next acquire is granted restored: under `app`
-    its engine would be woken under the hold its client believes uninterrupted (a vLLM sleep
-    of level 2 discards the weights); under `cooperative` the process was never stopped: it
-    is a client that had not yet seen its grant when it was moved out (issue 22, case 4),
-    and its hold must end, never resume on a state that is out."""
-    h = g.holder
-    if g.spec.backend not in names.STOPPING_BACKENDS or (h is not None and h.job_id == job_id) \
-            or job_id not in g.checkpointed or not lease_id \
-            or lease_id == ADOPTED or not 0 < epoch <= g.epoch or g.leases.known(lease_id):
-        return False
+def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> None:
+    """A keep-alive for a lease this group does not know (granted by an earlier leader), from a
+    job that is checkpointed here (`lease_calls.Act.REQUEUE_SWITCHED_OUT` says when), comes from
+    a holder switched out mid-phase under that leader (preempted, or lapsed while cut off): its
+    process is stopped on the GPU, so it is queued again with that lease rather than left
+    stopped for good. Only on backends that stop processes (`STOPPING_BACKENDS`); elsewhere the
+    keep-alive is refused and its client's next acquire is granted restored: under `app` its
+    engine would be woken under the hold its client believes uninterrupted (a vLLM sleep of
+    level 2 discards the weights); under `cooperative` the process was never stopped: it is a
+    client that had not yet seen its grant when it was moved out (issue 22, case 4), and its
+    hold must end, never resume on a state that is out."""
     now = g.clock()
     member = g.spec.member(job_id)
     g.leases.remember(lease_id)
@@ -114,7 +109,6 @@ def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -
                 g.id, job_id, epoch)
     g.dispatch()
     g.preemption.arm()
-    return True
 
 
 def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
