@@ -59,7 +59,7 @@ from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import Preemption
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.driver.errors import AcquireTimeout, JobFailed
+from timeslice.driver.errors import AcquireTimeout, JobFailed, Unavailable
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -217,6 +217,11 @@ class LockGroup:
                           job_counters=self.job_counters)
 
     async def close(self) -> None:
+        """Stop the group (removed, or its orchestrator stops): its timers and tasks end, and
+        whoever still waits gets Unavailable (retryable: the client asks again, where its claim
+        set is now)."""
+        for job in {w.job_id for w in self.queue}:
+            self.fail_job(job, Unavailable(f"group {self.id} was removed while job {job} waited; ask again"))
         self.leases.stop()
         self.preemption.stop_clock()
         await self.moves.close()

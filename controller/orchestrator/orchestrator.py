@@ -87,6 +87,10 @@ class Orchestrator:
             group.job_started(job)
 
     def _observe(self, group: LockGroup, event: GroupEvent) -> None:
+        """Tell the observers (metrics, claim status) a group's event; a removed group's late
+        ones (a switch that ended while it closed) reach none: its series and status are gone."""
+        if self._groups.get(group.id) is not group:
+            return
         for observer in self._observers:
             try:
                 observer(group, event)

@@ -1,5 +1,6 @@
 """Property-based runs (hypothesis) over random schedules of acquires, releases, give-ups,
-drops, lease lapses and orchestrator restarts on one group, with a switcher that models a
+drops, lease lapses, late keep-alives (under the job's last lease, which may have lapsed, been
+superseded or granted before a restart) and orchestrator restarts on one group, with a switcher that models a
 GPU (bytes per job on the device or checkpointed, what the node agents' records say) and
 can fail. A restart starts a new group on the same standalone state file (`StateFile`) and
 adopts as `timeslice orchestrator` does. After every step and at the end, the invariants
@@ -75,7 +76,7 @@ class ModelGpu:
                               host_available={"agent": 1000 * GB})
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop", "lapse", "restart"]),
+OPS = st.lists(st.tuples(st.sampled_from(["acquire", "release", "give-up", "drop", "lapse", "restart", "keep-alive"]),
                          st.sampled_from(JOBS)), min_size=1, max_size=40)
 
 
@@ -106,6 +107,7 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
     state = StateFile(state_path)
     g = _group(gpu, residency, state)
     grants: dict[str, object] = {}  # job -> its current grant
+    last: dict[str, object] = {}  # job -> its last grant (its client keeps its lease alive until it releases)
     pending: dict[str, asyncio.Task] = {}
     epochs: list[int] = []
 
@@ -129,6 +131,7 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             try:
                 g.release(job, grant.lease_id, grant.epoch)  # type: ignore[attr-defined]
                 gpu.maybe_running.discard(job)  # it stopped computing when it released
+                last.pop(job, None)
             except StaleLease:
                 pass  # its hold had already ended (dropped, lapsed)
         elif op == "drop":
@@ -144,6 +147,11 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             state = StateFile(state_path)  # what the last run wrote, read as a restarted orchestrator does
             g = _group(gpu, residency, state)
             takeover.adopt_standalone(g, state, set(gpu.off))  # gpu.off: what the agents' records say
+        elif op == "keep-alive" and job in last:
+            try:
+                g.keep_alive(job, last[job].lease_id, last[job].epoch)  # type: ignore[attr-defined]
+            except StaleLease:
+                last.pop(job)  # its client learns its hold ended (LeaseLost) and stops
         elif op == "lapse" and g.holder is not None:
             g.holder.lease_deadline = 0.0
             g.leases.on_timer(g.holder)
@@ -156,12 +164,17 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             if task.done():
                 pending.pop(j)
                 if not task.cancelled() and task.exception() is None:
-                    grants[j] = task.result()
+                    grants[j] = last[j] = task.result()
                     epochs.append(task.result().epoch)
-                    gpu.maybe_running.add(j)
+                    if g.holder is not None and g.holder.job_id == j:  # (a grant read after its hold ended by a
+                        gpu.maybe_running.add(j)  # drop is no process's: the job's processes are gone)
                 elif not task.cancelled():
                     assert isinstance(task.exception(), SwitchFailed | StaleLease | AcquireTimeout)
         grants = {j: gr for j, gr in grants.items() if g.holder is not None and g.holder.job_id == j}
+        h = g.holder
+        if h is not None and h.job_id in last and h.lease_id == last[h.job_id].lease_id:  # type: ignore[attr-defined]
+            grants[h.job_id] = last[h.job_id]  # queued again by its keep-alive, and granted again under its lease:
+            gpu.maybe_running.add(h.job_id)  # its client never stopped believing it holds
         check()
     for task in pending.values():
         task.cancel()
@@ -169,7 +182,8 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
     for _ in range(5):
         await asyncio.sleep(0)
     check()
-    # no grant left without a caller (an adopted hold's callers are the earlier leader's: it lapses with its lease)
-    assert g.holder is None or g.holder.request_ids or g.holder.callers_unknown
+    # no grant left without a caller (an adopted hold's callers are the earlier leader's: it lapses with its lease;
+    # a hold granted again under the lease its client keeps alive is that client's)
+    assert g.holder is None or g.holder.request_ids or g.holder.callers_unknown or g.holder.job_id in grants
     await g.close()
     await state.written()
