@@ -77,6 +77,7 @@ def check(f: LeaseCallFacts, d: LeaseCall) -> None:
         assert f.backend in STOPPING_BACKENDS and not f.known and f.checkpointed, d
         assert f.lease_id not in ("", ADOPTED) and 0 < f.epoch <= f.group_epoch, d
         assert not (f.holder is not None and f.holder.job == f.job), d
+        assert f.parked is None, d  # a lease parked here is never queued twice
     if d.act in (Act.HOLDER_PART, Act.HOLDER_END, Act.HOLDER_RENEW):
         assert shows(f, f.holder, d.adopt), d
         assert d.adopt == (f.holder is not None and f.holder.lease_id == ADOPTED), d
@@ -150,6 +151,9 @@ def test_a_holder_switched_out_under_an_earlier_leader_is_queued_again_only_wher
     assert call(None, **{**kw, "known": True}).act is Act.STALE  # granted here: not an earlier leader's
     assert call(None, **{**kw, "epoch": 6}).act is Act.STALE  # an epoch past the group's own
     assert call("", **kw).act is Act.STALE  # a release is not queued again
+    # review of the decision core: a lease parked here, shown with another epoch, was parked a second time
+    # (two queue entries of one job; the grant then failed on the second) where the lease was not known
+    assert call(None, **kw, parked=Lease("a", "l1", 1)).act is Act.STALE
 
 
 def test_a_revoked_app_lease_is_refused_and_its_release_noted_once_no_caller_is_left() -> None:

@@ -83,15 +83,12 @@ class Callers:
             return "granted"
         return "unknown"
 
-    def released_part(self, h: Hold, request_id: str) -> bool:
-        """A Release by the caller of `request_id` (empty: an older client, the whole hold):
-        its part of `h` ends; True when other callers still share `h` (it goes on)."""
-        if not request_id or not h.request_ids - {request_id}:
-            return False
+    def released_part(self, h: Hold, request_id: str) -> None:
+        """A Release by the caller of `request_id` while other callers share `h` (it goes on:
+        `lease_calls.Lease.shared_beyond` says when): its part ends."""
         h.request_ids.discard(request_id)
         log.info("caller released its part group=%s job=%s request=%s callers_left=%d", self._g.id, h.job_id,
                  request_id, len(h.request_ids))
-        return True
 
     def _left_hold(self, h: Hold, request_id: str, why: str) -> bool:
         """The caller of `request_id` left the hold `h`; the hold ends with its last caller

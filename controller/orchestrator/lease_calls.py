@@ -1,7 +1,7 @@
 """What a release or a keep-alive does: the lease it shows, matched against the leases a lock
 group knows (`lease_call`). Pure: it reads one immutable `LeaseCallFacts` record and returns
-one `LeaseCall`, touching nothing; `Leases.facts` (leases.py) gathers the facts and
-`Leases.perform` runs the answer.
+one `LeaseCall`, touching nothing; `Leases.release` and `Leases.keep_alive` (leases.py) gather
+the facts and perform the answer.
 
 A call shows (job, lease id, epoch); it *matches* a lease when the job and the lease id are
 the lease's and the epoch is its current one or a past one (a preempted and restored hold's).
@@ -67,7 +67,7 @@ class Unreleased:
 
 @dataclass(frozen=True)
 class LeaseCallFacts:
-    """A call and what the group knows of its job's leases (`Leases.facts`).
+    """A call and what the group knows of its job's leases (gathered by `Leases._decide`).
 
     `request_id`: a release's caller's Acquire ("" for the whole hold), None for a keep-alive;
     `known`: the lease id was granted by this orchestrator; `group_epoch`: the group's fencing
@@ -220,8 +220,9 @@ def _revoked(f: LeaseCallFacts) -> LeaseCall | None:
 
 def _switched_out(f: LeaseCallFacts) -> bool:
     """A keep-alive under a lease an earlier leader granted, from a job checkpointed here that
-    does not hold, on a backend that stops processes: a holder switched out mid-phase under that
-    leader (takeover.py)."""
+    does not hold and is not parked under it, on a backend that stops processes: a holder
+    switched out mid-phase under that leader (takeover.py). (A parked lease shown with another
+    epoch was parked here: queued again, it was queued twice.)"""
     return f.backend in names.STOPPING_BACKENDS and not (f.holder is not None and f.holder.job == f.job) \
-        and f.checkpointed and bool(f.lease_id) and f.lease_id != ADOPTED and 0 < f.epoch <= f.group_epoch \
-        and not f.known
+        and f.parked is None and f.checkpointed and bool(f.lease_id) and f.lease_id != ADOPTED \
+        and 0 < f.epoch <= f.group_epoch and not f.known

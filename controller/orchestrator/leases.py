@@ -176,13 +176,15 @@ class Leases:
         elif d.act is Act.LAPSED_RELEASE:
             log.info("late release of a holder whose lease lapsed group=%s job=%s epoch=%d: accepted", g.id,
                      job_id, epoch)
-        else:  # HOLDER_END
+        elif d.act is Act.HOLDER_END:
             g.end_hold(on.held(), "released")
             waiters = len(g.queue)
             g.notify("released", job_id, epoch)
             g.dispatch()
             g.idle.refresh_memory()
             return waiters, g.switching is not None
+        else:
+            raise AssertionError(f"a release cannot {d.act.value}")
         return len(g.queue), g.switching is not None
 
     def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> None:
@@ -200,8 +202,10 @@ class Leases:
             g.preemption.park(on.held())
             g.dispatch()
             g.preemption.arm()
-        else:  # HOLDER_RENEW
+        elif d.act is Act.HOLDER_RENEW:
             self.renew(on.held())
+        else:
+            raise AssertionError(f"a keep-alive cannot {d.act.value}")
 
     def _decide(self, job_id: str, lease_id: str, epoch: int, request_id: str | None) -> tuple[LeaseCall, _On]:
         """What the call does and what it acts on; performs its bookkeeping (an adopted lease, a
@@ -213,22 +217,27 @@ class Leases:
         unreleased = g.awake.unreleased_hold(job_id)
         lapsed = self._lapsed.get(lease_id)
         d = lease_call(LeaseCallFacts(
-            job_id, lease_id, epoch, request_id, g.spec.backend, g.epoch, self.known(lease_id), _lease(g.holder),
-            _lease(parked[1] if parked else None), _lease(adopted[1] if adopted else None), _lease(lapsed),
-            job_id in g.residency.residents, job_id in g.residency.checkpointed,
-            None if unreleased is None else Unreleased(_lease(unreleased[0]), unreleased[1])))
+            job=job_id, lease_id=lease_id, epoch=epoch, request_id=request_id, backend=g.spec.backend,
+            group_epoch=g.epoch, known=self.known(lease_id), holder=_lease(g.holder),
+            parked=_lease(parked[1] if parked else None), parked_adopted=_lease(adopted[1] if adopted else None),
+            lapsed=_lease(lapsed), resident=job_id in g.residency.residents,
+            checkpointed=job_id in g.residency.checkpointed,
+            unreleased=None if unreleased is None else Unreleased(_lease(unreleased[0]), unreleased[1])))
         if d.forget_lapsed:
             del self._lapsed[lease_id]
         if d.act in PARKED:
-            entry, hold = parked or adopted  # type: ignore[misc]  # (the decision matched one)
+            entry, hold = parked if parked is not None else adopted or (None, None)
             on = _On(hold, entry)
+        elif d.act in LAPSED:
+            on = _On(lapsed)
+        elif d.act in REVOKED:
+            on = _On(unreleased[0] if unreleased is not None else None)
         else:
-            on = _On(lapsed if d.act in LAPSED else unreleased[0] if d.act in REVOKED else g.holder)  # type: ignore[index]
-        if d.adopt:  # the presumptive holder shows its lease: from now on its only one
+            on = _On(g.holder)
+        if d.adopt:  # a presumptive holder (holding or parked) shows its lease: from now on its only one
             on.held().lease_id, on.held().epoch = lease_id, epoch
             g.epoch = max(g.epoch, epoch)
-            if on.hold is g.holder:
-                self.remember(lease_id)
+            self.remember(lease_id)
         if d.act in (Act.REVOKED_PART, Act.REVOKED_NOTE):
             self._note_revoked(d, job_id, epoch, on.hold, request_id or "")
         if d.refused:
