@@ -1,6 +1,7 @@
 """What a release or keep-alive does (`lease_calls.lease_call`) over random facts (hypothesis):
 whatever leases a group knows, a call is accepted only for a lease it shows, ends only what it
-may, and a refusal says who holds. Pure: no loop, no group. `TIMESLICE_DECISION_EXAMPLES` sets
+may, and a refusal says who holds; and what a holder's `maxHoldSeconds` clock does
+(`lease_calls.hold_limit`). Pure: no loop, no group. `TIMESLICE_DECISION_EXAMPLES` sets
 the number of fact sets (default 10 000)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from timeslice.controller.orchestrator.decisions import Nothing, Waiting
 from timeslice.controller.orchestrator.group_model import ADOPTED
 from timeslice.controller.orchestrator.lease_calls import (
     LAPSED,
@@ -19,10 +21,13 @@ from timeslice.controller.orchestrator.lease_calls import (
     Lease,
     LeaseCall,
     LeaseCallFacts,
+    LimitFacts,
+    Preempt,
     Unreleased,
+    hold_limit,
     lease_call,
 )
-from timeslice.driver.names import STOPPING_BACKENDS
+from timeslice.driver.names import BACKEND_APP, STOPPING_BACKENDS
 
 JOBS = ("a", "b")
 LEASES = ("l1", "l2", ADOPTED, "")
@@ -166,3 +171,23 @@ def test_a_revoked_app_lease_is_refused_and_its_release_noted_once_no_caller_is_
     # a hold not known (adopted): any lease this group did not grant, of an epoch not past its own
     assert call(None, backend="app", unreleased=Unreleased(None, "x"), known=False).act is Act.REVOKED
     assert call(None, backend="app", unreleased=Unreleased(None, "x"), known=True).act is Act.STALE
+
+
+limit_facts = st.builds(LimitFacts, st.sampled_from(["none", "freeze", "cuda", "cooperative", "app"]), st.booleans(),
+                        st.booleans(), st.sampled_from(JOBS), st.integers(0, 2),
+                        st.lists(st.builds(Waiting, st.sampled_from(JOBS), st.integers(0, 2)), max_size=4).map(tuple))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(limit_facts)
+def test_a_holder_is_preempted_only_for_a_job_waiting_at_its_priority_and_parked_only_where_it_is_stopped(
+        f: LimitFacts) -> None:
+    d = hold_limit(f)
+    contender = any(w.job != f.holder and w.priority >= f.priority for w in f.queue)
+    if isinstance(d, Preempt):
+        assert f.current and not f.switching and contender, (f, d)
+        assert d.park == (f.backend in STOPPING_BACKENDS) and d.revoke_app == (f.backend == BACKEND_APP), (f, d)
+    elif not isinstance(d, Nothing):  # AfterSwitch: a staging beside the holder runs; it takes effect after
+        assert f.current and f.switching, (f, d)
+    else:
+        assert not f.current or (not f.switching and not contender), (f, d)

@@ -21,9 +21,10 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from timeslice.controller.orchestrator.decisions import Waiting
 from timeslice.controller.orchestrator.group_model import Hold
+from timeslice.controller.orchestrator.lease_calls import AfterSwitch, LimitFacts, Preempt, contended, hold_limit
 from timeslice.controller.orchestrator.lock_queue import Waiter
-from timeslice.driver import names
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -75,15 +76,20 @@ class Preemption:
     def _contenders(self, h: Hold) -> bool:
         """Another job waits at the holder's priority or above (a lower one would only be
         passed over again: preempting for it would re-grant the holder at once)."""
-        return any(w.job_id != h.job_id and w.priority >= h.priority for w in self._g.queue)
+        return contended(h.job_id, h.priority, self._waiting())
+
+    def _waiting(self) -> tuple[Waiting, ...]:
+        return tuple(Waiting(w.job_id, w.priority) for w in self._g.queue)
 
     def _on_limit(self, h: Hold, limit: float) -> None:
+        """The holder's clock ran out: what it does is `lease_calls.hold_limit`."""
         self._timer = None
         g = self._g
-        if g.holder is h and g.switching is not None:  # a staging beside the holder: preempt once it ends
+        d = hold_limit(LimitFacts(g.spec.backend, g.holder is h, g.switching is not None, h.job_id, h.priority,
+                                  self._waiting()))
+        if isinstance(d, AfterSwitch):
             self._due = (h, limit)
-            return
-        if g.holder is not h or not self._contenders(h):
+        if not isinstance(d, Preempt):
             return
         g.counters.preemptions += 1
         log.info("preempted group=%s job=%s epoch=%d max_hold_seconds=%g waiters=%d", g.id, h.job_id,
@@ -91,11 +97,11 @@ class Preemption:
         g.notify("preempted", h.job_id, h.epoch)
         why = f"maxHoldSeconds {limit:g} exceeded while others waited"
         g.end_hold(h, why)
-        if g.spec.backend == names.BACKEND_APP:  # revoked: its engine sleeps once its client released
+        if d.revoke_app:  # its engine sleeps once its client released
             g.moves.lapsed(h.job_id, h, why)
             g.record_placement()  # it must leave before anyone is granted, also after a restart
-        elif g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE):  # checkpointed by the switch,
-            self.park(h)  # re-queued keeping its lease
+        elif d.park:  # checkpointed by the switch, re-queued keeping its lease
+            self.park(h)
         g.dispatch()
 
     def switch_ended(self) -> None:
