@@ -1481,6 +1481,31 @@ async def test_no_job_is_granted_on_a_report_of_ended_processes_nor_on_a_guess_w
     await g.close()
 
 
+async def test_nothing_is_granted_on_a_guess_while_an_agent_is_silent_after_its_reports_showed_bytes_nobody_frees(
+        ) -> None:
+    """Cuda schedules seed 310022: job a's process was killed holding 80 GB; the reports after
+    that showed them still on the GPU (being freed, nobody's), and a's new process waited; then
+    the node agent stopped answering, and the plan, with no report, fell back to "one resident at
+    a time" and granted a beside those 80 GB: its model ran out of memory. While an agent is
+    silent, nothing is granted on a guess when its last report showed memory that checkpointing
+    every other resident would not free."""
+    gpu = FakeGpu()
+    g = group(gpu, declare=False)
+    await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 80 * GB))
+    gpu.on["ended"] = gpu.on.pop("a")  # a's process ended; the GPU keeps its bytes a while
+    g.residency.started("a")  # a's new process connected
+    with pytest.raises(SwitchFailed, match=r"would stay held by others.*a waits for it to be freed"):
+        await g.acquire("a", 0, "a-exiting", timeout=None)  # a fresh report: the ended bytes are nobody's
+    gpu.down = True
+    with pytest.raises(SwitchFailed, match="did not answer a memory report"):
+        await g.acquire("a", 0, "a-down", timeout=None)
+    gpu.down = False
+    del gpu.on["ended"]  # freed at last
+    grant = await hold(g, "a", then=lambda: gpu.on.__setitem__("a", 30 * GB))
+    assert not grant.restored and gpu.calls == []
+    await g.close()
+
+
 async def test_no_job_is_granted_on_a_guess_while_a_rollback_left_a_job_unsure_and_its_agent_is_silent() -> None:
     """Cuda schedules seed 990: a checkpoint of a got no reply, its rollback could not reach
     the node agent either (it had died), and a was recorded checkpointed; with the agent

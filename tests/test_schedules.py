@@ -311,6 +311,38 @@ async def test_the_memory_of_a_jobs_process_killed_between_two_samples_counts_as
         first.wait()
 
 
+async def test_a_restarted_node_agent_counts_what_a_job_process_that_ended_still_holds_as_exiting(
+        short_tmp: Path, monkeypatch) -> None:
+    """Schedules seed 310022 (`cuda`, failing before): a job's process was killed holding 83 GB,
+    the node agent was restarted before the GPU had freed it, and the new agent, which had never
+    seen that PID alive, counted none of it as exiting: the job's next process was placed on
+    memory that was not free, and ran out of it. The PIDs an agent knows alive are persisted."""
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=120.0)
+    first = await asyncio.to_thread(job_process, "a")
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+    pool = AgentPool()
+    switcher = SwitchCoordinator(pool)
+    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
+    try:
+        await switcher.memory(spec, ["a"], for_plan=False)  # resolved as a's: known alive
+        gpu.alloc(first.pid, 40 * MB, "model")
+        first.kill()
+        await asyncio.to_thread(first.wait)
+        await stop(agent)  # (SIGTERM) and started again on the same state directory
+        agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+        snap = await switcher.memory(spec, [], for_plan=False)
+        assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 40 * MB}
+    finally:
+        await stop(agent)
+        await pool.close()
+        first.kill()
+        first.wait()
+
+
 async def test_a_sample_asked_for_before_a_process_allocated_does_not_forget_it_once_it_was_killed() -> None:
     """The same seed, under load (failed 2 of 12 runs): the agent's sampler asked for a sample
     while the resolved process held nothing, the process allocated and was killed, and the sample
@@ -489,7 +521,7 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
 SEEDS = {
     "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370, 30009, 30039, 30053, 30078, 30166, 60299, 60321, 70281,
                     70367, 80422],
-    "cuda": [*range(1, 9), 29, 252, 259, 289, 957, 990],
+    "cuda": [*range(1, 9), 29, 252, 259, 289, 957, 990, 310022],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7), 896, 937],
     "app": [*range(1, 7), 53, 97, 170029],

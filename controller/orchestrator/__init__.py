@@ -19,7 +19,7 @@ static mode a job name from the node agents' job tables.
     move_cost.py        the cost model (pure): switch speeds, a move's seconds, how long residents pass a waiter
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
     leases.py           Leases: the lease timer, and performing a release or keep-alive
-    lease_calls.py      the decision cores of a release or keep-alive and of maxHoldSeconds (pure): which lease, what follows
+    lease_calls.py      the decision cores of a release or keep-alive and of maxHoldSeconds (pure)
     callers.py          Callers: withdrawn waiters, a frozen job's waiter kept
     exits.py            a caller that joins its job's hold waits for ended processes' memory to be freed
     in_flight.py        Settling: steps the orchestrator gave up on, unread records: settled before a grant

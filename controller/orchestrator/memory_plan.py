@@ -101,7 +101,7 @@ async def plan(g: LockGroup, incoming: str, allow_evictions: bool, beside: str |
         except AgentsUnanswered:  # a resident's grant only frees memory: one resident at a time
             if beside is not None or not allow_evictions or incoming in g.residency.checkpointed or \
                     g.moves.unconfirmed(incoming) or g.moves.settling.unsure or g.residency.left_since_report() or \
-                    any(g.residency.started_since_report(j) for j in group_jobs(g)):
+                    any(g.residency.started_since_report(j) for j in group_jobs(g)) or _held_by_nobody(g, incoming):
                 raise  # (a job started again or left: its ended processes' bytes may linger; an unsure job's may)
             snap = None
         if snap is None:  # no memory information: one resident at a time
@@ -132,6 +132,19 @@ async def plan(g: LockGroup, incoming: str, allow_evictions: bool, beside: str |
             await asyncio.sleep(DEPARTING_POLL_SECONDS)
             continue
         return Plan([*forced, *evict], first)
+
+
+def _held_by_nobody(g: LockGroup, incoming: str) -> bool:
+    """The last answered report showed memory that checkpointing every other resident would not
+    free, over the headroom (an ended process's, still being freed, or another user's): one
+    resident at a time would be a guess onto it (cuda schedules seed 310022: a job's process was
+    killed holding 83 GB, the reports after it showed them still held, then the agent stopped
+    answering and the job's next process was granted on that guess, and ran out of memory)."""
+    last = g.residency.snapshot
+    if last is None:
+        return False
+    others = held_by_others(incoming, last, set(last.devices), g.residency.lru(excluding=[incoming]))
+    return bool(crowded(last, others, parse_headroom(g.spec.memory_headroom)))
 
 
 def roomy(g: LockGroup, incoming: str) -> bool:

@@ -172,8 +172,10 @@ class NodeAgent:
         self._sampled: dict[str, tuple[list[int], float]] = {}  # job -> (its pids, when a report named it)
         self._sampler: asyncio.Task[None] | None = None
         # PIDs known alive in this namespace (`_exiting`): NVML listed them while /proc showed
-        # them alive, or a report resolved them as a job's
-        self._seen_live: set[int] = set()
+        # them alive, or a report resolved them as a job's; pid -> start time, persisted
+        # (`JobRecords.live_pids`): those an earlier run knew, unless their PID now names another process
+        self._seen_live: dict[int, int] = {p: t for p, t in self.records.live_pids.items()
+                                           if start_time(p) in (None, t)}
         self._gone_since: dict[int, float] = {}  # known PIDs found gone (monotonic seconds), not yet forgotten
         self._busy: dict[str, int] = {}  # job -> its steps running or waiting for its lock (`busy`)
         # names this run of samples in the agent's memory reports: a restart loses `_peaks`,
@@ -485,7 +487,7 @@ class NodeAgent:
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
                 pids_of[job.job_id] = list(await self._pids(job))
-                self._seen_live.update(pids_of[job.job_id])
+                self._note_live(pids_of[job.job_id])
                 view.processes[job.job_id] = _names(pids_of[job.job_id])
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
@@ -551,22 +553,29 @@ class NodeAgent:
                 listed.add(pid)
                 state = exit_state(pid)
                 if state == "live":
-                    self._seen_live.add(pid)
+                    self._note_live([pid])
                 elif state == "ending" or pid in self._seen_live:
                     n += b
             if n:
                 out[g.uuid] = n
-        now, keep = time.monotonic(), set()
-        for p in self._seen_live:
+        now, keep = time.monotonic(), {}
+        for p, t in self._seen_live.items():
             if p in listed or exit_state(p) == "live":
-                keep.add(p)
+                keep[p] = t
                 self._gone_since.pop(p, None)
             elif taken < self._gone_since.setdefault(p, now):
-                keep.add(p)  # this sample may predate its end
+                keep[p] = t  # this sample may predate its end
             else:
                 del self._gone_since[p]
         self._seen_live = keep
         return out
+
+    def _note_live(self, pids: Iterable[int]) -> None:
+        """`pids` are known alive; new ones are persisted (a restarted agent still knows them)."""
+        new = [p for p in pids if p not in self._seen_live]
+        if new:
+            self._seen_live.update((p, start_time(p) or 0) for p in new)
+            self.records.remember_live(self._seen_live)
 
     def _sampled_now(self) -> None:
         """A sample was taken: after a gap (`SAMPLE_GAP_SECONDS`) the reports answer as a new

@@ -8,7 +8,8 @@ temp file, fsynced and renamed):
      "jobs": {"<job>": {"backend": "cuda", "group": "g", "pids": {"<pid>": <gpu bytes>},
                         "devices": {"<GPU uuid>": <bytes>}, "phase": "checkpointed",
                         "operation": "<operation id>", "app": {"engine": "vllm", "url": ...}}},
-     "restored": {"<operation id>": "<job>"}}
+     "restored": {"<operation id>": "<job>"},
+     "livePids": {"<pid>": <start time, clock ticks>}}
 
 `devices` (optional): the checkpoint's bytes by GPU, for residency decisions. `phase`
 (optional, default "checkpointed"): "checkpointing" is the write-ahead intent, written
@@ -20,7 +21,12 @@ the record instead of being run again. `restored` (optional): the operation ids 
 last `MAX_RESTORED` restores that consumed a record, oldest first, written with the
 record's removal, so that a resend of such a restore after a restart is not run again.
 `app` (optional, backend `app` only): the job's engine (`AppEngine`), which a restore or
-the undo at start wakes.
+the undo at start wakes. `livePids` (optional): the processes the agent knew alive (NVML listed
+them alive, or a report resolved them as a job's), with their start times (/proc/<pid>/stat
+field 22): a restarted agent still counts what one of them holds after it ended as exiting
+memory (`NodeAgent._exiting`; randomized schedules seed 310022, `cuda`: a job's process was
+killed, the agent restarted before the GPU freed its 83 GB, and the job's next process was
+placed on memory that was not free).
 
 Compatible changes: new optional keys. Anything else needs a new apiVersion.
 """
@@ -65,6 +71,7 @@ class JobRecords:
         self._path = path
         self.jobs: dict[str, JobRecord] = {}
         self.restored: OrderedDict[str, str] = OrderedDict()  # operation id -> job
+        self.live_pids: dict[int, int] = {}  # pid -> start time (clock ticks; 0: not read) of processes known alive
         if path is not None and path.exists():
             self._load(path)
 
@@ -79,6 +86,7 @@ class JobRecords:
                                         AppEngine.model_validate(r["app"]) if r.get("app") else None)
                          for job, r in data["jobs"].items()}
             self.restored = OrderedDict((str(op), str(job)) for op, job in data.get("restored", {}).items())
+            self.live_pids = {int(p): int(t) for p, t in data.get("livePids", {}).items()}
         except (ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are.
             log.error("ignoring unreadable records file path=%s: %s", path, err)
@@ -113,6 +121,15 @@ class JobRecords:
                 log.error("records file not updated after forgetting job=%s: %s", job_id, err)
         return record
 
+    def remember_live(self, pids: dict[int, int]) -> None:
+        """Persist the processes known alive, pid -> start time (a failed write is logged: a
+        restart then forgets those added since the last write)."""
+        self.live_pids = dict(pids)
+        try:
+            self._save()
+        except OSError as err:
+            log.error("records file not updated with the processes known alive: %s", err)
+
     def _save(self) -> None:
         if self._path is None:
             return
@@ -120,6 +137,8 @@ class JobRecords:
                                    "jobs": {j: _record_json(r) for j, r in self.jobs.items()}}
         if self.restored:
             data["restored"] = dict(self.restored)
+        if self.live_pids:
+            data["livePids"] = {str(p): t for p, t in self.live_pids.items()}
         write_atomic(self._path, json.dumps(data).encode())
 
 
