@@ -155,7 +155,9 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
         return
     with tempfile.TemporaryDirectory(prefix="timeslice-pool-", dir=root) as folder:  # mkdtemp: mode 0700
         log.info("pinned pool bytes=%d on %s%s", size, root,
-                 "" if huge is None else f" (hugetlbfs, {huge.page_size}-byte pages reserved by the host)")
+                 f" (hugetlbfs, {huge.page_size}-byte pages reserved by the host)" if huge is not None else
+                 " (no huge pages reserved for it: each job process registers its part on its first checkpoints, "
+                 "several seconds for tens of GB; huge pages make first switches faster: docs/one-box.md)")
         yield config.model_copy(update={"pinned_pool": PinnedPoolSpec(path=Path(folder) / "pool", bytes=size)})
 
 
