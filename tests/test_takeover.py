@@ -6,6 +6,11 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from timeslice.controller.orchestrator import takeover
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.driver.errors import StaleLease
 from timeslice.v1 import orchestrator_pb2 as pb
 
@@ -380,3 +385,38 @@ async def test_a_grant_held_back_for_a_slow_state_file_write_gets_its_whole_leas
     assert g.holder is not None and g.holder.epoch == got.epoch
     assert g.holder.lease_deadline - now[0] == pytest.approx(10)
     await orch.close()
+
+
+@settings(max_examples=2000, deadline=None)
+@given(resident=st.none() | st.sampled_from("abcd"), checkpointed=st.frozensets(st.sampled_from("abcd")),
+       must_leave=st.frozensets(st.sampled_from("abcd")), residents=st.frozensets(st.sampled_from("abcd")),
+       epoch=st.integers(0, 3000))
+def test_a_takeover_puts_every_job_in_one_place_and_the_presumptive_holder_on_the_gpus(
+        resident, checkpointed, must_leave, residents, epoch) -> None:
+    """`takeover.adoption` over random records: the presumptive holder is on the GPUs, the most
+    recently held; the agents' checkpoints of the others stand; a job that must leave is on the
+    GPUs (it may compute) and leaves first; nobody is in two places or made up; and `adopt`
+    puts the group's residency exactly there."""
+    a = takeover.adoption(resident, checkpointed, epoch, must_leave, residents)
+    assert not (a.checkpointed & set(a.residents)) and len(set(a.residents)) == len(a.residents)
+    assert a.checkpointed == checkpointed - {resident}
+    assert set(a.residents) == ({resident} if resident else set()) | ((must_leave | residents) - checkpointed)
+    assert set(a.leaving) == (must_leave - checkpointed - {resident}) and set(a.leaving) <= set(a.residents)
+    if resident is not None:
+        assert a.holder == resident and a.residents[-1] == resident
+    assert list(a.residents[:len(a.leaving)]) == sorted(a.leaving, reverse=True)  # (the least recently held)
+
+    async def adopted() -> None:
+        g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent",)), _NoSwitch())  # type: ignore[arg-type]
+        g.adopt(resident, set(checkpointed), epoch, must_leave, residents)
+        assert list(g.residency.residents) == list(a.residents) and g.residency.checkpointed == a.checkpointed
+        assert set(g.moves.must_leave("")) == set(a.leaving)
+        assert g.epoch == epoch and (g.holder.job_id if g.holder else None) == resident
+        await g.close()
+
+    asyncio.run(adopted())
+
+
+class _NoSwitch:
+    async def __call__(self, *args, **kwargs):  # pragma: no cover  (nothing is granted here)
+        raise AssertionError("no switch in a takeover")

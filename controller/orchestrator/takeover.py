@@ -9,6 +9,8 @@ so epochs never repeat.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import ADOPTED, Hold, JobCounters
@@ -21,6 +23,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 
+@dataclass(frozen=True)
+class Adoption:
+    """What a takeover makes of an empty group (`adoption`): `checkpointed`, off the GPUs;
+    `residents`, on them, least recently held first; `leaving`, on them and bound to leave
+    before anyone is granted (they may still compute without the lock); `holder`, the
+    presumptive holder (the most recently held resident); and the fencing `epoch`."""
+
+    checkpointed: frozenset[str]
+    residents: tuple[str, ...]
+    leaving: tuple[str, ...]
+    holder: str | None
+    epoch: int
+
+
+def adoption(resident: str | None, checkpointed: Set[str], epoch: int, must_leave: Set[str] = frozenset(),
+             residents: Set[str] = frozenset()) -> Adoption:
+    """Where each job is after a takeover (`adopt`'s rules). Pure. A job is in one place: the
+    presumptive holder on the GPUs (it held last: the agents' records of a checkpoint of it
+    are older), then checkpointed per the agents' records, then a job that must leave on the
+    GPUs, then the others that may be there."""
+    out = frozenset(checkpointed) - {resident}
+    leaving = tuple(sorted(set(must_leave) - out - {resident}))
+    others = tuple(sorted(set(residents) - out - set(must_leave) - {resident}))
+    return Adoption(out, (*leaving[::-1], *others[::-1], *([resident] if resident is not None else [])), leaving,
+                    resident, epoch)
+
+
 def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int,
           must_leave: set[str] | frozenset[str] = frozenset(),
           residents: set[str] | frozenset[str] = frozenset()) -> None:
@@ -31,21 +60,22 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
     the hold lapses after one lease period. `must_leave`: jobs that may still compute
     without the lock (a lapsed or dropped holder, persisted): resident, and checkpointed
     before anyone is granted. `residents`: jobs that may be on the GPUs (persisted),
-    resident unless checkpointed. A group that already holds, queues or granted is left as
-    it is."""
+    resident unless checkpointed. Where each job goes is `adoption` (pure). A group that
+    already holds, queues or granted is left as it is."""
     if g.holder is not None or g.epoch or len(g.queue):
         return
-    for job in checkpointed:
+    a = adoption(resident, checkpointed, epoch, must_leave, residents)
+    for job in a.checkpointed:
         g.residency.moved_out(job)
-    for job in sorted(residents - checkpointed - must_leave - {resident}):
-        g.residency.moved_in(job)
-    for job in sorted(must_leave - checkpointed - {resident}):
-        g.residency.moved_in(job)
+    for job in a.residents:
+        if job == a.holder:
+            g.residency.held(job, observed=False)  # it held before this orchestrator watched it
+        else:
+            g.residency.moved_in(job, next_up=True)  # (appended: `a.residents` is least recently held first)
+    for job in a.leaving:
         g.moves.lapsed(job)
-    if resident is not None:
-        g.residency.held(resident, observed=False)  # it held before this orchestrator watched it
-    g.epoch = epoch
-    for job in {*checkpointed, *([resident] if resident is not None else [])}:  # counted from here (`JobCounters`)
+    g.epoch = a.epoch
+    for job in {*a.checkpointed, *([a.holder] if a.holder is not None else [])}:  # counted from here (`JobCounters`)
         g.job_counters.setdefault(job, JobCounters())
     if resident is not None:
         now = g.clock()
