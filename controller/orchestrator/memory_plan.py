@@ -139,11 +139,15 @@ def _held_by_nobody(g: LockGroup, incoming: str) -> bool:
     free, over the headroom (an ended process's, still being freed, or another user's): one
     resident at a time would be a guess onto it (cuda schedules seed 310022: a job's process was
     killed holding 83 GB, the reports after it showed them still held, then the agent stopped
-    answering and the job's next process was granted on that guess, and ran out of memory)."""
-    last = g.residency.snapshot
+    answering and the job's next process was granted on that guess, and ran out of memory). The
+    group's jobs' bytes in that report are someone's: residents leave, and those moved out
+    since are gone."""
+    r = g.residency
+    last = r.snapshot
     if last is None:
         return False
-    others = held_by_others(incoming, last, set(last.devices), g.residency.lru(excluding=[incoming]))
+    ours = [j for j in last.device_bytes if j != incoming and (j in r.residents or j in r.checkpointed)]
+    others = held_by_others(incoming, last, set(last.devices), ours)
     return bool(crowded(last, others, parse_headroom(g.spec.memory_headroom)))
 
 
