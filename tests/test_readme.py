@@ -80,13 +80,16 @@ def test_the_readme_headline_gains_are_the_committed_results() -> None:
     def gains(name: str) -> dict[str, str]:
         return {r["backend"]: f"{r['gain']:.2f}x" for r in json.loads((results / name).read_text()) if "gain" in r}
 
-    a, a_undeclared = gains("rl-grpo-a-serve-declared-h200.json"), gains("rl-grpo-a-serve-h200.json")
+    a, a_undeclared = gains("rl-grpo-a-serve-declared-h200.json"), gains("rl-grpo-a-serve-54d3b80-h200.json")
+    c_undeclared = gains("rl-grpo-c-serve-54d3b80-h200.json")
+    huge = "rl-grpo-b-serve-cooperative-declared-hugepages-54d3b80"
     rows = {
         "2 x 19.7 GB (fit) | yes": [a["cuda"], gains("rl-grpo-a-serve-cooperative-declared-h200.json")["cooperative"]],
         "4 x 30 GB (fit) | yes": [gains("rl-grpo-c-serve-cooperative-declared-h200.json")["cooperative"]],
-        "3 x 57.7 GB (two fit) | yes": [gains("rl-grpo-b-serve-cooperative-declared-h200.json")["cooperative"],
-                                        gains("rl-grpo-b-serve-cooperative-declared-4b3d9a7-h200.json")["cooperative"]],
+        "3 x 57.7 GB (two fit) | yes": [gains(f"{huge}-h200.json")["cooperative"],
+                                        gains(f"{huge}-run2-h200.json")["cooperative"]],
         "2 x 19.7 GB | no": [a_undeclared["cuda"], a_undeclared["cooperative"]],
+        "4 x 31.7 GB | no": [c_undeclared["cuda"], c_undeclared["cooperative"]],
     }
     for row, values in rows.items():
         line = next(line for line in README.splitlines() if line.startswith(f"| {row}"))
