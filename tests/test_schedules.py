@@ -280,40 +280,15 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
                 p.wait()
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["same agent", "agent restarted"])
 async def test_the_memory_of_a_jobs_process_killed_between_two_samples_counts_as_exiting(short_tmp: Path,
-                                                                                           monkeypatch) -> None:
+                                                                                           monkeypatch,
+                                                                                           restart: bool) -> None:
     """Schedules seed 5 (`cuda`, failing under load): a job's process was resolved by a report,
     allocated and was killed before any sample listed it alive; the agent counted none of its
     memory as exiting (a PID never seen alive is not counted), its next process joined and ran out
-    of memory beside it. A PID a report resolved as a job's is known alive."""
-    from timeslice.controller.orchestrator.agent_pool import AgentPool
-    from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.switch import SwitchCoordinator
-
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=30.0)
-    first = await asyncio.to_thread(job_process, "a")
-    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
-    pool = AgentPool()
-    switcher = SwitchCoordinator(pool)
-    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
-    try:
-        snap = await switcher.memory(spec, ["a"], for_plan=False)  # resolved, nothing allocated yet
-        assert not snap.on_device("a") and not snap.exiting_bytes
-        gpu.alloc(first.pid, 40 * MB, "model")
-        first.kill()
-        await asyncio.to_thread(first.wait)
-        snap = await switcher.memory(spec, [], for_plan=False)
-        assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 40 * MB}
-    finally:
-        await stop(agent)
-        await pool.close()
-        first.kill()
-        first.wait()
-
-
-async def test_a_restarted_node_agent_counts_what_a_job_process_that_ended_still_holds_as_exiting(
-        short_tmp: Path, monkeypatch) -> None:
-    """Schedules seed 310022 (`cuda`, failing before): a job's process was killed holding 83 GB,
+    of memory beside it. A PID a report resolved as a job's is known alive.
+    Seed 310022 (`cuda`, failing before; "agent restarted"): the process was killed holding 83 GB,
     the node agent was restarted before the GPU had freed it, and the new agent, which had never
     seen that PID alive, counted none of it as exiting: the job's next process was placed on
     memory that was not free, and ran out of it. The PIDs an agent knows alive are persisted."""
@@ -328,12 +303,14 @@ async def test_a_restarted_node_agent_counts_what_a_job_process_that_ended_still
     switcher = SwitchCoordinator(pool)
     spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
     try:
-        await switcher.memory(spec, ["a"], for_plan=False)  # resolved as a's: known alive
+        snap = await switcher.memory(spec, ["a"], for_plan=False)  # resolved, nothing allocated yet
+        assert not snap.on_device("a") and not snap.exiting_bytes
         gpu.alloc(first.pid, 40 * MB, "model")
         first.kill()
         await asyncio.to_thread(first.wait)
-        await stop(agent)  # (SIGTERM) and started again on the same state directory
-        agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+        if restart:
+            await stop(agent)  # (SIGTERM) and started again on the same state directory
+            agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
         snap = await switcher.memory(spec, [], for_plan=False)
         assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 40 * MB}
     finally:
