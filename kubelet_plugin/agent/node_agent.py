@@ -487,10 +487,10 @@ class NodeAgent:
                     {gpu_list[0].uuid: record.bytes} if len(gpu_list) == 1 and record.bytes else {})
             try:
                 pids_of[job.job_id] = list(await self._pids(job))
-                self._note_live(pids_of[job.job_id])
                 view.processes[job.job_id] = _names(pids_of[job.job_id])
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
+        self._note_live(p for pids in pids_of.values() for p in pids)
         asked = time.monotonic()
         self._sampled.update({job_id: (pids, asked) for job_id, pids in pids_of.items()})
         if pids_of and (self._sampler is None or self._sampler.done()):
@@ -547,17 +547,19 @@ class NodeAgent:
         memory then went uncounted, `tests/test_schedules.py`)."""
         out: dict[str, int] = {}
         listed: set[int] = set()
+        live: list[int] = []
         for g in gpus:
             n = 0
             for pid, b in g.processes.items():
                 listed.add(pid)
                 state = exit_state(pid)
                 if state == "live":
-                    self._note_live([pid])
+                    live.append(pid)
                 elif state == "ending" or pid in self._seen_live:
                     n += b
             if n:
                 out[g.uuid] = n
+        self._note_live(live)
         now, keep = time.monotonic(), {}
         for p, t in self._seen_live.items():
             if p in listed or exit_state(p) == "live":
@@ -571,7 +573,8 @@ class NodeAgent:
         return out
 
     def _note_live(self, pids: Iterable[int]) -> None:
-        """`pids` are known alive; new ones are persisted (a restarted agent still knows them)."""
+        """`pids` are known alive; new ones are persisted, in one write (a restarted agent still
+        knows them)."""
         new = [p for p in pids if p not in self._seen_live]
         if new:
             self._seen_live.update((p, start_time(p) or 0) for p in new)
