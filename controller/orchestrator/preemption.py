@@ -76,17 +76,14 @@ class Preemption:
     def _contenders(self, h: Hold) -> bool:
         """Another job waits at the holder's priority or above (a lower one would only be
         passed over again: preempting for it would re-grant the holder at once)."""
-        return contended(h.job_id, h.priority, self._waiting())
-
-    def _waiting(self) -> tuple[Waiting, ...]:
-        return tuple(Waiting(w.job_id, w.priority) for w in self._g.queue)
+        return contended(h.job_id, h.priority, (Waiting(w.job_id, w.priority) for w in self._g.queue))
 
     def _on_limit(self, h: Hold, limit: float) -> None:
         """The holder's clock ran out: what it does is `lease_calls.hold_limit`."""
         self._timer = None
         g = self._g
         d = hold_limit(LimitFacts(g.spec.backend, g.holder is h, g.switching is not None, h.job_id, h.priority,
-                                  self._waiting()))
+                                  tuple(Waiting(w.job_id, w.priority) for w in g.queue)))
         if isinstance(d, AfterSwitch):
             self._due = (h, limit)
         if not isinstance(d, Preempt):
