@@ -345,9 +345,10 @@ def parser() -> argparse.ArgumentParser:
                    help="YAML groups, as for `timeslice orchestrator --config` (a group without `agents` uses this "
                         "machine's agent; any backend, cooperative too; pinned_pool, state_file, metrics_listen "
                         "apply; listen does not). Default: one group per GPU, gpu0, gpu1, ...")
-    v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
+    v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "vmm", "cooperative", "freeze", "none"],
                    help="backend of the default per-GPU groups (default cuda; cooperative: jobs move the state they "
-                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb)")
+                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb; vmm: unmodified jobs "
+                        "started with the LD_PRELOAD the ready line prints)")
     v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
                                                     "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/... "
                                                     "or /tmp/timeslice-UID/timeslice/...)")
@@ -444,7 +445,7 @@ def parser() -> argparse.ArgumentParser:
                         "node-plugin pods' IP and 'agent' port)")
     c.add_argument("--agent-namespace",
                    help="namespace of the node-plugin pods (default $POD_NAMESPACE or timeslice-system)")
-    c.add_argument("--default-backend", choices=["cuda", "cuda-checkpoint", "freeze", "none"],
+    c.add_argument("--default-backend", choices=["cuda", "cuda-checkpoint", "vmm", "freeze", "none"],
                    help="backend for groups whose claims leave it to auto (default cuda)")
     c.add_argument("--auth", choices=["none", "tokenreview"],
                    help="client authentication: projected ServiceAccount tokens checked with TokenReview "

@@ -35,7 +35,7 @@ from timeslice.controller.orchestrator import huge_pages, pinned_pool
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
-from timeslice.driver import names, signals
+from timeslice.driver import names, signals, vmm_shim
 from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
 from timeslice.kubelet_plugin.agent.gpu_memory import gpus
@@ -171,12 +171,26 @@ def recorded_pool(state_file: Path | None) -> Path | None:
     return Path(path) if isinstance(path, str) else None
 
 
+def preload_word(config: OrchestratorConfig) -> str:
+    """` LD_PRELOAD=<the timeslice-vmm shim>` when a group is on backend `vmm` (its jobs' processes
+    load the shim: `timeslice.driver.vmm_shim`), else "". Raises ValueError when this install has
+    no shim."""
+    if not any(g.backend == names.BACKEND_VMM for g in config.groups):
+        return ""
+    try:
+        return f" LD_PRELOAD={vmm_shim.library()}"
+    except FileNotFoundError as err:
+        raise ValueError(f"backend vmm: {err}") from err
+
+
 async def serve(cfg: ServeConfig) -> None:
     """Run until SIGINT/SIGTERM. Prints one line to stdout when ready:
-    `ready TIMESLICE_ORCHESTRATOR=unix://<socket> groups=<id>(<backend>),...`. Raises
+    `ready TIMESLICE_ORCHESTRATOR=unix://<socket> [LD_PRELOAD=<shim>] groups=<id>(<backend>),...`
+    (LD_PRELOAD where a group is on `vmm`: its jobs start with it, `preload_word`). Raises
     ValueError (configuration) or OSError (the socket cannot be bound)."""
     state_dir = cfg.state_dir or default_state_dir()
-    orchestrator_config(cfg, "unix:///checked-first.sock", state_dir)  # a bad file says so before anything else
+    # a bad file (or backend vmm without its shim) says so before anything else
+    preload_word(orchestrator_config(cfg, "unix:///checked-first.sock", state_dir))
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     stop = signals.stop_event()
     with lock_state_dir(state_dir):  # first: a second serve on this state dir stops here, touching nothing
@@ -226,7 +240,8 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
                     pool = config.pinned_pool
                     log.info("serving socket=%s scope=%s groups=%s pinned_pool=%s", cfg.socket, cfg.scope, groups,
                              f"{pool.path}({pool.bytes})" if pool else "-")
-                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket} groups={groups}", flush=True)
+                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket}{preload_word(config)} groups={groups}",
+                          flush=True)
                     await stop.wait()
             finally:
                 await agent_server.stop(1)

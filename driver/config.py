@@ -46,7 +46,7 @@ class TimeSliceConfig(BaseModel):
     kind: Literal["TimeSliceConfig"]
     job: str | None = Field(default=None, min_length=1, max_length=253)
     priority: int = Field(default=0, ge=-1000, le=1000)
-    backend: Literal["auto", "cuda", "cuda-checkpoint", "cooperative", "freeze", "app", "none"] = "auto"
+    backend: Literal["auto", "cuda", "cuda-checkpoint", "vmm", "cooperative", "freeze", "app", "none"] = "auto"
     # backend app: the job's inference engine, which sleeps and wakes on the agent's call
     app: AppEngine | None = None
     residency: Literal["auto", "exclusive"] = names.RESIDENCY_AUTO

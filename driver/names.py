@@ -20,7 +20,10 @@ BACKEND_NONE = "none"
 # The job's inference engine (vLLM, SGLang) frees and re-takes its GPU memory on the agent's
 # call (kubelet_plugin/agent/backends/app.py; the engine in driver/app_engine.py).
 BACKEND_APP = "app"
-BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE, BACKEND_APP, BACKEND_NONE)
+# An unmodified job's device memory moved by the timeslice-vmm shim in its processes (LD_PRELOAD;
+# kubelet_plugin/agent/backends/vmm.py, shim/timeslice_vmm.c): addresses kept, at the link's speed.
+BACKEND_VMM = "vmm"
+BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_VMM, BACKEND_FREEZE, BACKEND_APP, BACKEND_NONE)
 # Backends whose checkpoint stops the job's processes (SIGSTOP) or locks them (CUDA calls
 # block): a checkpointed job's client may not answer. Under `app` and `cooperative` it runs on.
 STOPPING_BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE)

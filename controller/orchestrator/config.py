@@ -17,9 +17,10 @@ from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.config import problem_lines
 from timeslice.driver.headroom import parse_headroom
 
-Backend = Literal["cuda", "cuda-checkpoint", "freeze", "cooperative", "app", "none"]
+Backend = Literal["cuda", "cuda-checkpoint", "vmm", "freeze", "cooperative", "app", "none"]
 # Backends that move GPU memory, whose groups place jobs by memory (residency "auto").
-MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_COOPERATIVE})
+MEMORY_BACKENDS = frozenset({names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM,
+                             names.BACKEND_COOPERATIVE})
 
 
 class MemberSpec(BaseModel):

@@ -62,7 +62,7 @@ KEEP_SAMPLING_SECONDS = 30.0
 # orchestrator counts the holds in progress as unobserved (they settle no job), seconds.
 SAMPLE_GAP_SECONDS = 1.0
 # Backends whose checkpoint lands in host memory the agent can count.
-HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT)
+HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
 
 @dataclass

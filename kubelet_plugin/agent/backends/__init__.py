@@ -30,6 +30,9 @@ def make_backend(name: str, lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SEC
     if name == names.BACKEND_CUDA:
         from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
         return CudaBackend(lock_timeout)
+    if name == names.BACKEND_VMM:
+        from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
+        return VmmBackend(lock_timeout)
     if name == names.BACKEND_CUDA_CHECKPOINT:
         from timeslice.kubelet_plugin.agent.backends.cuda_checkpoint import CudaCheckpointBackend
         return CudaCheckpointBackend(lock_timeout)

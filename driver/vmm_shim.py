@@ -1,0 +1,35 @@
+"""Where the timeslice-vmm shim is (`shim/timeslice_vmm.c`, backend `vmm`), and how a process loads it.
+
+The shim is built when the package is installed (a setuptools extension module of no Python:
+`pip install` compiles it with the machine's C compiler; it needs no CUDA headers) and lands
+beside this module. A job's processes load it with `LD_PRELOAD` (`preload_env`): `timeslice
+serve` prints it in its ready line for groups on `vmm`, the kubelet plugin puts it in the
+container through the claim's CDI device.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+LIBRARY_NAME = "libtimeslice_vmm.so"
+DIR_ENV = "TIMESLICE_VMM_DIR"  # where the shim's control sockets are: <dir>/<pid>.sock
+DEFAULT_DIR = "/tmp/timeslice-vmm"
+
+
+def library() -> Path:
+    """The installed shim (an absolute path). Raises FileNotFoundError when this install has
+    none (it was built without a C compiler)."""
+    here = Path(__file__).resolve().parent
+    for found in sorted(here.glob("_timeslice_vmm*.so")):
+        return found
+    raise FileNotFoundError(f"the timeslice-vmm shim is not installed in {here} (reinstall with a C compiler)")
+
+
+def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with the shim added in front of its LD_PRELOAD."""
+    out = dict(os.environ if env is None else env)
+    lib = str(library())
+    rest = [p for p in out.get("LD_PRELOAD", "").split() if p and p != lib]
+    out["LD_PRELOAD"] = " ".join([lib, *rest])
+    return out

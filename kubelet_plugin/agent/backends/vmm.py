@@ -1,0 +1,139 @@
+"""Backend `vmm`: an unmodified job's device memory moved by the timeslice-vmm shim in its processes.
+
+The shim (`shim/timeslice_vmm.c`, loaded with `LD_PRELOAD`: `timeslice.driver.vmm_shim`) serves the
+process's cudaMalloc with CUDA virtual memory and listens on a unix socket
+`$TIMESLICE_VMM_DIR/<pid>.sock`. A step sends it one line (`checkpoint`, `restore`, `state`) and reads
+one line back: `ok <running|checkpointed> <bytes> <seconds>` or `error <reason>`. The shim copies every
+allocation to pinned host memory and releases the physical memory with the addresses kept
+reserved (checkpoint), or maps new memory at the same addresses and copies back (restore); each
+step is all-or-nothing in the process, and one whose asker hung up before the answer (this step
+timed out) is undone by the shim, so it never lands late. Over a job's processes the step is
+all-or-nothing too (`run_step`).
+
+The socket is reached through the process's own view of the file system (`/proc/<pid>/root`,
+its PID as its namespace numbers it): a pod's `/tmp` needs no host mount. A process without the
+shim's socket (the shim is not loaded, or it has not allocated yet) is moved by the `cuda`
+backend, with a log line; that needs cuda-bindings and a driver (BackendError otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+
+from timeslice.driver import vmm_shim
+from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
+from timeslice.driver.rollback import undo
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, RUNNING, Backend, ProcState, log, run_step
+from timeslice.kubelet_plugin.agent.procfs import exit_state, gone_or_failed
+
+REPLY_LIMIT = 256  # bytes: one line of the shim's answer
+STATE_SECONDS = 5.0  # a `state` question answers at once (it waits only for a step in progress)
+
+
+def socket_path(pid: int) -> str:
+    """Where the shim in `pid` listens, as this process can reach it. Raises OSError when
+    /proc has no such process."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    directory = env.get(vmm_shim.DIR_ENV.encode(), vmm_shim.DEFAULT_DIR.encode()).decode()
+    ns_pid = pid
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                ns_pid = int(line.split()[-1])
+    try:
+        same = os.readlink("/proc/self/ns/mnt") == os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        same = False
+    return f"{directory if same else f'/proc/{pid}/root{directory}'}/{ns_pid}.sock"
+
+
+class VmmBackend(Backend):
+    name = "vmm"
+
+    def __init__(self, lock_timeout: float) -> None:
+        self.lock_timeout = lock_timeout
+        self._cuda: Backend | None = None
+
+    async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        return await self._step("checkpoint", "restore", pids, timeout)
+
+    async def restore(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        return await self._step("restore", "checkpoint", pids, timeout)
+
+    async def state(self, pids: Sequence[int]) -> list[ProcState]:
+        shim, other = await self._split(pids)
+        states = [await self._ask(pid, "state", STATE_SECONDS) for pid in shim]
+        return states + (await self._fallback().state(other) if other else [])
+
+    async def _step(self, command: str, inverse: str, pids: Sequence[int], timeout: float) -> list[ProcState]:
+        """`command` on every shim process, the `cuda` backend's on the rest; all or nothing."""
+        shim, other = await self._split(pids)
+        done = await run_step(f"vmm {command}", shim, lambda p: self._ask(p, command, timeout),
+                              lambda p: self._ask(p, inverse, timeout))
+        if not other:
+            return done
+        try:
+            cuda = self._fallback()
+            return done + await (cuda.checkpoint(other, timeout) if command == "checkpoint"
+                                 else cuda.restore(other, timeout))
+        except BaseException as err:
+            failure = f"vmm {command} of the processes without the shim failed ({err})"
+            await undo(done, lambda st: self._ask(st.pid, inverse, timeout), lambda st: f"pid {st.pid}", failure)
+            raise
+
+    async def _split(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """The PIDs whose shim listens, and the others (logged: the `cuda` backend moves them)."""
+        shim: list[int] = []
+        other: list[int] = []
+        for pid in pids:
+            try:
+                path = await asyncio.to_thread(socket_path, pid)
+                listens = await asyncio.to_thread(os.path.exists, path)
+            except OSError:
+                listens = True  # gone from /proc: asking its shim reports it gone (`run_step`)
+            (shim if listens else other).append(pid)
+        if other:
+            log.info("vmm: no timeslice-vmm shim socket in pid(s) %s (not started with LD_PRELOAD=%s, or no "
+                     "allocation yet): moved by the cuda backend", other, vmm_shim.LIBRARY_NAME)
+        return shim, other
+
+    def _fallback(self) -> Backend:
+        if self._cuda is None:
+            from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
+            try:
+                self._cuda = CudaBackend(self.lock_timeout)
+            except BackendError as err:
+                raise BackendError(f"a process without the timeslice-vmm shim needs the cuda backend: {err}") from err
+        return self._cuda
+
+    async def _ask(self, pid: int, command: str, timeout: float) -> ProcState:
+        """One command to the shim in `pid`. Raises ProcessGone (the process ended), StepTimeout
+        (no answer within `timeout` seconds: the connection is closed, and the shim undoes the
+        step when it ends), BackendError (the shim's error, or no shim answering)."""
+        try:
+            path = await asyncio.to_thread(socket_path, pid)
+            reader, writer = await asyncio.open_unix_connection(path, limit=REPLY_LIMIT)
+        except OSError as err:
+            raise gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
+        try:
+            writer.write(f"{command}\n".encode())
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), timeout)
+        except asyncio.TimeoutError:
+            raise StepTimeout(f"vmm {command} pid {pid}: no answer in {timeout:.1f} s (the shim undoes it)") from None
+        except (OSError, ValueError) as err:
+            raise gone_or_failed(pid, f"vmm {command} pid {pid}: {err}") from err
+        finally:
+            writer.close()
+        words = line.decode(errors="replace").split()
+        if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit():
+            if command != "state":
+                log.info("vmm %s pid=%d: %s bytes in %s s", command, pid, words[2], words[3] if len(words) > 3 else "?")
+            return ProcState(pid, words[1], int(words[2]))
+        if not words:  # the shim answers every command it reads: its process is ending
+            message = f"vmm {command} pid {pid}: the shim closed the connection unanswered"
+            raise ProcessGone(message) if exit_state(pid) != "live" else BackendError(message)
+        raise BackendError(f"vmm {command} pid {pid}: {' '.join(words[1:]) if words[0] == 'error' else line!r}")

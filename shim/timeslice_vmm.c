@@ -1,0 +1,416 @@
+/*
+ * timeslice-vmm: an LD_PRELOAD shim that lets the node agent move a process's GPU memory to host
+ * memory and back at the link's speed, with the device addresses kept (backend `vmm`).
+ *
+ * Every cudaMalloc of at least TSV_MIN_BYTES (1 MiB) is served with CUDA virtual memory instead of
+ * the runtime's allocator: an address range (cuMemAddressReserve) with physical memory mapped into
+ * it (cuMemCreate, cuMemMap, cuMemSetAccess); cudaFree of such a pointer undoes it. CUDA Driver API,
+ * "Virtual Memory Management" (cuda.h, CUDA >= 10.2). On the agent's command, on a unix socket
+ * $TIMESLICE_VMM_DIR/<pid>.sock (default /tmp/timeslice-vmm, created 0700; only root or this
+ * process's user may connect), a control thread:
+ *   checkpoint: synchronises the context (the lock guarantees no phase runs), copies every
+ *               allocation into one pinned host buffer (huge pages when the kernel has them
+ *               reserved, registered with cuMemHostRegister), then unmaps and releases the
+ *               physical memory; the address ranges stay reserved.
+ *   restore:    maps new physical memory at the same addresses, copies back, frees the buffer.
+ *   state:      says which of the two the process is in.
+ * Each step is all-or-nothing: a failure undoes what it did before it answers, and a step whose
+ * asker hung up before the answer (the agent timed out) is undone too, so a late step never
+ * lands on a GPU given to others. Answers are one line: "ok <running|checkpointed> <bytes>
+ * <seconds>" or "error <CUDA error name or errno text>".
+ *
+ * What it does not own stays where it is (and resident on the GPU): the CUDA context, module
+ * images, allocations under 1 MiB, allocations of a second device, and memory taken without
+ * cudaMalloc (cuMemAlloc, cudaMallocAsync, PyTorch's expandable segments, NCCL's buffers).
+ * Pointers it serves cannot be shared with cudaIpcGetMemHandle.
+ *
+ * No CUDA header is needed to build it: the few Driver API types it uses are declared below from
+ * cuda.h's definitions, and libcuda.so.1 is opened at the first allocation.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TSV_EXPORT __attribute__((visibility("default")))
+#define TSV_MIN_BYTES (1u << 20)
+#define TSV_HUGE (2u << 20)
+
+/* cuda.h (Driver API) */
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct { int type; int id; } CUmemLocation;
+typedef struct {
+    int type;                 /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
+    int requestedHandleTypes; /* CU_MEM_HANDLE_TYPE_NONE = 0 */
+    CUmemLocation location;   /* CU_MEM_LOCATION_TYPE_DEVICE = 1, device ordinal */
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct { CUmemLocation location; int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */ } CUmemAccessDesc;
+/* cuda_runtime_api.h */
+typedef int cudaError_t;
+#define cudaSuccess 0
+#define cudaErrorMemoryAllocation 2
+
+static struct {
+    CUresult (*ctxGetCurrent)(CUcontext *);
+    CUresult (*ctxSetCurrent)(CUcontext);
+    CUresult (*ctxGetDevice)(CUdevice *);
+    CUresult (*ctxSynchronize)(void);
+    CUresult (*granularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*addressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*addressFree)(CUdeviceptr, size_t);
+    CUresult (*create)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+    CUresult (*release)(CUmemGenericAllocationHandle);
+    CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long);
+    CUresult (*unmap)(CUdeviceptr, size_t);
+    CUresult (*setAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
+    CUresult (*streamCreate)(CUstream *, unsigned int);
+    CUresult (*streamSynchronize)(CUstream);
+    CUresult (*dtoh)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*htod)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*hostRegister)(void *, size_t, unsigned int);
+    CUresult (*hostUnregister)(void *);
+    CUresult (*errorName)(CUresult, const char **);
+    cudaError_t (*cudaMalloc)(void **, size_t);
+    cudaError_t (*cudaFree)(void *);
+} cu;
+
+typedef struct {
+    CUdeviceptr va;
+    size_t size; /* rounded to the granularity: reserved, mapped and copied */
+    CUmemGenericAllocationHandle handle; /* 0 while checkpointed */
+    size_t off; /* where its bytes are in host_buf while checkpointed */
+} alloc_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t loaded = PTHREAD_ONCE_INIT;
+static int usable;              /* libcuda.so.1 opened and every symbol found */
+static alloc_t *allocs;
+static size_t n_allocs, cap_allocs;
+static CUcontext owner_ctx;     /* the one context whose allocations are ours */
+static CUdevice owner_dev;
+static size_t granule;
+static int checkpointed;
+static void *host_buf;
+static size_t host_bytes;
+static int control_started;
+
+static void say(const char *fmt, const char *a, const char *b) {
+    fprintf(stderr, "timeslice-vmm[%d]: ", (int)getpid());
+    fprintf(stderr, fmt, a, b);
+    fputc('\n', stderr);
+}
+
+static const char *err_name(CUresult r) {
+    const char *s = NULL;
+    if (cu.errorName && cu.errorName(r, &s) == 0 && s) return s;
+    return "CUDA_ERROR_UNKNOWN";
+}
+
+#define SYM(field, name) (*(void **)&cu.field = dlsym(lib, name)) != NULL
+static void load(void) {
+    *(void **)&cu.cudaMalloc = dlsym(RTLD_NEXT, "cudaMalloc");
+    *(void **)&cu.cudaFree = dlsym(RTLD_NEXT, "cudaFree");
+    void *lib = dlopen(getenv("TIMESLICE_VMM_LIBCUDA") ? getenv("TIMESLICE_VMM_LIBCUDA") : "libcuda.so.1",
+                       RTLD_NOW | RTLD_GLOBAL);
+    if (!lib) { say("cannot open libcuda.so.1 (%s): allocations are the runtime's own%s", dlerror(), ""); return; }
+    usable = SYM(ctxGetCurrent, "cuCtxGetCurrent") && SYM(ctxSetCurrent, "cuCtxSetCurrent")
+        && SYM(ctxGetDevice, "cuCtxGetDevice") && SYM(ctxSynchronize, "cuCtxSynchronize")
+        && SYM(granularity, "cuMemGetAllocationGranularity") && SYM(addressReserve, "cuMemAddressReserve")
+        && SYM(addressFree, "cuMemAddressFree") && SYM(create, "cuMemCreate") && SYM(release, "cuMemRelease")
+        && SYM(map, "cuMemMap") && SYM(unmap, "cuMemUnmap") && SYM(setAccess, "cuMemSetAccess")
+        && SYM(streamCreate, "cuStreamCreate") && SYM(streamSynchronize, "cuStreamSynchronize")
+        && SYM(dtoh, "cuMemcpyDtoHAsync_v2") && SYM(htod, "cuMemcpyHtoDAsync_v2")
+        && SYM(hostRegister, "cuMemHostRegister_v2") && SYM(hostUnregister, "cuMemHostUnregister")
+        && SYM(errorName, "cuGetErrorName") && cu.cudaMalloc && cu.cudaFree;
+    if (!usable) say("libcuda.so.1 or the CUDA runtime lacks a symbol it needs: allocations are the runtime's own%s%s", "", "");
+}
+
+static void after_fork_child(void) {
+    /* CUDA is not usable in a forked child; the table is the parent's. */
+    allocs = NULL; n_allocs = cap_allocs = 0; owner_ctx = NULL; checkpointed = 0;
+    host_buf = NULL; host_bytes = 0; control_started = 0;
+    pthread_mutex_init(&mu, NULL);
+}
+
+__attribute__((constructor)) static void init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+static CUmemAllocationProp prop_of(CUdevice dev) {
+    CUmemAllocationProp p;
+    memset(&p, 0, sizeof p);
+    p.type = 1;
+    p.location.type = 1;
+    p.location.id = dev;
+    return p;
+}
+
+/* Physical memory of `a->size` bytes mapped read-write at a->va; 0 or the CUDA error. */
+static CUresult back(alloc_t *a) {
+    CUmemAllocationProp p = prop_of(owner_dev);
+    CUmemAccessDesc access = {{1, owner_dev}, 3};
+    CUmemGenericAllocationHandle h;
+    CUresult r = cu.create(&h, a->size, &p, 0);
+    if (r) return r;
+    if ((r = cu.map(a->va, a->size, 0, h, 0))) { cu.release(h); return r; }
+    if ((r = cu.setAccess(a->va, a->size, &access, 1))) { cu.unmap(a->va, a->size); cu.release(h); return r; }
+    a->handle = h;
+    return 0;
+}
+
+static void unback(alloc_t *a) {
+    cu.unmap(a->va, a->size);
+    cu.release(a->handle);
+    a->handle = 0;
+}
+
+static void start_control(void);
+
+TSV_EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
+    pthread_once(&loaded, load);
+    if (!usable) return cu.cudaMalloc ? cu.cudaMalloc(ptr, size) : cudaErrorMemoryAllocation;
+    CUcontext ctx = NULL;
+    if (size >= TSV_MIN_BYTES && (cu.ctxGetCurrent(&ctx) || !ctx)) {
+        cu.cudaFree(NULL); /* the runtime makes its primary context current */
+        cu.ctxGetCurrent(&ctx);
+    }
+    pthread_mutex_lock(&mu);
+    if (size < TSV_MIN_BYTES || !ctx || (owner_ctx && ctx != owner_ctx)) {
+        pthread_mutex_unlock(&mu);
+        return cu.cudaMalloc(ptr, size);
+    }
+    if (!owner_ctx) {
+        CUmemAllocationProp p;
+        if (cu.ctxGetDevice(&owner_dev)) { pthread_mutex_unlock(&mu); return cu.cudaMalloc(ptr, size); }
+        p = prop_of(owner_dev);
+        if (cu.granularity(&granule, &p, 0) || !granule) granule = TSV_HUGE;
+        owner_ctx = ctx;
+    }
+    if (n_allocs == cap_allocs) {
+        size_t cap = cap_allocs ? 2 * cap_allocs : 256;
+        alloc_t *grown = realloc(allocs, cap * sizeof *grown);
+        if (!grown) { pthread_mutex_unlock(&mu); return cudaErrorMemoryAllocation; }
+        allocs = grown;
+        cap_allocs = cap;
+    }
+    alloc_t a = {0, (size + granule - 1) / granule * granule, 0, 0};
+    if (cu.addressReserve(&a.va, a.size, 0, 0, 0)) { pthread_mutex_unlock(&mu); return cudaErrorMemoryAllocation; }
+    if (back(&a)) {
+        cu.addressFree(a.va, a.size);
+        pthread_mutex_unlock(&mu);
+        return cudaErrorMemoryAllocation; /* PyTorch's allocator then frees its cache and retries */
+    }
+    allocs[n_allocs++] = a;
+    pthread_mutex_unlock(&mu);
+    *ptr = (void *)(uintptr_t)a.va;
+    if (!__atomic_exchange_n(&control_started, 1, __ATOMIC_SEQ_CST)) start_control();
+    return cudaSuccess;
+}
+
+TSV_EXPORT cudaError_t cudaFree(void *ptr) {
+    pthread_once(&loaded, load);
+    if (!usable) return cu.cudaFree ? cu.cudaFree(ptr) : cudaSuccess;
+    if (ptr) {
+        pthread_mutex_lock(&mu);
+        for (size_t i = 0; i < n_allocs; i++) {
+            if (allocs[i].va != (CUdeviceptr)(uintptr_t)ptr) continue;
+            alloc_t a = allocs[i];
+            allocs[i] = allocs[--n_allocs];
+            if (a.handle) {
+                cu.ctxSynchronize(); /* cudaFree's own contract: no work still uses it */
+                unback(&a);
+            }
+            cu.addressFree(a.va, a.size);
+            pthread_mutex_unlock(&mu);
+            return cudaSuccess;
+        }
+        pthread_mutex_unlock(&mu);
+    }
+    return cu.cudaFree(ptr);
+}
+
+/* ---------------------------------------------------------------- steps (caller holds mu) */
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static size_t total_bytes(void) {
+    size_t s = 0;
+    for (size_t i = 0; i < n_allocs; i++) s += allocs[i].size;
+    return s;
+}
+
+static void free_host(void) {
+    if (!host_buf) return;
+    cu.hostUnregister(host_buf);
+    munmap(host_buf, host_bytes);
+    host_buf = NULL;
+    host_bytes = 0;
+}
+
+/* Pinned host memory of `bytes`: huge pages when reserved, else regular pages (transparent huge pages asked). */
+static const char *alloc_host(size_t bytes) {
+    size_t len = (bytes + TSV_HUGE - 1) / TSV_HUGE * TSV_HUGE;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+    if (p == MAP_FAILED) {
+        p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return strerror(errno);
+        madvise(p, len, MADV_HUGEPAGE);
+    }
+    CUresult r = cu.hostRegister(p, len, 1 /* CU_MEMHOSTREGISTER_PORTABLE */);
+    if (r) { munmap(p, len); return err_name(r); }
+    host_buf = p;
+    host_bytes = len;
+    return NULL;
+}
+
+/* Copies every allocation into host_buf, one after another, and waits for the copies. */
+static CUresult copy_out(CUstream s) {
+    size_t off = 0;
+    for (size_t i = 0; i < n_allocs; i++) {
+        alloc_t *a = &allocs[i];
+        a->off = off;
+        off += a->size;
+        CUresult r = cu.dtoh((char *)host_buf + a->off, a->va, a->size, s);
+        if (r) return r;
+    }
+    return cu.streamSynchronize(s);
+}
+
+static const char *do_checkpoint(CUstream s) {
+    if (checkpointed) return NULL;
+    CUresult r;
+    if ((r = cu.ctxSynchronize())) return err_name(r);
+    const char *e = alloc_host(total_bytes() ? total_bytes() : 1);
+    if (e) return e;
+    if ((r = copy_out(s))) { free_host(); return err_name(r); }
+    for (size_t i = 0; i < n_allocs; i++) unback(&allocs[i]);
+    checkpointed = 1;
+    return NULL;
+}
+
+static const char *do_restore(CUstream s) {
+    if (!checkpointed) return NULL;
+    CUresult r = 0;
+    size_t i, backed = 0;
+    alloc_t **mapped = calloc(n_allocs + 1, sizeof *mapped);
+    if (!mapped) return strerror(ENOMEM);
+    for (i = 0; i < n_allocs && !r; i++) {
+        if (allocs[i].handle) continue;
+        if (!(r = back(&allocs[i]))) mapped[backed++] = &allocs[i];
+    }
+    /* an allocation made while checkpointed (handle set) is left as it is */
+    for (i = 0; i < backed && !r; i++) r = cu.htod(mapped[i]->va, (char *)host_buf + mapped[i]->off, mapped[i]->size, s);
+    if (!r) r = cu.streamSynchronize(s);
+    if (r) {
+        for (i = 0; i < backed; i++) unback(mapped[i]);
+        free(mapped);
+        return err_name(r);
+    }
+    free(mapped);
+    free_host();
+    checkpointed = 0;
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- control socket */
+
+static int asker_gone(int fd) {
+    struct pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+    char c;
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)
+                                  || ((p.revents & POLLIN) && recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0));
+}
+
+static void serve_one(int fd, CUstream *s) {
+    char line[64];
+    ssize_t n = recv(fd, line, sizeof line - 1, 0);
+    if (n <= 0) return;
+    line[n] = 0;
+    line[strcspn(line, "\r\n")] = 0;
+    pthread_mutex_lock(&mu);
+    double t0 = now();
+    const char *e = NULL;
+    int was = checkpointed;
+    if (strcmp(line, "checkpoint") && strcmp(line, "restore") && strcmp(line, "state")) e = "unknown command";
+    else if (strcmp(line, "state")) {
+        CUresult r = cu.ctxSetCurrent(owner_ctx);
+        if (!r && !*s) r = cu.streamCreate(s, 1 /* CU_STREAM_NON_BLOCKING */);
+        e = r ? err_name(r) : line[0] == 'c' ? do_checkpoint(*s) : do_restore(*s);
+        if (!e && checkpointed != was && asker_gone(fd)) {
+            /* the agent gave up waiting: put the process back as it was */
+            e = was ? do_checkpoint(*s) : do_restore(*s);
+            say("%s finished after its asker left: undone%s", line, e ? " FAILED" : "");
+        }
+    }
+    char out[160];
+    if (e) snprintf(out, sizeof out, "error %s\n", e);
+    else snprintf(out, sizeof out, "ok %s %zu %.3f\n", checkpointed ? "checkpointed" : "running", total_bytes(), now() - t0);
+    pthread_mutex_unlock(&mu);
+    send(fd, out, strlen(out), MSG_NOSIGNAL);
+}
+
+static void *control(void *arg) {
+    int lfd = (int)(intptr_t)arg;
+    CUstream s = NULL;
+    for (;;) {
+        int fd = accept(lfd, NULL, NULL);
+        if (fd < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; break; }
+        struct ucred who;
+        socklen_t len = sizeof who;
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &who, &len) == 0 && (who.uid == 0 || who.uid == getuid()))
+            serve_one(fd, &s);
+        close(fd);
+    }
+    return NULL;
+}
+
+static void start_control(void) {
+    const char *dir = getenv("TIMESLICE_VMM_DIR") ? getenv("TIMESLICE_VMM_DIR") : "/tmp/timeslice-vmm";
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    struct stat st;
+    if (mkdir(dir, 0700) && errno != EEXIST) { say("cannot make %s: %s; the agent moves this process by the cuda backend", dir, strerror(errno)); return; }
+    if (lstat(dir, &st) || !S_ISDIR(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 077)) {
+        say("%s is not a directory of this user with mode 0700%s: the agent moves this process by the cuda backend", dir, "");
+        return;
+    }
+    if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%d.sock", dir, (int)getpid()) >= sizeof addr.sun_path) {
+        say("socket path under %s is too long%s", dir, "");
+        return;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    unlink(addr.sun_path); /* a PID's socket left by an earlier process of that PID */
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof addr) || listen(fd, 4)) {
+        say("cannot listen on %s: %s", addr.sun_path, strerror(errno));
+        if (fd >= 0) close(fd);
+        return;
+    }
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, control, (void *)(intptr_t)fd)) { say("no control thread: %s%s", strerror(errno), ""); close(fd); }
+    pthread_attr_destroy(&attr);
+}
+
+/* For `timeslice` to tell that the shim is loaded in a process (ctypes.CDLL(None)). */
+TSV_EXPORT const char *timeslice_vmm_version(void) { return "1"; }

@@ -1,0 +1,222 @@
+"""Backend `vmm` on a CPU: the real timeslice-vmm shim in real job processes, over a fake driver.
+
+The shim (shim/timeslice_vmm.c, as installed: `vmm_shim.library()`) is preloaded into
+bench/fake_cuda/vmm/job.py, whose "device" memory is the fake driver's (fake_libcuda.c: memfds
+mapped into reserved address ranges, so memory that is checkpointed is really unmapped and a
+restore must put its bytes back at the same addresses). The node agent's `VmmBackend` drives it
+through the shim's socket; faults are the fake driver's (an error, a hang, a process that dies
+in the middle of a copy) and real kills.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+from timeslice.driver import vmm_shim
+from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
+from timeslice.kubelet_plugin.agent.backends import make_backend
+from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING
+from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend, socket_path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = ROOT / "bench" / "fake_cuda" / "vmm"
+MIB = 1 << 20
+SIZES = [3 * MIB, 2 * MIB + 12345, 5 * MIB, 4096]  # the last stays the runtime's (under 1 MiB)
+SHIM_BYTES = 3 * MIB + (2 * MIB + 65536) + 5 * MIB  # rounded to the fake's 64 KiB granularity
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the fake driver")
+    out = tmp_path_factory.mktemp("fake") / "libfakecuda.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(out), str(FAKE / "fake_libcuda.c")], check=True)
+    return out
+
+
+class Job:
+    def __init__(self, proc: asyncio.subprocess.Process, used: Path, faults: Path, addresses: list[int]) -> None:
+        self.proc, self.used, self.faults, self.addresses = proc, used, faults, addresses
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def used_bytes(self) -> int:
+        return int(self.used.read_text())
+
+    def fault(self, text: str) -> None:
+        self.faults.write_text(text)
+
+    async def verify(self) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"verify\n")
+        await self.proc.stdin.drain()
+        return (await asyncio.wait_for(self.proc.stdout.readline(), 30)).decode().strip()
+
+
+@pytest.fixture
+async def start_job(fake_lib: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+    jobs: list[Job] = []
+
+    async def start(name: str = "a", preload: bool = True) -> Job:
+        used, faults = tmp_path / f"{name}.used", tmp_path / f"{name}.faults"
+        faults.write_text("")
+        env = vmm_shim.preload_env() if preload else dict(os.environ)
+        env.update({"TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
+                    "TIMESLICE_FAKE_VMM_USED": str(used), "TIMESLICE_FAKE_VMM_FAULTS": str(faults)})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(FAKE / "job.py"), str(fake_lib), *map(str, SIZES),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("ready "), line
+        job = Job(proc, used, faults, json.loads(line.split(" ", 1)[1]))
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        if job.proc.returncode is None:
+            job.proc.kill()
+        await job.proc.wait()
+
+
+async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job):
+    job = await start_job()
+    backend = VmmBackend(lock_timeout=10)
+    assert job.used_bytes() == SHIM_BYTES
+    [st] = await backend.checkpoint([job.pid], timeout=30)
+    assert (st.state, st.gpu_bytes) == (CHECKPOINTED, SHIM_BYTES)
+    assert job.used_bytes() == 0  # the physical memory is released, the addresses stay reserved
+    assert [s.state for s in await backend.state([job.pid])] == [CHECKPOINTED]
+    [st] = await backend.checkpoint([job.pid], timeout=30)  # idempotent
+    assert st.state == CHECKPOINTED
+    [st] = await backend.restore([job.pid], timeout=30)
+    assert (st.state, job.used_bytes()) == (RUNNING, SHIM_BYTES)
+    assert await job.verify() == "verified ok"  # the same bytes at the same addresses
+    for _ in range(10):
+        await backend.checkpoint([job.pid], timeout=30)
+        await backend.restore([job.pid], timeout=30)
+    assert await job.verify() == "verified ok"
+
+
+async def test_failed_copy_out_leaves_the_job_on_the_gpu(start_job):
+    job = await start_job()
+    job.fault("dtoh error")
+    with pytest.raises(BackendError, match="CUDA_ERROR_UNKNOWN"):
+        await VmmBackend(10).checkpoint([job.pid], timeout=30)
+    assert job.used_bytes() == SHIM_BYTES
+    assert await job.verify() == "verified ok"
+
+
+async def test_failed_restore_stays_checkpointed_then_restores(start_job):
+    job = await start_job()
+    backend = VmmBackend(10)
+    await backend.checkpoint([job.pid], timeout=30)
+    for fault in ("create error", "htod error"):  # no memory for it / a copy that fails: nothing left mapped
+        job.fault(fault)
+        with pytest.raises(BackendError):
+            await backend.restore([job.pid], timeout=30)
+        assert job.used_bytes() == 0
+        assert [s.state for s in await backend.state([job.pid])] == [CHECKPOINTED]
+    job.fault("")
+    await backend.restore([job.pid], timeout=30)
+    assert await job.verify() == "verified ok"
+
+
+@pytest.mark.parametrize("step", ["checkpoint", "restore"])
+async def test_a_step_that_times_out_is_undone_by_the_shim(start_job, step):
+    """The agent gives up; the step the shim still runs must not land late (issue 22's kind:
+    a restore that timed out ran later, onto a GPU given to others)."""
+    job = await start_job()
+    backend = VmmBackend(10)
+    before = RUNNING
+    if step == "restore":
+        await backend.checkpoint([job.pid], timeout=30)
+        before = CHECKPOINTED
+    job.fault(f"{'dtoh' if step == 'checkpoint' else 'htod'} hang 1.5")
+    with pytest.raises(StepTimeout):
+        await getattr(backend, step)([job.pid], timeout=0.3)
+    job.fault("")
+    for _ in range(200):  # the shim answers `state` once the late step and its undo are done
+        [st] = await backend.state([job.pid])
+        if st.state == before and job.used_bytes() == (SHIM_BYTES if before == RUNNING else 0):
+            break
+        await asyncio.sleep(0.05)
+    assert st.state == before
+    assert job.used_bytes() == (SHIM_BYTES if before == RUNNING else 0)
+    if before == CHECKPOINTED:
+        await backend.restore([job.pid], timeout=30)
+    assert await job.verify() == "verified ok"
+
+
+async def test_a_job_whose_process_dies_mid_copy_is_reported_gone(start_job):
+    job = await start_job()
+    job.fault("dtoh die")
+    [st] = await VmmBackend(10).checkpoint([job.pid], timeout=30)
+    assert st.state == GONE
+
+
+async def test_all_or_nothing_over_a_jobs_processes(start_job):
+    a, b = await start_job("a"), await start_job("b")
+    b.fault("dtoh error")
+    with pytest.raises(BackendError, match="rolled back 1 process"):
+        await VmmBackend(10).checkpoint([a.pid, b.pid], timeout=30)
+    assert (a.used_bytes(), b.used_bytes()) == (SHIM_BYTES, SHIM_BYTES)
+    assert [await a.verify(), await b.verify()] == ["verified ok", "verified ok"]
+
+
+async def test_killed_while_checkpointed_then_restore_says_gone(start_job):
+    job = await start_job()
+    backend = VmmBackend(10)
+    await backend.checkpoint([job.pid], timeout=30)
+    job.proc.send_signal(signal.SIGKILL)
+    await job.proc.wait()
+    [st] = await backend.restore([job.pid], timeout=30)
+    assert st.state == GONE
+
+
+async def test_a_process_without_the_shim_goes_to_the_cuda_backend(start_job, caplog):
+    caplog.set_level(logging.INFO, logger="timeslice.agent")
+    job = await start_job(preload=False)
+    backend = make_backend("vmm")
+    assert not await asyncio.to_thread(os.path.exists, socket_path(job.pid))
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        has_cuda = True
+    except ImportError:
+        has_cuda = False
+    with pytest.raises(BackendError) if not has_cuda else pytest.raises(Exception):
+        await backend.checkpoint([job.pid], timeout=5)
+    assert "moved by the cuda backend" in caplog.text
+    assert job.proc.returncode is None
+
+
+async def test_only_the_processes_user_may_ask(start_job, tmp_path):
+    job = await start_job()
+    assert oct((tmp_path / "vmm").stat().st_mode & 0o777) == "0o700"
+    if os.getuid() != 0:
+        pytest.skip("needs root to ask as another user")
+    ask = ("import os, socket, sys; os.setuid(65534); s = socket.socket(socket.AF_UNIX); "
+           "s.connect(sys.argv[1]); s.sendall(b'checkpoint\\n'); print(s.recv(100))")
+    reply = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", ask, socket_path(job.pid)],
+                                    capture_output=True, text=True)
+    assert "b'checkpoint" not in reply.stdout and job.used_bytes() == SHIM_BYTES  # refused: nothing moved
+
+
+def test_preload_env_puts_the_shim_first():
+    env = vmm_shim.preload_env({"LD_PRELOAD": "/x/libother.so"})
+    assert env["LD_PRELOAD"].split() == [str(vmm_shim.library()), "/x/libother.so"]
+    assert ProcessGone  # imported for the reader: `gone` is how run_step reports a ProcessGone
