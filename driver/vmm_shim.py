@@ -33,3 +33,21 @@ def preload_env(env: dict[str, str] | None = None) -> dict[str, str]:
     rest = [p for p in out.get("LD_PRELOAD", "").split() if p and p != lib]
     out["LD_PRELOAD"] = " ".join([lib, *rest])
     return out
+
+
+CONTAINER_PATH = "/usr/local/lib/timeslice/" + LIBRARY_NAME  # where a claim's containers see it (CDI mount)
+
+
+def install_for_containers(state_dir: Path) -> tuple[str, str]:
+    """Copy the installed shim to `state_dir`/LIBRARY_NAME (the kubelet plugin's state folder, the same
+    path on the host as in the plugin's pod), atomically, for the container runtime to bind-mount into
+    the containers of claims on backend `vmm`. Returns (host path, container path): a CDI mount.
+    Raises FileNotFoundError (no shim installed) or OSError (the copy failed)."""
+    src = library()
+    dest = state_dir / LIBRARY_NAME
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_bytes(src.read_bytes())
+    tmp.chmod(0o755)
+    os.replace(tmp, dest)
+    return str(dest), CONTAINER_PATH

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from kubernetes.aio import client as k8s
 from kubernetes.aio.client.exceptions import ApiException
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from timeslice.driver import kubeapi, names, signals
+from timeslice.driver import kubeapi, names, signals, vmm_shim
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.driver.liveness import Heartbeat, tasks_alive
@@ -152,7 +152,9 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     preparer = ClaimPreparer(node_name=cfg.node_name, read_claim=read_claim, lookup=table.get,
                              checkpoint=Checkpoint(cfg.state_dir / "checkpoint.json"), cdi_dir=cfg.cdi_dir,
                              events=events, orchestrator=cfg.orchestrator,
-                             driver_mounts=driver.mounts() if driver is not None else ())
+                             driver_mounts=driver.mounts() if driver is not None else (),
+                             vmm_shim=vmm_shim.install_for_containers(cfg.state_dir)
+                             if names.BACKEND_VMM in cfg.backends else None)
     restored = preparer.restore_cdi_specs()
     pruner = asyncio.create_task(_prune_periodically(preparer, cfg.prune_seconds), name="prune-claims")
     publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)

@@ -139,9 +139,10 @@ class ClaimPreparer:
     def __init__(self, *, node_name: str, read_claim: Callable[[str, str], Any],
                  lookup: Callable[[str], DeviceInfo | None], checkpoint: Checkpoint, cdi_dir: Path,
                  events: EventRecorder | None = None, orchestrator: str = "",
-                 driver_mounts: tuple[tuple[str, str], ...] = ()) -> None:
+                 driver_mounts: tuple[tuple[str, str], ...] = (), vmm_shim: tuple[str, str] | None = None) -> None:
         self.node = node_name
         self._driver_mounts = driver_mounts  # (host path, container path): `DriverRoot.mounts`
+        self._vmm_shim = vmm_shim  # (host path, container path) of the timeslice-vmm shim: backend vmm offered
         self._read_claim = read_claim
         self._lookup = lookup
         self.checkpoint = checkpoint
@@ -286,9 +287,22 @@ class ClaimPreparer:
                           for d in rec["devices"]),
             orchestrator=self._orchestrator,
             shared_device_nodes=tuple(sorted(n for n in nodes if not _per_gpu_node(n))),
-            admin_access=rec["admin_access"], mounts=self._driver_mounts,
-            env=tuple(f"{k}={v}" for k, v in names.NCCL_NO_PEER_MEMORY_ENV.items())
-            if any(c.get("ncclPeerTransports") is False for c in rec["configs"].values()) else ())
+            admin_access=rec["admin_access"], mounts=self._driver_mounts + self._shim_mount(rec),
+            env=self._shim_env(rec) + (tuple(f"{k}={v}" for k, v in names.NCCL_NO_PEER_MEMORY_ENV.items())
+                                       if any(c.get("ncclPeerTransports") is False
+                                              for c in rec["configs"].values()) else ()))
+
+    def _on_vmm(self, rec: dict[str, Any]) -> bool:
+        return self._vmm_shim is not None and any(c.get("backend") == names.BACKEND_VMM
+                                                  for c in rec["configs"].values())
+
+    def _shim_mount(self, rec: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The timeslice-vmm shim, read-only, for a claim on backend `vmm` (its processes load it)."""
+        return (self._vmm_shim,) if self._vmm_shim is not None and self._on_vmm(rec) else ()
+
+    def _shim_env(self, rec: dict[str, Any]) -> tuple[str, ...]:
+        """LD_PRELOAD of the shim for a claim on backend `vmm` (it replaces the image's own LD_PRELOAD)."""
+        return (f"LD_PRELOAD={self._vmm_shim[1]}",) if self._vmm_shim is not None and self._on_vmm(rec) else ()
 
 
 def _per_gpu_node(path: str) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 from kubernetes.aio.client.exceptions import ApiException
+from timeslice.driver import vmm_shim
 from timeslice.driver.errors import FailedPrecondition, InvalidArgument, NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.kubelet_plugin.checkpoint import Checkpoint
@@ -63,7 +64,8 @@ class Events:
         self.sent.append(body)
 
 
-def preparer(tmp_path, claims: dict[str, dict], events: Events | None = None) -> ClaimPreparer:
+def preparer(tmp_path, claims: dict[str, dict], events: Events | None = None,
+             vmm: tuple[str, str] | None = None) -> ClaimPreparer:
     async def read(ns: str, name: str) -> dict:
         if name not in claims:
             raise NotFound(f"claim {ns}/{name} no longer exists")
@@ -71,7 +73,8 @@ def preparer(tmp_path, claims: dict[str, dict], events: Events | None = None) ->
 
     return ClaimPreparer(node_name=NODE, read_claim=read, lookup=GPUS.get, cdi_dir=tmp_path / "cdi",
                          checkpoint=Checkpoint(tmp_path / "state" / "checkpoint.json"),
-                         events=EventRecorder(events or Events(), "test"), orchestrator="127.0.0.1:50051")
+                         events=EventRecorder(events or Events(), "test"), orchestrator="127.0.0.1:50051",
+                         vmm_shim=vmm)
 
 
 async def test_prepare_is_per_claim_idempotent_and_survives_restarts(tmp_path) -> None:
@@ -165,6 +168,25 @@ async def test_a_config_without_nccl_peer_transports_sets_the_nccl_variables_in_
            for u in ("a", "b")}
     assert {"NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1"} <= set(env["a"])
     assert not [e for e in env["b"] if e.startswith("NCCL_")]
+
+
+async def test_a_claim_on_backend_vmm_gets_the_shim_mounted_and_preloaded(tmp_path) -> None:
+    """Issue 26: the plugin puts the timeslice-vmm shim into the containers of a claim on `vmm`
+    (a read-only bind of its copy in the plugin's state folder, and LD_PRELOAD naming it); a claim
+    on another backend gets neither."""
+    cfg = [{"source": "FromClaim", "requests": [], "opaque": {"driver": "gpu.timeslice.dev", "parameters": {
+        "apiVersion": "timeslice.dev/v1alpha1", "kind": "TimeSliceConfig", "backend": "vmm"}}}]
+    claims = {"claim-a": claim("a", ["gpu-0-seat-0"], config=cfg), "claim-b": claim("b", ["gpu-0-seat-1"])}
+    p = preparer(tmp_path, claims, vmm=vmm_shim.install_for_containers(tmp_path / "state"))
+    assert (tmp_path / "state" / vmm_shim.LIBRARY_NAME).read_bytes() == vmm_shim.library().read_bytes()
+    got = await p.prepare([ClaimRef("ns", u, f"claim-{u}") for u in ("a", "b")])
+    assert got["a"].error is None and got["b"].error is None
+    edits = {u: json.loads((tmp_path / "cdi" / f"timeslice.dev-gpu_{u}.json").read_text())["containerEdits"]
+             for u in ("a", "b")}
+    assert f"LD_PRELOAD={vmm_shim.CONTAINER_PATH}" in edits["a"]["env"]
+    assert {"hostPath": str(tmp_path / "state" / vmm_shim.LIBRARY_NAME), "containerPath": vmm_shim.CONTAINER_PATH,
+            "options": ["ro", "nosuid", "nodev", "bind"]} in edits["a"]["mounts"]
+    assert "mounts" not in edits["b"] and not [e for e in edits["b"]["env"] if e.startswith("LD_PRELOAD")]
 
 
 async def test_one_claims_api_error_fails_only_that_claim_with_an_event(tmp_path) -> None:
