@@ -100,7 +100,7 @@ from bench import machine  # noqa: E402
 GROUP = "gpu"
 CONTEXT_BYTES = 1 << 30  # a CUDA context and what PyTorch keeps beside its cache, when NVML cannot say
 STDERR_TAIL_LINES = 15
-READY_SERVE = re.compile(r"^ready TIMESLICE_ORCHESTRATOR=(\S+)")
+READY_SERVE = re.compile(r"^ready TIMESLICE_ORCHESTRATOR=(\S+)(?: LD_PRELOAD=(\S+))?")
 READY_AGENT = re.compile(r"^ready listen=(\S+)")
 READY_ORCHESTRATOR = re.compile(r"orchestrator serving listen=\S+ port=(\d+)")
 
@@ -405,6 +405,16 @@ async def status_json(cmd: list[str], target: str, env: dict[str, str]) -> tuple
     return argv, json.loads(out)
 
 
+async def vmm_shim_path(cmd: list[str], env: dict[str, str]) -> str:
+    """`timeslice vmm-shim`: the shim a job on backend vmm loads. Raises BenchError when it has none."""
+    proc = await asyncio.create_subprocess_exec(*cmd, "vmm-shim", env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise BenchError(f"timeslice vmm-shim: {err.decode(errors='replace').strip()}")
+    return out.decode().strip()
+
+
 # ---- one shared run ------------------------------------------------------------------------------------------------
 
 def group_config(a: argparse.Namespace, backend: str) -> dict[str, Any]:
@@ -439,7 +449,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             server, m = await start_server("timeslice serve", argv, logs / "serve.log", READY_SERVE, a.ready_timeout,
                                            env)
             servers.append(server)
-            target = m.group(1)
+            target, preload = m.group(1), m.group(2)
         else:
             agent_target = f"unix://{sockets / 'agent.sock'}"
             argv = [*cmd, "node-agent", "--listen", agent_target, "--state-dir", str(logs / "agent-state")]
@@ -456,6 +466,7 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
                                            READY_ORCHESTRATOR, a.ready_timeout, env)
             servers.append(server)
             target = f"127.0.0.1:{m.group(1)}"
+            preload = await vmm_shim_path(cmd, env) if backend == "vmm" else None  # as a user: `timeslice vmm-shim`
         ready_seconds = time.monotonic() - t_servers
         print(f"{mode}/{backend}: servers ready in {ready_seconds:.1f} s, TIMESLICE_ORCHESTRATOR={target}",
               file=sys.stderr)
@@ -475,6 +486,8 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             set_env = {"TIMESLICE_ORCHESTRATOR": target, "TIMESLICE_GROUP": GROUP}
             if mode == "agent":
                 set_env["TIMESLICE_JOB"] = name
+            if preload:  # backend vmm: the job's processes load the shim (what serve's ready line says)
+                set_env["LD_PRELOAD"] = preload
             if a.device == "cpu":  # no NVML: the agent moves only processes marked so (docs/one-box.md)
                 set_env["TIMESLICE_ACCELERATOR_PROCESS"] = "1"
             if (d := declared_memory(a, solo_runs, i)) is not None:
@@ -675,9 +688,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", "--mode", dest="modes", nargs="+", choices=["serve", "agent"], default=["serve"],
                    help="serve: `timeslice serve`; agent: `timeslice node-agent` + `timeslice orchestrator`")
     p.add_argument("--backends", nargs="*", default=["cuda", "cooperative"],
-                   choices=["cuda", "cuda-checkpoint", "cooperative", "freeze", "none"],
+                   choices=["cuda", "cuda-checkpoint", "vmm", "cooperative", "freeze", "none"],
                    help="the group's backend, one shared run each per mode (freeze or none for --device cpu; none "
-                        "given: the solo runs only, with --save-solo)")
+                        "given: the solo runs only, with --save-solo; vmm: the jobs start with the shim in "
+                        "LD_PRELOAD, as serve's ready line or `timeslice vmm-shim` says)")
     p.add_argument("--timeslice", help="the timeslice command (default: beside this Python, else on PATH, else "
                                        "python -m timeslice.cli.main)")
     g = p.add_argument_group("group settings (left out of GROUPS.yaml, hence the product's default, unless given)")

@@ -9,7 +9,9 @@
 #                   `timeslice serve` then puts the pinned pool there); without it the pool is on /dev/shm
 #   probe           the GPU, shared memory, CPUs, CPU contention, and whether the installed product imports
 #   solo-a|solo-b|solo-c      the shape's jobs alone, one after the other -> OUTDIR/solo-<shape>.json
-#   a|b|c[-MODE[-BACKEND]]    the shape shared, MODE serve|agent (default both), BACKEND cuda|cooperative (default
+#   vmm-switch      bench/vmm_switch.py: two unmodified 50 GB jobs (GB) switched 10 times by backend vmm, CUDA graphs
+#                   replayed and tensors checked bitwise after each -> OUTDIR/vmm-switch-h200.json
+#   a|b|c[-MODE[-BACKEND]]    the shape shared, MODE serve|agent (default both), BACKEND cuda|cooperative|vmm (default
 #                   both) -> OUTDIR/rl-grpo-<stage>[-declared]-h200.json; solo runs from OUTDIR/solo-<shape>.json
 #                   (or SOLO=file), else measured first and saved there
 # Shapes (1b model, bf16; --extra-gb sizes each job's peak; the H200 has 150.7 GB, 10% headroom by default):
@@ -125,6 +127,9 @@ print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'pydant
       'torch', torch.__version__, 'transformers', transformers.__version__, 'timeslice from', timeslice.__file__)"
       command -v timeslice
       ;;
+    vmm-switch)
+      python3 bench/vmm_switch.py --gb "${GB:-50}" --switches 10 --out "$out/vmm-switch-h200.json" \
+        || { echo "stage failed: $stage" >&2; status=1; } ;;
     solo-a|solo-b|solo-c)
       shape="${stage#solo-}"
       mkdir -p "$logs/$stage"

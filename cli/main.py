@@ -57,6 +57,12 @@ def _demo(a: argparse.Namespace) -> int:
     return run(cfg, a.json, a.plot)
 
 
+def _vmm_shim(a: argparse.Namespace) -> int:
+    from timeslice.driver import vmm_shim
+    print(vmm_shim.library())
+    return 0
+
+
 def _plot(a: argparse.Namespace) -> int:
     from timeslice.cli import timeline
 
@@ -345,10 +351,11 @@ def parser() -> argparse.ArgumentParser:
                    help="YAML groups, as for `timeslice orchestrator --config` (a group without `agents` uses this "
                         "machine's agent; any backend, cooperative too; pinned_pool, state_file, metrics_listen "
                         "apply; listen does not). Default: one group per GPU, gpu0, gpu1, ...")
-    v.add_argument("--backend", default="cuda", choices=["cuda", "cuda-checkpoint", "vmm", "cooperative", "freeze", "none"],
+    v.add_argument("--backend", default="cuda",
+                   choices=["cuda", "cuda-checkpoint", "vmm", "cooperative", "freeze", "none"],
                    help="backend of the default per-GPU groups (default cuda; cooperative: jobs move the state they "
-                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb; vmm: unmodified jobs "
-                        "started with the LD_PRELOAD the ready line prints)")
+                        "registered with timeslice.torch through the pinned pool, see --pinned-pool-gb; vmm: "
+                        "unmodified jobs started with the LD_PRELOAD the ready line prints)")
     v.add_argument("--socket", metavar="PATH", help="the unix socket clients call (default /run/timeslice/"
                                                     "orchestrator.sock as root, else $XDG_RUNTIME_DIR/timeslice/... "
                                                     "or /tmp/timeslice-UID/timeslice/...)")
@@ -533,6 +540,15 @@ def parser() -> argparse.ArgumentParser:
                    help="the image (default: RESULT's name with .png, in the current directory; the suffix picks "
                         "the format)")
     g.set_defaults(fn=_plot)
+
+    m = sub.add_parser("vmm-shim", help="print the path of the timeslice-vmm shim (backend vmm: a job's processes "
+                                        "load it, e.g. `LD_PRELOAD=$(timeslice vmm-shim) python train.py`)",
+                       description="Backend vmm moves an unmodified job's GPU memory through this shim in its "
+                                   "processes (docs/backends.md). `timeslice serve` prints it in its ready line and "
+                                   "the kubelet plugin puts it into a claim's containers; start a job's processes "
+                                   "with it yourself elsewhere. Exit code 2: this install has no shim (built without "
+                                   "a C compiler).")
+    m.set_defaults(fn=_vmm_shim)
     return p
 
 
