@@ -13,7 +13,8 @@ all-or-nothing too (`run_step`).
 The socket is reached through the process's own view of the file system (`/proc/<pid>/root`,
 its PID as its namespace numbers it): a pod's `/tmp` needs no host mount. A process without the
 shim's socket (the shim is not loaded, or it has not allocated yet) is moved by the `cuda`
-backend, with a log line; that needs cuda-bindings and a driver (BackendError otherwise).
+backend, with a log line; where there is none (no driver or cuda-bindings), such a process that NVML
+shows holding no GPU memory has nothing to move (`no-context`), and one that holds some fails the step.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from collections.abc import Sequence
 from timeslice.driver import vmm_shim
 from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
 from timeslice.driver.rollback import undo
-from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, RUNNING, Backend, ProcState, log, run_step
+from timeslice.kubelet_plugin.agent import gpu_memory
+from timeslice.kubelet_plugin.agent.backends.base import (
+    CHECKPOINTED,
+    NO_CONTEXT,
+    RUNNING,
+    Backend,
+    ProcState,
+    log,
+    run_step,
+)
 from timeslice.kubelet_plugin.agent.procfs import exit_state, gone_or_failed
 
 REPLY_LIMIT = 256  # bytes: one line of the shim's answer
@@ -66,7 +76,10 @@ class VmmBackend(Backend):
     async def state(self, pids: Sequence[int]) -> list[ProcState]:
         shim, other = await self._split(pids)
         states = [await self._ask(pid, "state", STATE_SECONDS) for pid in shim]
-        return states + (await self._fallback().state(other) if other else [])
+        if not other:
+            return states
+        cuda = await self._fallback(other)
+        return states + (await cuda.state(other) if cuda else [ProcState(pid, NO_CONTEXT) for pid in other])
 
     async def _step(self, command: str, inverse: str, pids: Sequence[int], timeout: float) -> list[ProcState]:
         """`command` on every shim process, the `cuda` backend's on the rest; all or nothing."""
@@ -76,7 +89,9 @@ class VmmBackend(Backend):
         if not other:
             return done
         try:
-            cuda = self._fallback()
+            cuda = await self._fallback(other)
+            if cuda is None:
+                return done + [ProcState(pid, NO_CONTEXT) for pid in other]
             return done + await (cuda.checkpoint(other, timeout) if command == "checkpoint"
                                  else cuda.restore(other, timeout))
         except BaseException as err:
@@ -100,13 +115,21 @@ class VmmBackend(Backend):
                      "allocation yet): moved by the cuda backend", other, vmm_shim.LIBRARY_NAME)
         return shim, other
 
-    def _fallback(self) -> Backend:
+    async def _fallback(self, pids: Sequence[int]) -> Backend | None:
+        """The `cuda` backend for `pids` (processes without the shim); None where there is none
+        (no driver or cuda-bindings) and NVML shows none of them holding GPU memory: nothing of
+        them to move. Raises BackendError when one holds some and there is no cuda backend."""
         if self._cuda is None:
             from timeslice.kubelet_plugin.agent.backends.cuda import CudaBackend
             try:
                 self._cuda = CudaBackend(self.lock_timeout)
             except BackendError as err:
-                raise BackendError(f"a process without the timeslice-vmm shim needs the cuda backend: {err}") from err
+                held = await asyncio.to_thread(gpu_memory.process_gpu_bytes)
+                if any(held.get(pid) for pid in pids):
+                    raise BackendError(f"pid(s) {[p for p in pids if held.get(p)]} hold GPU memory without the "
+                                       f"timeslice-vmm shim, and the cuda backend is unavailable: {err}") from err
+                log.info("vmm: pid(s) %s hold no GPU memory (NVML) and have no shim: nothing to move", list(pids))
+                return None
         return self._cuda
 
     async def _ask(self, pid: int, command: str, timeout: float) -> ProcState:
