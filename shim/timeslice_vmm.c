@@ -263,12 +263,12 @@ static size_t total_bytes(void) {
  * in, i.e. zeroed by the kernel, then registered with cuMemHostRegister), while the copies run into
  * each chunk as soon as it is ready: faulting and pinning tens of GB on one thread took 4.3 s for
  * 31 GB on an H100 host, the copy itself 0.6 s. */
-#define TSV_CHUNK ((size_t)512 << 20)
+#define TSV_CHUNK ((size_t)512 << 20) /* $TIMESLICE_VMM_CHUNK_BYTES (rounded up to 2 MiB) overrides */
 #define TSV_WORKERS 8
 
 static struct {
     char *base;
-    size_t len, n_chunks, next;
+    size_t len, chunk, n_chunks, next;
     signed char *ready; /* per chunk: 0 pending, 1 registered, -1 failed */
     CUresult err;
     pthread_mutex_t m;
@@ -285,8 +285,8 @@ static void *prep_worker(void *arg) {
         size_t c = prep.err ? prep.n_chunks : prep.next++;
         pthread_mutex_unlock(&prep.m);
         if (c >= prep.n_chunks) return NULL;
-        char *a = prep.base + c * TSV_CHUNK;
-        size_t l = prep.len - c * TSV_CHUNK < TSV_CHUNK ? prep.len - c * TSV_CHUNK : TSV_CHUNK;
+        char *a = prep.base + c * prep.chunk;
+        size_t l = prep.len - c * prep.chunk < prep.chunk ? prep.len - c * prep.chunk : prep.chunk;
         for (size_t o = 0; o < l; o += 4096) ((volatile char *)a)[o] = 0;
         CUresult r = cu.hostRegister(a, l, 1 /* CU_MEMHOSTREGISTER_PORTABLE */);
         pthread_mutex_lock(&prep.m);
@@ -306,7 +306,7 @@ static void free_host(void) {
     if (!host_buf) return;
     join_workers();
     for (size_t c = 0; c < prep.n_chunks; c++)
-        if (prep.ready[c] == 1) cu.hostUnregister(prep.base + c * TSV_CHUNK);
+        if (prep.ready[c] == 1) cu.hostUnregister(prep.base + c * prep.chunk);
     free(prep.ready);
     prep.ready = NULL;
     munmap(host_buf, host_bytes);
@@ -327,7 +327,9 @@ static const char *alloc_host(size_t bytes) {
     }
     prep.base = p;
     prep.len = len;
-    prep.n_chunks = (len + TSV_CHUNK - 1) / TSV_CHUNK;
+    const char *chunk = getenv("TIMESLICE_VMM_CHUNK_BYTES");
+    prep.chunk = chunk && strtoull(chunk, NULL, 10) ? (strtoull(chunk, NULL, 10) + TSV_HUGE - 1) / TSV_HUGE * TSV_HUGE : TSV_CHUNK;
+    prep.n_chunks = (len + prep.chunk - 1) / prep.chunk;
     prep.next = 0;
     prep.err = 0;
     prep.ready = calloc(prep.n_chunks, 1);
@@ -351,22 +353,29 @@ static CUresult wait_chunk(size_t c) {
     return r;
 }
 
-/* Copies every allocation into host_buf, one after another, each piece as soon as its chunk of
- * host memory is ready, and waits for the copies. */
+/* Copies allocation `a` out (into host_buf at a->off, each piece as soon as its chunk of host memory
+ * is ready) or back in. One copy never spans two chunks: each chunk is its own registration, and
+ * an asynchronous copy must lie within one (CUDA_ERROR_INVALID_VALUE otherwise, seen on an H100). */
+static CUresult copy_alloc(const alloc_t *a, int out, CUstream s) {
+    for (size_t done = 0; done < a->size;) {
+        size_t at = a->off + done, c = at / prep.chunk;
+        size_t piece = (c + 1) * prep.chunk - at < a->size - done ? (c + 1) * prep.chunk - at : a->size - done;
+        CUresult r = out ? wait_chunk(c) : 0;
+        if (!r) r = out ? cu.dtoh(host_buf + at, a->va + done, piece, s) : cu.htod(a->va + done, host_buf + at, piece, s);
+        if (r) return r;
+        done += piece;
+    }
+    return 0;
+}
+
+/* Copies every allocation into host_buf, one after another, and waits for the copies. */
 static CUresult copy_out(CUstream s) {
     size_t off = 0;
     for (size_t i = 0; i < n_allocs; i++) {
-        alloc_t *a = &allocs[i];
-        a->off = off;
-        for (size_t done = 0; done < a->size;) {
-            size_t at = off + done, c = at / TSV_CHUNK;
-            size_t piece = (c + 1) * TSV_CHUNK - at < a->size - done ? (c + 1) * TSV_CHUNK - at : a->size - done;
-            CUresult r = wait_chunk(c);
-            if (!r) r = cu.dtoh(host_buf + at, a->va + done, piece, s);
-            if (r) return r;
-            done += piece;
-        }
-        off += a->size;
+        allocs[i].off = off;
+        off += allocs[i].size;
+        CUresult r = copy_alloc(&allocs[i], 1, s);
+        if (r) return r;
     }
     return cu.streamSynchronize(s);
 }
@@ -396,7 +405,7 @@ static const char *do_restore(CUstream s) {
         if (!(r = back(&allocs[i]))) mapped[backed++] = &allocs[i];
     }
     /* an allocation made while checkpointed (handle set) is left as it is */
-    for (i = 0; i < backed && !r; i++) r = cu.htod(mapped[i]->va, (char *)host_buf + mapped[i]->off, mapped[i]->size, s);
+    for (i = 0; i < backed && !r; i++) r = copy_alloc(mapped[i], 0, s);
     if (!r) r = cu.streamSynchronize(s);
     if (r) {
         for (i = 0; i < backed; i++) unback(mapped[i]);

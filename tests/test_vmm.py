@@ -75,7 +75,8 @@ async def start_job(fake_lib: Path, tmp_path: Path) -> AsyncIterator[Callable[..
         faults.write_text("")
         env = vmm_shim.preload_env() if preload else dict(os.environ)
         env.update({"TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
-                    "TIMESLICE_FAKE_VMM_USED": str(used), "TIMESLICE_FAKE_VMM_FAULTS": str(faults)})
+                    "TIMESLICE_FAKE_VMM_USED": str(used), "TIMESLICE_FAKE_VMM_FAULTS": str(faults),
+                    "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB)})  # buffers span chunks: copies are split
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(FAKE / "job.py"), str(fake_lib), *map(str, SIZES),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)

@@ -67,8 +67,26 @@ CUresult cuCtxSynchronize(void) { return 0; }
 CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int flags) { (void)prop; (void)flags; *g = 65536; return 0; }
 CUresult cuStreamCreate(void **s, unsigned int flags) { (void)flags; *s = (void *)0x2; return 0; }
 CUresult cuStreamSynchronize(void *s) { (void)s; return 0; }
-CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) { (void)p; (void)n; (void)flags; return 0; }
-CUresult cuMemHostUnregister(void *p) { (void)p; return 0; }
+/* Registered host ranges: an asynchronous copy must lie within one (the real driver answers
+ * CUDA_ERROR_INVALID_VALUE for one that spans two registrations; seen on an H100). */
+static struct { char *p; size_t n; } reg[8192];
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
+    (void)flags;
+    for (int i = 0; i < 8192; i++) if (!reg[i].p) { reg[i].p = p; reg[i].n = n; return 0; }
+    return 2;
+}
+
+CUresult cuMemHostUnregister(void *p) {
+    for (int i = 0; i < 8192; i++) if (reg[i].p == p) { reg[i].p = NULL; return 0; }
+    return 1;
+}
+
+static int registered(const void *p, size_t n) {
+    for (int i = 0; i < 8192; i++)
+        if (reg[i].p && (const char *)p >= reg[i].p && (const char *)p + n <= reg[i].p + reg[i].n) return 1;
+    return 0;
+}
 
 CUresult cuMemAddressReserve(CUdeviceptr *va, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
     (void)align; (void)addr; (void)flags;
@@ -130,6 +148,7 @@ CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const void *desc, size_t co
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
     (void)s;
     CUresult r = fault("dtoh");
+    if (!r && !registered(dst, n)) r = 1;
     if (!r) memcpy(dst, (void *)src, n);
     return r;
 }
@@ -137,6 +156,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) {
     (void)s;
     CUresult r = fault("htod");
+    if (!r && !registered(src, n)) r = 1;
     if (!r) memcpy((void *)dst, src, n);
     return r;
 }
