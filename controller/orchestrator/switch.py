@@ -40,8 +40,9 @@ log = logging.getLogger("timeslice.switch")
 
 # Bytes per second a switch moves (out and in together) before a group has measured its
 # own: the driver's checkpoint on the H200 moves 1.5 GB/s out and 4 GB/s in
-# (reference/checkpoint-h200.md). Other backends: no estimate until measured.
-PRIOR_BYTES_PER_SECOND = {names.BACKEND_CUDA: 2.2e9, names.BACKEND_CUDA_CHECKPOINT: 2.2e9}
+# (reference/checkpoint-h200.md); `vmm` moved 31 GB out and 31 GB in in 1.55 s on an H100 host
+# (bench/results/vmm-switch-30gb-*-h100.json). Other backends: no estimate until measured.
+PRIOR_BYTES_PER_SECOND = {names.BACKEND_CUDA: 2.2e9, names.BACKEND_CUDA_CHECKPOINT: 2.2e9, names.BACKEND_VMM: 40e9}
 
 
 class Rollback(NamedTuple):
