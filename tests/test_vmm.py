@@ -219,3 +219,41 @@ def test_preload_env_puts_the_shim_first():
     env = vmm_shim.preload_env({"LD_PRELOAD": "/x/libother.so"})
     assert env["LD_PRELOAD"].split() == [str(vmm_shim.library()), "/x/libother.so"]
     assert ProcessGone  # imported for the reader: `gone` is how run_step reports a ProcessGone
+
+
+async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_lib, tmp_path):
+    """`timeslice serve` on backend vmm, as a user runs it: its ready line names the shim, two jobs
+    started with it (the client library's holds, no other change) share the group; with residency
+    exclusive every hand-off checkpoints the holder through its shim and restores the other, and
+    each job finds its bytes at its addresses in every hold (a job touching memory that is not
+    back would die)."""
+    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: vmm, residency: exclusive}\n")
+    sock = tmp_path / "run" / "orchestrator.sock"
+    log = tmp_path / "serve.log"
+    with log.open("ab") as err:
+        serve = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
+            "--socket", str(sock), "--state-dir", str(tmp_path / "state"), stdout=subprocess.PIPE, stderr=err)
+    try:
+        assert serve.stdout is not None
+        line = (await asyncio.wait_for(serve.stdout.readline(), 60)).decode()
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} LD_PRELOAD={vmm_shim.library()} "
+                               "groups=g(vmm)"), log.read_text()
+        words = dict(w.split("=", 1) for w in line.split()[1:3])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+        env.update(words)
+        env.update({"TIMESLICE_GROUP": "g", "TIMESLICE_ACCELERATOR_PROCESS": "1",
+                    "TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
+                    "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB)})
+        jobs = [await asyncio.create_subprocess_exec(
+            sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
+            env={**env, "TIMESLICE_FAKE_VMM_USED": str(tmp_path / f"{i}.used")}, stdout=subprocess.PIPE,
+            start_new_session=True) for i in range(2)]
+        outs = await asyncio.wait_for(asyncio.gather(*(j.communicate() for j in jobs)), 120)
+        assert [(j.returncode, o[0].decode().strip()) for j, o in zip(jobs, outs)] == [(0, "holds ok")] * 2, \
+            log.read_text()[-3000:]
+        text = log.read_text()
+        assert text.count("vmm checkpoint pid=") >= 1 and text.count("vmm restore pid=") >= 1, text[-3000:]
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(serve.wait(), 30)
