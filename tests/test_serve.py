@@ -175,7 +175,7 @@ def test_a_config_with_several_bad_fields_is_one_line_per_field_naming_it(tmp_pa
                           str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
     prefix = f"timeslice serve: error: --config {tmp_path / 'groups.yaml'}: groups[0]."
     assert out.returncode == 2 and out.stderr.splitlines() == [
-        f"{prefix}backend: Input should be 'cuda', 'cuda-checkpoint', 'freeze', 'cooperative', 'app' or 'none' "
+        f"{prefix}backend: Input should be 'cuda', 'cuda-checkpoint', 'vmm', 'freeze', 'cooperative', 'app' or 'none' "
         "(got 'freez')",
         f"{prefix}lease_seconds: Input should be greater than 0 (got -1)"], out.stderr
 
