@@ -380,8 +380,8 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--listen", default="unix:///run/timeslice/agent.sock",
                    help="unix:///path (mode 0600; default unix:///run/timeslice/agent.sock) or host:port (needs "
                         "--token-file; port 0 picks one)")
-    n.add_argument("--backends", default="cuda,cuda-checkpoint,freeze,none",
-                   help="comma-separated backends this node offers (default cuda,cuda-checkpoint,freeze,none; "
+    n.add_argument("--backends", default="cuda,cuda-checkpoint,vmm,freeze,none",
+                   help="comma-separated backends this node offers (default cuda,cuda-checkpoint,vmm,freeze,none; "
                         "add app for inference engines; cooperative jobs move themselves and need no agent backend)")
     n.add_argument("--token-file", help="callers must send this file's token (the orchestrator's agent_token_file)")
     n.add_argument("--tls", action="store_true", help="serve TLS with a self-signed certificate (made once, kept in "

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -257,3 +258,64 @@ async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_l
     finally:
         serve.send_signal(signal.SIGTERM)
         await asyncio.wait_for(serve.wait(), 30)
+
+
+async def _line(path: Path, pattern: str, seconds: float = 60) -> re.Match[str]:
+    """The first match of `pattern` in the file at `path`, waited for (a signal, with a deadline)."""
+    def read() -> str:
+        return path.read_text() if path.exists() else ""
+
+    deadline = asyncio.get_running_loop().time() + seconds
+    while True:
+        if m := re.search(pattern, await asyncio.to_thread(read)):
+            return m
+        assert asyncio.get_running_loop().time() < deadline, f"no {pattern!r} in {path}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_node_agent_killed_mid_checkpoint_loses_no_job(fake_lib, tmp_path):
+    """`timeslice node-agent` + `timeslice orchestrator`, as a user runs them: the agent is
+    killed (SIGKILL) while a job's shim is in the middle of its checkpoint copy. The shim
+    finishes and undoes the step (its asker is gone), the restarted agent finds the job where it
+    is, and both jobs finish every hold with their bytes at their addresses."""
+    cli = [sys.executable, "-m", "timeslice.cli.main"]
+    agent_target = f"unix://{tmp_path / 'agent.sock'}"
+    group = f"{{id: g, backend: vmm, residency: exclusive, agents: ['{agent_target}']}}"
+    (tmp_path / "groups.yaml").write_text(f"listen: 127.0.0.1:0\ngroups:\n  - {group}\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(argv: list[str], log: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+        with (tmp_path / log).open("ab") as out:
+            procs.append(await asyncio.create_subprocess_exec(*argv, env=env, stdout=out, stderr=out))
+        return procs[-1]
+
+    agent_argv = [*cli, "node-agent", "--listen", agent_target, "--state-dir", str(tmp_path / "agent")]
+    faults = tmp_path / "faults"
+    try:
+        agent = await start(agent_argv, "agent.log", base)
+        await _line(tmp_path / "agent.log", r"ready listen=")
+        await start([*cli, "orchestrator", "--config", str(tmp_path / "groups.yaml")], "orchestrator.log", base)
+        port = (await _line(tmp_path / "orchestrator.log", r"orchestrator serving listen=\S+ port=(\d+)")).group(1)
+        faults.write_text("dtoh hang 2\n")
+        env = {**vmm_shim.preload_env(base), "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_GROUP": "g",
+               "TIMESLICE_ACCELERATOR_PROCESS": "1",
+               "TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
+               "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB), "TIMESLICE_FAKE_VMM_FAULTS": str(faults)}
+        jobs = [await asyncio.create_subprocess_exec(
+            sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
+            env={**env, "TIMESLICE_JOB": name}, stdout=subprocess.PIPE) for name in ("a", "b")]
+        await _line(Path(f"{faults}.hit"), "dtoh")  # a checkpoint copy hangs in a job's shim
+        faults.write_text("")
+        agent.send_signal(signal.SIGKILL)
+        await agent.wait()
+        await start(agent_argv, "agent.log", base)
+        outs = await asyncio.wait_for(asyncio.gather(*(j.communicate() for j in jobs)), 120)
+        assert [(j.returncode, o[0].decode().strip()) for j, o in zip(jobs, outs)] == [(0, "holds ok")] * 2, \
+            (tmp_path / "agent.log").read_text()[-3000:]
+        assert "undoing an interrupted checkpoint" in (tmp_path / "agent.log").read_text()
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(p.wait(), 30)

@@ -10,7 +10,7 @@
  * $TIMESLICE_FAKE_VMM_USED: a file rewritten with the bytes of physical memory held ("GPU used").
  * $TIMESLICE_FAKE_VMM_FAULTS: a file read at every copy and cuMemCreate; each line "<call> <kind>
  * [seconds]" with call dtoh|htod|create and kind error (CUDA_ERROR_UNKNOWN; create: out of memory),
- * hang (sleep, then do it) or die (_exit(86) before it).
+ * hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, then do it) or die (_exit(86) before it).
  * cudaMalloc/cudaFree here are the runtime's own allocator (malloc), for allocations the shim
  * leaves to the runtime.
  */
@@ -53,7 +53,13 @@ static CUresult fault(const char *call) {
         if (n < 2) break;
         if (strcmp(c, call)) continue;
         if (!strcmp(kind, "die")) _exit(86);
-        if (!strcmp(kind, "hang")) usleep((useconds_t)(seconds * 1e6));
+        if (!strcmp(kind, "hang")) {
+            char hit[4096];
+            snprintf(hit, sizeof hit, "%s.hit", p);
+            FILE *h = fopen(hit, "w"); /* for a test to act while the call hangs */
+            if (h) { fprintf(h, "%s\n", call); fclose(h); }
+            usleep((useconds_t)(seconds * 1e6));
+        }
         if (!strcmp(kind, "error")) r = strcmp(call, "create") ? 999 : 2;
     }
     if (f) fclose(f);
