@@ -16,7 +16,8 @@
 #                   (or SOLO=file), else measured first and saved there
 # Shapes (1b model, bf16; --extra-gb sizes each job's peak; the H200 has 150.7 GB, 10% headroom by default):
 #   a: 2 jobs x ~18 GB (fit)       b: 3 jobs x ~57 GB (two fit)       c: 4 jobs x ~30 GB (fit)
-# Environment: STEPS (default 6; must match the solo runs'), REWARD_SECONDS (3), DECLARE=1 (each job declares its
+# Environment: STEPS (default 6; must match the solo runs'), REWARD_SECONDS (3), JOBS and EXTRA_GB (a shape's
+# job count and --extra-gb instead of the table's: another GPU), TAG (h200: the result files' last word), DECLARE=1 (each job declares its
 # solo peak in TIMESLICE_MEMORY: --declare-memory), POOL_GB (cooperative: a pinned_pool of that many GB in the
 # config; default none, the product's default), JOB_TIMEOUT (seconds for one shared run's jobs, default 480),
 # LOGS (default /tmp/rl-grpo-logs; packed into OUTDIR/logs.tgz at the end), BENCH_FLAGS (appended to every
@@ -68,8 +69,9 @@ install() {  # the server dependencies from .whl/, then the project from this tr
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 }
 
-extra_of() { case "$1" in a) echo 7 ;; b) echo 45 ;; c) echo 19 ;; esac; }
-jobs_of() { case "$1" in a) echo 2 ;; b) echo 3 ;; c) echo 4 ;; esac; }
+extra_of() { [ -n "${EXTRA_GB:-}" ] && { echo "$EXTRA_GB"; return; }; case "$1" in a) echo 7 ;; b) echo 45 ;; c) echo 19 ;; esac; }
+jobs_of() { [ -n "${JOBS:-}" ] && { echo "$JOBS"; return; }; case "$1" in a) echo 2 ;; b) echo 3 ;; c) echo 4 ;; esac; }
+tag="${TAG:-h200}"
 
 run() {  # bench/rl_grpo.py with the common flags; a failed run (a lost job, states that differ) fails the call
   python3 bench/rl_grpo.py --steps "$steps" --reward-seconds "${REWARD_SECONDS:-3}" \
@@ -146,7 +148,7 @@ print('protobuf', google.protobuf.__version__, 'grpc', grpc.__version__, 'pydant
       mkdir -p "$logs/$stage$suffix"
       run --jobs "$(jobs_of "$shape")" --extra-gb "$(extra_of "$shape")" --modes "${modes[@]}" \
         --backends "${backends[@]}" "${solo_flag[@]}" "${declared[@]}" --logs "$logs/$stage$suffix" \
-        --out "$out/rl-grpo-$stage$suffix-h200.json" ;;
+        --out "$out/rl-grpo-$stage$suffix-$tag.json" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -262,7 +262,7 @@ def test_kubelet_plugin_offers_backend_app(monkeypatch, capsys) -> None:
     assert seen[-1].backends == ("app", "freeze", "none")
     assert NodeAgent(StaticProcessResolver(), backends=seen[-1].backends).backend("app").name == "app"
     assert main(["kubelet-plugin", "--node-name", "n", "--backends", "app,tgi"]) == 2  # one line, no traceback
-    assert "unknown ['tgi']; known: cuda, cuda-checkpoint, freeze, app, none" in capsys.readouterr().err
+    assert "unknown ['tgi']; known: cuda, cuda-checkpoint, vmm, freeze, app, none" in capsys.readouterr().err
     assert "app (the job's inference engine" in " ".join(
         subprocess.run([sys.executable, "-m", "timeslice.cli.main", "kubelet-plugin", "--help"], capture_output=True,
                        text=True, check=True).stdout.split())
