@@ -14,7 +14,12 @@ from pathlib import Path
 
 LIBRARY_NAME = "libtimeslice_vmm.so"
 DIR_ENV = "TIMESLICE_VMM_DIR"  # where the shim's control sockets are: <dir>/<pid>.sock
-DEFAULT_DIR = "/tmp/timeslice-vmm"
+
+
+def default_dir(uid: int) -> str:
+    """The shim's socket folder when DIR_ENV is unset: one per user (a folder of one user's
+    would keep every other user's shim from listening)."""
+    return f"/tmp/timeslice-vmm-{uid}"
 
 
 def library() -> Path:

@@ -6,7 +6,7 @@
  * the runtime's allocator: an address range (cuMemAddressReserve) with physical memory mapped into
  * it (cuMemCreate, cuMemMap, cuMemSetAccess); cudaFree of such a pointer undoes it. CUDA Driver API,
  * "Virtual Memory Management" (cuda.h, CUDA >= 10.2). On the agent's command, on a unix socket
- * $TIMESLICE_VMM_DIR/<pid>.sock (default /tmp/timeslice-vmm, created 0700; only root or this
+ * $TIMESLICE_VMM_DIR/<pid>.sock (default /tmp/timeslice-vmm-<uid>, created 0700; only root or this
  * process's user may connect), a control thread:
  *   checkpoint: synchronises the context (the lock guarantees no phase runs), copies every
  *               allocation into one pinned host buffer (huge pages when the kernel has them
@@ -29,6 +29,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <link.h>
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -111,6 +112,22 @@ static int checkpointed;
 static char *host_buf;
 static size_t host_bytes;
 static int control_started;
+static char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+static pid_t socket_owner;
+
+#define TSV_CHUNK ((size_t)512 << 20) /* $TIMESLICE_VMM_CHUNK_BYTES (rounded up to 2 MiB) overrides */
+#define TSV_WORKERS 8
+
+static struct {
+    char *base;
+    size_t len, chunk, n_chunks, next;
+    signed char *ready; /* per chunk: 0 pending, 1 registered, -1 failed */
+    CUresult err;
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    pthread_t workers[TSV_WORKERS];
+    int n_workers;
+} prep = {.m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER};
 
 static void say(const char *fmt, const char *a, const char *b) {
     fprintf(stderr, "timeslice-vmm[%d]: ", (int)getpid());
@@ -124,10 +141,33 @@ static const char *err_name(CUresult r) {
     return "CUDA_ERROR_UNKNOWN";
 }
 
-#define SYM(field, name) (*(void **)&cu.field = dlsym(lib, name)) != NULL
-static void load(void) {
+/* dl_iterate_phdr: the first loaded object whose name holds "libcudart" (a CUDA runtime loaded
+ * with RTLD_LOCAL, as Python loads extension modules, is not in RTLD_NEXT's global scope). */
+static int find_runtime(struct dl_phdr_info *info, size_t size, void *out) {
+    (void)size;
+    if (!info->dlpi_name || !strstr(info->dlpi_name, "libcudart")) return 0;
+    void *h = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return 0;
+    *(void **)out = h;
+    return 1;
+}
+
+/* The runtime's own cudaMalloc and cudaFree: the next in the global scope, else those of a
+ * runtime loaded locally. Looked up again at each call until found (the runtime may load later). */
+static void load_runtime(void) {
+    void *rt = NULL;
+    if (cu.cudaMalloc && cu.cudaFree) return;
     *(void **)&cu.cudaMalloc = dlsym(RTLD_NEXT, "cudaMalloc");
     *(void **)&cu.cudaFree = dlsym(RTLD_NEXT, "cudaFree");
+    if ((!cu.cudaMalloc || !cu.cudaFree) && dl_iterate_phdr(find_runtime, &rt) && rt) {
+        *(void **)&cu.cudaMalloc = dlsym(rt, "cudaMalloc");
+        *(void **)&cu.cudaFree = dlsym(rt, "cudaFree");
+    }
+}
+
+#define SYM(field, name) (*(void **)&cu.field = dlsym(lib, name)) != NULL
+static void load(void) {
+    load_runtime();
     void *lib = dlopen(getenv("TIMESLICE_VMM_LIBCUDA") ? getenv("TIMESLICE_VMM_LIBCUDA") : "libcuda.so.1",
                        RTLD_NOW | RTLD_GLOBAL);
     if (!lib) { say("cannot open libcuda.so.1 (%s): allocations are the runtime's own%s", dlerror(), ""); return; }
@@ -139,18 +179,27 @@ static void load(void) {
         && SYM(streamCreate, "cuStreamCreate") && SYM(streamSynchronize, "cuStreamSynchronize")
         && SYM(dtoh, "cuMemcpyDtoHAsync_v2") && SYM(htod, "cuMemcpyHtoDAsync_v2")
         && SYM(hostRegister, "cuMemHostRegister_v2") && SYM(hostUnregister, "cuMemHostUnregister")
-        && SYM(errorName, "cuGetErrorName") && cu.cudaMalloc && cu.cudaFree;
-    if (!usable) say("libcuda.so.1 or the CUDA runtime lacks a symbol it needs: allocations are the runtime's own%s%s", "", "");
+        && SYM(errorName, "cuGetErrorName");
+    if (!usable) say("libcuda.so.1 lacks a symbol it needs: allocations are the runtime's own%s%s", "", "");
 }
 
 static void after_fork_child(void) {
     /* CUDA is not usable in a forked child; the table is the parent's. */
     allocs = NULL; n_allocs = cap_allocs = 0; owner_ctx = NULL; checkpointed = 0;
-    host_buf = NULL; host_bytes = 0; control_started = 0;
+    host_buf = NULL; host_bytes = 0; control_started = 0; socket_path[0] = 0;
     pthread_mutex_init(&mu, NULL);
+    pthread_mutex_init(&prep.m, NULL);
+    prep.n_workers = 0;
+    prep.ready = NULL;
 }
 
 __attribute__((constructor)) static void init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+/* The socket goes with the process that made it: a file left behind would look like a shim that
+ * no longer answers (a later process of that PID, or one that exec'd). */
+__attribute__((destructor)) static void fini(void) {
+    if (socket_path[0] && socket_owner == getpid()) unlink(socket_path);
+}
 
 static CUmemAllocationProp prop_of(CUdevice dev) {
     CUmemAllocationProp p;
@@ -184,7 +233,12 @@ static void start_control(void);
 
 TSV_EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
     pthread_once(&loaded, load);
-    if (!usable) return cu.cudaMalloc ? cu.cudaMalloc(ptr, size) : cudaErrorMemoryAllocation;
+    load_runtime();
+    if (!cu.cudaMalloc || !cu.cudaFree) {
+        say("no CUDA runtime found beside the shim: cudaMalloc fails%s%s", "", "");
+        return cudaErrorMemoryAllocation;
+    }
+    if (!usable) return cu.cudaMalloc(ptr, size);
     CUcontext ctx = NULL;
     if (size >= TSV_MIN_BYTES && (cu.ctxGetCurrent(&ctx) || !ctx)) {
         cu.cudaFree(NULL); /* the runtime makes its primary context current */
@@ -225,7 +279,9 @@ TSV_EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
 
 TSV_EXPORT cudaError_t cudaFree(void *ptr) {
     pthread_once(&loaded, load);
-    if (!usable) return cu.cudaFree ? cu.cudaFree(ptr) : cudaSuccess;
+    load_runtime();
+    if (!cu.cudaFree) return ptr ? 1 /* cudaErrorInvalidValue: nothing of ours, no runtime to free it */ : cudaSuccess;
+    if (!usable) return cu.cudaFree(ptr);
     if (ptr) {
         pthread_mutex_lock(&mu);
         for (size_t i = 0; i < n_allocs; i++) {
@@ -259,23 +315,18 @@ static size_t total_bytes(void) {
     return s;
 }
 
+/* What the answer reports: while checkpointed, the bytes in host memory (not an allocation the
+ * process made since, which is on the GPU); else every allocation's. */
+static size_t reported_bytes(void) {
+    size_t s = 0;
+    for (size_t i = 0; i < n_allocs; i++) if (!checkpointed || !allocs[i].handle) s += allocs[i].size;
+    return s;
+}
+
 /* The host buffer of a checkpoint is made ready in chunks by worker threads at once (its pages faulted
  * in, i.e. zeroed by the kernel, then registered with cuMemHostRegister), while the copies run into
  * each chunk as soon as it is ready: faulting and pinning tens of GB on one thread took 4.3 s for
  * 31 GB on an H100 host, the copy itself 0.6 s. */
-#define TSV_CHUNK ((size_t)512 << 20) /* $TIMESLICE_VMM_CHUNK_BYTES (rounded up to 2 MiB) overrides */
-#define TSV_WORKERS 8
-
-static struct {
-    char *base;
-    size_t len, chunk, n_chunks, next;
-    signed char *ready; /* per chunk: 0 pending, 1 registered, -1 failed */
-    CUresult err;
-    pthread_mutex_t m;
-    pthread_cond_t c;
-    pthread_t workers[TSV_WORKERS];
-    int n_workers;
-} prep = {.m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER};
 
 static void *prep_worker(void *arg) {
     (void)arg;
@@ -387,7 +438,11 @@ static const char *do_checkpoint(CUstream s) {
     free_host(); /* one a restore left to free after its answer */
     const char *e = alloc_host(total_bytes() ? total_bytes() : 1);
     if (e) return e;
-    if ((r = copy_out(s))) { free_host(); return err_name(r); }
+    if ((r = copy_out(s))) {
+        cu.streamSynchronize(s); /* copies already queued still write into the buffer */
+        free_host();
+        return err_name(r);
+    }
     join_workers();
     for (size_t i = 0; i < n_allocs; i++) unback(&allocs[i]);
     checkpointed = 1;
@@ -408,6 +463,7 @@ static const char *do_restore(CUstream s) {
     for (i = 0; i < backed && !r; i++) r = copy_alloc(mapped[i], 0, s);
     if (!r) r = cu.streamSynchronize(s);
     if (r) {
+        cu.streamSynchronize(s); /* copies already queued still write into the memory */
         for (i = 0; i < backed; i++) unback(mapped[i]);
         free(mapped);
         return err_name(r);
@@ -437,7 +493,9 @@ static void serve_one(int fd, CUstream *s) {
     const char *e = NULL;
     int was = checkpointed;
     if (strcmp(line, "checkpoint") && strcmp(line, "restore") && strcmp(line, "state")) e = "unknown command";
-    else if (strcmp(line, "state")) {
+    else if (strcmp(line, "state") && asker_gone(fd)) {
+        e = "asker gone before the step began: not run"; /* it timed out waiting behind another */
+    } else if (strcmp(line, "state")) {
         CUresult r = cu.ctxSetCurrent(owner_ctx);
         if (!r && !*s) r = cu.streamCreate(s, 1 /* CU_STREAM_NON_BLOCKING */);
         e = r ? err_name(r) : line[0] == 'c' ? do_checkpoint(*s) : do_restore(*s);
@@ -449,7 +507,7 @@ static void serve_one(int fd, CUstream *s) {
     }
     char out[160];
     if (e) snprintf(out, sizeof out, "error %s\n", e);
-    else snprintf(out, sizeof out, "ok %s %zu %.3f\n", checkpointed ? "checkpointed" : "running", total_bytes(), now() - t0);
+    else snprintf(out, sizeof out, "ok %s %zu %.3f\n", checkpointed ? "checkpointed" : "running", reported_bytes(), now() - t0);
     send(fd, out, strlen(out), MSG_NOSIGNAL);
     if (!checkpointed) free_host();
     pthread_mutex_unlock(&mu);
@@ -459,8 +517,14 @@ static void *control(void *arg) {
     int lfd = (int)(intptr_t)arg;
     CUstream s = NULL;
     for (;;) {
-        int fd = accept(lfd, NULL, NULL);
-        if (fd < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; break; }
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EBADF || errno == EINVAL || errno == ENOTSOCK) break;
+            if (errno != EINTR && errno != ECONNABORTED) usleep(100000); /* out of descriptors or memory: later */
+            continue;
+        }
+        struct timeval limit = {2, 0}; /* a command is one short line: an asker that sends nothing is dropped */
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
         struct ucred who;
         socklen_t len = sizeof who;
         if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &who, &len) == 0 && (who.uid == 0 || who.uid == getuid()))
@@ -471,7 +535,9 @@ static void *control(void *arg) {
 }
 
 static void start_control(void) {
-    const char *dir = getenv("TIMESLICE_VMM_DIR") ? getenv("TIMESLICE_VMM_DIR") : "/tmp/timeslice-vmm";
+    char own[64];
+    snprintf(own, sizeof own, "/tmp/timeslice-vmm-%u", (unsigned)getuid()); /* one per user: no user blocks another */
+    const char *dir = getenv("TIMESLICE_VMM_DIR") ? getenv("TIMESLICE_VMM_DIR") : own;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     struct stat st;
     if (mkdir(dir, 0700) && errno != EEXIST) { say("cannot make %s: %s; the agent moves this process by the cuda backend", dir, strerror(errno)); return; }
@@ -490,6 +556,8 @@ static void start_control(void) {
         if (fd >= 0) close(fd);
         return;
     }
+    memcpy(socket_path, addr.sun_path, sizeof socket_path);
+    socket_owner = getpid();
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);

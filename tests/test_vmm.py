@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -319,3 +320,31 @@ async def test_a_node_agent_killed_mid_checkpoint_loses_no_job(fake_lib, tmp_pat
             if p.returncode is None:
                 p.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(p.wait(), 30)
+
+
+async def test_a_socket_left_behind_is_not_a_shim(start_job, tmp_path):
+    """A socket file at a live process's path whose process does not have the shim loaded (left
+    by an earlier process of that PID): the process is moved as one without the shim (here: it
+    holds no GPU memory), not failed as a shim that does not answer (review of issue 26)."""
+    plain = await start_job("plain", preload=False)
+    path = socket_path(plain.pid)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(path)
+    left.close()  # the file stays, nobody listens
+    [st] = await VmmBackend(10).checkpoint([plain.pid], timeout=30)
+    assert st.state == NO_CONTEXT
+
+
+async def test_a_silent_asker_does_not_block_the_shim(start_job):
+    """A connection that sends nothing is dropped after a while; the next command is answered."""
+    job = await start_job()
+    silent = socket.socket(socket.AF_UNIX)
+    await asyncio.to_thread(silent.connect, socket_path(job.pid))
+    try:
+        [st] = await VmmBackend(10).checkpoint([job.pid], timeout=30)
+        assert st.state == CHECKPOINTED
+    finally:
+        silent.close()
+    await VmmBackend(10).restore([job.pid], timeout=30)
+    assert await job.verify() == "verified ok"

@@ -12,7 +12,7 @@ all-or-nothing too (`run_step`).
 
 The socket is reached through the process's own view of the file system (`/proc/<pid>/root`,
 its PID as its namespace numbers it): a pod's `/tmp` needs no host mount. A process without the
-shim's socket (the shim is not loaded, or it has not allocated yet) is moved by the `cuda`
+shim loaded and listening (started without it, or no allocation yet) is moved by the `cuda`
 backend, with a log line; where there is none (no driver or cuda-bindings), such a process that NVML
 shows holding no GPU memory has nothing to move (`no-context`), and one that holds some fails the step.
 """
@@ -42,22 +42,35 @@ REPLY_LIMIT = 256  # bytes: one line of the shim's answer
 STATE_SECONDS = 5.0  # a `state` question answers at once (it waits only for a step in progress)
 
 
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
 def socket_path(pid: int) -> str:
-    """Where the shim in `pid` listens, as this process can reach it. Raises OSError when
-    /proc has no such process."""
+    """Where the shim in `pid` listens, as this process can reach it: its DIR_ENV (else its
+    user's default folder) and its PID as its own namespace numbers it, through its root when
+    its mount namespace is not ours. Raises OSError when /proc has no such process."""
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    directory = env.get(vmm_shim.DIR_ENV.encode(), vmm_shim.DEFAULT_DIR.encode()).decode()
-    ns_pid = pid
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("NSpid:"):
-                ns_pid = int(line.split()[-1])
+    status = _status(pid)
+    uid = int(status.get("Uid", "0").split()[0])
+    directory = env[vmm_shim.DIR_ENV.encode()].decode() if vmm_shim.DIR_ENV.encode() in env \
+        else vmm_shim.default_dir(uid)
+    ns_pid = int(status.get("NSpid", str(pid)).split()[-1])
     try:
         same = os.readlink("/proc/self/ns/mnt") == os.readlink(f"/proc/{pid}/ns/mnt")
     except OSError:
         same = False
     return f"{directory if same else f'/proc/{pid}/root{directory}'}/{ns_pid}.sock"
+
+
+def has_shim(pid: int) -> bool:
+    """Whether `pid` has the shim loaded and its socket exists (a socket file alone may be left
+    by an earlier process of that PID). Raises OSError when /proc has no such process."""
+    with open(f"/proc/{pid}/maps") as f:
+        loaded = any("timeslice_vmm" in line for line in f)
+    return loaded and os.path.exists(socket_path(pid))
 
 
 class VmmBackend(Backend):
@@ -105,8 +118,7 @@ class VmmBackend(Backend):
         other: list[int] = []
         for pid in pids:
             try:
-                path = await asyncio.to_thread(socket_path, pid)
-                listens = await asyncio.to_thread(os.path.exists, path)
+                listens = await asyncio.to_thread(has_shim, pid)
             except OSError:
                 listens = True  # gone from /proc: asking its shim reports it gone (`run_step`)
             (shim if listens else other).append(pid)
@@ -135,24 +147,18 @@ class VmmBackend(Backend):
     async def _ask(self, pid: int, command: str, timeout: float) -> ProcState:
         """One command to the shim in `pid`. Raises ProcessGone (the process ended), StepTimeout
         (no answer within `timeout` seconds: the connection is closed, and the shim undoes the
-        step when it ends), BackendError (the shim's error, or no shim answering)."""
+        step when it ends, or does not begin it), BackendError (the shim's error, an answer that
+        is not the state asked for, or no shim answering)."""
         try:
-            path = await asyncio.to_thread(socket_path, pid)
-            reader, writer = await asyncio.open_unix_connection(path, limit=REPLY_LIMIT)
-        except OSError as err:
-            raise gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
-        try:
-            writer.write(f"{command}\n".encode())
-            await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), timeout)
+            line = await asyncio.wait_for(self._exchange(pid, command), timeout)
         except asyncio.TimeoutError:
             raise StepTimeout(f"vmm {command} pid {pid}: no answer in {timeout:.1f} s (the shim undoes it)") from None
         except (OSError, ValueError) as err:
-            raise gone_or_failed(pid, f"vmm {command} pid {pid}: {err}") from err
-        finally:
-            writer.close()
+            raise gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
         words = line.decode(errors="replace").split()
-        if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit():
+        want = {"checkpoint": CHECKPOINTED, "restore": RUNNING}.get(command)
+        if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit() \
+                and words[1] == (want or words[1]):
             if command != "state":
                 log.info("vmm %s pid=%d: %s bytes in %s s", command, pid, words[2], words[3] if len(words) > 3 else "?")
             return ProcState(pid, words[1], int(words[2]))
@@ -160,3 +166,15 @@ class VmmBackend(Backend):
             message = f"vmm {command} pid {pid}: the shim closed the connection unanswered"
             raise ProcessGone(message) if exit_state(pid) != "live" else BackendError(message)
         raise BackendError(f"vmm {command} pid {pid}: {' '.join(words[1:]) if words[0] == 'error' else line!r}")
+
+    @staticmethod
+    async def _exchange(pid: int, command: str) -> bytes:
+        """Send `command` to the shim in `pid`, return its one-line answer (b"": none)."""
+        path = await asyncio.to_thread(socket_path, pid)
+        reader, writer = await asyncio.open_unix_connection(path, limit=REPLY_LIMIT)
+        try:
+            writer.write(f"{command}\n".encode())
+            await writer.drain()
+            return await reader.readline()
+        finally:
+            writer.close()
