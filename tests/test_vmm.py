@@ -348,3 +348,31 @@ async def test_a_silent_asker_does_not_block_the_shim(start_job):
         silent.close()
     await VmmBackend(10).restore([job.pid], timeout=30)
     assert await job.verify() == "verified ok"
+
+
+def test_a_runtime_loaded_locally_is_found(tmp_path):
+    """A program whose CUDA runtime is loaded with RTLD_LOCAL (as Python loads an extension
+    module that links it) still allocates, through the shim, and frees (review of issue 26:
+    the shim looked for the runtime only in the global scope, and every cudaMalloc failed)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = FAKE / "fake_libcuda.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-DFAKE_DRIVER_ONLY", "-o", str(tmp_path / "libdriver.so"), str(src)],
+                   check=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libcudart.so.99"), str(src)], check=True)
+    (tmp_path / "app.c").write_text("int cudaMalloc(void **, unsigned long); int cudaFree(void *);\n"
+                                    "int app_alloc(void **p, unsigned long n) { return cudaMalloc(p, n); }\n"
+                                    "int app_free(void *p) { return cudaFree(p); }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(tmp_path / "libapp.so"), str(tmp_path / "app.c"),
+                    f"-L{tmp_path}", "-l:libcudart.so.99", "-Wl,-rpath,$ORIGIN"], check=True)
+    program = ("import ctypes, sys\n"
+               "app = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_LOCAL)\n"
+               "p = ctypes.c_void_p()\n"
+               "print(app.app_alloc(ctypes.byref(p), 4 << 20), app.app_alloc(ctypes.byref(ctypes.c_void_p()), 4096),\n"
+               "      app.app_free(p))\n")
+    env = {**vmm_shim.preload_env(), "TIMESLICE_VMM_LIBCUDA": str(tmp_path / "libdriver.so"),
+           vmm_shim.DIR_ENV: str(tmp_path / "vmm")}
+    out = subprocess.run([sys.executable, "-c", program, str(tmp_path / "libapp.so")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["0", "0", "0"], out.stderr

@@ -12,7 +12,7 @@
  * [seconds]" with call dtoh|htod|create and kind error (CUDA_ERROR_UNKNOWN; create: out of memory),
  * hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, then do it) or die (_exit(86) before it).
  * cudaMalloc/cudaFree here are the runtime's own allocator (malloc), for allocations the shim
- * leaves to the runtime.
+ * leaves to the runtime (left out with -DFAKE_DRIVER_ONLY: a driver apart from its runtime).
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -172,5 +172,7 @@ CUresult cuGetErrorName(CUresult r, const char **s) {
     return 0;
 }
 
+#ifndef FAKE_DRIVER_ONLY /* built without: a driver apart from the runtime, as NVIDIA's are */
 int cudaMalloc(void **p, size_t n) { *p = malloc(n); return *p ? 0 : 2; }
 int cudaFree(void *p) { free(p); return 0; }
+#endif
