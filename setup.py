@@ -12,5 +12,6 @@ setup(ext_modules=[Extension(
     "timeslice.driver._timeslice_vmm",
     sources=["shim/timeslice_vmm.c"],
     libraries=["dl", "pthread"],
-    extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],  # no -Werror: a newer compiler's new warning must not fail an install
+    # no -Werror: a newer compiler's new warning must not fail an install
+    extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
 )])
