@@ -65,6 +65,12 @@ def socket_path(pid: int) -> str:
     return f"{directory if same else f'/proc/{pid}/root{directory}'}/{ns_pid}.sock"
 
 
+def _gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
+    """ProcessGone for a process that is gone or ending (exiting: its /proc files already answer
+    ESRCH, its shim no more), else BackendError (`procfs.gone_or_failed` waits for a zombie)."""
+    return ProcessGone(message) if exit_state(pid) != "live" else gone_or_failed(pid, message)
+
+
 def has_shim(pid: int) -> bool:
     """Whether `pid` has the shim loaded and its socket exists (a socket file alone may be left
     by an earlier process of that PID). Raises OSError when /proc has no such process."""
@@ -154,7 +160,7 @@ class VmmBackend(Backend):
         except asyncio.TimeoutError:
             raise StepTimeout(f"vmm {command} pid {pid}: no answer in {timeout:.1f} s (the shim undoes it)") from None
         except (OSError, ValueError) as err:
-            raise gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
+            raise _gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
         words = line.decode(errors="replace").split()
         want = {"checkpoint": CHECKPOINTED, "restore": RUNNING}.get(command)
         if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit() \
@@ -163,8 +169,7 @@ class VmmBackend(Backend):
                 log.info("vmm %s pid=%d: %s bytes in %s s", command, pid, words[2], words[3] if len(words) > 3 else "?")
             return ProcState(pid, words[1], int(words[2]))
         if not words:  # the shim answers every command it reads: its process is ending
-            message = f"vmm {command} pid {pid}: the shim closed the connection unanswered"
-            raise ProcessGone(message) if exit_state(pid) != "live" else BackendError(message)
+            raise _gone_or_failed(pid, f"vmm {command} pid {pid}: the shim closed the connection unanswered")
         raise BackendError(f"vmm {command} pid {pid}: {' '.join(words[1:]) if words[0] == 'error' else line!r}")
 
     @staticmethod
