@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -94,7 +95,7 @@ async def main() -> int:
         "gpu_used_bytes": {"both_jobs": used_both, "one_checkpointed": used_one},
         "switches": switches, "final_verified": final, "verification_failures": failed,
         "switch_seconds_max": max(s["seconds"] for s in switches) if switches else None,
-        "machine": vmm_shim_machine(),
+        "machine": machine_name(),
     }
     text = json.dumps(result, indent=2)
     print(text)
@@ -103,8 +104,7 @@ async def main() -> int:
     return 1 if failed else 0
 
 
-def vmm_shim_machine() -> str:
-    import os
+def machine_name() -> str:
     return os.environ.get("TIMESLICE_MACHINE") or subprocess.run(
         ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
         capture_output=True, text=True, check=False).stdout.strip()

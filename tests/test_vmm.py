@@ -376,3 +376,26 @@ def test_a_runtime_loaded_locally_is_found(tmp_path):
     out = subprocess.run([sys.executable, "-c", program, str(tmp_path / "libapp.so")], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["0", "0", "0"], out.stderr
+
+
+def _gpu_with_torch() -> bool:
+    import importlib.util
+
+    if not importlib.util.find_spec("torch"):
+        return False
+    from timeslice.cli.demo import gpu_present
+
+    return gpu_present()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_with_torch(), reason="needs an NVIDIA GPU and PyTorch")
+def test_on_a_gpu_unmodified_jobs_keep_their_bytes_and_graphs(tmp_path):
+    """bench/vmm_switch.py small: two unmodified PyTorch jobs of 2 GB with a captured CUDA graph,
+    3 switches by the real driver; every replay and tensor bitwise equal (the committed H100
+    runs: bench/results/vmm-switch-30gb-*-h100.json)."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "vmm_switch.py"), "--gb", "2", "--switches", "3",
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["verification_failures"] == 0 and len(result["switches"]) == 3
