@@ -292,17 +292,14 @@ class ClaimPreparer:
                                        if any(c.get("ncclPeerTransports") is False
                                               for c in rec["configs"].values()) else ()))
 
-    def _on_vmm(self, rec: dict[str, Any]) -> bool:
-        return self._vmm_shim is not None and any(c.get("backend") == names.BACKEND_VMM
-                                                  for c in rec["configs"].values())
-
     def _shim_mount(self, rec: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         """The timeslice-vmm shim, read-only, for a claim on backend `vmm` (its processes load it)."""
-        return (self._vmm_shim,) if self._vmm_shim is not None and self._on_vmm(rec) else ()
+        on_vmm = any(c.get("backend") == names.BACKEND_VMM for c in rec["configs"].values())
+        return (self._vmm_shim,) if self._vmm_shim is not None and on_vmm else ()
 
     def _shim_env(self, rec: dict[str, Any]) -> tuple[str, ...]:
         """LD_PRELOAD of the shim for a claim on backend `vmm` (it replaces the image's own LD_PRELOAD)."""
-        return (f"LD_PRELOAD={self._vmm_shim[1]}",) if self._vmm_shim is not None and self._on_vmm(rec) else ()
+        return tuple(f"LD_PRELOAD={inside}" for _, inside in self._shim_mount(rec))
 
 
 def _per_gpu_node(path: str) -> bool:
