@@ -32,6 +32,7 @@ from pathlib import Path
 
 import grpc.aio
 import pytest
+from timeslice.controller.orchestrator import state_journal
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool, PoolRefused
@@ -212,8 +213,8 @@ class Box:
 
     def checkpoints(self) -> dict[str, dict]:
         """The state file's pool checkpoints by job."""
-        data = json.loads(self.state.read_text())
-        return {c["job"]: c for c in data.get("pool", {}).get("checkpoints", [])}
+        doc = state_journal.load(self.state)
+        return {c.job: c.model_dump() for c in (doc.pool.checkpoints if doc and doc.pool else [])}
 
 
 @pytest.fixture

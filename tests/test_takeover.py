@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import pytest
 from hypothesis import given, settings
@@ -144,8 +145,7 @@ async def test_a_grant_whose_epoch_cannot_be_persisted_is_refused(tmp_path) -> N
     folder = tmp_path / "state"
     folder.mkdir()
     state = StateFile(folder / "state.json")
-    folder.joinpath("state.json").unlink()
-    folder.rmdir()
+    shutil.rmtree(folder)  # (the state file and its journal)
     folder.write_text("x")  # the disk "fails" after the start: the folder is now a file
     g = LockGroup(GroupSpec(id="g"), None, state=state)  # type: ignore[arg-type]
     with pytest.raises(SwitchFailed, match="cannot persist the fencing epoch"):
@@ -267,27 +267,27 @@ async def test_a_checkpoint_confirmed_while_a_switch_moves_the_job_out_is_placed
 async def test_grants_are_delivered_only_once_written_and_one_write_serves_a_loop_turn(tmp_path,
                                                                                           monkeypatch) -> None:
     """The state file is written off the event loop: the grants of 50 groups made in one loop
-    turn share one write, and none is delivered before that write is on disk (a restart would
-    otherwise forget the holder, or repeat its epoch)."""
+    turn share one journal line, and none is delivered before that line is on disk (a restart
+    would otherwise forget the holder, or repeat its epoch)."""
     import threading
 
-    from timeslice.controller.orchestrator import state_file
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.group import LockGroup
     from timeslice.controller.orchestrator.state_file import StateFile
+    from timeslice.controller.orchestrator.state_journal import Journal
 
     path = tmp_path / "state.json"
     state = StateFile(path)
     entered, gate, writes = threading.Event(), threading.Event(), []
-    real = state_file.write_atomic
+    real = Journal.append
 
-    def held_write(target, data: bytes) -> None:  # runs in the writer's thread
+    def held_write(journal: Journal, line: bytes) -> None:  # runs in the writer's thread
         entered.set()
         assert gate.wait(30)
-        real(target, data)
-        writes.append(json.loads(data))
+        real(journal, line)
+        writes.append(json.loads(line))
 
-    monkeypatch.setattr(state_file, "write_atomic", held_write)
+    monkeypatch.setattr(Journal, "append", held_write)
     groups = [LockGroup(GroupSpec(id=f"g{i}"), None, state=state) for i in range(50)]  # type: ignore[arg-type]
     tasks = [asyncio.create_task(g.acquire("a", 0, "r", None)) for g in groups]
     assert await asyncio.to_thread(entered.wait, 30)
@@ -315,8 +315,7 @@ async def test_a_join_that_cannot_be_persisted_leaves_no_caller_in_the_hold(tmp_
     state = StateFile(folder / "state.json")
     g = LockGroup(GroupSpec(id="g"), None, state=state)  # type: ignore[arg-type]
     grant = await g.acquire("a", 0, "r1", None)
-    folder.joinpath("state.json").unlink()
-    folder.rmdir()
+    shutil.rmtree(folder)  # (the state file and its journal)
     folder.write_text("x")  # the disk fails
     state.record("other", "x", [], [])  # a change pending: the join waits for its write
     with pytest.raises(SwitchFailed, match="cannot persist"):
@@ -359,22 +358,22 @@ async def test_a_grant_held_back_for_a_slow_state_file_write_gets_its_whole_leas
     next job while the holder computed. The lease now runs from the delivery."""
     import threading
 
-    from timeslice.controller.orchestrator import state_file
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.orchestrator import Orchestrator
     from timeslice.controller.orchestrator.state_file import StateFile
+    from timeslice.controller.orchestrator.state_journal import Journal
 
     now = [100.0]
     started, go = threading.Event(), threading.Event()
-    write = state_file.write_atomic
+    write = Journal.append
 
-    def slow_write(path, data) -> None:  # the grant's write waits until the test lets it go
+    def slow_write(journal: Journal, line: bytes) -> None:  # the grant's write waits until the test lets it go
         started.set()
         go.wait(30)
-        write(path, data)
+        write(journal, line)
 
     orch = Orchestrator([GroupSpec(id="g", backend="none", lease_seconds=10)], state=StateFile(tmp_path / "s.json"))
-    monkeypatch.setattr(state_file, "write_atomic", slow_write)
+    monkeypatch.setattr(Journal, "append", slow_write)
     g = orch.group("g")
     g.clock = lambda: now[0]
     grant = asyncio.ensure_future(g.acquire("a", 0, "a1", None))

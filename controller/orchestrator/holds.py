@@ -5,7 +5,6 @@ Functions of a `LockGroup` (group.py), which calls them from `acquire`, `grant`,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from typing import TYPE_CHECKING
@@ -80,11 +79,9 @@ def grant(g: LockGroup, job_id: str, restored: bool, switch_seconds: float) -> N
         g.dispatch()
         return
     now = g.clock()
-    durable = None  # unpersisted, a restart could repeat the epoch or forget the holder: delivered once written
-    if g.state is not None:
+    if g.state is not None:  # unwritten, a restart could repeat the epoch or forget the holder: delivered once on disk
         g.state.reserve(g.id, g.epoch + 1)
         takeover.persist_placement(g, job_id)
-        durable = g.state.durable()
     g.epoch += 1
     g.counters.grants += 1
     jc = g.job_counters.setdefault(job_id, JobCounters())
@@ -101,10 +98,10 @@ def grant(g: LockGroup, job_id: str, restored: bool, switch_seconds: float) -> N
              switch_seconds, max(w.priority for w in waiters),
              parked.past_epochs | {parked.epoch} if parked else frozenset())
     g.holder = h
-    if durable is None or durable.done():  # (done at once only when nothing was pending)
+    if g.state is None:
         _deliver(g, h, waiters, now)
-    else:
-        durable.add_done_callback(lambda f: _persisted(g, h, waiters, now, f))
+    else:  # (at once when nothing was pending)
+        g.state.when_written(lambda err: _persisted(g, h, waiters, now, err))
     log.info("granted group=%s job=%s epoch=%d restored=%s", g.id, job_id, h.epoch, restored)
     g.notify("granted", job_id, h.epoch, waited=max(now - w.enqueued_at for w in waiters))
     g.leases.arm()
@@ -119,11 +116,10 @@ def _deliver(g: LockGroup, h: Hold, waiters: list[Waiter], granted_at: float) ->
             w.future.set_result(grant_info(g, h, waited=granted_at - w.enqueued_at))
 
 
-def _persisted(g: LockGroup, h: Hold, waiters: list[Waiter], granted_at: float, written: asyncio.Future[None]) -> None:
-    """The state file answered for the grant of `h`: deliver it, or (the write failed, or
-    the hold ended meanwhile) fail its waiters with SwitchFailed, their clients ask again,
-    and end the hold: none is granted unpersisted."""
-    err = written.exception()
+def _persisted(g: LockGroup, h: Hold, waiters: list[Waiter], granted_at: float, err: OSError | None) -> None:
+    """The state file answered for the grant of `h` (`err`: its write failed): deliver it,
+    or (it failed, or the hold ended meanwhile) fail its waiters with SwitchFailed, their
+    clients ask again, and end the hold: none is granted unpersisted."""
     if err is None and not h.ended:  # (held here, or in the group it was carried to)
         # the lease runs from the delivery: a slow write must not eat the client's lease
         h.lease_deadline = max(h.lease_deadline, g.clock() + g.spec.lease_seconds)

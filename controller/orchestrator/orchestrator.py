@@ -246,3 +246,4 @@ class Orchestrator:
         await self.cooperative.close()
         if self._state is not None:
             await self._state.written()
+            self._state.close()

@@ -1,0 +1,181 @@
+"""The orchestrator's state file as a snapshot plus a journal (issue 24: persistence per
+group, off the event loop, one write per loop turn): what a crash, a full disk or a
+removed file leaves, in real processes where the fault is real (SIGKILL, RLIMIT_FSIZE)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from timeslice.controller.orchestrator import state_journal
+from timeslice.controller.orchestrator.state_file import StateFile
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Records one change after another in 20 groups, each waited for, and prints its number once
+# `durable()` said it is on disk. A small COMPACT_MIN makes it compact the journal many times.
+WRITER = """
+import asyncio, sys
+from pathlib import Path
+from timeslice.controller.orchestrator import state_journal
+from timeslice.controller.orchestrator.state_file import StateFile
+state_journal.COMPACT_MIN = 4096
+
+async def main():
+    state = StateFile(Path(sys.argv[1]))
+    i = 0
+    while True:
+        i += 1
+        state.reserve(f"g{i % 20}", i)
+        state.record(f"g{i % 20}", f"job-{i}", [], [f"job-{i}"])
+        await state.durable()
+        print(i, flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_every_change_reported_written_survives_a_sigkill_at_any_point_of_writes_and_compactions(tmp_path) -> None:
+    """SIGKILL of the writing process at 12 points (mid-append, mid-compaction, between):
+    every change `durable()` reported written is in what the next start loads, and the state
+    loads (a torn last line is dropped, never refused)."""
+    path = tmp_path / "state.json"
+    for kill_after in (1, 7, 40, 90, 150, 260, 400, 555, 700, 820, 1000, 1300):
+        acked = 0
+        with subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO) as child:
+            assert child.stdout is not None
+            for line in child.stdout:
+                acked = int(line)
+                if acked >= kill_after:
+                    break
+            child.send_signal(signal.SIGKILL)
+        assert acked >= kill_after, f"the writer ended early (rc {child.returncode})"
+        # the last acknowledged change of each group, from this run (each run starts again at 1)
+        last = {f"g{i % 20}": i for i in range(1, acked + 1)}
+        state = StateFile(path)
+        for group, i in last.items():
+            holder = state.placement(group).holder
+            assert holder is not None and int(holder.removeprefix("job-")) >= i, (kill_after, group, holder, i)
+            assert state.start(group) > i  # the epoch block reserved before it is never lost
+        state.close()
+        path.unlink()
+        state_journal.journal_path(path).unlink()
+
+
+FULL_DISK = """
+import asyncio, os, resource, signal, sys
+from pathlib import Path
+from timeslice.controller.orchestrator import state_journal
+from timeslice.controller.orchestrator.state_file import StateFile
+
+async def main():
+    path = Path(sys.argv[1])
+    state = StateFile(path)
+    state.record("g", "a", [], ["a"])
+    await state.durable()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, or is cut short
+    size = state_journal.journal_path(path).stat().st_size
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 40, resource.RLIM_INFINITY))
+    state.record("g", "b-" + "x" * 200, [], ["b"])
+    try:
+        await state.durable()
+        print("written", flush=True)
+    except OSError as err:
+        print("failed", err.errno, flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    state.record("g", "c", [], ["c"])
+    await state.durable()
+    print("then written", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_write_the_disk_cut_short_is_cut_off_and_written_again_whole(tmp_path) -> None:
+    """A journal line cut short by a full disk (RLIMIT_FSIZE, a real short write) fails its
+    callers, and the next write first cuts it off: the journal holds whole lines only, and
+    the state after the disk is back is the latest."""
+    path = tmp_path / "state.json"
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["failed 27", "then written"]  # EFBIG
+    lines = state_journal.journal_path(path).read_bytes().split(b"\n")
+    assert lines[-1] == b"" and all(json.loads(line) for line in lines[:-1])
+    assert StateFile(path).placement("g").holder == "c"
+
+
+def test_a_torn_last_line_is_dropped_and_a_bad_line_before_others_is_refused(tmp_path, caplog) -> None:
+    path = tmp_path / "state.json"
+    state = StateFile(path)
+    state.close()
+    journal = state_journal.journal_path(path)
+    journal.write_text('{"seq": 1, "epochs": {"g": 1000}, "groups": {"g": {"holder": "a"}}}\n'
+                       '{"seq": 2, "epochs": {}, "groups": {"g": {"hol')
+    assert StateFile(path).placement("g").holder == "a"
+    assert "its last line is torn" in caplog.text
+    journal.write_text('{"seq": 1, "epochs": {"g": 1000}, "groups": {"g": {"holder": "a"}}}\n'
+                       '{"seq": 2, "epochs": {}, "groups": {"g": {"hol\n'
+                       '{"seq": 3, "epochs": {}, "groups": {"g": {"holder": "c"}}}\n')
+    with pytest.raises(ValueError, match=r"state.json.journal is unreadable \(line 2: .*move it away"):
+        StateFile(path)
+    journal.write_text('{"seq": 2, "groups": {"g": {"holder": "b"}}}\n{"seq": 2, "groups": {"g": {"holder": "c"}}}\n')
+    with pytest.raises(ValueError, match=r"line 2: change 2 after 2"):
+        StateFile(path)
+
+
+def test_journal_lines_a_compaction_already_has_are_not_applied_again(tmp_path) -> None:
+    """A crash after a compaction wrote its snapshot but before it emptied the journal: the
+    old lines (seq up to the snapshot's) would set older values; they are skipped."""
+    path = tmp_path / "state.json"
+    path.write_text('{"apiVersion": "timeslice.dev/orchestrator-state/v1", "seq": 5, "epochs": {"g": 3000}, '
+                    '"groups": {"g": {"holder": "new"}}}')
+    state_journal.journal_path(path).write_text(
+        '{"seq": 4, "epochs": {"g": 2000}, "groups": {"g": {"holder": "old"}}}\n'
+        '{"seq": 5, "epochs": {}, "groups": {"g": {"holder": "new"}}}\n'
+        '{"seq": 6, "epochs": {"h": 1000}, "groups": {}}\n')
+    state = StateFile(path)
+    assert (state.placement("g").holder, state.start("g"), state.start("h")) == ("new", 3000, 1000)
+
+
+async def test_a_journal_removed_under_a_running_orchestrator_is_written_again_whole(tmp_path, caplog) -> None:
+    """Someone removes the state files while the orchestrator runs: what it appended would go
+    to a file nobody can open. The next write notices, logs it, and writes the whole state."""
+    path = tmp_path / "state.json"
+    state = StateFile(path)
+    state.record("g", "a", [], ["a"])
+    await state.durable()
+    path.unlink()
+    state_journal.journal_path(path).unlink()
+    state.record("h", "b", [], ["b"])
+    await state.durable()
+    assert "was removed: the whole state is written again" in caplog.text
+    again = StateFile(path)
+    assert (again.placement("g").holder, again.placement("h").holder) == ("a", "b")
+    state.close()
+
+
+async def test_the_changes_of_one_loop_turn_share_one_line_of_only_the_groups_that_changed(tmp_path) -> None:
+    """Per group: 1000 groups, 3 of them change in one loop turn: one journal line with those
+    3 (not the whole state)."""
+    path = tmp_path / "state.json"
+    state = StateFile(path)
+    for i in range(1000):
+        state.record(f"g{i}", "a", [], [])
+    await state.durable()
+    before = state_journal.journal_path(path).read_bytes().count(b"\n")
+    for i in (5, 500, 999):
+        state.record(f"g{i}", "b", [], ["b"])
+    await asyncio.gather(state.durable(), state.durable())
+    lines = state_journal.journal_path(path).read_bytes().split(b"\n")[:-1]
+    assert len(lines) == before + 1
+    assert set(json.loads(lines[-1])["groups"]) == {"g5", "g500", "g999"}
+    state.close()
+    assert not any(t.name == "orchestrator-state-file" for t in threading.enumerate())  # the writer thread ended
