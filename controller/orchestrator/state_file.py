@@ -19,11 +19,13 @@ once restored or forgotten. Written by `CooperativeJobs` (its `CheckpointRecords
 record does not make its job checkpointed after a restart (the process may have restored
 after it was written): until the process confirms it, its job counts as on the GPUs.
 Written off the event loop as a snapshot and a journal of changes (state_journal.py):
-a change is made in memory and marks its group (or the pool) dirty; one task writes a
-journal line of what is dirty in a thread, so the changes of one loop turn, and those
-made while a write is in flight, share one synchronous write of their groups only (at
-1000 groups the whole file written before each grant cut hand-offs from 942/s to 372/s on
-the loop, and still doubled their p99 off it). What must be on disk before something
+a change is made in memory and marks its group (or the pool) dirty; one writer thread
+appends a journal line of what is dirty with one synchronous `pwrite`. A caller that
+waits for its changes (`when_written`, `durable`) starts that write at once when none is
+in flight; the changes made meanwhile, by any group, share the next, and changes nobody
+waits for are written after their loop turn (at 1000 groups the whole file written before
+each grant cut hand-offs from 942/s to 372/s on the loop, and still doubled their p99 off
+it, in a thread: `bench/handoff.py --state-file`). What must be on disk before something
 happens waits for `durable()`: a grant is delivered, a hold joined, a switch started and
 a checkpoint command sent only once the state that tells a restarted orchestrator about
 them is written. The state, as one document (the snapshot's format; a journal line has
@@ -202,10 +204,13 @@ class StateFile:
         """Call `callback(None)` on the event loop once every change made so far is on disk,
         or `callback(err)` with the OSError of the write that failed: at once when nothing
         is pending, else straight from the write's completion (no loop turn of a future's
-        own in between: a grant waits for this). Call on the event loop."""
+        own in between: a grant waits for this). Starts the write at once when none is in
+        flight; the changes made while one is, by any group, share the next. Call on the
+        event loop."""
         if self._dirty:
             self._waiting.append(callback)
-            self._schedule()
+            if self._in_flight is None:  # at once: the caller has made its changes (a turn later costs a grant a turn)
+                self._flush()
         elif self._in_flight is not None:
             self._in_flight.append(callback)
         else:
@@ -252,12 +257,11 @@ class StateFile:
              "bytes": c.nbytes, "checksum": c.checksum} for c in checkpoints]})
 
     def _changed(self) -> None:
+        """Write after this loop turn's changes, unless a caller's wait writes them first
+        (`when_written`), or a write is in flight (its end writes them)."""
+        if self._flush_scheduled or self._in_flight is not None:
+            return
         with contextlib.suppress(RuntimeError):  # no loop running (a start-up adoption): the next durable() writes
-            self._schedule()
-
-    def _schedule(self) -> None:
-        """Write after this loop turn's changes (unless a write is in flight: its end writes)."""
-        if not self._flush_scheduled and self._in_flight is None:
             asyncio.get_running_loop().call_soon(self._flush)
             self._flush_scheduled = True
 
