@@ -51,13 +51,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import queue
+import threading
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from timeslice.controller.orchestrator import state_journal
 from timeslice.controller.orchestrator.state_journal import Journal
-from timeslice.controller.orchestrator.state_writer import StateWriter, Step
 
 log = logging.getLogger("timeslice.orchestrator")
 BLOCK = 1000
@@ -88,16 +89,6 @@ class PoolCheckpoint:
     checksum: int | None = None
 
 
-@dataclass
-class _Batch:
-    """Changes handed to the writer in one step, and who waits for them."""
-
-    epochs: set[str]
-    groups: set[str]
-    pool: bool
-    callbacks: list[Callable[[OSError | None], None]] = field(default_factory=list)
-
-
 class StateFile:
     """`path`: the state file (None: in memory only, nothing survives a restart); its
     journal is `<path>.journal`. Raises ValueError, naming the file and the cause, when it
@@ -117,14 +108,16 @@ class StateFile:
         self._dirty_epochs: set[str] = set()
         self._dirty_groups: set[str] = set()
         self._dirty_pool = False
-        self._batches: dict[int, _Batch] = {}  # handed to the writer, not yet reported, by step number (in order)
-        self._steps = 0  # the last step number handed
-        self._compaction: int | None = None  # the step number of a snapshot handed, not yet reported
+        # the writer: one thread, handed one write at a time (`_flush`), its end reported on the loop
+        self._waiting: list[Callable[[OSError | None], None]] = []  # callers that the next write covers
+        self._in_flight: list[Callable[[OSError | None], None]] | None = None  # ... that the one in flight covers
+        self._batch: tuple[set[str], set[str], bool] = (set(), set(), False)  # (what it writes: kept if it fails)
         self._flush_scheduled = False
+        self._queue: queue.SimpleQueue[tuple[Callable[[bytes], None], bytes] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         if path is None:
             return
         self._journal = Journal(path)
-        self._writer = StateWriter(self._journal, self._written)
         doc = state_journal.load(path)
         if doc is not None:
             self._seq = doc.seq
@@ -209,15 +202,17 @@ class StateFile:
 
     def when_written(self, callback: Callable[[OSError | None], None]) -> None:
         """Call `callback(None)` on the event loop once every change made so far is on disk,
-        or `callback(err)` with the OSError of a write that failed: at once when nothing is
-        pending, else straight from the writer's report (no loop turn of a future's own in
-        between: a grant waits for this). Hands the changes pending to the writer at once,
-        without waiting for the writes before (`StateWriter`: the lines queued meanwhile,
-        of any group, share one write). Call on the event loop."""
+        or `callback(err)` with the OSError of the write that failed: at once when nothing
+        is pending, else straight from the write's completion (no loop turn of a future's
+        own in between: a grant waits for this). Starts the write at once when none is in
+        flight; the changes made while one is, by any group, share the next. Call on the
+        event loop."""
         if self._dirty:
-            self._flush(callback)
-        elif self._batches:  # (the last one handed is reported last, and only if all before it were written)
-            next(reversed(self._batches.values())).callbacks.append(callback)
+            self._waiting.append(callback)
+            if self._in_flight is None:  # at once: the caller has made its changes (a turn later costs a grant a turn)
+                self._flush()
+        elif self._in_flight is not None:
+            self._in_flight.append(callback)
         else:
             callback(None)
 
@@ -230,9 +225,13 @@ class StateFile:
     def close(self) -> None:
         """Stop the writer thread and close the journal (after `written()`: changes made
         after it are not written)."""
-        if self._path is not None:
-            self._writer.close()
-            self._journal.close()
+        if self._path is None:
+            return
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(5)
+            self._thread = None
+        self._journal.close()
 
     @property
     def _dirty(self) -> bool:
@@ -259,70 +258,72 @@ class StateFile:
 
     def _changed(self) -> None:
         """Write after this loop turn's changes, unless a caller's wait writes them first
-        (`when_written`)."""
-        if self._flush_scheduled:
+        (`when_written`), or a write is in flight (its end writes them)."""
+        if self._flush_scheduled or self._in_flight is not None:
             return
         with contextlib.suppress(RuntimeError):  # no loop running (a start-up adoption): the next durable() writes
             asyncio.get_running_loop().call_soon(self._flush)
             self._flush_scheduled = True
 
-    def _flush(self, callback: Callable[[OSError | None], None] | None = None) -> None:
-        """Hand what changed to the writer: a journal line of it, or a new snapshot once the
-        journal has grown (`Journal.compact_due`); `callback` is told when it is written."""
+    def _flush(self) -> None:
+        """Hand what changed since the last write to the writer thread: a journal line of it,
+        or a new snapshot once the journal has grown (`Journal.compact_due`)."""
         self._flush_scheduled = False
-        if not self._dirty:
+        if self._in_flight is not None or not self._dirty:
             return
-        batch = _Batch(self._dirty_epochs, self._dirty_groups, self._dirty_pool, [callback] if callback else [])
+        self._batch = (self._dirty_epochs, self._dirty_groups, self._dirty_pool)
         self._dirty_epochs, self._dirty_groups, self._dirty_pool = set(), set(), False
-        self._steps += 1
-        snapshot = self._compaction is None and self._journal.compact_due()
-        if snapshot:
-            self._compaction = self._steps
-            data = self._snapshot()
+        self._in_flight, self._waiting = self._waiting, []
+        if self._journal.compact_due():
+            step: tuple[Callable[[bytes], None], bytes] = (self._journal.compact, self._snapshot())
         else:
             self._seq += 1
-            data = self._change(batch)
-        self._batches[self._steps] = batch
-        self._writer.put(Step(self._steps, snapshot, data))
+            step = (self._journal.append, self._change(*self._batch))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._writes, args=(asyncio.get_running_loop(),),
+                                            name="orchestrator-state-file", daemon=True)
+            self._thread.start()
+        self._queue.put(step)
 
-    def _written(self, results: list[tuple[int, OSError | None]]) -> None:
-        """On the loop, from the writer: steps ended, in order. Settle their callers. A step
-        that failed fails every step handed after it too (the writer refuses them until
-        `reset`), and their changes stay pending: the next change or wait writes them."""
-        for number, err in results:
-            if number == self._compaction:
-                self._compaction = None
-            batch = self._batches.pop(number, None)
-            if batch is None:  # (failed with an earlier step)
-                continue
-            if err is None:
-                self._settle(batch.callbacks, None)
-                continue
+    def _writes(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The writer thread: performs each step handed to it, reports its end to the loop."""
+        while (step := self._queue.get()) is not None:
+            write, data = step
+            err = None
+            try:
+                write(data)
+            except Exception as exc:  # (a bug too must fail the waiting grants, never leave them waiting)
+                err = exc if isinstance(exc, OSError) else OSError(f"{type(exc).__name__}: {exc}")
+            try:
+                loop.call_soon_threadsafe(self._written, err)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+
+    def _written(self, err: OSError | None) -> None:
+        """On the loop: the write in flight ended. Settle its callers (a failed write fails
+        those waiting for the next one too, and keeps its changes pending); then write what
+        changed meanwhile."""
+        callbacks, self._in_flight = self._in_flight or [], None
+        if err is not None:
+            epochs, groups, pool = self._batch
+            self._dirty_epochs |= epochs
+            self._dirty_groups |= groups
+            self._dirty_pool |= pool
             log.error("orchestrator state file %s not written: %s", self._path, err)
-            failed = [batch, *self._batches.values()]
-            self._batches.clear()
-            self._compaction = None
-            self._writer.reset()
-            for b in failed:
-                self._dirty_epochs |= b.epochs
-                self._dirty_groups |= b.groups
-                self._dirty_pool |= b.pool
-            for b in failed:
-                self._settle(b.callbacks, err)
-
-    @staticmethod
-    def _settle(callbacks: list[Callable[[OSError | None], None]], err: OSError | None) -> None:
+            callbacks, self._waiting = [*callbacks, *self._waiting], []
         for callback in callbacks:
             try:
                 callback(err)
             except Exception:  # (one caller's bug must not keep the others waiting)
                 log.exception("state file: a caller's callback failed")
+        if err is None and self._dirty:
+            self._flush()
 
-    def _change(self, batch: _Batch) -> bytes:
+    def _change(self, epochs: set[str], groups: set[str], pool: bool) -> bytes:
         """One journal line: the changed groups' epochs and placements, and the pool if it changed."""
-        pool_part = f', "pool": {self._pool_json}' if batch.pool and self._pool_json is not None else ""
-        return (f'{{"seq": {self._seq}, "epochs": {json.dumps({g: self._ends[g] for g in batch.epochs})}, '
-                f'"groups": {{{self._json_of(batch.groups)}}}{pool_part}}}\n').encode()
+        pool_part = f', "pool": {self._pool_json}' if pool and self._pool_json is not None else ""
+        return (f'{{"seq": {self._seq}, "epochs": {json.dumps({g: self._ends[g] for g in epochs})}, '
+                f'"groups": {{{self._json_of(groups)}}}{pool_part}}}\n').encode()
 
     def _snapshot(self) -> bytes:
         """The whole state's bytes, from each part's JSON made once per change."""

@@ -25,8 +25,6 @@ without `seq` and load as they did.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import logging
 import os
@@ -144,7 +142,7 @@ def _unreadable(path: Path, err: ValidationError, where: str = "") -> ValueError
 
 class Journal:
     """Writes the two files. `compact` and `append` block (disk I/O): call them from one
-    thread (`StateWriter`), off the event loop. Raises OSError when a write fails (nothing
+    thread at a time, off the event loop. Raises OSError when a write fails (nothing
     reported written is lost: a failed compaction leaves the old snapshot and journal, a
     failed append is cut off before the next)."""
 
@@ -153,42 +151,34 @@ class Journal:
         self._fd: int | None = None
         self._end = 0  # bytes of whole lines in the journal
         self._torn = False  # the last append failed: cut the journal back to `_end` first
-        self._removed = False  # found removed (`compact_due`): the next compaction opens a new one
         self.snapshot_bytes = 0
 
+    @property
+    def journal_bytes(self) -> int:
+        return self._end
+
     def compact_due(self) -> bool:
-        """Whether the next write should be a new snapshot: the journal has grown, it is not
-        open, or it was removed (what is appended to it would be written nowhere). Does not
-        block (`fstat` of an open descriptor) nor close anything: call it on the event loop."""
-        fd = self._fd
-        if fd is not None and not self._removed:
-            with contextlib.suppress(OSError):  # (closed by the writer meanwhile: asked again next time)
-                if os.fstat(fd).st_nlink == 0:
-                    log.warning("orchestrator state journal %s was removed: the whole state is written again",
-                                journal_path(self.path))
-                    self._removed = True
-        return fd is None or self._removed or self._end >= max(COMPACT_MIN, 8 * self.snapshot_bytes)
+        """Whether a new snapshot should replace the journal: it has grown, it is not open,
+        or it was removed (what is appended to it would be written nowhere). Does not block
+        (`fstat` of an open descriptor): call it on the event loop."""
+        if self._fd is not None and os.fstat(self._fd).st_nlink == 0:
+            log.warning("orchestrator state journal %s was removed: the whole state is written again",
+                        journal_path(self.path))
+            self.close()
+        return self._fd is None or self._end >= max(COMPACT_MIN, 8 * self.snapshot_bytes)
 
     def compact(self, snapshot: bytes) -> None:
-        """Replace the snapshot with `snapshot` (a whole `FileDoc`), then empty the journal
-        (a new one where it was removed)."""
+        """Replace the snapshot with `snapshot` (a whole `FileDoc`), then empty the journal."""
         write_atomic(self.path, snapshot)
         self.snapshot_bytes = len(snapshot)
-        if self._removed:
-            self.close()
         fd = self._open()
         os.ftruncate(fd, 0)
         os.fsync(fd)
-        self._end, self._torn, self._removed = 0, False, False
+        self._end, self._torn = 0, False
 
     def append(self, line: bytes) -> None:
-        """Write journal lines (`line` ends with a newline); on disk when this returns.
-        Raises OSError also where no journal is open or it was removed (the next write
-        is then a snapshot: `compact_due`)."""
-        fd = self._fd
-        if fd is None or self._removed:
-            raise OSError(errno.ENOENT, "no state journal to append to (the whole state is written next)",
-                          str(journal_path(self.path)))
+        """Write one journal line (`line` ends with a newline); on disk when this returns."""
+        fd = self._open()
         if self._torn:
             os.ftruncate(fd, self._end)
             self._torn = False
