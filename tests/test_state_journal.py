@@ -180,3 +180,38 @@ async def test_the_changes_of_one_loop_turn_share_one_line_of_only_the_groups_th
     assert set(json.loads(lines[-1])["groups"]) == {"g5", "g500", "g999"}
     state.close()
     assert not set(threading.enumerate()) - threads  # its writer thread ended
+
+
+async def test_a_failed_write_fails_those_waiting_for_the_next_and_their_changes_are_written_again(
+        tmp_path, monkeypatch) -> None:
+    """A write fails while changes wait for the next: their callers fail with it, unwritten
+    (nothing is written after a change that is not), and the next write has all the changes."""
+    from timeslice.controller.orchestrator.state_journal import Journal
+
+    path = tmp_path / "state.json"
+    state = StateFile(path)
+    entered, gate = threading.Event(), threading.Event()
+    real = Journal.append
+
+    def first_fails(journal: Journal, line: bytes) -> None:  # the disk fills during the first write
+        entered.set()
+        assert gate.wait(30)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Journal, "append", first_fails)
+    state.record("g1", "a", [], ["a"])
+    first = state.durable()
+    assert await asyncio.to_thread(entered.wait, 30)
+    state.record("g2", "b", [], ["b"])
+    second = state.durable()  # made while the first is in flight
+    monkeypatch.setattr(Journal, "append", real)
+    gate.set()
+    for fut in (first, second):
+        with pytest.raises(OSError, match="No space left"):
+            await fut
+    assert b"g2" not in state_journal.journal_path(path).read_bytes()
+    await state.durable()
+    again = StateFile(path)
+    assert (again.placement("g1").holder, again.placement("g2").holder) == ("a", "b")
+    again.close()
+    state.close()
