@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc.aio
 import pytest
-from timeslice.controller.orchestrator import state_journal
+from timeslice.controller.orchestrator import state_format
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool, PoolRefused
@@ -213,7 +213,7 @@ class Box:
 
     def checkpoints(self) -> dict[str, dict]:
         """The state file's pool checkpoints by job."""
-        doc = state_journal.load(self.state)
+        doc = state_format.load(self.state)
         return {c.job: c.model_dump() for c in (doc.pool.checkpoints if doc and doc.pool else [])}
 
 

@@ -39,7 +39,9 @@ static mode a job name from the node agents' job tables.
     cooperative_records.py    CheckpointRecords: pool ranges in the state file, adoption after a restart
     pinned_pool.py      PinnedPool: a node's shared pinned host memory
     state_file.py       StateFile: epochs and placements a standalone restart must not forget
-    state_journal.py    the state file on disk: a snapshot and a journal of per-group changes
+    state_format.py     its records, schema and reading: a snapshot and a journal of per-group changes
+    state_journal.py    Journal: writes the two files (O_DSYNC appends, compactions), holds the file's lock
+    state_writer.py     StateWriter: the thread that performs the writes, off the event loop
     agents.py           AgentClient: gRPC calls to a node agent (TLS pinning its certificate)
     agent_pool.py       AgentPool: the agent clients by target, stand-ins for agents not to call (MissingAgent, ...)
     metrics.py          Prometheus metrics

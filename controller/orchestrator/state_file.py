@@ -18,7 +18,7 @@ the reconnect grace has passed), then its bytes and checksum once acknowledged; 
 once restored or forgotten. Written by `CooperativeJobs` (its `CheckpointRecords`). A
 record does not make its job checkpointed after a restart (the process may have restored
 after it was written): until the process confirms it, its job counts as on the GPUs.
-Written off the event loop as a snapshot and a journal of changes (state_journal.py):
+Written off the event loop as a snapshot and a journal of changes (state_journal.py, state_writer.py):
 a change is made in memory and marks its group (or the pool) dirty; one writer thread
 appends a journal line of what is dirty with one synchronous `pwrite`. A caller that
 waits for its changes (`when_written`, `durable`) starts that write at once when none is
@@ -28,20 +28,7 @@ each grant cut hand-offs from 942/s to 372/s on the loop, and still doubled thei
 it, in a thread: `bench/handoff.py --state-file`). What must be on disk before something
 happens waits for `durable()`: a grant is delivered, a hold joined, a switch started and
 a checkpoint command sent only once the state that tells a restarted orchestrator about
-them is written. The state, as one document (the snapshot's format; a journal line has
-`seq` and the parts that changed):
-
-    {"apiVersion": "timeslice.dev/orchestrator-state/v1", "seq": <last change included>,
-     "epochs": {"<group>": <end of block>},
-     "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...],
-                            "residents": ["<job>", ...]}},
-     "pool": {"path": "<file>", "bytes": <size>,
-              "checkpoints": [{"group": "<group>", "job": "<job>", "stream": "<stream id>", "pid": <pid>,
-                               "ranges": [[<offset>, <length>], ...],
-                               "bytes": <bytes used> | null, "checksum": <crc> | null}]}}
-
-("seq", "groups" and "pool" are optional: files written before they existed still load; a
-checkpoint whose "bytes" is null was offered, not yet acknowledged.) In a cluster the
+them is written. Their format: state_format.py. In a cluster the
 controller adopts epochs and the holder from claim status instead.
 """
 
@@ -51,42 +38,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import queue
-import threading
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-from timeslice.controller.orchestrator import state_journal
+from timeslice.controller.orchestrator import state_format
+from timeslice.controller.orchestrator.state_format import Placement, PoolCheckpoint
 from timeslice.controller.orchestrator.state_journal import Journal
+from timeslice.controller.orchestrator.state_writer import StateWriter
 
 log = logging.getLogger("timeslice.orchestrator")
 BLOCK = 1000
-
-
-@dataclass(frozen=True)
-class Placement:
-    """`holder`: the job granted last (None: none yet); `must_leave`: jobs to checkpoint
-    before anyone is granted; `residents`: jobs that may be on the GPUs."""
-
-    holder: str | None = None
-    must_leave: tuple[str, ...] = ()
-    residents: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class PoolCheckpoint:
-    """One process's place in the pinned pool: `ranges` [(offset, length)] in bytes, filled
-    in order; `nbytes` used from their start and `checksum` (see
-    `timeslice.memory_commands.pool_checksum`), both None while the checkpoint command is out."""
-
-    group: str
-    job: str
-    stream: str
-    pid: int
-    ranges: tuple[tuple[int, int], ...]
-    nbytes: int | None = None
-    checksum: int | None = None
 
 
 class StateFile:
@@ -113,12 +74,19 @@ class StateFile:
         self._in_flight: list[Callable[[OSError | None], None]] | None = None  # ... that the one in flight covers
         self._batch: tuple[set[str], set[str], bool] = (set(), set(), False)  # (what it writes: kept if it fails)
         self._flush_scheduled = False
-        self._queue: queue.SimpleQueue[tuple[Callable[[bytes], None], bytes] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._writer = StateWriter(self._written)
         if path is None:
             return
-        self._journal = Journal(path)
-        doc = state_journal.load(path)
+        try:
+            self._journal = Journal(path)
+        except OSError as err:
+            raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
+                             "refused; give the orchestrator a writable path") from None
+        try:
+            doc, torn = state_format.read(path)
+        except ValueError:
+            self._journal.release()
+            raise
         if doc is not None:
             self._seq = doc.seq
             self._ends = dict(doc.epochs)
@@ -129,9 +97,11 @@ class StateFile:
                     PoolCheckpoint(c.group, c.job, c.stream, c.pid, tuple((o, n) for o, n in c.ranges), c.bytes,
                                    c.checksum) for c in doc.pool.checkpoints)))
         try:
+            if torn:
+                self._journal.keep_torn()
             self._journal.compact(self._snapshot())
         except OSError as err:
-            self._journal.close()
+            self._journal.release()
             raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
                              "refused; give the orchestrator a writable path") from None
 
@@ -207,6 +177,7 @@ class StateFile:
         own in between: a grant waits for this). Starts the write at once when none is in
         flight; the changes made while one is, by any group, share the next. Call on the
         event loop."""
+        self._rebind()
         if self._dirty:
             self._waiting.append(callback)
             if self._in_flight is None:  # at once: the caller has made its changes (a turn later costs a grant a turn)
@@ -227,11 +198,8 @@ class StateFile:
         after it are not written)."""
         if self._path is None:
             return
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(5)
-            self._thread = None
-        self._journal.close()
+        self._writer.stop()
+        self._journal.release()
 
     @property
     def _dirty(self) -> bool:
@@ -251,10 +219,8 @@ class StateFile:
         return ", ".join(self._group_json[g] for g in groups)
 
     def _set_pool(self, pool: tuple[str, int, tuple[PoolCheckpoint, ...]]) -> None:
-        path, size, checkpoints = self._pool = pool
-        self._pool_json = json.dumps({"path": path, "bytes": size, "checkpoints": [
-            {"group": c.group, "job": c.job, "stream": c.stream, "pid": c.pid, "ranges": [list(r) for r in c.ranges],
-             "bytes": c.nbytes, "checksum": c.checksum} for c in checkpoints]})
+        self._pool = pool
+        self._pool_json = state_format.pool_json(*pool)
 
     def _changed(self) -> None:
         """Write after this loop turn's changes, unless a caller's wait writes them first
@@ -269,6 +235,7 @@ class StateFile:
         """Hand what changed since the last write to the writer thread: a journal line of it,
         or a new snapshot once the journal has grown (`Journal.compact_due`)."""
         self._flush_scheduled = False
+        self._rebind()
         if self._in_flight is not None or not self._dirty:
             return
         self._batch = (self._dirty_epochs, self._dirty_groups, self._dirty_pool)
@@ -279,36 +246,21 @@ class StateFile:
         else:
             self._seq += 1
             step = (self._journal.append, self._change(*self._batch))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._writes, args=(asyncio.get_running_loop(),),
-                                            name="orchestrator-state-file", daemon=True)
-            self._thread.start()
-        self._queue.put(step)
-
-    def _writes(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The writer thread: performs each step handed to it, reports its end to the loop."""
-        while (step := self._queue.get()) is not None:
-            write, data = step
-            err = None
-            try:
-                write(data)
-            except Exception as exc:  # (a bug too must fail the waiting grants, never leave them waiting)
-                err = exc if isinstance(exc, OSError) else OSError(f"{type(exc).__name__}: {exc}")
-            try:
-                loop.call_soon_threadsafe(self._written, err)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                return
+        self._writer.put(*step)
 
     def _written(self, err: OSError | None) -> None:
         """On the loop: the write in flight ended. Settle its callers (a failed write fails
         those waiting for the next one too, and keeps its changes pending); then write what
         changed meanwhile."""
         callbacks, self._in_flight = self._in_flight or [], None
-        if err is not None:
-            epochs, groups, pool = self._batch
-            self._dirty_epochs |= epochs
-            self._dirty_groups |= groups
-            self._dirty_pool |= pool
+        # removed or replaced while the write ran: the change may be where nobody finds it; its callers wait
+        # for the whole state, written again next (`compact_due`)
+        moved = err is None and not self._journal.intact()
+        if err is not None or moved:
+            self._pending_again()
+        if moved:
+            callbacks, self._waiting = [], [*callbacks, *self._waiting]
+        elif err is not None:
             log.error("orchestrator state file %s not written: %s", self._path, err)
             callbacks, self._waiting = [*callbacks, *self._waiting], []
         for callback in callbacks:
@@ -319,6 +271,22 @@ class StateFile:
         if err is None and self._dirty:
             self._flush()
 
+    def _pending_again(self) -> None:
+        """The changes of the write that was in flight are pending again."""
+        epochs, groups, pool = self._batch
+        self._dirty_epochs |= epochs
+        self._dirty_groups |= groups
+        self._dirty_pool |= pool
+
+    def _rebind(self) -> None:
+        """Used from a new event loop (an in-process restart, a test) while a write handed on
+        the old one is in flight: its report reaches nobody, so it counts as not written (its
+        callers belonged to the old loop), and the writer is started again for this loop."""
+        if self._in_flight is not None and self._writer.loop is not asyncio.get_running_loop():
+            self._writer.stop()
+            self._pending_again()
+            self._in_flight = None
+
     def _change(self, epochs: set[str], groups: set[str], pool: bool) -> bytes:
         """One journal line: the changed groups' epochs and placements, and the pool if it changed."""
         pool_part = f', "pool": {self._pool_json}' if pool and self._pool_json is not None else ""
@@ -327,5 +295,5 @@ class StateFile:
 
     def _snapshot(self) -> bytes:
         """The whole state's bytes, from each part's JSON made once per change."""
-        return state_journal.snapshot_json(self._seq, json.dumps(self._ends), self._json_of(self._placements),
+        return state_format.snapshot_json(self._seq, json.dumps(self._ends), self._json_of(self._placements),
                                            self._pool_json)
