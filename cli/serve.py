@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from timeslice.controller.orchestrator import huge_pages, pinned_pool
+from timeslice.controller.orchestrator import huge_pages, pinned_pool, state_format
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
@@ -162,13 +161,13 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
 
 
 def recorded_pool(state_file: Path | None) -> Path | None:
-    """The pinned pool `state_file` names (an earlier start's), None when none or unreadable."""
+    """The pinned pool `state_file` names (an earlier start's: its snapshot and journal,
+    `state_format.load`), None when none or unreadable."""
     try:
-        data = json.loads(state_file.read_text()) if state_file is not None else {}
-        path = data.get("pool", {}).get("path") if isinstance(data, dict) else None
-    except (OSError, ValueError, AttributeError):
+        doc = state_format.load(state_file) if state_file is not None else None
+    except ValueError:
         return None
-    return Path(path) if isinstance(path, str) else None
+    return Path(doc.pool.path) if doc is not None and doc.pool is not None else None
 
 
 def preload_word(config: OrchestratorConfig) -> str:

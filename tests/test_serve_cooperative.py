@@ -340,16 +340,21 @@ def test_a_pool_sized_twice_is_refused_before_anything_is_made(tmp_path, short_t
     assert "Traceback" not in out.stderr and not (tmp_path / "pool").exists() and _pool_dirs() == before
 
 
-def _left_pool(tmp_path: Path, root: Path = Path("/dev/shm"), size: int = 4096) -> Path:
-    """A pool folder as a killed serve leaves it under `root`, recorded in the state file of tmp_path/state."""
+def _left_pool(tmp_path: Path, root: Path = Path("/dev/shm"), size: int = 4096, in_journal: bool = False) -> Path:
+    """A pool folder as a killed serve leaves it under `root`, recorded in the state file of
+    tmp_path/state (`in_journal`: in a journal line after the snapshot, as a serve killed
+    before its journal was folded into a snapshot leaves it)."""
     folder = Path(tempfile.mkdtemp(prefix="timeslice-pool-", dir=root))
     fd = os.open(folder / "pool", os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)  # (hugetlbfs has no write(2): a size, then pages as they are mapped)
     os.close(fd)
     (tmp_path / "state").mkdir(exist_ok=True)
-    (tmp_path / "state" / "orchestrator-state.json").write_text(json.dumps({
-        "apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 7}, "groups": {},
-        "pool": {"path": str(folder / "pool"), "bytes": size, "checkpoints": []}}))
+    snapshot = tmp_path / "state" / "orchestrator-state.json"
+    pool = {"path": str(folder / "pool"), "bytes": size, "checkpoints": []}
+    snapshot.write_text(json.dumps({"apiVersion": "timeslice.dev/orchestrator-state/v1", "epochs": {"g": 7},
+                                    "groups": {}, **({} if in_journal else {"pool": pool})}))
+    if in_journal:
+        snapshot.with_name(snapshot.name + ".journal").write_text(json.dumps({"seq": 1, "pool": pool}) + "\n")
     return folder / "pool"
 
 
@@ -377,9 +382,11 @@ def test_a_left_pool_is_removed_once_nothing_maps_it(tmp_path, huge, request) ->
 
 
 @pytest.mark.timeout(120)
-async def test_serve_removes_the_pool_a_killed_serve_left_with_its_state_dir(no_kubernetes, tmp_path,
-                                                                             short_tmp) -> None:
-    pool = _left_pool(tmp_path)
+@pytest.mark.parametrize("recorded", ["snapshot", "journal"])
+async def test_serve_removes_the_pool_a_killed_serve_left_with_its_state_dir(no_kubernetes, tmp_path, short_tmp,
+                                                                             recorded) -> None:
+    """(`journal`: serve read the snapshot alone, and missed a pool recorded in the journal.)"""
+    pool = _left_pool(tmp_path, in_journal=recorded == "journal")
     async with cooperative_serve(tmp_path, short_tmp / "orchestrator.sock", "--pinned-pool-gb", "0.004") as (
             new, log):
         assert not pool.parent.exists() and new.parent != pool.parent, log.read_text()[-2000:]
