@@ -218,12 +218,12 @@ def test_a_journal_without_its_snapshot_is_refused_not_emptied(tmp_path) -> None
 
 
 HOLDER = """
-import sys, time
+import sys
 from pathlib import Path
 from timeslice.controller.orchestrator.state_file import StateFile
 state = StateFile(Path(sys.argv[1]))
 print("ready", flush=True)
-time.sleep(60)
+sys.stdin.readline()  # holds the file until the test closes its stdin
 """
 
 
@@ -231,14 +231,16 @@ def test_a_second_orchestrator_on_the_same_state_file_is_refused(tmp_path) -> No
     """Two orchestrator processes on one state file would write over each other's lines and
     repeat fencing epochs (review of issue 24): the second refuses to start, naming why."""
     path = tmp_path / "state.json"
-    with subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True,
-                          cwd=REPO) as first:
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          text=True, cwd=REPO) as first:
         assert first.stdout is not None and first.stdout.readline().strip() == "ready"
         code = "import sys; from pathlib import Path; from timeslice.controller.orchestrator.state_file import " \
                "StateFile; StateFile(Path(sys.argv[1]))"
         second = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=REPO,
                                 timeout=60)
-        first.kill()
+        assert first.stdin is not None
+        first.stdin.close()
+        assert first.wait(60) == 0
     assert second.returncode != 0 and "is in use by another orchestrator" in second.stderr
     StateFile(path).close()  # free again once the first is gone
 
