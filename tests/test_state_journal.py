@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 WRITER = """
 import asyncio, sys
 from pathlib import Path
-from timeslice.controller.orchestrator import state_format, state_journal
+from timeslice.controller.orchestrator import state_journal
 from timeslice.controller.orchestrator.state_file import StateFile
 state_journal.COMPACT_MIN = 4096
 
@@ -73,7 +73,7 @@ def test_every_change_reported_written_survives_a_sigkill_at_any_point_of_writes
 FULL_DISK = """
 import asyncio, os, resource, signal, sys
 from pathlib import Path
-from timeslice.controller.orchestrator import state_format, state_journal
+from timeslice.controller.orchestrator import state_format
 from timeslice.controller.orchestrator.state_file import StateFile
 
 async def main():

@@ -23,13 +23,12 @@ a change is made in memory and marks its group (or the pool) dirty; one writer t
 appends a journal line of what is dirty with one synchronous `pwrite`. A caller that
 waits for its changes (`when_written`, `durable`) starts that write at once when none is
 in flight; the changes made meanwhile, by any group, share the next, and changes nobody
-waits for are written after their loop turn (at 1000 groups the whole file written before
-each grant cut hand-offs from 942/s to 372/s on the loop, and still doubled their p99 off
-it, in a thread: `bench/handoff.py --state-file`). What must be on disk before something
-happens waits for `durable()`: a grant is delivered, a hold joined, a switch started and
-a checkpoint command sent only once the state that tells a restarted orchestrator about
-them is written. Their format: state_format.py. In a cluster the
-controller adopts epochs and the holder from claim status instead.
+waits for are written after their loop turn (the cost: `bench/handoff.py --state-file`).
+What must be on disk before something happens waits for `durable()`: a grant is
+delivered, a hold joined, a switch started and a checkpoint command sent only once the
+state that tells a restarted orchestrator about them is written. Their format:
+state_format.py. In a cluster the controller adopts epochs and the holder from claim
+status instead.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ class StateFile:
         try:
             self._journal = Journal(path)
         except OSError as err:
-            raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
-                             "refused; give the orchestrator a writable path") from None
+            raise _unwritable(path, err) from None
         try:
             doc, torn = state_format.read(path)
         except ValueError:
@@ -102,8 +100,7 @@ class StateFile:
             self._journal.compact(self._snapshot())
         except OSError as err:
             self._journal.release()
-            raise ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be "
-                             "refused; give the orchestrator a writable path") from None
+            raise _unwritable(path, err) from None
 
     def start(self, group_id: str) -> int:
         """The epoch a group starts from: the end of its last persisted block (0: none)."""
@@ -253,8 +250,7 @@ class StateFile:
         those waiting for the next one too, and keeps its changes pending); then write what
         changed meanwhile."""
         callbacks, self._in_flight = self._in_flight or [], None
-        # removed or replaced while the write ran: the change may be where nobody finds it; its callers wait
-        # for the whole state, written again next (`compact_due`)
+        # a file removed or replaced while it ran: its callers wait for the whole state, written next (`compact_due`)
         moved = err is None and not self._journal.intact()
         if err is not None or moved:
             self._pending_again()
@@ -297,3 +293,8 @@ class StateFile:
         """The whole state's bytes, from each part's JSON made once per change."""
         return state_format.snapshot_json(self._seq, json.dumps(self._ends), self._json_of(self._placements),
                                            self._pool_json)
+
+
+def _unwritable(path: Path, err: OSError) -> ValueError:
+    return ValueError(f"orchestrator state file {path} cannot be written ({err}): every grant would be refused; "
+                      "give the orchestrator a writable path")

@@ -79,10 +79,10 @@ class Journal:
 
     def compact(self, snapshot: bytes) -> None:
         """Replace the snapshot with `snapshot` (a whole `FileDoc`), then empty the journal."""
+        fd = self._open()  # (first: a journal it creates is named durably by write_atomic's fsync of the folder)
         write_atomic(self.path, snapshot)
         self._snapshot_id = _id(os.stat(self.path))
         self.snapshot_bytes = len(snapshot)
-        fd = self._open()
         try:
             os.ftruncate(fd, 0)
             self._end, self._torn = 0, False
@@ -132,16 +132,9 @@ class Journal:
 
     def _open(self) -> int:
         if self._fd is None:
-            created = not journal_path(self.path).exists()
             self._fd = os.open(journal_path(self.path), os.O_WRONLY | os.O_CREAT | os.O_DSYNC | os.O_CLOEXEC, 0o600)
             self._end = os.fstat(self._fd).st_size
             self._torn = False
-            if created:  # its name too must survive a crash
-                folder = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(folder)
-                finally:
-                    os.close(folder)
         return self._fd
 
 
