@@ -186,20 +186,19 @@ async def test_a_file_removed_while_a_write_runs_holds_its_callers_until_the_who
     """The journal removed while a line is being written to it: the line lands in a file the
     next start does not read, so its callers are told only once the whole state is written
     again (review of issue 24: an idle orchestrator killed then lost that change)."""
-    from timeslice.controller.orchestrator.state_journal import Journal
-
     path = tmp_path / "state.json"
     state = StateFile(path)
-    real = Journal.append
+    real = os.pwrite
 
-    def removed_meanwhile(journal: Journal, line: bytes) -> None:
-        real(journal, line)
+    def removed_meanwhile(fd: int, data: bytes, offset: int) -> int:
+        written = real(fd, data, offset)
         state_format.journal_path(path).unlink()
+        return written
 
-    monkeypatch.setattr(Journal, "append", removed_meanwhile)
+    monkeypatch.setattr(os, "pwrite", removed_meanwhile)
     state.reserve("g", 1)
     await state.durable()
-    monkeypatch.setattr(Journal, "append", real)
+    monkeypatch.setattr(os, "pwrite", real)
     again = StateFile(path)
     assert again.start("g") == 1001
     again.close()
