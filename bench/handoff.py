@@ -119,9 +119,12 @@ def main() -> int:
 
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=30)
-        q: mp.Queue = mp.Queue()
+        # spawned, not forked: this process has a gRPC channel open above, and a child forked from it
+        # can hang in its first channel's set-up (a run hung so in grpc.aio.Channel.__init__)
+        ctx = mp.get_context("spawn")
+        q: mp.Queue = ctx.Queue()
         shards = [groups[i::a.procs] for i in range(a.procs)]
-        procs = [mp.Process(target=load_process, args=(f"127.0.0.1:{port}", s, a.jobs, a.hold, a.seconds, q))
+        procs = [ctx.Process(target=load_process, args=(f"127.0.0.1:{port}", s, a.jobs, a.hold, a.seconds, q))
                  for s in shards if s]
         t0 = time.monotonic()
         for pr in procs:
