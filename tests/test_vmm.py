@@ -23,12 +23,19 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import grpc.aio
 import pytest
 from timeslice.driver import vmm_shim
+from timeslice.driver.agentapi.v1 import agent_pb2 as apb
+from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, NO_CONTEXT, RUNNING
 from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend, socket_path
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
+from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
+from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.server import create_server
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "bench" / "fake_cuda" / "vmm"
@@ -137,6 +144,35 @@ async def test_failed_restore_stays_checkpointed_then_restores(start_job):
     job.fault("")
     await backend.restore([job.pid], timeout=30)
     assert await job.verify() == "verified ok"
+
+
+async def test_a_checkpoint_right_after_a_restore_waits_for_the_restored_buffer_to_be_freed(start_job, short_tmp):
+    """A switch that restores first, then checkpoints the job it replaces: the restored process's
+    shim frees its host buffer after it answered, and the checkpoint's host-memory check must see
+    that memory freed (H200, 3 jobs of 57 GB through `timeslice serve --backend vmm`: 4 switches
+    refused "no host memory", 34 ms after a 47 GB restore, and their rollbacks too). Here the
+    host's memory is taken while the restored shim's cuMemHostUnregister runs (a 1 s hang)."""
+    gb = 10**9
+    a, b = await start_job("a"), await start_job("b")
+    hit, freed = (a.faults.with_name(f"{a.faults.name}.{end}") for end in ("hit", "after"))
+    node = NodeAgent(StaticProcessResolver({"a": [a.pid], "b": [b.pid]}), backends=[VmmBackend(10)],
+                     records_path=short_tmp / "records.json",
+                     memory_probe=lambda: [GpuInfo("GPU-0", 0, 80 * gb, 40 * gb, {a.pid: 20 * gb, b.pid: 20 * gb})],
+                     host_probe=lambda: 10 * gb if hit.exists() and not freed.exists() else 100 * gb)
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    server, _ = await create_server(node, target)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = apb_grpc.NodeAgentStub(channel)
+            await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="vmm"))
+            a.fault("unregister hang 1.0")
+            await stub.Restore(apb.SwitchStepRequest(job_id="a", backend="vmm"))
+            await stub.Checkpoint(apb.SwitchStepRequest(job_id="b", backend="vmm"))  # not refused
+            assert freed.exists()
+            await stub.Restore(apb.SwitchStepRequest(job_id="b", backend="vmm"))
+    finally:
+        await server.stop(0)
+    assert [await a.verify(), await b.verify()] == ["verified ok"] * 2
 
 
 @pytest.mark.parametrize("step", ["checkpoint", "restore"])

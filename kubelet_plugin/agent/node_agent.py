@@ -452,9 +452,15 @@ class NodeAgent:
             log.debug("no processes job=%s: %s", job.job_id, err)
             return []
 
+    async def _host_available(self) -> int:
+        """The host's available memory in bytes, once what the backends' answered steps still
+        release is released (`Backend.host_memory_settled`)."""
+        await asyncio.gather(*(b.host_memory_settled() for b in list(self._backends.values())))
+        return await asyncio.to_thread(self._host_probe)
+
     async def _check_host_room(self, job_id: str, need: int) -> None:
         """Raise FailedPrecondition when the host cannot take `need` more bytes."""
-        available = await asyncio.to_thread(self._host_probe)
+        available = await self._host_available()
         if need > available - host_memory.RESERVE_BYTES:
             raise FailedPrecondition(
                 f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "
@@ -474,8 +480,7 @@ class NodeAgent:
         before its watch answers still learns the hold's peak). `exiting_bytes`: per GPU, what
         processes that ended still hold (nobody's; freed as the driver tears them down)."""
         taken = time.monotonic()  # when the sample in `view.gpus` was asked for
-        gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
-                                              asyncio.to_thread(self._host_probe))
+        gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe), self._host_available())
         if self._last_sample is not None:  # jobs are sampled: this sample may be the first after a gap
             self._sampled_now()
         view = MemoryView(gpu_list, host_available=host, incarnation=self.incarnation)

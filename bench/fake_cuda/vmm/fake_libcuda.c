@@ -9,8 +9,9 @@
  *
  * $TIMESLICE_FAKE_VMM_USED: a file rewritten with the bytes of physical memory held ("GPU used").
  * $TIMESLICE_FAKE_VMM_FAULTS: a file read at every copy and cuMemCreate; each line "<call> <kind>
- * [seconds]" with call dtoh|htod|create and kind error (CUDA_ERROR_UNKNOWN; create: out of memory),
- * hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, then do it) or die (_exit(86) before it).
+ * [seconds]" with call dtoh|htod|create|unregister and kind error (CUDA_ERROR_UNKNOWN; create: out of
+ * memory), hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, write it to
+ * $TIMESLICE_FAKE_VMM_FAULTS.after, then do it) or die (_exit(86) before it).
  * cudaMalloc/cudaFree here are the runtime's own allocator (malloc), for allocations the shim
  * leaves to the runtime (left out with -DFAKE_DRIVER_ONLY: a driver apart from its runtime).
  */
@@ -59,6 +60,9 @@ static CUresult fault(const char *call) {
             FILE *h = fopen(hit, "w"); /* for a test to act while the call hangs */
             if (h) { fprintf(h, "%s\n", call); fclose(h); }
             usleep((useconds_t)(seconds * 1e6));
+            snprintf(hit, sizeof hit, "%s.after", p); /* ... and to know that it ended */
+            h = fopen(hit, "w");
+            if (h) { fprintf(h, "%s\n", call); fclose(h); }
         }
         if (!strcmp(kind, "error")) r = strcmp(call, "create") ? 999 : 2;
     }
@@ -84,6 +88,7 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags) {
 }
 
 CUresult cuMemHostUnregister(void *p) {
+    if (fault("unregister")) return 1;
     for (int i = 0; i < 8192; i++) if (reg[i].p == p) { reg[i].p = NULL; return 0; }
     return 1;
 }

@@ -20,11 +20,12 @@ shows holding no GPU memory has nothing to move (`no-context`), and one that hol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Sequence
 
 from timeslice.driver import vmm_shim
-from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
+from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout, TimeSliceServerError
 from timeslice.driver.rollback import undo
 from timeslice.kubelet_plugin.agent import gpu_memory
 from timeslice.kubelet_plugin.agent.backends.base import (
@@ -85,6 +86,20 @@ class VmmBackend(Backend):
     def __init__(self, lock_timeout: float) -> None:
         self.lock_timeout = lock_timeout
         self._cuda: Backend | None = None
+        self._freeing: set[int] = set()  # restored, their host buffer freed after the answer: not yet seen freed
+
+    async def host_memory_settled(self) -> None:
+        """Once the shims that answered a restore have freed its host buffer: a `state`
+        question to each is answered after the free (the shim serves one command at a time).
+        Without it, a checkpoint asked right after a restore (a switch that restores first)
+        finds the host memory still taken and is refused (seen on the H200: 47 GB, 34 ms
+        after the restore's answer)."""
+        pids, self._freeing = self._freeing, set()
+
+        async def seen(pid: int) -> None:
+            with contextlib.suppress(TimeSliceServerError):  # gone, or no answer: nothing more to wait for
+                await self._ask(pid, "state", STATE_SECONDS)
+        await asyncio.gather(*map(seen, pids))
 
     async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
         return await self._step("checkpoint", "restore", pids, timeout)
@@ -167,6 +182,8 @@ class VmmBackend(Backend):
                 and words[1] == (want or words[1]):
             if command != "state":
                 log.info("vmm %s pid=%d: %s bytes in %s s", command, pid, words[2], words[3] if len(words) > 3 else "?")
+            if command == "restore":  # (its buffer is freed after this answer)
+                self._freeing.add(pid)
             return ProcState(pid, words[1], int(words[2]))
         if not words:  # the shim answers every command it reads: its process is ending
             raise _gone_or_failed(pid, f"vmm {command} pid {pid}: the shim closed the connection unanswered")
