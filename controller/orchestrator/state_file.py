@@ -251,7 +251,7 @@ class StateFile:
         changed meanwhile."""
         callbacks, self._in_flight = self._in_flight or [], None
         # a file removed or replaced while it ran: its callers wait for the whole state, written next (`compact_due`)
-        moved = err is None and self._journal.moved
+        moved = err is None and not self._journal.intact()
         if err is not None or moved:
             self._pending_again()
         if moved:

@@ -11,9 +11,8 @@ file). Files:
   open(2)), with no rename, inode or folder fsync. Lines follow the last one written whole
   (a failed write is cut off first), so a crash tears only the last line (`keep_torn`
   keeps a journal whose last line was dropped).
-- Either file removed, renamed or replaced while the orchestrator runs (`moved`, checked
-  after each write, in the writer thread): the whole state is written again before anyone
-  is told a change is written.
+- Either file removed, renamed or replaced while the orchestrator runs (`intact`): the
+  whole state is written again before anyone is told a change is written.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ class Journal:
         self._torn = False  # the last append failed: cut the journal back to `_end` first
         self._snapshot_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the snapshot last written
         self.snapshot_bytes = 0
-        self.moved = False  # after the last write, either file was not where it was written (`intact`)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock: int | None = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
                                          0o600)
@@ -61,10 +59,14 @@ class Journal:
 
     def compact_due(self) -> bool:
         """Whether a new snapshot should replace the journal: it has grown, it is not open,
-        or either file was not where it was written after the last write (`moved`: what is
-        appended would not be found at the next start). No system call: cheap on the event
-        loop."""
-        return self._fd is None or self.moved or self._end >= max(COMPACT_MIN, 8 * self.snapshot_bytes)
+        or either file is not where it was written (removed, renamed, replaced: what is
+        appended would not be found at the next start). Call it on the event loop while
+        no write is in flight (it may close the journal)."""
+        if self._fd is not None and not self.intact():
+            log.warning("orchestrator state file %s or its journal was removed or replaced: the whole state is "
+                        "written again", self.path)
+            self.close()
+        return self._fd is None or self._end >= max(COMPACT_MIN, 8 * self.snapshot_bytes)
 
     def intact(self) -> bool:
         """Whether the journal open here and the snapshot last written are the files at
@@ -76,12 +78,7 @@ class Journal:
             return False
 
     def compact(self, snapshot: bytes) -> None:
-        """Replace the snapshot with `snapshot` (a whole `FileDoc`), then empty the journal
-        (a journal that was moved is left where it went, and a new one made). Sets `moved`."""
-        if self._fd is not None and not self.intact():
-            log.warning("orchestrator state file %s or its journal was removed or replaced: the whole state is "
-                        "written again", self.path)
-            self.close()
+        """Replace the snapshot with `snapshot` (a whole `FileDoc`), then empty the journal."""
         fd = self._open()  # (first: a journal it creates is named durably by write_atomic's fsync of the folder)
         write_atomic(self.path, snapshot)
         self._snapshot_id = _id(os.stat(self.path))
@@ -93,11 +90,9 @@ class Journal:
         except BaseException:
             self.close()  # (opened again, and its size read, by the next compaction)
             raise
-        self.moved = not self.intact()
 
     def append(self, line: bytes) -> None:
-        """Write one journal line (`line` ends with a newline); on disk when this returns.
-        Sets `moved`."""
+        """Write one journal line (`line` ends with a newline); on disk when this returns."""
         fd = self._fd
         if fd is None:
             raise OSError(errno.ENOENT, "no state journal open (the whole state is written next)",
@@ -113,7 +108,6 @@ class Journal:
             self._torn = True
             raise
         self._end += written
-        self.moved = not self.intact()
 
     def keep_torn(self) -> None:
         """Keep a journal whose last line `read` dropped beside it, as
