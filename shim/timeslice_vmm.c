@@ -17,7 +17,8 @@
  * Each step is all-or-nothing: a failure undoes what it did before it answers, and a step whose
  * asker hung up before the answer (the agent timed out) is undone too, so a late step never
  * lands on a GPU given to others. Answers are one line: "ok <running|checkpointed> <bytes>
- * <seconds>" or "error <CUDA error name or errno text>".
+ * <seconds> <seconds of a checkpoint's copies waiting for host memory>" or "error <CUDA error name
+ * or errno text>".
  *
  * What it does not own stays where it is (and resident on the GPU): the CUDA context, module
  * images, allocations under 1 MiB, allocations of a second device, and memory taken without
@@ -395,10 +396,14 @@ static const char *alloc_host(size_t bytes) {
     return NULL;
 }
 
+static double prep_waited; /* seconds the last checkpoint's copies waited for host memory (`wait_chunk`) */
+
 /* 0 once chunk `c` of the host buffer is registered, or the error that stopped its preparation. */
 static CUresult wait_chunk(size_t c) {
+    double t0 = now();
     pthread_mutex_lock(&prep.m);
     while (!prep.ready[c] && !prep.err) pthread_cond_wait(&prep.c, &prep.m);
+    prep_waited += now() - t0;
     CUresult r = prep.ready[c] == 1 ? 0 : prep.err;
     pthread_mutex_unlock(&prep.m);
     return r;
@@ -436,6 +441,7 @@ static const char *do_checkpoint(CUstream s) {
     CUresult r;
     if ((r = cu.ctxSynchronize())) return err_name(r);
     free_host(); /* one a restore left to free after its answer */
+    prep_waited = 0;
     const char *e = alloc_host(total_bytes() ? total_bytes() : 1);
     if (e) return e;
     if ((r = copy_out(s))) {
@@ -507,7 +513,8 @@ static void serve_one(int fd, CUstream *s) {
     }
     char out[160];
     if (e) snprintf(out, sizeof out, "error %s\n", e);
-    else snprintf(out, sizeof out, "ok %s %zu %.3f\n", checkpointed ? "checkpointed" : "running", reported_bytes(), now() - t0);
+    else snprintf(out, sizeof out, "ok %s %zu %.3f %.3f\n", checkpointed ? "checkpointed" : "running", reported_bytes(),
+                  now() - t0, line[0] == 'c' && checkpointed != was ? prep_waited : 0.0);
     send(fd, out, strlen(out), MSG_NOSIGNAL);
     if (!checkpointed) free_host();
     pthread_mutex_unlock(&mu);

@@ -103,12 +103,16 @@ async def start_job(fake_lib: Path, tmp_path: Path) -> AsyncIterator[Callable[..
         await job.proc.wait()
 
 
-async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job):
+async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job, caplog):
     job = await start_job()
     backend = VmmBackend(lock_timeout=10)
     assert job.used_bytes() == SHIM_BYTES
-    [st] = await backend.checkpoint([job.pid], timeout=30)
+    with caplog.at_level(logging.INFO, logger="timeslice.agent"):
+        [st] = await backend.checkpoint([job.pid], timeout=30)
     assert (st.state, st.gpu_bytes) == (CHECKPOINTED, SHIM_BYTES)
+    # the time its copies waited for the host buffer (faulted in and registered meanwhile) is logged
+    assert re.search(rf"vmm checkpoint pid={job.pid}: {SHIM_BYTES} bytes in [0-9.]+ s \([0-9.]+ s of it waiting "
+                     r"for host memory\)", caplog.text), caplog.text
     assert job.used_bytes() == 0  # the physical memory is released, the addresses stay reserved
     assert [s.state for s in await backend.state([job.pid])] == [CHECKPOINTED]
     [st] = await backend.checkpoint([job.pid], timeout=30)  # idempotent

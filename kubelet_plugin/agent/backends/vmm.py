@@ -3,7 +3,8 @@
 The shim (`shim/timeslice_vmm.c`, loaded with `LD_PRELOAD`: `timeslice.driver.vmm_shim`) serves the
 process's cudaMalloc with CUDA virtual memory and listens on a unix socket
 `$TIMESLICE_VMM_DIR/<pid>.sock`. A step sends it one line (`checkpoint`, `restore`, `state`) and reads
-one line back: `ok <running|checkpointed> <bytes> <seconds>` or `error <reason>`. The shim copies every
+one line back: `ok <running|checkpointed> <bytes> <seconds> <seconds a checkpoint's copies waited for
+its host buffer to be faulted in and registered>` or `error <reason>`. The shim copies every
 allocation to pinned host memory and releases the physical memory with the addresses kept
 reserved (checkpoint), or maps new memory at the same addresses and copies back (restore); each
 step is all-or-nothing in the process, and one whose asker hung up before the answer (this step
@@ -181,7 +182,9 @@ class VmmBackend(Backend):
         if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit() \
                 and words[1] == (want or words[1]):
             if command != "state":
-                log.info("vmm %s pid=%d: %s bytes in %s s", command, pid, words[2], words[3] if len(words) > 3 else "?")
+                log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], words[3] if len(words) > 3 else "?",
+                         f" ({words[4]} s of it waiting for host memory)" if command == "checkpoint" and len(words) > 4
+                         else "")
             if command == "restore":  # (its buffer is freed after this answer)
                 self._freeing.add(pid)
             return ProcState(pid, words[1], int(words[2]))
