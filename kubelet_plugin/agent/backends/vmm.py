@@ -182,9 +182,10 @@ class VmmBackend(Backend):
         if len(words) >= 3 and words[0] == "ok" and words[1] in (RUNNING, CHECKPOINTED) and words[2].isdigit() \
                 and words[1] == (want or words[1]):
             if command != "state":
-                log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], words[3] if len(words) > 3 else "?",
-                         f" ({words[4]} s of it waiting for host memory)" if command == "checkpoint" and len(words) > 4
-                         else "")
+                seconds = words[3] if len(words) > 3 else "?"
+                waited = f" ({words[4]} s of it waiting for host memory)" if command == "checkpoint" and len(
+                    words) > 4 else ""
+                log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], seconds, waited)
             if command == "restore":  # (its buffer is freed after this answer)
                 self._freeing.add(pid)
             return ProcState(pid, words[1], int(words[2]))
