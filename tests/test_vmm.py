@@ -155,14 +155,21 @@ async def test_a_checkpoint_right_after_a_restore_waits_for_the_restored_buffer_
     shim frees its host buffer after it answered, and the checkpoint's host-memory check must see
     that memory freed (H200, 3 jobs of 57 GB through `timeslice serve --backend vmm`: 4 switches
     refused "no host memory", 34 ms after a 47 GB restore, and their rollbacks too). Here the
-    host's memory is taken while the restored shim's cuMemHostUnregister runs (a 1 s hang)."""
+    host's memory is taken until the restored shim's last cuMemHostUnregister ends (each of its
+    buffer's chunks hangs 1 s: longer than a `state` question's own 5 s in all), and a memory
+    report asked meanwhile answers within its deadline."""
     gb = 10**9
+    chunks = -(-SHIM_BYTES // (2 * MIB))  # the host buffer's registrations (TIMESLICE_VMM_CHUNK_BYTES)
     a, b = await start_job("a"), await start_job("b")
     hit, freed = (a.faults.with_name(f"{a.faults.name}.{end}") for end in ("hit", "after"))
+
+    def unregistered() -> int:
+        return len(freed.read_text().split()) if freed.exists() else 0
+
     node = NodeAgent(StaticProcessResolver({"a": [a.pid], "b": [b.pid]}), backends=[VmmBackend(10)],
                      records_path=short_tmp / "records.json",
                      memory_probe=lambda: [GpuInfo("GPU-0", 0, 80 * gb, 40 * gb, {a.pid: 20 * gb, b.pid: 20 * gb})],
-                     host_probe=lambda: 10 * gb if hit.exists() and not freed.exists() else 100 * gb)
+                     host_probe=lambda: 10 * gb if hit.exists() and unregistered() < chunks else 100 * gb)
     target = f"unix://{short_tmp / 'agent.sock'}"
     server, _ = await create_server(node, target)
     try:
@@ -171,8 +178,10 @@ async def test_a_checkpoint_right_after_a_restore_waits_for_the_restored_buffer_
             await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="vmm"))
             a.fault("unregister hang 1.0")
             await stub.Restore(apb.SwitchStepRequest(job_id="a", backend="vmm"))
+            report = await stub.GetMemory(apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="b")]), timeout=5)
+            assert report.host_available_bytes == 10 * gb  # (it waited 1 s, then answered what it saw)
             await stub.Checkpoint(apb.SwitchStepRequest(job_id="b", backend="vmm"))  # not refused
-            assert freed.exists()
+            assert unregistered() == chunks
             await stub.Restore(apb.SwitchStepRequest(job_id="b", backend="vmm"))
     finally:
         await server.stop(0)

@@ -62,6 +62,8 @@ KEEP_SAMPLING_SECONDS = 30.0
 # orchestrator counts the holds in progress as unobserved (they settle no job), seconds.
 SAMPLE_GAP_SECONDS = 1.0
 # Backends whose checkpoint lands in host memory the agent can count.
+# a memory report waits this long for host memory being freed (the orchestrator's deadline for it is 5 s)
+MEMORY_SETTLE_SECONDS = 1.0
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
 
@@ -272,7 +274,7 @@ class NodeAgent:
             on_gpus: dict[str, int] = {}
             if backend_name in HOST_MEMORY_BACKENDS:  # (freeze and none move no GPU memory: no NVML call)
                 on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
-                await self._check_host_room(job_id, sum(on_gpus.values()))
+                await self._check_host_room(job_id, sum(on_gpus.values()), timeout or self.default_timeout)
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
@@ -452,15 +454,19 @@ class NodeAgent:
             log.debug("no processes job=%s: %s", job.job_id, err)
             return []
 
-    async def _host_available(self) -> int:
+    async def _host_available(self, wait: float) -> int:
         """The host's available memory in bytes, once what the backends' answered steps still
-        release is released (`Backend.host_memory_settled`)."""
-        await asyncio.gather(*(b.host_memory_settled() for b in list(self._backends.values())))
+        release is released (`Backend.host_memory_settled`), or `wait` seconds have passed
+        (logged)."""
+        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in list(self._backends.values())))
+        if not all(settled):
+            log.warning("host memory read while a checkpoint's host buffer is still being freed (waited %g s)", wait)
         return await asyncio.to_thread(self._host_probe)
 
-    async def _check_host_room(self, job_id: str, need: int) -> None:
-        """Raise FailedPrecondition when the host cannot take `need` more bytes."""
-        available = await self._host_available()
+    async def _check_host_room(self, job_id: str, need: int, wait: float) -> None:
+        """Raise FailedPrecondition when the host cannot take `need` more bytes (after up to
+        `wait` seconds for memory being freed)."""
+        available = await self._host_available(wait)
         if need > available - host_memory.RESERVE_BYTES:
             raise FailedPrecondition(
                 f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "
@@ -480,7 +486,8 @@ class NodeAgent:
         before its watch answers still learns the hold's peak). `exiting_bytes`: per GPU, what
         processes that ended still hold (nobody's; freed as the driver tears them down)."""
         taken = time.monotonic()  # when the sample in `view.gpus` was asked for
-        gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe), self._host_available())
+        gpu_list, host = await asyncio.gather(asyncio.to_thread(self._memory_probe),
+                                              self._host_available(MEMORY_SETTLE_SECONDS))
         if self._last_sample is not None:  # jobs are sampled: this sample may be the first after a gap
             self._sampled_now()
         view = MemoryView(gpu_list, host_available=host, incarnation=self.incarnation)

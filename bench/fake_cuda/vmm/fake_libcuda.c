@@ -10,7 +10,7 @@
  * $TIMESLICE_FAKE_VMM_USED: a file rewritten with the bytes of physical memory held ("GPU used").
  * $TIMESLICE_FAKE_VMM_FAULTS: a file read at every copy and cuMemCreate; each line "<call> <kind>
  * [seconds]" with call dtoh|htod|create|unregister and kind error (CUDA_ERROR_UNKNOWN; create: out of
- * memory), hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, write it to
+ * memory), hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, add a line of it to
  * $TIMESLICE_FAKE_VMM_FAULTS.after, then do it) or die (_exit(86) before it).
  * cudaMalloc/cudaFree here are the runtime's own allocator (malloc), for allocations the shim
  * leaves to the runtime (left out with -DFAKE_DRIVER_ONLY: a driver apart from its runtime).
@@ -60,8 +60,8 @@ static CUresult fault(const char *call) {
             FILE *h = fopen(hit, "w"); /* for a test to act while the call hangs */
             if (h) { fprintf(h, "%s\n", call); fclose(h); }
             usleep((useconds_t)(seconds * 1e6));
-            snprintf(hit, sizeof hit, "%s.after", p); /* ... and to know that it ended */
-            h = fopen(hit, "w");
+            snprintf(hit, sizeof hit, "%s.after", p); /* ... and to count those that ended */
+            h = fopen(hit, "a");
             if (h) { fprintf(h, "%s\n", call); fclose(h); }
         }
         if (!strcmp(kind, "error")) r = strcmp(call, "create") ? 999 : 2;

@@ -63,11 +63,12 @@ class Backend(ABC):
     @abstractmethod
     async def state(self, pids: Sequence[int]) -> list[ProcState]: ...
 
-    async def host_memory_settled(self) -> None:
-        """Return once the host memory that this backend's answered steps still release is
-        released (`vmm`: a process's shim frees its checkpoint's buffer after answering its
-        restore). Raises nothing. Default: no step releases memory after its answer."""
-        return
+    async def host_memory_settled(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the host memory that this backend's answered steps
+        still release to be released (`vmm`: a process's shim frees its checkpoint's buffer
+        after answering its restore); whether it all was. Raises nothing. Default: no step
+        releases memory after its answer."""
+        return True
 
     def bind(self, app: AppEngine | None) -> Backend:
         """This backend for the steps of one job whose inference engine is `app` (the step's

@@ -21,7 +21,6 @@ shows holding no GPU memory has nothing to move (`no-context`), and one that hol
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Sequence
 
@@ -42,6 +41,7 @@ from timeslice.kubelet_plugin.agent.procfs import exit_state, gone_or_failed
 
 REPLY_LIMIT = 256  # bytes: one line of the shim's answer
 STATE_SECONDS = 5.0  # a `state` question answers at once (it waits only for a step in progress)
+FREE_SECONDS = 120.0  # a shim frees a checkpoint's host buffer (tens of GB unpinned and unmapped) within this
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -87,20 +87,36 @@ class VmmBackend(Backend):
     def __init__(self, lock_timeout: float) -> None:
         self.lock_timeout = lock_timeout
         self._cuda: Backend | None = None
-        self._freeing: set[int] = set()  # restored, their host buffer freed after the answer: not yet seen freed
+        self._frees: dict[int, asyncio.Task[None]] = {}  # pid -> waiting for its shim to free a host buffer
 
-    async def host_memory_settled(self) -> None:
-        """Once the shims that answered a restore have freed its host buffer: a `state`
-        question to each is answered after the free (the shim serves one command at a time).
-        Without it, a checkpoint asked right after a restore (a switch that restores first)
-        finds the host memory still taken and is refused (seen on the H200: 47 GB, 34 ms
-        after the restore's answer)."""
-        pids, self._freeing = self._freeing, set()
+    async def host_memory_settled(self, timeout: float) -> bool:
+        """Once the shims that answered a restore have freed its host buffer (`_free_after`),
+        or `timeout` seconds. Without it a checkpoint asked right after a restore (a switch
+        that restores first) finds the host memory still taken and is refused (seen on the
+        H200: 47 GB, 34 ms after the restore's answer). A wait that times out leaves the
+        frees to be waited for by the next caller."""
+        if not self._frees:
+            return True
+        _, pending = await asyncio.wait([asyncio.shield(t) for t in self._frees.values()], timeout=timeout)
+        return not pending
 
-        async def seen(pid: int) -> None:
-            with contextlib.suppress(TimeSliceServerError):  # gone, or no answer: nothing more to wait for
-                await self._ask(pid, "state", STATE_SECONDS)
-        await asyncio.gather(*map(seen, pids))
+    def _free_after(self, pid: int) -> None:
+        """`pid`'s shim frees a host buffer after its answer (a restore's, or a timed-out
+        checkpoint's, which it undoes): a `state` question, which it answers once that is done
+        (it serves one command at a time), tells when (`host_memory_settled`)."""
+        if pid not in self._frees:
+            self._frees[pid] = asyncio.ensure_future(self._freed(pid))
+
+    async def _freed(self, pid: int) -> None:
+        try:
+            if exit_state(pid) == "live":  # (an exiting process frees its memory as it ends)
+                await self._ask(pid, "state", FREE_SECONDS)
+        except StepTimeout:
+            log.warning("vmm: pid %d has not freed its checkpoint's host buffer after %g s", pid, FREE_SECONDS)
+        except TimeSliceServerError:
+            pass  # gone: its memory goes with it
+        finally:
+            self._frees.pop(pid, None)
 
     async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
         return await self._step("checkpoint", "restore", pids, timeout)
@@ -174,6 +190,8 @@ class VmmBackend(Backend):
         try:
             line = await asyncio.wait_for(self._exchange(pid, command), timeout)
         except asyncio.TimeoutError:
+            if command == "checkpoint":  # (undone by the shim, which then frees its buffer)
+                self._free_after(pid)
             raise StepTimeout(f"vmm {command} pid {pid}: no answer in {timeout:.1f} s (the shim undoes it)") from None
         except (OSError, ValueError) as err:
             raise _gone_or_failed(pid, f"vmm {command} pid {pid}: no answer from its shim ({err})") from err
@@ -187,7 +205,7 @@ class VmmBackend(Backend):
                     words) > 4 else ""
                 log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], seconds, waited)
             if command == "restore":  # (its buffer is freed after this answer)
-                self._freeing.add(pid)
+                self._free_after(pid)
             return ProcState(pid, words[1], int(words[2]))
         if not words:  # the shim answers every command it reads: its process is ending
             raise _gone_or_failed(pid, f"vmm {command} pid {pid}: the shim closed the connection unanswered")
