@@ -296,6 +296,8 @@ async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_l
         env.update({"TIMESLICE_GROUP": "g", "TIMESLICE_ACCELERATOR_PROCESS": "1",
                     "TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
                     "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB)})
+        (tmp_path / "peers").mkdir()  # each keeps its first hold until both asked: at least one hand-off
+        env["TIMESLICE_FAKE_VMM_PEERS"] = f"{tmp_path / 'peers'}:2"
         jobs = [await asyncio.create_subprocess_exec(
             sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
             env={**env, "TIMESLICE_FAKE_VMM_USED": str(tmp_path / f"{i}.used")}, stdout=subprocess.PIPE,
@@ -351,7 +353,9 @@ async def test_a_node_agent_killed_mid_checkpoint_loses_no_job(fake_lib, tmp_pat
         env = {**vmm_shim.preload_env(base), "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{port}", "TIMESLICE_GROUP": "g",
                "TIMESLICE_ACCELERATOR_PROCESS": "1",
                "TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
-               "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB), "TIMESLICE_FAKE_VMM_FAULTS": str(faults)}
+               "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB), "TIMESLICE_FAKE_VMM_FAULTS": str(faults),
+               "TIMESLICE_FAKE_VMM_PEERS": f"{tmp_path / 'peers'}:2"}  # (a hand-off, so a checkpoint, happens)
+        (tmp_path / "peers").mkdir()
         jobs = [await asyncio.create_subprocess_exec(
             sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
             env={**env, "TIMESLICE_JOB": name}, stdout=subprocess.PIPE) for name in ("a", "b")]

@@ -10,7 +10,9 @@ through the process's symbol table, so the shim serves it), fills each with rand
 With --holds N it is a job of a group instead (the client library, $TIMESLICE_ORCHESTRATOR and
 $TIMESLICE_GROUP): it allocates in its first hold, checks every buffer in each of the next N-1
 (reading memory that is not back faults the process), prints `holds ok` and exits 0, or exits 1
-when bytes differ.
+when bytes differ. $TIMESLICE_FAKE_VMM_PEERS=DIR:N: the job marks DIR before its first acquire and
+keeps its first hold until N jobs have marked it, so the group hands off at least once (else a job
+that starts first may take all its holds before the other asks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import hashlib
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 
 def allocate(sizes: list[int]) -> tuple[list[tuple[int, int]], list[str]]:
@@ -44,10 +48,16 @@ def holds(n: int, sizes: list[int]) -> int:
     client = TimeSliceOrchestratorClient()
     buffers: list[tuple[int, int]] = []
     digests: list[str] = []
+    peers, _, count = os.environ.get("TIMESLICE_FAKE_VMM_PEERS", "").rpartition(":")
+    if peers:
+        Path(peers, str(os.getpid())).touch()
     for i in range(n):
         with client.on_accelerators():
             if i == 0:
                 buffers, digests = allocate(sizes)
+                deadline = time.monotonic() + 60
+                while peers and len(os.listdir(peers)) < int(count) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # (another job's process is starting: it marks DIR, then asks)
             elif bad := differing(buffers, digests):
                 print(f"hold {i}: buffers {bad} differ", flush=True)
                 return 1
