@@ -265,6 +265,8 @@ class Job:
         try:
             work()
         finally:
+            # a phase cut short (SIGTERM) stopped computing here, before the release lets another job in
+            self.log("releasing", kind=kind, step=self.step)
             self.client.release(group)
             self.log("released", kind=kind, step=self.step)
 

@@ -494,7 +494,7 @@ def analyze(run: Run) -> tuple[list[dict[str, str]], dict[str, Any]]:
                 b = open_[e["pid"]]
                 intervals.append((b["t"], e["start"], spec.name, e["pid"], b["kind"], b["step"]))
                 open_[e["pid"]] = {**b, "t": e["until"]}
-            elif e["ev"] in ("end", "released") and e["pid"] in open_:  # released: a phase cut short (SIGTERM)
+            elif e["ev"] in ("end", "releasing") and e["pid"] in open_:  # releasing: a phase cut short (SIGTERM)
                 b = open_.pop(e["pid"])
                 intervals.append((b["t"], e["t"], spec.name, e["pid"], b["kind"], b["step"]))
             elif e["ev"] == "altered":

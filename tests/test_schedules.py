@@ -469,7 +469,8 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
                 {"ev": "end", "kind": "train", "step": 0, "t": 2.0, "pid": 11},
                 {"ev": "altered", "why": "state bytes differ at the start of generate (step 1)", "t": 2.5, "pid": 11},
                 {"ev": "begin", "kind": "generate", "step": 1, "t": 2.6, "pid": 11},
-                {"ev": "released", "kind": "generate", "step": 1, "t": 2.7, "pid": 11},  # cut short by SIGTERM
+                {"ev": "releasing", "kind": "generate", "step": 1, "t": 2.7, "pid": 11},  # cut short by SIGTERM
+                {"ev": "released", "kind": "generate", "step": 1, "t": 2.85, "pid": 11},
                 {"ev": "done", "t": 3.0, "pid": 11}],
             b: [{"ev": "begin", "kind": "generate", "step": 0, "t": 1.5, "pid": 12},
                 {"ev": "end", "kind": "generate", "step": 0, "t": 1.7, "pid": 12},
@@ -482,6 +483,9 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
     failures, _ = schedules.analyze(run)
     assert sorted(f["class"] for f in failures) == ["altered_states", "double_computes"]
     assert "overlaps" in next(f["reason"] for f in failures if f["class"] == "double_computes")
+    # a's generate cut short ended at its release call (2.7), not when that call returned (2.85), after b
+    # began at 2.8: no overlap (make test, none seed 1, flagged one of 1 ms so)
+    assert "generate step 1" not in next(f["reason"] for f in failures if f["class"] == "double_computes")
     # b's generate [1.5, 1.7] fell inside a's train [1.0, 2.0]: not when a was paused meanwhile
     # (its GPU calls waited: locked by the driver, or stopped), and only then
     paused = {"ev": "paused", "start": 1.4, "until": 1.8, "t": 1.8, "pid": 11}
