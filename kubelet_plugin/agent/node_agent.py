@@ -61,9 +61,9 @@ KEEP_SAMPLING_SECONDS = 30.0
 # reports that looked whole): the agent then answers as a new `incarnation`, so the
 # orchestrator counts the holds in progress as unobserved (they settle no job), seconds.
 SAMPLE_GAP_SECONDS = 1.0
-# Backends whose checkpoint lands in host memory the agent can count.
-# a memory report waits this long for host memory being freed (the orchestrator's deadline for it is 5 s)
+# A memory report waits this long for host memory being freed (the orchestrator's deadline for it is 5 s).
 MEMORY_SETTLE_SECONDS = 1.0
+# Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
 
