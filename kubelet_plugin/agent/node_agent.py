@@ -458,7 +458,7 @@ class NodeAgent:
         """The host's available memory in bytes, once what the backends' answered steps still
         release is released (`Backend.host_memory_settled`), or `wait` seconds have passed
         (logged)."""
-        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in list(self._backends.values())))
+        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in self._backends.values()))
         if not all(settled):
             log.warning("host memory read while a checkpoint's host buffer is still being freed (waited %g s)", wait)
         return await asyncio.to_thread(self._host_probe)

@@ -97,7 +97,7 @@ class VmmBackend(Backend):
         frees to be waited for by the next caller."""
         if not self._frees:
             return True
-        _, pending = await asyncio.wait([asyncio.shield(t) for t in self._frees.values()], timeout=timeout)
+        _, pending = await asyncio.wait(list(self._frees.values()), timeout=timeout)  # (wait cancels none of them)
         return not pending
 
     def _free_after(self, pid: int) -> None:
