@@ -95,7 +95,7 @@ for stage in "$@"; do
         || { echo "no hugetlbfs mount" >&2; exit 1; }
       pages=$(python3 -c "
 from timeslice.cli.serve import gpus
-from timeslice.controller.orchestrator.pinned_pool import default_size
+from timeslice.driver.host_ranges import default_size
 gb = '${HUGEPAGES_GB:-}'
 print(-(-(int(float(gb) * 1e9) if gb else default_size(sum(g.total for g in gpus()), None)) // 2097152))") || exit 1
       echo "$pages" > /proc/sys/vm/nr_hugepages

@@ -10,7 +10,7 @@ config format; a group without `agents` uses this machine's agent) or are one pe
 Cooperative groups get the node's pinned pool (`PinnedPool`, built by the orchestrator's
 `running` as for `timeslice orchestrator`): a file in a private directory (mode 0700)
 under /dev/shm (on hugetlbfs where the host reserved huge pages for it: `huge_pages`), sized by
-`--pinned-pool-gb` or `pinned_pool.default_size`, removed on stop;
+`--pinned-pool-gb` or `host_ranges.default_size`, removed on stop;
 one that a killed serve left is removed at the next start with its state dir, once nothing
 maps it (`pinned_pool.remove_left`).
 """
@@ -34,7 +34,7 @@ from timeslice.controller.orchestrator import huge_pages, pinned_pool, state_for
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
-from timeslice.driver import names, signals, vmm_shim
+from timeslice.driver import host_ranges, names, signals, vmm_shim
 from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
 from timeslice.kubelet_plugin.agent.gpu_memory import gpus
@@ -66,7 +66,7 @@ class ServeConfig:
     makes a job ("process-group" or "cgroup"); `groups_file`: YAML groups (None: one group
     per GPU, `gpu<index>`, with `backend`); `state_dir`: the agent's checkpoint records and
     the orchestrator's epoch floors, kept across restarts; `pinned_pool_bytes`: the size of
-    the cooperative groups' pinned pool (None: `pinned_pool.default_size`; 0: none, each
+    the cooperative groups' pinned pool (None: `host_ranges.default_size`; 0: none, each
     cooperative job keeps its own host copy)."""
 
     socket: Path
@@ -120,12 +120,12 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
 
 
 @contextlib.contextmanager
-def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinned_pool.SHM
+def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = host_ranges.SHM
                  ) -> Iterator[OrchestratorConfig]:
     """`config` with a pinned pool for its cooperative groups: a file in a new directory
     (mode 0700, the serving user's: no other user's job can map it) on a hugetlbfs mount whose
     reserved huge pages hold it (`huge_pages.mount_for`: each process registers it with CUDA
-    several times faster), else under `shm`; `size` bytes (None: `pinned_pool.default_size` of
+    several times faster), else under `shm`; `size` bytes (None: `host_ranges.default_size` of
     this machine's GPUs; 0: no pool; on hugetlbfs rounded down to whole pages); the
     directory and everything in it is removed on exit. `config` as it is when no group is
     cooperative or it names its own `pinned_pool`. Raises ValueError (a size and a
@@ -139,13 +139,13 @@ def private_pool(config: OrchestratorConfig, size: int | None, shm: Path = pinne
     if left is not None:
         pinned_pool.remove_left(left, shm)
     gpu_bytes = sum(g.total for g in gpus()) if size is None else 0
-    want = pinned_pool.default_size(gpu_bytes, None) if size is None else size
+    want = host_ranges.default_size(gpu_bytes, None) if size is None else size
     huge = huge_pages.mount_for(want) if want else None
     root = shm if huge is None else huge.path
     if huge is not None:
         size = want // huge.page_size * huge.page_size
     elif size is None:
-        size = pinned_pool.default_size(gpu_bytes, shm)
+        size = host_ranges.default_size(gpu_bytes, shm)
         if size == 0:
             log.warning("no pinned pool: %s has no free space; cooperative jobs keep their own host copies "
                         "(slower)", shm)

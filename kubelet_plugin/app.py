@@ -32,6 +32,7 @@ from timeslice.driver.liveness import Heartbeat, tasks_alive
 from timeslice.driver.tasks import cancel_and_wait
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
+from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -159,7 +160,12 @@ async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> No
     pruner = asyncio.create_task(_prune_periodically(preparer, cfg.prune_seconds), name="prune-claims")
     publisher = SlicePublisher(ApiSliceStore(api), cfg.node_name)
     await publisher.publish(devices, wait=False)  # the loop retries while the API server is away
-    agent = NodeAgent(StaticProcessResolver(), backends=cfg.backends, records_path=cfg.state_dir / "agent.json",
+    # `vmm` without the node's pinned pool in a pod: the plugin's memory limit (the chart's 512 MiB) cannot
+    # hold one, and one a job's shim populated would be charged to that job's pod; each checkpoint registers
+    # host memory of its shim's own (slower: docs/backends.md)
+    backends = [VmmBackend(names.DEFAULT_LOCK_TIMEOUT_SECONDS, pool_bytes=0) if b == names.BACKEND_VMM else b
+                for b in cfg.backends]
+    agent = NodeAgent(StaticProcessResolver(), backends=backends, records_path=cfg.state_dir / "agent.json",
                       claim_resolver=ClaimProcessResolver(cfg.node_name, read_claim,
                                                           lambda d: table[d].uuid if d in table else None))
     callers = None

@@ -8,17 +8,22 @@
  * "Virtual Memory Management" (cuda.h, CUDA >= 10.2). On the agent's command, on a unix socket
  * $TIMESLICE_VMM_DIR/<pid>.sock (default /tmp/timeslice-vmm-<uid>, created 0700; only root or this
  * process's user may connect), a control thread:
- *   checkpoint: synchronises the context (the lock guarantees no phase runs), copies every
- *               allocation into one pinned host buffer (huge pages when the kernel has them
- *               reserved, registered with cuMemHostRegister), then unmaps and releases the
- *               physical memory; the address ranges stay reserved.
- *   restore:    maps new physical memory at the same addresses, copies back, frees the buffer.
+ *   pool:       (sent with a memfd, SCM_RIGHTS) the node's pinned pool: mapped shared and
+ *               registered with cuMemHostRegister in the background, once per process, so that
+ *               checkpoints copy into memory already pinned (registering is the slow part).
+ *   checkpoint [<offset>+<length>,...]: synchronises the context (the lock guarantees no phase
+ *               runs), copies every allocation into the pool's ranges the agent names (bytes), in
+ *               order, and what they do not hold into a private pinned buffer (huge pages when the
+ *               kernel has them reserved), then unmaps and releases the physical memory; the
+ *               address ranges stay reserved.
+ *   restore:    maps new physical memory at the same addresses, copies back, frees the private
+ *               buffer (the pool's ranges are the agent's to give out again once it has the answer).
  *   state:      says which of the two the process is in.
  * Each step is all-or-nothing: a failure undoes what it did before it answers, and a step whose
  * asker hung up before the answer (the agent timed out) is undone too, so a late step never
  * lands on a GPU given to others. Answers are one line: "ok <running|checkpointed> <bytes>
- * <seconds> <seconds of a checkpoint's copies waiting for host memory>" or "error <CUDA error name
- * or errno text>".
+ * <seconds> <seconds of a checkpoint's copies waiting for host memory> <bytes of the checkpoint in
+ * the pool>" or "error <CUDA error name or errno text>".
  *
  * What it does not own stays where it is (and resident on the GPU): the CUDA context, module
  * images, allocations under 1 MiB, allocations of a second device, and memory taken without
@@ -98,8 +103,34 @@ typedef struct {
     CUdeviceptr va;
     size_t size; /* rounded to the granularity: reserved, mapped and copied */
     CUmemGenericAllocationHandle handle; /* 0 while checkpointed */
-    size_t off; /* where its bytes are in host_buf while checkpointed */
+    size_t off; /* where its bytes are in the checkpoint's layout while checkpointed */
 } alloc_t;
+
+#define TSV_CHUNK ((size_t)512 << 20) /* $TIMESLICE_VMM_CHUNK_BYTES (rounded up to 2 MiB) overrides */
+#define TSV_WORKERS 8
+#define TSV_MAX_SEGS 129 /* pool ranges in one checkpoint, and the private buffer */
+
+/* Host memory registered in chunks by worker threads (`prepare`): a checkpoint's private buffer,
+ * or the node's pool. */
+typedef struct {
+    char *base;
+    size_t len, chunk, n_chunks, next;
+    signed char *ready; /* per chunk: 0 pending, 1 registered, -1 failed */
+    CUresult err;
+    int stop, shared;
+    dev_t dev; /* the pool's memfd, to know it again */
+    ino_t ino;
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    pthread_t workers[TSV_WORKERS];
+    int n_workers;
+} host_t;
+
+/* A piece of a checkpoint's layout: `len` bytes at `off` in `h`. */
+typedef struct {
+    host_t *h;
+    size_t off, len;
+} seg_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t loaded = PTHREAD_ONCE_INIT;
@@ -110,25 +141,15 @@ static CUcontext owner_ctx;     /* the one context whose allocations are ours */
 static CUdevice owner_dev;
 static size_t granule;
 static int checkpointed;
-static char *host_buf;
-static size_t host_bytes;
+#define HOST_INIT {.m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER}
+static host_t own = HOST_INIT;                   /* this checkpoint's private buffer */
+static host_t pools[2] = {HOST_INIT, HOST_INIT}; /* the node's pool, and an older one a checkpoint is still in */
+static host_t *pool = &pools[0];
+static seg_t segs[TSV_MAX_SEGS]; /* the checkpoint's layout: allocations one after another over these */
+static size_t n_segs;
 static int control_started;
 static char socket_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 static pid_t socket_owner;
-
-#define TSV_CHUNK ((size_t)512 << 20) /* $TIMESLICE_VMM_CHUNK_BYTES (rounded up to 2 MiB) overrides */
-#define TSV_WORKERS 8
-
-static struct {
-    char *base;
-    size_t len, chunk, n_chunks, next;
-    signed char *ready; /* per chunk: 0 pending, 1 registered, -1 failed */
-    CUresult err;
-    pthread_mutex_t m;
-    pthread_cond_t c;
-    pthread_t workers[TSV_WORKERS];
-    int n_workers;
-} prep = {.m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER};
 
 static void say(const char *fmt, const char *a, const char *b) {
     fprintf(stderr, "timeslice-vmm[%d]: ", (int)getpid());
@@ -187,11 +208,15 @@ static void load(void) {
 static void after_fork_child(void) {
     /* CUDA is not usable in a forked child; the table is the parent's. */
     allocs = NULL; n_allocs = cap_allocs = 0; owner_ctx = NULL; checkpointed = 0;
-    host_buf = NULL; host_bytes = 0; control_started = 0; socket_path[0] = 0;
+    control_started = 0; socket_path[0] = 0; n_segs = 0;
     pthread_mutex_init(&mu, NULL);
-    pthread_mutex_init(&prep.m, NULL);
-    prep.n_workers = 0;
-    prep.ready = NULL;
+    host_t *hosts[] = {&own, &pools[0], &pools[1]};
+    for (int i = 0; i < 3; i++) { /* the parent's mappings stay in it; none is registered in the child */
+        memset(hosts[i], 0, sizeof *hosts[i]);
+        pthread_mutex_init(&hosts[i]->m, NULL);
+        pthread_cond_init(&hosts[i]->c, NULL);
+    }
+    pool = &pools[0];
 }
 
 __attribute__((constructor)) static void init(void) { pthread_atfork(NULL, NULL, after_fork_child); }
@@ -324,52 +349,81 @@ static size_t reported_bytes(void) {
     return s;
 }
 
-/* The host buffer of a checkpoint is made ready in chunks by worker threads at once (its pages faulted
- * in, i.e. zeroed by the kernel, then registered with cuMemHostRegister), while the copies run into
- * each chunk as soon as it is ready: faulting and pinning tens of GB on one thread took 4.3 s for
- * 31 GB on an H100 host, the copy itself 0.6 s. */
-
+/* Host memory is made ready in chunks by worker threads at once (its pages faulted in, then
+ * registered with cuMemHostRegister), while copies run into each chunk as soon as it is ready:
+ * faulting and pinning tens of GB on one thread took 4.3 s for 31 GB on an H100 host, the copy
+ * itself 0.6 s. A private buffer's pages are faulted by writing them (the kernel zeroes them); the
+ * node's pool is shared with other processes whose states are in it, so its pages are faulted
+ * without writing (MADV_POPULATE_WRITE, Linux 5.14; else cuMemHostRegister faults them itself). */
 static void *prep_worker(void *arg) {
-    (void)arg;
+    host_t *h = arg;
     cu.ctxSetCurrent(owner_ctx);
     for (;;) {
-        pthread_mutex_lock(&prep.m);
-        size_t c = prep.err ? prep.n_chunks : prep.next++;
-        pthread_mutex_unlock(&prep.m);
-        if (c >= prep.n_chunks) return NULL;
-        char *a = prep.base + c * prep.chunk;
-        size_t l = prep.len - c * prep.chunk < prep.chunk ? prep.len - c * prep.chunk : prep.chunk;
-        for (size_t o = 0; o < l; o += 4096) ((volatile char *)a)[o] = 0;
+        pthread_mutex_lock(&h->m);
+        size_t c = h->err || h->stop ? h->n_chunks : h->next++;
+        pthread_mutex_unlock(&h->m);
+        if (c >= h->n_chunks) return NULL;
+        char *a = h->base + c * h->chunk;
+        size_t l = h->len - c * h->chunk < h->chunk ? h->len - c * h->chunk : h->chunk;
+        if (h->shared) madvise(a, l, 23 /* MADV_POPULATE_WRITE */);
+        else for (size_t o = 0; o < l; o += 4096) ((volatile char *)a)[o] = 0;
         CUresult r = cu.hostRegister(a, l, 1 /* CU_MEMHOSTREGISTER_PORTABLE */);
-        pthread_mutex_lock(&prep.m);
-        prep.ready[c] = r ? -1 : 1;
-        if (r && !prep.err) prep.err = r;
-        pthread_cond_broadcast(&prep.c);
-        pthread_mutex_unlock(&prep.m);
+        pthread_mutex_lock(&h->m);
+        h->ready[c] = r ? -1 : 1;
+        if (r && !h->err) h->err = r;
+        pthread_cond_broadcast(&h->c);
+        pthread_mutex_unlock(&h->m);
     }
 }
 
-static void join_workers(void) {
-    for (int i = 0; i < prep.n_workers; i++) pthread_join(prep.workers[i], NULL);
-    prep.n_workers = 0;
+static void join_workers(host_t *h) {
+    for (int i = 0; i < h->n_workers; i++) pthread_join(h->workers[i], NULL);
+    h->n_workers = 0;
 }
 
-static void free_host(void) {
-    if (!host_buf) return;
-    join_workers();
-    for (size_t c = 0; c < prep.n_chunks; c++)
-        if (prep.ready[c] == 1) cu.hostUnregister(prep.base + c * prep.chunk);
-    free(prep.ready);
-    prep.ready = NULL;
-    munmap(host_buf, host_bytes);
-    host_buf = NULL;
-    host_bytes = 0;
+/* Unregister and unmap `h` (its workers stopped first). */
+static void free_host(host_t *h) {
+    if (!h->base) return;
+    pthread_mutex_lock(&h->m);
+    h->stop = 1;
+    pthread_mutex_unlock(&h->m);
+    join_workers(h);
+    for (size_t c = 0; c < h->n_chunks; c++)
+        if (h->ready[c] == 1) cu.hostUnregister(h->base + c * h->chunk);
+    free(h->ready);
+    munmap(h->base, h->len);
+    h->ready = NULL;
+    h->base = NULL;
+    h->len = h->n_chunks = h->next = 0;
+    h->err = 0;
+    h->stop = 0;
 }
 
-/* Host memory of `bytes` (huge pages when the kernel has them reserved: never MAP_NORESERVE, whose
- * faults past the reservation end the process with SIGBUS, else regular pages with
- * transparent huge pages asked), made ready by the workers in the background (`wait_chunk`). */
-static const char *alloc_host(size_t bytes) {
+/* `h` over the mapping `p` of `len` bytes, made ready by workers in the background (`wait_chunk`). */
+static const char *prepare(host_t *h, char *p, size_t len, int shared) {
+    const char *chunk = getenv("TIMESLICE_VMM_CHUNK_BYTES");
+    h->chunk = chunk && strtoull(chunk, NULL, 10) ? (strtoull(chunk, NULL, 10) + TSV_HUGE - 1) / TSV_HUGE * TSV_HUGE : TSV_CHUNK;
+    h->n_chunks = (len + h->chunk - 1) / h->chunk;
+    h->next = 0;
+    h->err = 0;
+    h->stop = 0;
+    h->shared = shared;
+    h->ready = calloc(h->n_chunks, 1);
+    if (!h->ready) { munmap(p, len); return strerror(ENOMEM); }
+    h->base = p;
+    h->len = len;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int want = cpus > 1 ? (cpus > TSV_WORKERS ? TSV_WORKERS : (int)cpus) : 1;
+    for (h->n_workers = 0; h->n_workers < want; h->n_workers++)
+        if (pthread_create(&h->workers[h->n_workers], NULL, prep_worker, h)) break;
+    if (!h->n_workers) { free_host(h); return "no thread to prepare host memory"; }
+    return NULL;
+}
+
+/* A private buffer of `bytes` (huge pages when the kernel has them reserved: never MAP_NORESERVE,
+ * whose faults past the reservation end the process with SIGBUS, else regular pages with
+ * transparent huge pages asked): what of a checkpoint the node's pool does not take. */
+static const char *alloc_own(size_t bytes) {
     size_t len = (bytes + TSV_HUGE - 1) / TSV_HUGE * TSV_HUGE;
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (p == MAP_FAILED) {
@@ -377,54 +431,97 @@ static const char *alloc_host(size_t bytes) {
         if (p == MAP_FAILED) return strerror(errno);
         madvise(p, len, MADV_HUGEPAGE);
     }
-    prep.base = p;
-    prep.len = len;
-    const char *chunk = getenv("TIMESLICE_VMM_CHUNK_BYTES");
-    prep.chunk = chunk && strtoull(chunk, NULL, 10) ? (strtoull(chunk, NULL, 10) + TSV_HUGE - 1) / TSV_HUGE * TSV_HUGE : TSV_CHUNK;
-    prep.n_chunks = (len + prep.chunk - 1) / prep.chunk;
-    prep.next = 0;
-    prep.err = 0;
-    prep.ready = calloc(prep.n_chunks, 1);
-    if (!prep.ready) { munmap(p, len); return strerror(ENOMEM); }
-    host_buf = p;
-    host_bytes = len;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    int want = cpus > 1 ? (cpus > TSV_WORKERS ? TSV_WORKERS : (int)cpus) : 1;
-    for (prep.n_workers = 0; prep.n_workers < want; prep.n_workers++)
-        if (pthread_create(&prep.workers[prep.n_workers], NULL, prep_worker, NULL)) break;
-    if (!prep.n_workers) { free_host(); return "no thread to prepare host memory"; }
+    return prepare(&own, p, len, 0);
+}
+
+/* The node's pool, handed over by the agent (`pool` with the descriptor of its memfd): mapped
+ * shared and registered in the background, once, so checkpoints copy into memory already pinned.
+ * One the process is checkpointed in is kept until its restore (an agent that restarted hands
+ * over a new pool). */
+static const char *take_pool(int fd) {
+    struct stat st;
+    if (fstat(fd, &st)) return strerror(errno);
+    if (pool->base && pool->dev == st.st_dev && pool->ino == st.st_ino) return NULL; /* this one already */
+    if (st.st_size <= 0) return "empty pool";
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return strerror(errno);
+    host_t *used = NULL; /* the pool the process is checkpointed in */
+    for (size_t k = 0; k < n_segs; k++) if (segs[k].h != &own) used = segs[k].h;
+    host_t *slot = used == &pools[0] ? &pools[1] : &pools[0], *other = slot == &pools[0] ? &pools[1] : &pools[0];
+    free_host(slot);
+    if (other != used) free_host(other);
+    const char *e = prepare(slot, p, (size_t)st.st_size, 1);
+    if (e) return e;
+    slot->dev = st.st_dev;
+    slot->ino = st.st_ino;
+    pool = slot;
     return NULL;
 }
 
 static double prep_waited; /* seconds the last checkpoint's copies waited for host memory (`wait_chunk`) */
 
-/* 0 once chunk `c` of the host buffer is registered, or the error that stopped its preparation. */
-static CUresult wait_chunk(size_t c) {
+/* 0 once chunk `c` of `h` is registered, or the error that stopped its preparation. */
+static CUresult wait_chunk(host_t *h, size_t c) {
     double t0 = now();
-    pthread_mutex_lock(&prep.m);
-    while (!prep.ready[c] && !prep.err) pthread_cond_wait(&prep.c, &prep.m);
+    pthread_mutex_lock(&h->m);
+    while (!h->ready[c] && !h->err) pthread_cond_wait(&h->c, &h->m);
     prep_waited += now() - t0;
-    CUresult r = prep.ready[c] == 1 ? 0 : prep.err;
-    pthread_mutex_unlock(&prep.m);
+    CUresult r = h->ready[c] == 1 ? 0 : h->err;
+    pthread_mutex_unlock(&h->m);
     return r;
 }
 
-/* Copies allocation `a` out (into host_buf at a->off, each piece as soon as its chunk of host memory
- * is ready) or back in. One copy never spans two chunks: each chunk is its own registration, and
- * an asynchronous copy must lie within one (CUDA_ERROR_INVALID_VALUE otherwise, seen on an H100). */
+/* Copies allocation `a` out (to a->off of the checkpoint's layout, each piece as soon as its
+ * chunk of host memory is ready) or back in. One copy never spans two chunks: each chunk is its
+ * own registration, and an asynchronous copy must lie within one (CUDA_ERROR_INVALID_VALUE
+ * otherwise, seen on an H100). */
 static CUresult copy_alloc(const alloc_t *a, int out, CUstream s) {
+    size_t k = 0, start = 0;
     for (size_t done = 0; done < a->size;) {
-        size_t at = a->off + done, c = at / prep.chunk;
-        size_t piece = (c + 1) * prep.chunk - at < a->size - done ? (c + 1) * prep.chunk - at : a->size - done;
-        CUresult r = out ? wait_chunk(c) : 0;
-        if (!r) r = out ? cu.dtoh(host_buf + at, a->va + done, piece, s) : cu.htod(a->va + done, host_buf + at, piece, s);
+        size_t at = a->off + done;
+        while (k < n_segs && at >= start + segs[k].len) start += segs[k++].len;
+        if (k == n_segs) return 1; /* CUDA_ERROR_INVALID_VALUE: the layout is too short (cannot happen) */
+        host_t *h = segs[k].h;
+        size_t ho = segs[k].off + (at - start), c = ho / h->chunk;
+        size_t piece = a->size - done;
+        if ((c + 1) * h->chunk - ho < piece) piece = (c + 1) * h->chunk - ho;
+        if (start + segs[k].len - at < piece) piece = start + segs[k].len - at;
+        CUresult r = wait_chunk(h, c);
+        if (!r) r = out ? cu.dtoh(h->base + ho, a->va + done, piece, s) : cu.htod(a->va + done, h->base + ho, piece, s);
         if (r) return r;
         done += piece;
     }
     return 0;
 }
 
-/* Copies every allocation into host_buf, one after another, and waits for the copies. */
+/* The checkpoint's layout: the pool's ranges `spec` ("<offset>+<length>,...", bytes; empty: none)
+ * in order, then a private buffer for what they do not hold. NULL or the reason it cannot be made. */
+static const char *lay_out(const char *spec) {
+    size_t need = total_bytes(), have = 0;
+    n_segs = 0;
+    while (spec && *spec && have < need) {
+        char *end;
+        unsigned long long off = strtoull(spec, &end, 10), len;
+        if (*end != '+') return "malformed pool ranges";
+        len = strtoull(end + 1, &end, 10);
+        if (*end && *end != ',') return "malformed pool ranges";
+        if (!pool->base) return "pool ranges given but no pool handed over";
+        if (!len || off > pool->len || len > pool->len - off) return "pool range outside the pool";
+        if (n_segs == TSV_MAX_SEGS - 1) return "too many pool ranges";
+        if (len > need - have) len = need - have;
+        segs[n_segs++] = (seg_t){pool, off, len};
+        have += len;
+        spec = *end ? end + 1 : end;
+    }
+    if (have < need) {
+        const char *e = alloc_own(need - have);
+        if (e) { n_segs = 0; return e; }
+        segs[n_segs++] = (seg_t){&own, 0, need - have};
+    }
+    return NULL;
+}
+
+/* Copies every allocation into the layout, one after another, and waits for the copies. */
 static CUresult copy_out(CUstream s) {
     size_t off = 0;
     for (size_t i = 0; i < n_allocs; i++) {
@@ -436,20 +533,25 @@ static CUresult copy_out(CUstream s) {
     return cu.streamSynchronize(s);
 }
 
+/* The layout is gone once the process runs again: its private buffer freed (after the answer, off
+ * the switch's path), a pool no longer the current one unmapped. */
+static void drop_layout(void) {
+    free_host(&own);
+    n_segs = 0;
+    free_host(pool == &pools[0] ? &pools[1] : &pools[0]);
+}
+
+/* Into the layout made by `lay_out` (a restore undone re-uses the one it restored from). */
 static const char *do_checkpoint(CUstream s) {
     if (checkpointed) return NULL;
     CUresult r;
     if ((r = cu.ctxSynchronize())) return err_name(r);
-    free_host(); /* one a restore left to free after its answer */
     prep_waited = 0;
-    const char *e = alloc_host(total_bytes() ? total_bytes() : 1);
-    if (e) return e;
     if ((r = copy_out(s))) {
         cu.streamSynchronize(s); /* copies already queued still write into the buffer */
-        free_host();
         return err_name(r);
     }
-    join_workers();
+    join_workers(&own);
     for (size_t i = 0; i < n_allocs; i++) unback(&allocs[i]);
     checkpointed = 1;
     return NULL;
@@ -475,7 +577,7 @@ static const char *do_restore(CUstream s) {
         return err_name(r);
     }
     free(mapped);
-    checkpointed = 0; /* the host buffer is freed after the answer (`serve_one`): not on the switch's path */
+    checkpointed = 0; /* the layout is dropped after the answer (`serve_one`): not on the switch's path */
     return NULL;
 }
 
@@ -488,35 +590,71 @@ static int asker_gone(int fd) {
                                   || ((p.revents & POLLIN) && recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0));
 }
 
-static void serve_one(int fd, CUstream *s) {
-    char line[64];
-    ssize_t n = recv(fd, line, sizeof line - 1, 0);
-    if (n <= 0) return;
+/* One command line (up to its newline, at most sizeof line - 1 bytes) and the descriptor sent with
+ * it, if any (*passed, else -1). Its length, or -1. */
+static ssize_t read_command(int fd, char *line, size_t size, int *passed) {
+    size_t n = 0;
+    *passed = -1;
+    while (n < size - 1 && !memchr(line, '\n', n)) {
+        union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } ctl;
+        struct iovec io = {line + n, size - 1 - n};
+        struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
+        ssize_t got = recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+        if (got <= 0) break;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) {
+                int d;
+                memcpy(&d, CMSG_DATA(c), sizeof d);
+                if (*passed >= 0) close(*passed);
+                *passed = d;
+            }
+        n += (size_t)got;
+    }
     line[n] = 0;
     line[strcspn(line, "\r\n")] = 0;
+    return n ? (ssize_t)n : -1;
+}
+
+static void serve_one(int fd, CUstream *s) {
+    char line[4096];
+    int passed;
+    if (read_command(fd, line, sizeof line, &passed) < 0) { if (passed >= 0) close(passed); return; }
+    char *args = strchr(line, ' ');
+    if (args) *args++ = 0;
     pthread_mutex_lock(&mu);
     double t0 = now();
     const char *e = NULL;
-    int was = checkpointed;
-    if (strcmp(line, "checkpoint") && strcmp(line, "restore") && strcmp(line, "state")) e = "unknown command";
-    else if (strcmp(line, "state") && asker_gone(fd)) {
+    int was = checkpointed, step = !strcmp(line, "checkpoint") || !strcmp(line, "restore");
+    if (!step && strcmp(line, "state") && strcmp(line, "pool")) e = "unknown command";
+    else if (!strcmp(line, "pool")) e = passed < 0 ? "pool: no descriptor passed with it" : take_pool(passed);
+    else if (step && asker_gone(fd)) {
         e = "asker gone before the step began: not run"; /* it timed out waiting behind another */
-    } else if (strcmp(line, "state")) {
+    } else if (step) {
         CUresult r = cu.ctxSetCurrent(owner_ctx);
         if (!r && !*s) r = cu.streamCreate(s, 1 /* CU_STREAM_NON_BLOCKING */);
-        e = r ? err_name(r) : line[0] == 'c' ? do_checkpoint(*s) : do_restore(*s);
+        if (r) e = err_name(r);
+        else if (line[0] == 'r') e = do_restore(*s);
+        else if (!checkpointed) {
+            drop_layout(); /* one a restore left to drop after its answer */
+            e = lay_out(args);
+            if (!e) e = do_checkpoint(*s);
+            if (e) drop_layout();
+        }
         if (!e && checkpointed != was && asker_gone(fd)) {
-            /* the agent gave up waiting: put the process back as it was */
+            /* the agent gave up waiting: put the process back as it was (into the layout it restored from) */
             e = was ? do_checkpoint(*s) : do_restore(*s);
             say("%s finished after its asker left: undone%s", line, e ? " FAILED" : "");
         }
     }
-    char out[160];
+    if (passed >= 0) close(passed);
+    size_t in_pool = 0;
+    for (size_t k = 0; checkpointed && k < n_segs; k++) if (segs[k].h != &own) in_pool += segs[k].len;
+    char out[200];
     if (e) snprintf(out, sizeof out, "error %s\n", e);
-    else snprintf(out, sizeof out, "ok %s %zu %.3f %.3f\n", checkpointed ? "checkpointed" : "running", reported_bytes(),
-                  now() - t0, line[0] == 'c' && checkpointed != was ? prep_waited : 0.0);
+    else snprintf(out, sizeof out, "ok %s %zu %.3f %.3f %zu\n", checkpointed ? "checkpointed" : "running", reported_bytes(),
+                  now() - t0, line[0] == 'c' && checkpointed != was ? prep_waited : 0.0, in_pool);
     send(fd, out, strlen(out), MSG_NOSIGNAL);
-    if (!checkpointed) free_host();
+    if (!checkpointed) drop_layout();
     pthread_mutex_unlock(&mu);
 }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,11 @@ from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 from tests.fake_apiserver import FakeApiServer
 from tests.kubelet_fakes import serve_plugin  # noqa: F401  (fixture: a kubelet plugin on temp sockets)
+
+# The `vmm` backend's pinned pool on these GPU-less nodes (node agents of this process and of those it
+# starts): 64 MiB holds several fake jobs' states (tests/test_vmm.py) where the default would be 1 GB
+# per agent, populated by the first shim that registers it.
+os.environ.setdefault("TIMESLICE_VMM_POOL_BYTES", str(64 << 20))
 
 
 @dataclass

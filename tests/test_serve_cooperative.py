@@ -29,7 +29,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from timeslice.controller.orchestrator.pinned_pool import NO_GPU_BYTES, default_size, remove_left
+from timeslice.controller.orchestrator.pinned_pool import remove_left
+from timeslice.driver.host_ranges import NO_GPU_BYTES, default_size
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 

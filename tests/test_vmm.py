@@ -37,6 +37,8 @@ from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.server import create_server
 
+from tests.conftest import eventually
+
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = ROOT / "bench" / "fake_cuda" / "vmm"
 MIB = 1 << 20
@@ -126,6 +128,63 @@ async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job, caplog
     assert await job.verify() == "verified ok"
 
 
+def _maps_pool(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "memfd:timeslice-vmm-pool" in f.read()
+
+
+async def test_checkpoints_go_to_the_nodes_pool_and_what_it_lacks_to_the_shims_own(start_job, monkeypatch):
+    """The node's pinned pool (a memfd the agent hands to each shim, registered once, in the
+    background) takes what it has room for; the rest of a checkpoint goes to a buffer of the
+    shim's own. Its ranges are the job's until its restore answers, come back when a checkpoint
+    fails, when one that timed out has been undone, and when a checkpointed process is killed; a
+    restarted agent's new pool is taken by a shim checkpointed in the old one, which restores from
+    the old. Bytes and addresses kept every time."""
+    pool_bytes = SHIM_BYTES + SHIM_BYTES // 2  # one job's state and half of another's
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", str(pool_bytes))
+    a, b, c = await start_job("a"), await start_job("b"), await start_job("c")
+    backend = VmmBackend(10)
+    backend.seen([a.pid, b.pid])  # a memory report's processes: handed the pool before any step
+    await eventually(lambda: _maps_pool(a.pid) and _maps_pool(b.pid), 30, what="the shims map the pool")
+    await eventually(lambda: backend.pinned_free_bytes() == pool_bytes, 30, what="the pool's pages taken")
+    for _ in range(3):
+        await backend.checkpoint([a.pid], timeout=30)
+        assert backend.pinned_free_bytes() == pool_bytes - SHIM_BYTES
+        await backend.checkpoint([b.pid], timeout=30)  # half in the pool, half in its shim's own buffer
+        assert backend.pinned_free_bytes() == 0
+        assert a.used_bytes() == b.used_bytes() == 0
+        await backend.restore([a.pid], timeout=30)
+        assert backend.pinned_free_bytes() == pool_bytes - SHIM_BYTES // 2
+        await backend.restore([b.pid], timeout=30)
+        assert backend.pinned_free_bytes() == pool_bytes
+        assert [await a.verify(), await b.verify()] == ["verified ok"] * 2
+    assert not _maps_pool(c.pid)  # (a process is handed the pool at its first step)
+    c.fault("dtoh error")
+    with pytest.raises(BackendError):
+        await backend.checkpoint([c.pid], timeout=30)
+    assert _maps_pool(c.pid) and backend.pinned_free_bytes() == pool_bytes
+    c.fault("dtoh hang 1.5")
+    with pytest.raises(StepTimeout):
+        await backend.checkpoint([c.pid], timeout=0.3)
+    assert backend.pinned_free_bytes() == pool_bytes - SHIM_BYTES  # the shim still copies, then undoes
+    await eventually(lambda: backend.pinned_free_bytes() == pool_bytes, 30, what="the undone checkpoint's ranges")
+    c.fault("")
+    await backend.checkpoint([c.pid], timeout=30)
+    c.proc.kill()
+    await c.proc.wait()
+    await backend.checkpoint([a.pid], timeout=30)  # c's ranges came back first
+    assert backend.pinned_free_bytes() == pool_bytes - SHIM_BYTES
+    restarted = VmmBackend(10)
+    restarted.seen([a.pid])  # a new pool for a process checkpointed in the old one
+    await eventually(lambda: restarted.pinned_free_bytes() == pool_bytes, 30, what="the new pool's pages taken")
+    await restarted.restore([a.pid], timeout=30)
+    assert await a.verify() == "verified ok"
+    await restarted.checkpoint([a.pid], timeout=30)
+    assert restarted.pinned_free_bytes() == pool_bytes - SHIM_BYTES
+    await restarted.restore([a.pid], timeout=30)
+    assert await a.verify() == "verified ok"
+
+
 async def test_failed_copy_out_leaves_the_job_on_the_gpu(start_job):
     job = await start_job()
     job.fault("dtoh error")
@@ -150,14 +209,17 @@ async def test_failed_restore_stays_checkpointed_then_restores(start_job):
     assert await job.verify() == "verified ok"
 
 
-async def test_a_checkpoint_right_after_a_restore_waits_for_the_restored_buffer_to_be_freed(start_job, short_tmp):
+async def test_a_checkpoint_right_after_a_restore_waits_for_the_restored_buffer_to_be_freed(start_job, short_tmp,
+                                                                                           monkeypatch):
     """A switch that restores first, then checkpoints the job it replaces: the restored process's
     shim frees its host buffer after it answered, and the checkpoint's host-memory check must see
     that memory freed (H200, 3 jobs of 57 GB through `timeslice serve --backend vmm`: 4 switches
     refused "no host memory", 34 ms after a 47 GB restore, and their rollbacks too). Here the
     host's memory is taken until the restored shim's last cuMemHostUnregister ends (each of its
     buffer's chunks hangs 1 s: longer than a `state` question's own 5 s in all), and a memory
-    report asked meanwhile answers within its deadline."""
+    report asked meanwhile answers within its deadline. No pinned pool: every checkpoint goes to a
+    buffer of the shim's own (as what a full pool does not hold does)."""
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", "0")
     gb = 10**9
     chunks = -(-SHIM_BYTES // (2 * MIB))  # the host buffer's registrations (TIMESLICE_VMM_CHUNK_BYTES)
     a, b = await start_job("a"), await start_job("b")

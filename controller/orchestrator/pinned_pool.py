@@ -9,11 +9,9 @@ the H200) while the host holds only what is checkpointed now, not a buffer per j
 pinned memory: a job whose state does not fit in the largest free range falls back to
 its own pageable memory (slower, with a warning), it does not fail.
 
-This class only hands out byte ranges (free ranges merged when given back); a job's
-state may span several ranges, so fragmentation never refuses a state that fits in the
-free total. The bytes are written by the job processes; the orchestrator writes them
-only when it creates the file (`populate`). `default_size` is the size a node gets unless
-told (`timeslice serve`).
+This class only hands out byte ranges (`HostRanges`). The bytes are written by the job
+processes; the orchestrator writes them only when it creates the file (`populate`).
+`host_ranges.default_size` is the size a node gets unless told (`timeslice serve`).
 
 Creation and reopening (an orchestrator restart must not rewrite what clients still map):
 the file is created exclusively (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600). A file that
@@ -40,25 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from timeslice.controller.orchestrator import huge_pages
+from timeslice.driver.host_ranges import SHM, HostRanges
 
 log = logging.getLogger("timeslice.cooperative")
-# The pool of a node without a GPU (tests, demos), bytes.
-NO_GPU_BYTES = 10**9
-SHM = Path("/dev/shm")
-
-
-def default_size(gpu_bytes: int, shm: Path | None = SHM) -> int:
-    """Bytes of a pool nobody sized: the GPUs' total memory (`gpu_bytes`, bytes; 0: no GPU,
-    then `NO_GPU_BYTES`), capped by three quarters of the host's memory and (unless None) by
-    the free space of the memory filesystem `shm`. What is checkpointed is what does not fit on the
-    GPUs, and a swap holds two states at once (the one going out is written before the one
-    coming in is read back): on the H200 host (135 GB) half the host held one 50 GB state,
-    so every swap of two such jobs waited for host memory (bench/results/
-    rl-grpo-b-serve-cooperative-h200.json); three quarters hold two and leave the jobs'
-    own processes a quarter. Raises OSError when `shm` cannot be read."""
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    free = host if shm is None else shutil.disk_usage(shm).free
-    return max(0, min(gpu_bytes or NO_GPU_BYTES, host * 3 // 4, free))
 
 
 def in_use(path: Path) -> bool:
@@ -104,7 +86,7 @@ class PoolRefused(OSError):
 
 
 @dataclass
-class PinnedPool:
+class PinnedPool(HostRanges):
     """`path`: the pool file (mode 0600); `size` in bytes; `populate`: allocate its memory now
     (`posix_fallocate`; raises OSError when the filesystem lacks the room) and write it once
     (tmpfs leaves fallocated pages to be cleared at their first fault: on the H200 host the
@@ -178,85 +160,6 @@ class PinnedPool:
             raise PoolRefused(errno.EPERM, f"pinned pool {self.path} exists and is refused: {'; '.join(problems)}")
         log.warning("pinned pool reopened path=%s bytes=%d: its content is kept (checkpointed jobs are learned from "
                     "the state file and from their processes as they reconnect)", self.path, self.size)
-
-    def reserve(self, ranges: list[tuple[int, int]]) -> None:
-        """Mark `ranges` used (a checkpoint learned after a restart). Raises ValueError,
-        reserving nothing, when one is outside the pool, empty, or not wholly free."""
-        free = list(self._free)
-        for off, length in ranges:
-            hit = next((i for i, (f, n) in enumerate(free) if f <= off and off + length <= f + n), None)
-            if length <= 0 or hit is None:
-                raise ValueError(f"pool range [{off}, {off + length}) is not free in the {self.size}-byte pool")
-            f, n = free.pop(hit)
-            free[hit:hit] = [r for r in ((f, off - f), (off + length, f + n - off - length)) if r[1] > 0]
-        self._free = sorted(free)
-        for off, length in ranges:
-            self._used[off] = length
-
-    def take_all(self) -> list[tuple[int, int]]:
-        """Reserve every free range, largest first; [(offset, length)], [] when full. A
-        checkpoint fills them in order as one buffer, then `keep` gives back the rest."""
-        taken = sorted(self._free, key=lambda r: (-r[1], r[0]))
-        self._free = []
-        for off, length in taken:
-            self._used[off] = length
-        return taken
-
-    def take(self, nbytes: int) -> list[tuple[int, int]]:
-        """Reserve free ranges, largest first, that hold `nbytes` together (the last one cut to
-        fit); [] when the free total is smaller (nothing is reserved then). For one process
-        of several checkpointed at once; `keep` gives back what it did not use."""
-        if nbytes <= 0 or sum(n for _, n in self._free) < nbytes:
-            return []
-        taken: list[tuple[int, int]] = []
-        free: list[tuple[int, int]] = []
-        left = nbytes
-        for off, length in sorted(self._free, key=lambda r: (-r[1], r[0])):
-            n = min(length, left)
-            if n > 0:
-                taken.append((off, n))
-                self._used[off] = n
-                left -= n
-            if n < length:
-                free.append((off + n, length - n))
-        self._free = sorted(free)
-        return taken
-
-    def keep(self, ranges: list[tuple[int, int]], used: int) -> list[tuple[int, int]]:
-        """Of `ranges` (from `take_all`), keep the first `used` bytes in order and give back
-        the rest; returns the ranges kept."""
-        kept = []
-        for off, length in ranges:
-            n = max(0, min(length, used))
-            used -= n
-            self._used.pop(off, None)
-            if n:
-                self._used[off] = n
-                kept.append((off, n))
-            if n < length:
-                self._give_back(off + n, length - n)
-        return kept
-
-    def release(self, ranges: list[tuple[int, int]]) -> None:
-        """Give back `ranges` (ranges this pool does not hold are ignored)."""
-        for off, _ in ranges:
-            length = self._used.pop(off, None)
-            if length:
-                self._give_back(off, length)
-
-    @property
-    def used_bytes(self) -> int:
-        return sum(self._used.values())
-
-    def _give_back(self, offset: int, length: int) -> None:
-        ranges = sorted([*self._free, (offset, length)])
-        merged: list[tuple[int, int]] = []
-        for off, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((off, n))
-        self._free = merged
 
     def close(self) -> None:
         """Remove the pool file (job processes that mapped it keep their mapping; a restarted

@@ -455,13 +455,15 @@ class NodeAgent:
             return []
 
     async def _host_available(self, wait: float) -> int:
-        """The host's available memory in bytes, once what the backends' answered steps still
-        release is released (`Backend.host_memory_settled`), or `wait` seconds have passed
-        (logged)."""
-        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in self._backends.values()))
+        """The host's memory available for checkpoints in bytes (MemAvailable, and what the
+        backends' pinned pools have free of the memory they already took: `Backend.pinned_free_bytes`),
+        once what the backends' answered steps still release is released
+        (`Backend.host_memory_settled`), or `wait` seconds have passed (logged)."""
+        backends = list(self._backends.values())
+        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in backends))
         if not all(settled):
             log.warning("host memory read while a checkpoint's host buffer is still being freed (waited %g s)", wait)
-        return await asyncio.to_thread(self._host_probe)
+        return await asyncio.to_thread(self._host_probe) + sum(b.pinned_free_bytes() for b in backends)
 
     async def _check_host_room(self, job_id: str, need: int, wait: float) -> None:
         """Raise FailedPrecondition when the host cannot take `need` more bytes (after up to
@@ -503,6 +505,8 @@ class NodeAgent:
             except TimeSliceServerError as err:
                 log.debug("memory report: no processes for job=%s: %s", job.job_id, err)
         self._note_live(p for pids in pids_of.values() for p in pids)
+        if names.BACKEND_VMM in self.enabled and pids_of:  # (its shims register the pool before a switch needs it)
+            self.backend(names.BACKEND_VMM).seen([p for pids in pids_of.values() for p in pids])
         asked = time.monotonic()
         self._sampled.update({job_id: (pids, asked) for job_id, pids in pids_of.items()})
         if pids_of and (self._sampler is None or self._sampler.done()):

@@ -32,7 +32,7 @@ def make_backend(name: str, lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SEC
         return CudaBackend(lock_timeout)
     if name == names.BACKEND_VMM:
         from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
-        return VmmBackend(lock_timeout)
+        return VmmBackend(lock_timeout, memory_probe)
     if name == names.BACKEND_CUDA_CHECKPOINT:
         from timeslice.kubelet_plugin.agent.backends.cuda_checkpoint import CudaCheckpointBackend
         return CudaCheckpointBackend(lock_timeout)

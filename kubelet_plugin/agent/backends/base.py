@@ -70,6 +70,18 @@ class Backend(ABC):
         releases memory after its answer."""
         return True
 
+    def pinned_free_bytes(self) -> int:
+        """Bytes of this backend's pinned pool that are free for checkpoints and already taken
+        from the host (so not in MemAvailable): the node agent adds them to the host's room.
+        Default: no pool."""
+        return 0
+
+    def seen(self, pids: Sequence[int]) -> None:
+        """The node agent resolved `pids` as a job's (a memory report): a backend may prepare
+        them for a later step, in the background (`vmm` hands its pool to their shims).
+        Raises nothing. Default: nothing."""
+        return None
+
     def bind(self, app: AppEngine | None) -> Backend:
         """This backend for the steps of one job whose inference engine is `app` (the step's
         `app`, from the claim's TimeSliceConfig). Backend `app` acts through the engine and

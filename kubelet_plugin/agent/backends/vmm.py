@@ -2,14 +2,22 @@
 
 The shim (`shim/timeslice_vmm.c`, loaded with `LD_PRELOAD`: `timeslice.driver.vmm_shim`) serves the
 process's cudaMalloc with CUDA virtual memory and listens on a unix socket
-`$TIMESLICE_VMM_DIR/<pid>.sock`. A step sends it one line (`checkpoint`, `restore`, `state`) and reads
-one line back: `ok <running|checkpointed> <bytes> <seconds> <seconds a checkpoint's copies waited for
-its host buffer to be faulted in and registered>` or `error <reason>`. The shim copies every
-allocation to pinned host memory and releases the physical memory with the addresses kept
-reserved (checkpoint), or maps new memory at the same addresses and copies back (restore); each
-step is all-or-nothing in the process, and one whose asker hung up before the answer (this step
-timed out) is undone by the shim, so it never lands late. Over a job's processes the step is
-all-or-nothing too (`run_step`).
+`$TIMESLICE_VMM_DIR/<pid>.sock`. A step sends it one line (`checkpoint`, `restore`, `state`) and
+reads one line back: `ok <running|checkpointed> <bytes> <seconds> <seconds a checkpoint's copies
+waited for host memory to be faulted in and registered> <bytes of the checkpoint in the pool>` or
+`error <reason>`. The shim copies every allocation to pinned host memory and releases the physical
+memory with the addresses kept reserved (checkpoint), or maps new memory at the same addresses and
+copies back (restore); each step is all-or-nothing in the process, and one whose asker hung up
+before the answer (this step timed out) is undone by the shim, so it never lands late. Over a
+job's processes the step is all-or-nothing too (`run_step`).
+
+The node's pinned pool (`VmmPool`, a memfd) is handed to each shim once (`pool`, its descriptor
+passed over the socket) as soon as the agent sees the process: in a memory report (`seen`) or at
+its first step. The shim registers it in the background, and a checkpoint names the pool's
+ranges it copies into (`checkpoint <offset>+<length>,...`; what they do not hold goes to a
+private buffer of the shim's). The ranges stay the job's while it is checkpointed and come back
+to the pool on its restore's answer, or, for a step that timed out (which the shim undoes), once
+the shim answers again; those of a process that ended come back at the next checkpoint.
 
 The socket is reached through the process's own view of the file system (`/proc/<pid>/root`,
 its PID as its namespace numbers it): a pod's `/tmp` needs no host mount. A process without the
@@ -22,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+import socket
+from collections.abc import Callable, Sequence
 
-from timeslice.driver import vmm_shim
+from timeslice.driver import host_ranges, vmm_shim
 from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout, TimeSliceServerError
+from timeslice.driver.peercred import start_time
 from timeslice.driver.rollback import undo
 from timeslice.kubelet_plugin.agent import gpu_memory
 from timeslice.kubelet_plugin.agent.backends.base import (
@@ -37,9 +47,12 @@ from timeslice.kubelet_plugin.agent.backends.base import (
     log,
     run_step,
 )
+from timeslice.kubelet_plugin.agent.backends.vmm_pool import SIZE_ENV, VmmPool
+from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
 from timeslice.kubelet_plugin.agent.procfs import exit_state, gone_or_failed
 
 REPLY_LIMIT = 256  # bytes: one line of the shim's answer
+MAX_RANGES = 128  # pool ranges one checkpoint names (the shim's TSV_MAX_SEGS - 1; its command line holds 4095 bytes)
 STATE_SECONDS = 5.0  # a `state` question answers at once (it waits only for a step in progress)
 FREE_SECONDS = 120.0  # a shim frees a checkpoint's host buffer (tens of GB unpinned and unmapped) within this
 
@@ -81,13 +94,36 @@ def has_shim(pid: int) -> bool:
     return loaded and os.path.exists(socket_path(pid))
 
 
+def _hand_over(pid: int, fd: int) -> str:
+    """Send the pool's descriptor `fd` to the shim in `pid`; its answer line ("ok ..." or
+    "error <why>"). Raises OSError (no shim listening, no answer in STATE_SECONDS)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(STATE_SECONDS)
+        conn.connect(socket_path(pid))
+        socket.send_fds(conn, [b"pool\n"], [fd])
+        with conn.makefile("rb") as answers:
+            return answers.readline(REPLY_LIMIT).decode(errors="replace").strip()
+
+
 class VmmBackend(Backend):
+    """`pool_bytes`: the size of the node's pinned pool (0: none; None: $TIMESLICE_VMM_POOL_BYTES,
+    else `host_ranges.default_size` of the GPUs' total memory, which `memory_probe` (NVML) reads)."""
+
     name = "vmm"
 
-    def __init__(self, lock_timeout: float) -> None:
+    def __init__(self, lock_timeout: float, memory_probe: Callable[[], list[GpuInfo]] = gpu_memory.gpus,
+                 pool_bytes: int | None = None) -> None:
         self.lock_timeout = lock_timeout
+        self._memory_probe = memory_probe
+        self._pool_bytes = pool_bytes
         self._cuda: Backend | None = None
         self._frees: dict[int, asyncio.Task[None]] = {}  # pid -> waiting for its shim to free a host buffer
+        self._pool: VmmPool | None = None
+        self._pool_made = False  # tried: a pool that could not be made is not tried again
+        # pid -> (its start time, the task handing it the pool)
+        self._handed: dict[int, tuple[int | None, asyncio.Future[bool]]] = {}
+        self._ranges: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}  # pid -> (start time, its ranges)
+        self._release_later: dict[int, list[tuple[int, int]]] = {}  # pid -> ranges back once its shim answers
 
     async def host_memory_settled(self, timeout: float) -> bool:
         """Once the shims that answered a restore have freed its host buffer (`_free_after`),
@@ -117,6 +153,57 @@ class VmmBackend(Backend):
             pass  # gone: its memory goes with it
         finally:
             self._frees.pop(pid, None)
+            if self._pool is not None:
+                self._pool.release(self._release_later.pop(pid, []))
+
+    def pinned_free_bytes(self) -> int:
+        return self._pool.populated_free() if self._pool is not None else 0
+
+    def seen(self, pids: Sequence[int]) -> None:
+        for pid in pids:
+            self._hand_pool(pid)
+
+    async def _pool_now(self) -> VmmPool | None:
+        """The node's pool, made at the first need (None: none, as configured, or because it
+        could not be made: logged once, not tried again)."""
+        if not self._pool_made:
+            self._pool_made = True
+            try:
+                size = self._pool_bytes if self._pool_bytes is not None else os.environ.get(SIZE_ENV)
+                gpus = [] if size is not None else await asyncio.to_thread(self._memory_probe)
+                want = int(size) if size is not None else host_ranges.default_size(sum(g.total for g in gpus), None)
+                self._pool = VmmPool.create(want) if want > 0 else None
+            except (OSError, ValueError) as err:
+                log.warning("vmm: no pinned pool (%s): each checkpoint registers host memory of its own, slower", err)
+        return self._pool
+
+    def _hand_pool(self, pid: int) -> asyncio.Future[bool]:
+        """Hand the pool to `pid`'s shim, once per process (one task, shared by every asker);
+        True once its shim has it (or refused it, logged), False when there is no pool or no shim
+        answering yet (asked again next time)."""
+        born = start_time(pid)
+        held = self._handed.get(pid)
+        if held is not None and held[0] == born and (not held[1].done() or held[1].result()):
+            return held[1]
+        task = asyncio.ensure_future(self._give_pool(pid))
+        self._handed[pid] = (born, task)
+        return task
+
+    async def _give_pool(self, pid: int) -> bool:
+        pool = await self._pool_now()
+        if pool is None:
+            return False
+        try:
+            if not await asyncio.to_thread(has_shim, pid):
+                return False
+            answer = await asyncio.to_thread(_hand_over, pid, pool.fd)
+        except OSError as err:
+            log.info("vmm: pid %d not handed the pinned pool (%s)", pid, err)
+            return False
+        if not answer.startswith("ok"):
+            log.warning("vmm: pid %d refused the pinned pool (%s): its checkpoints go to host memory of its own",
+                        pid, answer)
+        return True
 
     async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
         return await self._step("checkpoint", "restore", pids, timeout)
@@ -134,9 +221,10 @@ class VmmBackend(Backend):
 
     async def _step(self, command: str, inverse: str, pids: Sequence[int], timeout: float) -> list[ProcState]:
         """`command` on every shim process, the `cuda` backend's on the rest; all or nothing."""
+        one = {"checkpoint": self._checkpoint_one, "restore": self._restore_one}
         shim, other = await self._split(pids)
-        done = await run_step(f"vmm {command}", shim, lambda p: self._ask(p, command, timeout),
-                              lambda p: self._ask(p, inverse, timeout))
+        done = await run_step(f"vmm {command}", shim, lambda p: one[command](p, timeout),
+                              lambda p: one[inverse](p, timeout))
         if not other:
             return done
         try:
@@ -147,8 +235,57 @@ class VmmBackend(Backend):
                                  else cuda.restore(other, timeout))
         except BaseException as err:
             failure = f"vmm {command} of the processes without the shim failed ({err})"
-            await undo(done, lambda st: self._ask(st.pid, inverse, timeout), lambda st: f"pid {st.pid}", failure)
+            await undo(done, lambda st: one[inverse](st.pid, timeout), lambda st: f"pid {st.pid}", failure)
             raise
+
+    async def _checkpoint_one(self, pid: int, timeout: float) -> ProcState:
+        """Checkpoint `pid` into as much of the pool as is free (its shim holds the pool: handed
+        now if the agent had not yet), the rest into a private buffer of its shim's."""
+        ranges: list[tuple[int, int]] = []
+        pool = await self._pool_now()
+        if pool is not None and await self._hand_pool(pid):
+            self._give_back_ended(pool)
+            now = await self._ask(pid, "state", STATE_SECONDS)
+            if now.state == RUNNING:
+                pool.release(self._ranges.pop(pid, (None, []))[1])  # a restore that failed to undo left it so
+                ranges = pool.take(min(now.gpu_bytes, pool.free_bytes))
+                ranges = pool.keep(ranges, sum(n for _, n in ranges[:MAX_RANGES]))
+        try:
+            words = await self._answer(pid, "checkpoint", timeout, ",".join(f"{off}+{n}" for off, n in ranges))
+        except BackendError:  # answered with an error (the shim kept nothing), or gone
+            if pool is not None:
+                pool.release(ranges)
+            raise
+        except BaseException:  # timed out or cancelled: the shim undoes it, copying back from these ranges
+            self._release_later.setdefault(pid, []).extend(ranges)
+            self._free_after(pid)
+            raise
+        if pool is not None and ranges:  # what the shim put in the pool: the first bytes of its ranges
+            in_pool = int(words[5]) if len(words) > 5 and words[5].isdigit() else sum(n for _, n in ranges)
+            self._ranges[pid] = (start_time(pid), pool.keep(ranges, in_pool))
+        return ProcState(pid, words[1], int(words[2]))
+
+    async def _restore_one(self, pid: int, timeout: float) -> ProcState:
+        """Restore `pid`; its pool ranges are free again once its shim says it runs (a restore
+        that fails or times out is undone by the shim, into the same ranges)."""
+        try:
+            done = await self._ask(pid, "restore", timeout)
+        except ProcessGone:
+            self._give_back(pid)
+            raise
+        self._give_back(pid)
+        return done
+
+    def _give_back(self, pid: int) -> None:
+        held = self._ranges.pop(pid, None)
+        if held is not None and self._pool is not None:
+            self._pool.release(held[1])
+
+    def _give_back_ended(self, pool: VmmPool) -> None:
+        """The ranges of processes that ended while checkpointed (killed, or exited) back to `pool`."""
+        for pid, (born, _) in list(self._ranges.items()):
+            if start_time(pid) != born:
+                self._give_back(pid)
 
     async def _split(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
         """The PIDs whose shim listens, and the others (logged: the `cuda` backend moves them)."""
@@ -183,12 +320,19 @@ class VmmBackend(Backend):
         return self._cuda
 
     async def _ask(self, pid: int, command: str, timeout: float) -> ProcState:
-        """One command to the shim in `pid`. Raises ProcessGone (the process ended), StepTimeout
-        (no answer within `timeout` seconds: the connection is closed, and the shim undoes the
-        step when it ends, or does not begin it), BackendError (the shim's error, an answer that
-        is not the state asked for, or no shim answering)."""
+        """`_answer`, as the process's state and its bytes on the GPU (or checkpointed)."""
+        words = await self._answer(pid, command, timeout)
+        return ProcState(pid, words[1], int(words[2]))
+
+    async def _answer(self, pid: int, command: str, timeout: float, args: str = "") -> list[str]:
+        """One command to the shim in `pid` (`args` after it, if any); its answer's words ("ok",
+        state, bytes, seconds, seconds waiting for host memory, bytes in the pool). Raises
+        ProcessGone (the process ended), StepTimeout (no answer within `timeout` seconds: the
+        connection is closed, and the shim undoes the step when it ends, or does not begin it),
+        BackendError (the shim's error, an answer that is not the state asked for, or no shim
+        answering)."""
         try:
-            line = await asyncio.wait_for(self._exchange(pid, command), timeout)
+            line = await asyncio.wait_for(self._exchange(pid, f"{command} {args}" if args else command), timeout)
         except asyncio.TimeoutError:
             if command == "checkpoint":  # (undone by the shim, which then frees its buffer)
                 self._free_after(pid)
@@ -206,7 +350,7 @@ class VmmBackend(Backend):
                 log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], seconds, waited)
             if command == "restore":  # (its buffer is freed after this answer)
                 self._free_after(pid)
-            return ProcState(pid, words[1], int(words[2]))
+            return words
         if not words:  # the shim answers every command it reads: its process is ending
             raise _gone_or_failed(pid, f"vmm {command} pid {pid}: the shim closed the connection unanswered")
         raise BackendError(f"vmm {command} pid {pid}: {' '.join(words[1:]) if words[0] == 'error' else line!r}")

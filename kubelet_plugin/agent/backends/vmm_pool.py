@@ -1,0 +1,86 @@
+"""VmmPool: the node's pinned host memory that `vmm` checkpoints are copied into.
+
+Owned by the node agent's `VmmBackend`. The pool is a memfd (memfd_create(2), no file name, no
+mount): the agent hands its descriptor to each job process's shim over the shim's socket
+(SCM_RIGHTS, unix(7)), and the shim maps it and registers it with CUDA once, in the background,
+from the first time the agent sees the process (a memory report or a step). A checkpoint then
+copies into memory already pinned: registering fresh host memory on the switch's path was most of
+a checkpoint's time (H200: 50 GB out in 1.83-2.05 s, 11.4 s for a process's first, against 1.0 s
+in; bench/results/vmm-switch-50gb-d3c0a95-h200.json). Only processes the agent hands it to can
+reach it: no other user's job can read a state in it. It lives while the agent or a process
+maps it; a restarted agent makes a new one, and a process checkpointed in the old one restores
+from it.
+
+Its pages are taken when the first shim registers it (never before: an agent with no `vmm` job
+costs nothing) and stay taken: pinned memory is not reclaimable. Huge pages (MFD_HUGETLB) when the
+host has reserved enough free ones (`HugePages_Free` of /proc/meminfo; registering them was ~7x
+faster on the H200 host, controller/orchestrator/huge_pages.py), else regular shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+
+from timeslice.driver.host_ranges import HostRanges
+
+log = logging.getLogger("timeslice.agent")
+SIZE_ENV = "TIMESLICE_VMM_POOL_BYTES"  # the pool's size in bytes (0: none); default host_ranges.default_size
+MEMINFO = "/proc/meminfo"
+
+
+def free_huge_pages() -> tuple[int, int]:
+    """(free reserved huge pages, their size in bytes) of the default huge page size, from
+    /proc/meminfo (Documentation/admin-guide/mm/hugetlbpage.rst); (0, 0) when it has none."""
+    fields: dict[str, int] = {}
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) if rest.split() else 0
+    except (OSError, ValueError):
+        return 0, 0
+    return fields.get("HugePages_Free", 0), fields.get("Hugepagesize", 0) * 1024
+
+
+@dataclass
+class VmmPool(HostRanges):
+    """`size` bytes of a memfd `fd` (huge pages when `huge`). Raises OSError (memfd_create or
+    ftruncate refused) from `create`."""
+
+    size: int
+    fd: int
+    huge: bool = False
+    _free: list[tuple[int, int]] = field(default_factory=list)  # (offset, length), sorted, disjoint
+    _used: dict[int, int] = field(default_factory=dict)  # offset -> length
+
+    @classmethod
+    def create(cls, size: int) -> VmmPool:
+        if size <= 0:
+            raise ValueError(f"vmm pool size must be > 0 bytes, got {size}")
+        pages, page = free_huge_pages()
+        huge = page > 0 and pages * page >= size
+        if huge:
+            size = -(-size // page) * page
+        fd = os.memfd_create("timeslice-vmm-pool", os.MFD_CLOEXEC | (os.MFD_HUGETLB if huge else 0))
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        log.info("vmm pool bytes=%d huge_pages=%s: registered by each job process's shim as it is first seen", size,
+                 huge)
+        pool = cls(size, fd, huge, [(0, size)])
+        weakref.finalize(pool, os.close, fd)  # the agent's reference goes with the pool object
+        return pool
+
+    def populated_free(self) -> int:
+        """Free bytes of the pool whose memory is taken already, so that the host's MemAvailable no
+        longer counts them (a regular pool's pages are taken as its first shim registers it; a
+        huge-page one's were reserved by the host beforehand)."""
+        if self.huge:
+            return self.free_bytes
+        taken = os.fstat(self.fd).st_blocks * 512
+        return max(0, self.free_bytes - (self.size - taken))
