@@ -138,7 +138,10 @@ def _pinned_pool_gb(parser: argparse.ArgumentParser, unless: str = "") -> None:
                              "0: none, each job keeps its own host copy, slower). Made at start in a private "
                              f"directory (mode 0700) under /dev/shm and removed on stop{unless}; only with a "
                              "cooperative group. Default: the GPUs' total memory, at most three quarters of the "
-                             "host's memory and the free space of /dev/shm (1 GB without a GPU)")
+                             "host's memory and the free space of /dev/shm (1 GB without a GPU)" + (
+                                 ". serve: also the size of the node agent's pool for vmm groups (a memfd taken as "
+                                 "its first job registers it; default as above, without the /dev/shm bound)"
+                                 if not unless else ""))
 
 
 def _at_least(low: float, kind: type) -> Any:

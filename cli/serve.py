@@ -37,6 +37,8 @@ from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import host_ranges, names, signals, vmm_shim
 from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
+from timeslice.kubelet_plugin.agent.backends.base import Backend
+from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
 from timeslice.kubelet_plugin.agent.gpu_memory import gpus
 from timeslice.kubelet_plugin.agent.host_processes import PeerProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -66,8 +68,8 @@ class ServeConfig:
     makes a job ("process-group" or "cgroup"); `groups_file`: YAML groups (None: one group
     per GPU, `gpu<index>`, with `backend`); `state_dir`: the agent's checkpoint records and
     the orchestrator's epoch floors, kept across restarts; `pinned_pool_bytes`: the size of
-    the cooperative groups' pinned pool (None: `host_ranges.default_size`; 0: none, each
-    cooperative job keeps its own host copy)."""
+    the cooperative groups' pinned pool and of the node agent's for `vmm` groups (None:
+    `host_ranges.default_size`; 0: none, each job keeps its own host copy)."""
 
     socket: Path
     socket_mode: int = 0o600
@@ -225,7 +227,11 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
             config = stack.enter_context(private_pool(orchestrator_config(cfg, agent_target, state_dir),
                                                       cfg.pinned_pool_bytes))
             # cooperative jobs move their own state: their agent only reports memory
-            backends = sorted({g.backend for g in config.groups} - {names.BACKEND_COOPERATIVE} | {names.BACKEND_NONE})
+            backends: list[str | Backend] = sorted({g.backend for g in config.groups} - {names.BACKEND_COOPERATIVE}
+                                                   | {names.BACKEND_NONE})
+            if cfg.pinned_pool_bytes is not None:  # vmm: the agent's own pool, of the size asked
+                backends = [VmmBackend(names.DEFAULT_LOCK_TIMEOUT_SECONDS, pool_bytes=cfg.pinned_pool_bytes)
+                            if b == names.BACKEND_VMM else b for b in backends]
             jobs = PeerJobs(state_dir / "jobs.json")
             agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
             agent_server, _ = await create_agent_server(agent, agent_target)
