@@ -3,11 +3,14 @@
     python3 bench/vmm_switch.py --gb 50 --switches 10 --out bench/results/vmm-switch-h200.json
 
 Starts two jobs (bench/vmm_job.py: plain PyTorch, started with the shim in LD_PRELOAD as `timeslice
-serve` says), each filling --gb GB of device memory and capturing a CUDA graph. Then A is
-checkpointed, and each switch moves the holder out and the other job in (`VmmBackend.checkpoint`
-then `.restore`, the node agent's code), after which the job now on the GPU replays its graph and
-checks its tensors bitwise against what it had before any switch. Writes per switch the seconds
-out and in, the bytes, and what the jobs verified; exits 1 when a verification failed.
+serve` says), each filling --gb GB of device memory and capturing a CUDA graph; each is handed the
+node's pinned pool as it starts, as a node agent does when a memory report first names it
+(`VmmBackend.seen`, default size). Then A is checkpointed, and each switch moves the holder out and
+the other job in (`VmmBackend.checkpoint` then `.restore`, the node agent's code), after which the
+job now on the GPU replays its graph and checks its tensors bitwise against what it had before any
+switch. Writes per switch the seconds out and in, the bytes, and what the jobs verified (the
+agent's log lines say how long each checkpoint waited for host memory); exits 1 when a
+verification failed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,8 +62,12 @@ async def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds for one step")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     backend = VmmBackend(lock_timeout=args.timeout)
-    jobs = [await start_job(args.gb, seed) for seed in (1, 2)]
+    jobs = []
+    for seed in (1, 2):
+        jobs.append(await start_job(args.gb, seed))
+        backend.seen([jobs[-1].pid])
     pids = [[j.pid] for j in jobs]
     used_both = gpu_used_bytes()
     t = time.perf_counter()
@@ -95,6 +103,7 @@ async def main() -> int:
         "gpu_used_bytes": {"both_jobs": used_both, "one_checkpointed": used_one},
         "switches": switches, "final_verified": final, "verification_failures": failed,
         "switch_seconds_max": max(s["seconds"] for s in switches) if switches else None,
+        "pinned_pool_bytes": backend.pinned_free_bytes(),  # (all free again: both jobs run)
         "machine": machine_name(),
     }
     text = json.dumps(result, indent=2)

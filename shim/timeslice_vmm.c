@@ -499,7 +499,10 @@ static CUresult copy_alloc(const alloc_t *a, int out, CUstream s) {
 static const char *lay_out(const char *spec) {
     size_t need = total_bytes(), have = 0;
     n_segs = 0;
-    while (spec && *spec && have < need) {
+    pthread_mutex_lock(&pool->m);
+    int unusable = pool->base && pool->err; /* its registration failed: the private buffer takes it all */
+    pthread_mutex_unlock(&pool->m);
+    while (spec && *spec && have < need && !unusable) {
         char *end;
         unsigned long long off = strtoull(spec, &end, 10), len;
         if (*end != '+') return "malformed pool ranges";

@@ -119,7 +119,7 @@ class VmmBackend(Backend):
         self._cuda: Backend | None = None
         self._frees: dict[int, asyncio.Task[None]] = {}  # pid -> waiting for its shim to free a host buffer
         self._pool: VmmPool | None = None
-        self._pool_made = False  # tried: a pool that could not be made is not tried again
+        self._pool_made: asyncio.Future[None] | None = None  # once: a pool that could not be made is not tried again
         # pid -> (its start time, the task handing it the pool)
         self._handed: dict[int, tuple[int | None, asyncio.Future[bool]]] = {}
         self._ranges: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}  # pid -> (start time, its ranges)
@@ -166,16 +166,19 @@ class VmmBackend(Backend):
     async def _pool_now(self) -> VmmPool | None:
         """The node's pool, made at the first need (None: none, as configured, or because it
         could not be made: logged once, not tried again)."""
-        if not self._pool_made:
-            self._pool_made = True
-            try:
-                size = self._pool_bytes if self._pool_bytes is not None else os.environ.get(SIZE_ENV)
-                gpus = [] if size is not None else await asyncio.to_thread(self._memory_probe)
-                want = int(size) if size is not None else host_ranges.default_size(sum(g.total for g in gpus), None)
-                self._pool = VmmPool.create(want) if want > 0 else None
-            except (OSError, ValueError) as err:
-                log.warning("vmm: no pinned pool (%s): each checkpoint registers host memory of its own, slower", err)
+        if self._pool_made is None:
+            self._pool_made = asyncio.ensure_future(self._make_pool())
+        await asyncio.shield(self._pool_made)
         return self._pool
+
+    async def _make_pool(self) -> None:
+        try:
+            size = self._pool_bytes if self._pool_bytes is not None else os.environ.get(SIZE_ENV)
+            gpus = [] if size is not None else await asyncio.to_thread(self._memory_probe)
+            want = int(size) if size is not None else host_ranges.default_size(sum(g.total for g in gpus), None)
+            self._pool = VmmPool.create(want) if want > 0 else None
+        except (OSError, ValueError) as err:
+            log.warning("vmm: no pinned pool (%s): each checkpoint registers host memory of its own, slower", err)
 
     def _hand_pool(self, pid: int) -> asyncio.Future[bool]:
         """Hand the pool to `pid`'s shim, once per process (one task, shared by every asker);
@@ -244,7 +247,7 @@ class VmmBackend(Backend):
         ranges: list[tuple[int, int]] = []
         pool = await self._pool_now()
         if pool is not None and await self._hand_pool(pid):
-            self._give_back_ended(pool)
+            self._give_back_ended()
             now = await self._ask(pid, "state", STATE_SECONDS)
             if now.state == RUNNING:
                 pool.release(self._ranges.pop(pid, (None, []))[1])  # a restore that failed to undo left it so
@@ -281,11 +284,15 @@ class VmmBackend(Backend):
         if held is not None and self._pool is not None:
             self._pool.release(held[1])
 
-    def _give_back_ended(self, pool: VmmPool) -> None:
-        """The ranges of processes that ended while checkpointed (killed, or exited) back to `pool`."""
+    def _give_back_ended(self) -> None:
+        """The ranges of processes that ended while checkpointed (killed, or exited) back to the pool;
+        the processes that ended forgotten."""
         for pid, (born, _) in list(self._ranges.items()):
             if start_time(pid) != born:
                 self._give_back(pid)
+        for pid, (born, _) in list(self._handed.items()):
+            if start_time(pid) != born:
+                del self._handed[pid]
 
     async def _split(self, pids: Sequence[int]) -> tuple[list[int], list[int]]:
         """The PIDs whose shim listens, and the others (logged: the `cuda` backend moves them)."""
