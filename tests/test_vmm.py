@@ -114,7 +114,7 @@ async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job, caplog
     assert (st.state, st.gpu_bytes) == (CHECKPOINTED, SHIM_BYTES)
     # the time its copies waited for the host buffer (faulted in and registered meanwhile) is logged
     assert re.search(rf"vmm checkpoint pid={job.pid}: {SHIM_BYTES} bytes in [0-9.]+ s \([0-9.]+ s of it waiting "
-                     r"for host memory\)", caplog.text), caplog.text
+                     rf"for host memory\), {SHIM_BYTES} of them in the node's pool", caplog.text), caplog.text
     assert job.used_bytes() == 0  # the physical memory is released, the addresses stay reserved
     assert [s.state for s in await backend.state([job.pid])] == [CHECKPOINTED]
     [st] = await backend.checkpoint([job.pid], timeout=30)  # idempotent
@@ -369,6 +369,9 @@ async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_l
             log.read_text()[-3000:]
         text = log.read_text()
         assert text.count("vmm checkpoint pid=") >= 1 and text.count("vmm restore pid=") >= 1, text[-3000:]
+        # every checkpoint copied into the node's pool (room for both jobs), which each shim maps
+        checkpoints = re.findall(r"vmm checkpoint pid=\d+: (\d+) bytes .*, (\d+) of them in the node's pool", text)
+        assert checkpoints and all(whole == pooled for whole, pooled in checkpoints), text[-3000:]
     finally:
         serve.send_signal(signal.SIGTERM)
         await asyncio.wait_for(serve.wait(), 30)

@@ -354,7 +354,9 @@ class VmmBackend(Backend):
                 seconds = words[3] if len(words) > 3 else "?"
                 waited = f" ({words[4]} s of it waiting for host memory)" if command == "checkpoint" and len(
                     words) > 4 else ""
-                log.info("vmm %s pid=%d: %s bytes in %s s%s", command, pid, words[2], seconds, waited)
+                pooled = f", {words[5]} of them in the node's pool" if command == "checkpoint" and len(
+                    words) > 5 else ""
+                log.info("vmm %s pid=%d: %s bytes in %s s%s%s", command, pid, words[2], seconds, waited, pooled)
             if command == "restore":  # (its buffer is freed after this answer)
                 self._free_after(pid)
             return words
