@@ -412,6 +412,7 @@ static const char *prepare(host_t *h, char *p, size_t len, int shared) {
     if (!h->ready) { munmap(p, len); return strerror(ENOMEM); }
     h->base = p;
     h->len = len;
+    madvise(p, len, MADV_DONTFORK); /* a child (a data loader's worker) neither maps it nor copies its pinned pages */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int want = cpus > 1 ? (cpus > TSV_WORKERS ? TSV_WORKERS : (int)cpus) : 1;
     for (h->n_workers = 0; h->n_workers < want; h->n_workers++)
