@@ -229,9 +229,12 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
             # cooperative jobs move their own state: their agent only reports memory
             backends: list[str | Backend] = sorted({g.backend for g in config.groups} - {names.BACKEND_COOPERATIVE}
                                                    | {names.BACKEND_NONE})
-            if cfg.pinned_pool_bytes is not None:  # vmm: the agent's own pool, of the size asked
-                backends = [VmmBackend(names.DEFAULT_LOCK_TIMEOUT_SECONDS, pool_bytes=cfg.pinned_pool_bytes)
-                            if b == names.BACKEND_VMM else b for b in backends]
+            # vmm: the agent's own pool, of the size asked; unasked, none beside a cooperative pool (each
+            # would take up to three quarters of the host's memory)
+            vmm_pool = cfg.pinned_pool_bytes if cfg.pinned_pool_bytes is not None else \
+                0 if config.pinned_pool is not None else None
+            backends = [VmmBackend(names.DEFAULT_LOCK_TIMEOUT_SECONDS, pool_bytes=vmm_pool)
+                        if b == names.BACKEND_VMM else b for b in backends]
             jobs = PeerJobs(state_dir / "jobs.json")
             agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
             agent_server, _ = await create_agent_server(agent, agent_target)

@@ -11,11 +11,12 @@
  *   pool:       (sent with a memfd, SCM_RIGHTS) the node's pinned pool: mapped shared and
  *               registered with cuMemHostRegister in the background, once per process, so that
  *               checkpoints copy into memory already pinned (registering is the slow part).
- *   checkpoint [<offset>+<length>,...]: synchronises the context (the lock guarantees no phase
- *               runs), copies every allocation into the pool's ranges the agent names (bytes), in
- *               order, and what they do not hold into a private pinned buffer (huge pages when the
- *               kernel has them reserved), then unmaps and releases the physical memory; the
- *               address ranges stay reserved.
+ *   checkpoint [pool=<inode> <offset>+<length>,...]: synchronises the context (the lock
+ *               guarantees no phase runs), copies every allocation into the ranges the agent
+ *               names (bytes) of the pool it names, in order, and what they do not hold (all of
+ *               it, when this process holds another pool) into a private pinned buffer (huge
+ *               pages when the kernel has them reserved), then unmaps and releases the physical
+ *               memory; the address ranges stay reserved.
  *   restore:    maps new physical memory at the same addresses, copies back, frees the private
  *               buffer (the pool's ranges are the agent's to give out again once it has the answer).
  *   state:      says which of the two the process is in.
@@ -524,21 +525,30 @@ static CUresult copy_alloc(const alloc_t *a, int out, CUstream s) {
     return 0;
 }
 
-/* The checkpoint's layout: the pool's ranges `spec` ("<offset>+<length>,...", bytes; empty: none)
- * in order, then a private buffer for what they do not hold. NULL or the reason it cannot be made. */
+/* The checkpoint's layout: the pool's ranges `spec` ("pool=<inode> <offset>+<length>,...", bytes;
+ * empty: none) in order, then a private buffer for what they do not hold. Ranges of another pool
+ * than the one this process holds (an agent restarted, and this process did not take its new one)
+ * or of one whose registration failed are not used: the private buffer takes it all. NULL or the
+ * reason it cannot be made. */
 static const char *lay_out(const char *spec) {
     size_t need = total_bytes(), have = 0;
     n_segs = 0;
-    pthread_mutex_lock(&pool->m);
-    int unusable = pool->base && pool->err; /* its registration failed: the private buffer takes it all */
-    pthread_mutex_unlock(&pool->m);
-    while (spec && *spec && have < need && !unusable) {
+    if (spec && *spec) {
+        char *end;
+        if (strncmp(spec, "pool=", 5)) return "malformed pool ranges";
+        unsigned long long ino = strtoull(spec + 5, &end, 10);
+        if (*end != ' ') return "malformed pool ranges";
+        pthread_mutex_lock(&pool->m);
+        int usable = pool->base && !pool->err && pool->ino == (ino_t)ino;
+        pthread_mutex_unlock(&pool->m);
+        spec = usable ? end + 1 : NULL;
+    }
+    while (spec && *spec && have < need) {
         char *end;
         unsigned long long off = strtoull(spec, &end, 10), len;
         if (*end != '+') return "malformed pool ranges";
         len = strtoull(end + 1, &end, 10);
         if (*end && *end != ',') return "malformed pool ranges";
-        if (!pool->base) return "pool ranges given but no pool handed over";
         if (!len || off > pool->len || len > pool->len - off) return "pool range outside the pool";
         if (n_segs == TSV_MAX_SEGS - 1) return "too many pool ranges";
         if (len > need - have) len = need - have;
@@ -551,6 +561,28 @@ static const char *lay_out(const char *spec) {
         if (e) { n_segs = 0; return e; }
         segs[n_segs++] = (seg_t){&own, 0, need - have};
     }
+    return NULL;
+}
+
+static size_t layout_bytes(void) {
+    size_t n = 0;
+    for (size_t k = 0; k < n_segs; k++) n += segs[k].len;
+    return n;
+}
+
+/* The layout of a restore being undone, made to hold what the process allocated while it was
+ * checkpointed too: its pool ranges kept, a new private buffer for the rest (what the old one
+ * held is back on the GPU). NULL or the reason it cannot be made. */
+static const char *relay_out(void) {
+    size_t have = 0, n = 0, need = total_bytes();
+    for (size_t k = 0; k < n_segs; k++)
+        if (segs[k].h != &own) { segs[n++] = segs[k]; have += segs[k].len; }
+    n_segs = n;
+    free_host(&own);
+    if (have >= need) return NULL;
+    const char *e = alloc_own(need - have);
+    if (e) return e;
+    segs[n_segs++] = (seg_t){&own, 0, need - have};
     return NULL;
 }
 
@@ -627,20 +659,25 @@ static int asker_gone(int fd) {
  * it, if any (*passed, else -1). Its length, or -1. */
 static ssize_t read_command(int fd, char *line, size_t size, int *passed) {
     size_t n = 0;
+    double until = now() + 2.0; /* the whole line, however it is split */
     *passed = -1;
-    while (n < size - 1 && !memchr(line, '\n', n)) {
-        union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } ctl;
+    while (n < size - 1 && !memchr(line, '\n', n) && now() < until) {
+        union { struct cmsghdr h; char buf[CMSG_SPACE(4 * sizeof(int))]; } ctl;
         struct iovec io = {line + n, size - 1 - n};
         struct msghdr m = {.msg_iov = &io, .msg_iovlen = 1, .msg_control = ctl.buf, .msg_controllen = sizeof ctl.buf};
         ssize_t got = recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
         if (got <= 0) break;
-        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
-            if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len == CMSG_LEN(sizeof(int))) {
+        /* every descriptor passed is closed but the last one (descriptors past this buffer the kernel
+         * does not install: MSG_CTRUNC) */
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); i++) {
                 int d;
-                memcpy(&d, CMSG_DATA(c), sizeof d);
+                memcpy(&d, CMSG_DATA(c) + i * sizeof(int), sizeof d);
                 if (*passed >= 0) close(*passed);
                 *passed = d;
             }
+        }
         n += (size_t)got;
     }
     line[n] = 0;
@@ -675,7 +712,8 @@ static void serve_one(int fd, CUstream *s) {
         }
         if (!e && checkpointed != was && asker_gone(fd)) {
             /* the agent gave up waiting: put the process back as it was (into the layout it restored from) */
-            e = was ? do_checkpoint(*s) : do_restore(*s);
+            if (was && layout_bytes() < total_bytes()) e = relay_out();
+            if (!e) e = was ? do_checkpoint(*s) : do_restore(*s);
             say("%s finished after its asker left: undone%s", line, e ? " FAILED" : "");
         }
     }

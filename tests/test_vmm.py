@@ -128,6 +128,14 @@ async def test_checkpoint_and_restore_keep_bytes_and_addresses(start_job, caplog
     assert await job.verify() == "verified ok"
 
 
+def _limit_address_space(pid: int, room: int) -> None:
+    """Let `pid` map at most `room` more bytes (RLIMIT_AS)."""
+    import resource
+
+    size = int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())[1]) * 1024
+    resource.prlimit(pid, resource.RLIMIT_AS, (size + room, size + room))
+
+
 def _maps_pool(pid: int) -> bool:
     with open(f"/proc/{pid}/maps") as f:
         return "memfd:timeslice-vmm-pool" in f.read()
@@ -183,6 +191,71 @@ async def test_checkpoints_go_to_the_nodes_pool_and_what_it_lacks_to_the_shims_o
     assert restarted.pinned_free_bytes() == pool_bytes - SHIM_BYTES
     await restarted.restore([a.pid], timeout=30)
     assert await a.verify() == "verified ok"
+
+
+async def test_a_timed_out_checkpoint_the_shim_cannot_undo_keeps_its_pool_ranges(start_job, monkeypatch):
+    """A checkpoint that timed out and whose undo failed (or whose answer came after the
+    agent's deadline) leaves the job checkpointed in its pool ranges: they stay the job's, and
+    the next job's checkpoint gets other bytes (found by the review: they went back to the pool,
+    the next checkpoint wrote over them, and the first job restored another's bytes)."""
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", str(2 * SHIM_BYTES))
+    a, b = await start_job("a"), await start_job("b")
+    backend = VmmBackend(10)
+    a.fault("dtoh hang 0.5\nhtod error\n")  # a copy out hangs past the step's deadline, then the undo's copy back fails
+    with pytest.raises(StepTimeout):
+        await backend.checkpoint([a.pid], timeout=0.3)
+    await eventually(lambda: backend.host_memory_settled(0.1), 30, what="the shim's answer after its undo")
+    assert [st.state for st in await backend.state([a.pid])] == [CHECKPOINTED]
+    assert backend.pinned_free_bytes() == SHIM_BYTES  # a's ranges stay a's
+    await backend.checkpoint([b.pid], timeout=30)
+    a.fault("")
+    await backend.restore([a.pid], timeout=30)
+    await backend.restore([b.pid], timeout=30)
+    assert [await a.verify(), await b.verify()] == ["verified ok"] * 2
+    assert backend.pinned_free_bytes() == 2 * SHIM_BYTES
+
+
+async def test_a_process_that_cannot_map_the_pool_checkpoints_into_its_own_buffer(start_job, monkeypatch):
+    """A shim that refuses the pool (here it cannot map it: its address space is limited) is sent
+    no ranges: its checkpoints go to host memory of its own, also after an agent restart, when it
+    still maps the old pool that another job is checkpointed in (found by the review: the new
+    pool's ranges were applied to the old pool, over the other job's state)."""
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", str(2 * SHIM_BYTES))
+    a, b = await start_job("a"), await start_job("b")
+    old = VmmBackend(10)
+    await old.checkpoint([b.pid], timeout=30)  # b in the old pool, a maps it too
+    await old.checkpoint([a.pid], timeout=30)
+    await old.restore([a.pid], timeout=30)
+    assert _maps_pool(a.pid)
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", str(1 << 30))
+    _limit_address_space(a.pid, 256 << 20)  # no room for 1 GiB
+    restarted = VmmBackend(10)
+    for _ in range(2):
+        [st] = await restarted.checkpoint([a.pid], timeout=30)
+        assert st.state == CHECKPOINTED and restarted.pinned_free_bytes() == 0  # (nothing of the new pool taken)
+        await restarted.restore([a.pid], timeout=30)
+        assert await a.verify() == "verified ok"
+    await old.restore([b.pid], timeout=30)
+    assert await b.verify() == "verified ok"
+
+
+async def test_descriptors_sent_to_the_shim_with_a_command_are_not_kept(start_job):
+    """Descriptors passed with any command but the pool's are closed, however many one message
+    carries (found by the review: two per message were kept, forever)."""
+    job = await start_job()
+    fds = f"/proc/{job.pid}/fd"
+    before = len(os.listdir(fds))
+    r, w = os.pipe()
+    try:
+        for _ in range(10):
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.connect(socket_path(job.pid))
+                socket.send_fds(conn, [b"state\n"], [r, w, r, w])
+                assert conn.makefile("rb").readline().startswith(b"ok running")
+    finally:
+        os.close(r)
+        os.close(w)
+    assert len(os.listdir(fds)) == before
 
 
 async def test_failed_copy_out_leaves_the_job_on_the_gpu(start_job):

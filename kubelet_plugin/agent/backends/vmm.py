@@ -13,11 +13,13 @@ job's processes the step is all-or-nothing too (`run_step`).
 
 The node's pinned pool (`VmmPool`, a memfd) is handed to each shim once (`pool`, its descriptor
 passed over the socket) as soon as the agent sees the process: in a memory report (`seen`) or at
-its first step. The shim registers it in the background, and a checkpoint names the pool's
-ranges it copies into (`checkpoint <offset>+<length>,...`; what they do not hold goes to a
-private buffer of the shim's). The ranges stay the job's while it is checkpointed and come back
-to the pool on its restore's answer, or, for a step that timed out (which the shim undoes), once
-the shim answers again; those of a process that ended come back at the next checkpoint.
+its first step; only to processes of the agent's own user. The shim registers it in the
+background, and a checkpoint names the pool's ranges it copies into (`checkpoint pool=<the
+memfd's inode> <offset>+<length>,...`); what they do not hold goes to a private buffer of the
+shim's, and so does all of it when the shim holds another pool. The ranges stay the job's while
+it is checkpointed and come back to the pool on its restore's answer, or, for a checkpoint that
+timed out (which the shim undoes), once the shim says it runs; those of a process that ended come
+back at the next checkpoint.
 
 The socket is reached through the process's own view of the file system (`/proc/<pid>/root`,
 its PID as its namespace numbers it): a pod's `/tmp` needs no host mount. A process without the
@@ -34,7 +36,7 @@ import socket
 from collections.abc import Callable, Sequence
 
 from timeslice.driver import host_ranges, vmm_shim
-from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout, TimeSliceServerError
+from timeslice.driver.errors import BackendError, ProcessGone, StepTimeout
 from timeslice.driver.peercred import start_time
 from timeslice.driver.rollback import undo
 from timeslice.kubelet_plugin.agent import gpu_memory
@@ -121,7 +123,7 @@ class VmmBackend(Backend):
         self._pool: VmmPool | None = None
         self._pool_made: asyncio.Future[None] | None = None  # once: a pool that could not be made is not tried again
         # pid -> (its start time, the task handing it the pool)
-        self._handed: dict[int, tuple[int | None, asyncio.Future[bool]]] = {}
+        self._handed: dict[int, tuple[int | None, asyncio.Future[bool | None]]] = {}
         self._ranges: dict[int, tuple[int | None, list[tuple[int, int]]]] = {}  # pid -> (start time, its ranges)
         self._release_later: dict[int, list[tuple[int, int]]] = {}  # pid -> ranges back once its shim answers
 
@@ -144,13 +146,29 @@ class VmmBackend(Backend):
             self._frees[pid] = asyncio.ensure_future(self._freed(pid))
 
     async def _freed(self, pid: int) -> None:
+        """Wait for `pid`'s shim to answer a `state` question (it serves one command at a time,
+        so it has ended the step and what follows it). Then the pool ranges of a checkpoint that
+        timed out (`_release_later`) go back to the pool if the shim undid it (it runs), and stay
+        the job's if not (checkpointed: its answer came too late, or its undo failed). Until the
+        shim answers or its process is gone they stay taken: asked again while it is busy or its
+        socket refuses (its backlog full)."""
+        warned = False
         try:
-            if exit_state(pid) == "live":  # (an exiting process frees its memory as it ends)
-                await self._ask(pid, "state", FREE_SECONDS)
-        except StepTimeout:
-            log.warning("vmm: pid %d has not freed its checkpoint's host buffer after %g s", pid, FREE_SECONDS)
-        except TimeSliceServerError:
-            pass  # gone: its memory goes with it
+            while exit_state(pid) == "live":  # (an exiting process frees its memory as it ends)
+                try:
+                    now = await self._ask(pid, "state", FREE_SECONDS)
+                except ProcessGone:
+                    break
+                except (StepTimeout, BackendError) as err:
+                    if not warned:
+                        log.warning("vmm: pid %d has not answered after its step (%s): asking again", pid, err)
+                        warned = True
+                    await asyncio.sleep(1.0)
+                    continue
+                born = start_time(pid)
+                if now.state == CHECKPOINTED and pid in self._release_later and born is not None:
+                    self._ranges[pid] = (born, self._ranges.get(pid, (born, []))[1] + self._release_later.pop(pid))
+                break
         finally:
             self._frees.pop(pid, None)
             if self._pool is not None:
@@ -180,25 +198,31 @@ class VmmBackend(Backend):
         except (OSError, ValueError) as err:
             log.warning("vmm: no pinned pool (%s): each checkpoint registers host memory of its own, slower", err)
 
-    def _hand_pool(self, pid: int) -> asyncio.Future[bool]:
-        """Hand the pool to `pid`'s shim, once per process (one task, shared by every asker);
-        True once its shim has it (or refused it, logged), False when there is no pool or no shim
-        answering yet (asked again next time)."""
+    def _hand_pool(self, pid: int) -> asyncio.Future[bool | None]:
+        """Hand the pool to `pid`'s shim, once per process (one task, shared by every asker):
+        True once its shim holds it; None when it will not (refused, logged; a process of another
+        user than the agent's: the pool holds every job's state, and only one user's processes
+        may map it); False when there is no pool or no shim answering yet (asked again next time)."""
         born = start_time(pid)
         held = self._handed.get(pid)
-        if held is not None and held[0] == born and (not held[1].done() or held[1].result()):
+        if held is not None and held[0] == born and (not held[1].done() or held[1].result() is not False):
             return held[1]
         task = asyncio.ensure_future(self._give_pool(pid))
         self._handed[pid] = (born, task)
         return task
 
-    async def _give_pool(self, pid: int) -> bool:
+    async def _give_pool(self, pid: int) -> bool | None:
         pool = await self._pool_now()
         if pool is None:
             return False
         try:
             if not await asyncio.to_thread(has_shim, pid):
                 return False
+            uid = int((await asyncio.to_thread(_status, pid)).get("Uid", "-1").split()[0])
+            if uid != os.geteuid():
+                log.info("vmm: pid %d is uid %d's, the pinned pool this agent's (uid %d): its checkpoints go to host "
+                         "memory of its own", pid, uid, os.geteuid())
+                return None
             answer = await asyncio.to_thread(_hand_over, pid, pool.fd)
         except OSError as err:
             log.info("vmm: pid %d not handed the pinned pool (%s)", pid, err)
@@ -206,6 +230,7 @@ class VmmBackend(Backend):
         if not answer.startswith("ok"):
             log.warning("vmm: pid %d refused the pinned pool (%s): its checkpoints go to host memory of its own",
                         pid, answer)
+            return None
         return True
 
     async def checkpoint(self, pids: Sequence[int], timeout: float) -> list[ProcState]:
@@ -246,15 +271,16 @@ class VmmBackend(Backend):
         now if the agent had not yet), the rest into a private buffer of its shim's."""
         ranges: list[tuple[int, int]] = []
         pool = await self._pool_now()
-        if pool is not None and await self._hand_pool(pid):
+        if pool is not None and await self._hand_pool(pid) is True:
             self._give_back_ended()
             now = await self._ask(pid, "state", STATE_SECONDS)
             if now.state == RUNNING:
                 pool.release(self._ranges.pop(pid, (None, []))[1])  # a restore that failed to undo left it so
                 ranges = pool.take(min(now.gpu_bytes, pool.free_bytes))
                 ranges = pool.keep(ranges, sum(n for _, n in ranges[:MAX_RANGES]))
+        named = f"pool={pool.inode} " + ",".join(f"{off}+{n}" for off, n in ranges) if pool and ranges else ""
         try:
-            words = await self._answer(pid, "checkpoint", timeout, ",".join(f"{off}+{n}" for off, n in ranges))
+            words = await self._answer(pid, "checkpoint", timeout, named)
         except BackendError:  # answered with an error (the shim kept nothing), or gone
             if pool is not None:
                 pool.release(ranges)
@@ -265,7 +291,11 @@ class VmmBackend(Backend):
             raise
         if pool is not None and ranges:  # what the shim put in the pool: the first bytes of its ranges
             in_pool = int(words[5]) if len(words) > 5 and words[5].isdigit() else sum(n for _, n in ranges)
-            self._ranges[pid] = (start_time(pid), pool.keep(ranges, in_pool))
+            kept, born = pool.keep(ranges, in_pool), start_time(pid)
+            if born is None:  # ended since its answer: nothing of it to restore
+                pool.release(kept)
+            else:
+                self._ranges[pid] = (born, kept)
         return ProcState(pid, words[1], int(words[2]))
 
     async def _restore_one(self, pid: int, timeout: float) -> ProcState:

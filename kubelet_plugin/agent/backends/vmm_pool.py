@@ -7,9 +7,10 @@ from the first time the agent sees the process (a memory report or a step). A ch
 copies into memory already pinned: registering fresh host memory on the switch's path was most of
 a checkpoint's time (H200: 50 GB out in 1.83-2.05 s, 11.4 s for a process's first, against 1.0 s
 in; bench/results/vmm-switch-50gb-d3c0a95-h200.json). Only processes the agent hands it to can
-reach it: no other user's job can read a state in it. It lives while the agent or a process
-maps it; a restarted agent makes a new one, and a process checkpointed in the old one restores
-from it.
+reach it, and it hands it only to processes of its own user: no other user's job can read a state
+in it (a root agent's jobs of other users checkpoint into host memory of their own). It lives
+while the agent or a process maps it; a restarted agent makes a new one, and a process
+checkpointed in the old one restores from it.
 
 Its pages are taken when the first shim registers it (never before: an agent with no `vmm` job
 costs nothing) and stay taken: pinned memory is not reclaimable. Huge pages (MFD_HUGETLB) when the
@@ -75,6 +76,11 @@ class VmmPool(HostRanges):
         pool = cls(size, fd, huge, [(0, size)])
         weakref.finalize(pool, os.close, fd)  # the agent's reference goes with the pool object
         return pool
+
+    @property
+    def inode(self) -> int:
+        """Names this pool to a shim, which may still map an older one (`checkpoint pool=<inode> ...`)."""
+        return os.fstat(self.fd).st_ino
 
     def populated_free(self) -> int:
         """Free bytes of the pool whose memory is taken already, so that the host's MemAvailable no
