@@ -465,6 +465,8 @@ static const char *take_pool(int fd) {
     if (st.st_size <= 0) return "empty pool";
     void *p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) return strerror(errno);
+    madvise(p, (size_t)st.st_size, MADV_HUGEPAGE); /* huge pages where the host allows them for shared memory
+                                                     (transparent_hugepage/shmem_enabled: advise): faster to register */
     host_t *used = NULL; /* the pool the process is checkpointed in */
     for (size_t k = 0; k < n_segs; k++) if (segs[k].h != &own) used = segs[k].h;
     host_t *slot = used == &pools[0] ? &pools[1] : &pools[0], *other = slot == &pools[0] ? &pools[1] : &pools[0];
