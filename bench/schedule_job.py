@@ -30,6 +30,13 @@ ticks longer than `GAP_SECONDS` (the process was stopped), is logged as `paused`
 the time it could compute counts towards two jobs computing at once. A phase that starts while
 its state is not on the GPU (granted before its restore) is logged as altered.
 
+Under backend `vmm` the job's state (model and optimizer) is device memory that the
+timeslice-vmm shim serves (`cudaMalloc` through the shim, over the fake driver of
+bench/fake_cuda/vmm, whose memory is really unmapped while checkpointed: a phase that touched
+its state before its restore would end the process with SIGSEGV); the ledger holds its context
+and KV caches only, and the agent's `vmm` backend moves the state through the shim behind its
+back. Every compute tick reads the state.
+
 Under backend `app` the job is also its own inference engine: before its first acquire it
 serves vLLM's sleep API on 127.0.0.1 (`engine_port` in the spec; `Engine`), as
 `driver/app_engine.py` documents it. `POST /sleep?level=1` copies the state to host memory and
@@ -47,6 +54,7 @@ the first hold, when the model is on the GPU, rather than at start), backend, en
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import mmap
@@ -206,7 +214,23 @@ class Job:
         self.step = 0  # train steps done
         self.loaded = False
         self.transparent = spec.get("backend", "cooperative") != "cooperative"
+        self.vmm = spec.get("backend") == "vmm"
+        self.vmm_buffer = 0  # backend vmm: the address of the state's device memory (model and optimizer)
         self.pid = os.getpid()
+
+    def state_bytes(self, data: bytes) -> bytearray | memoryview:
+        """The state's device bytes holding `data`: a bytearray, or under backend vmm a view of
+        its device memory (the shim's), allocated at the first call for the state's largest size."""
+        if not self.vmm:
+            return bytearray(data)
+        if not self.vmm_buffer:
+            ptr, size = ctypes.c_void_p(), max(1, self.spec["model"] + self.spec["optim"])
+            if ctypes.CDLL(None).cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(size)) != 0:
+                self.log("oom", what="state", want=size, record={})
+                os._exit(OOM_EXIT)
+            self.vmm_buffer = ptr.value or 0
+        ctypes.memmove(self.vmm_buffer, data, len(data))
+        return memoryview((ctypes.c_char * len(data)).from_address(self.vmm_buffer)).cast("B")
 
     @contextlib.contextmanager
     def gpu_call(self) -> Iterator[None]:
@@ -245,6 +269,8 @@ class Job:
                 t = time.monotonic()
                 if t - last >= GAP_SECONDS:  # stopped between two calls (SIGSTOP, a freeze)
                     self.log("paused", start=last, until=t)
+                if self.vmm and self.store.device is not None:
+                    self.store.device[0]  # (a state that is not back faults here)
                 time.sleep(min(TICK_SECONDS, left))
                 last = time.monotonic()
                 left -= last - t
@@ -287,9 +313,9 @@ class Job:
     def phase(self, kind: str, seconds: float, extra: int = 0) -> None:
         spec, s = self.spec, self.store
         if not self.loaded:  # the model is built on the GPU inside the first hold
-            self.alloc(spec["ctx"] + spec["model"], "model")
+            self.alloc(spec["ctx"] + (0 if self.vmm else spec["model"]), "model")
             with s.lock:
-                s.device, s.size = bytearray(content(spec["seed"], 0, spec["model"])), spec["model"]
+                s.device, s.size = self.state_bytes(content(spec["seed"], 0, spec["model"])), spec["model"]
             self.loaded = True
         if extra:
             self.alloc(extra, kind)
@@ -305,11 +331,11 @@ class Job:
         if extra:
             self.free(extra)
         if kind == "train":
-            if self.step == 0 and spec["optim"]:
+            if self.step == 0 and spec["optim"] and not self.vmm:
                 self.alloc(spec["optim"], "optimizer")  # optimizer state appears at the first step
             n = spec["model"] + spec["optim"]
             with s.lock:
-                s.device, s.size = bytearray(content(spec["seed"], self.step + 1, n)), n
+                s.device, s.size = self.state_bytes(content(spec["seed"], self.step + 1, n)), n
             self.step += 1
 
     def register(self) -> None:

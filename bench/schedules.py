@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Randomized schedules of the real orchestrator, node agent and job processes on a model GPU,
-with kills and pauses of each (issues 21 and 22), for backend `cooperative`, `cuda`, `freeze`,
-`none` or `app`.
+with kills and pauses of each (issues 21, 22 and 26), for backend `cooperative`, `cuda`, `freeze`,
+`none`, `app` or `vmm`.
 
 Each schedule (a pure function of its seed) runs, as real processes through the product's
 commands with default settings: `timeslice node-agent` (its GPU a model GPU: the ledger of
@@ -27,6 +27,12 @@ after acting and before answering (a driver crash mid-step; the agent is started
 lock alone) move no memory: their jobs, transparent as under `cuda`, are scaled to fit the GPU
 together (`fit_together`). `--backend app`: each job is its own inference engine (vLLM's sleep
 API on loopback, bench/schedule_job.py), which the agent's `app` backend puts to sleep and wakes.
+`--backend vmm`: each job's state is device memory served by the real timeslice-vmm shim
+(LD_PRELOAD) over the fake driver of bench/fake_cuda/vmm (built here with the machine's C
+compiler), which the agent's `vmm` backend checkpoints into its pinned pool and restores; the
+group's residency is `exclusive`, so that every hand-off moves the holder's state (the model GPU
+counts the jobs' contexts and KV caches, not the states the shim moves); 0-2 faults of that driver
+per schedule (`vmm_faults`: a copy that hangs, fails, or ends the job's process).
 
 Found per schedule: OOMs (an allocation past the model GPU's total), altered states (a
 job's state bytes differ from the pure function of its seed and step at a phase's start
@@ -53,6 +59,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -79,7 +86,7 @@ FAKE_CUDA = Path(__file__).resolve().parent / "fake_cuda"
 OOM_EXIT = 99
 SETTLE_SECONDS = 75.0  # after the last fault: a lapsed lease (10 s) and a reconnect grace (10 s), twice, and more
 READY_SECONDS = 60.0
-BACKENDS = ("cooperative", "cuda", "freeze", "none", "app")
+BACKENDS = ("cooperative", "cuda", "freeze", "none", "app", "vmm")
 # Backends that move no GPU memory (a frozen or waiting job keeps its memory on the GPU): their
 # schedules' jobs fit together (`fit_together`); an OOM there is still caused by placement.
 STAYING = ("freeze", "none")
@@ -130,7 +137,8 @@ class Schedule:
     jobs: tuple[JobSpec, ...]
     faults: tuple[Fault, ...]
     backend: str = "cooperative"
-    driver_faults: tuple[dict[str, Any], ...] = ()  # backend cuda: bench/fake_cuda's $TIMESLICE_FAKE_CUDA_FAULTS
+    # backend cuda: bench/fake_cuda's $TIMESLICE_FAKE_CUDA_FAULTS; vmm: `vmm_faults`
+    driver_faults: tuple[dict[str, Any], ...] = ()
     exit_seconds: float = 0.0  # cuda: an ended process's device bytes stay taken this long (model GPU)
 
 
@@ -158,6 +166,25 @@ def driver_faults(seed: int) -> tuple[dict[str, Any], ...]:
         out.append({"call": rng.choice(["lock", "checkpoint", "checkpoint", "restore", "restore", "unlock"]),
                     "nth": rng.randint(1, 4), "kind": kind, "error": rng.choice(DRIVER_ERRORS),
                     "seconds": round(rng.uniform(0.5, 12.0), 2)})
+    return tuple(out)
+
+
+VMM_DIE_EXIT = 86  # bench/fake_cuda/vmm/fake_libcuda.c: a `die` fault ends the job process with this code
+
+
+def vmm_faults(seed: int, jobs: int) -> tuple[dict[str, Any], ...]:
+    """0-2 faults of the vmm fake driver for the schedule of `seed` (bench/fake_cuda/vmm): at
+    `at` seconds, `line` is written to job `job`'s faults file for `window` seconds: a copy out or
+    in that hangs (past a step's deadline, the shim undoes it), fails, or ends the job's process
+    mid-copy (it is started again)."""
+    rng = random.Random(f"{seed}:vmm")
+    out = []
+    for _ in range(rng.choice([0, 1, 1, 2])):
+        call = rng.choice(["dtoh", "htod"])  # (not `create`: the job's own first allocation would fail, an OOM)
+        kind = rng.choice(["hang", "error", "error", "die"])
+        line = f"{call} {kind}" + (f" {rng.uniform(0.5, 3.0):.2f}" if kind == "hang" else "")
+        out.append({"at": round(rng.uniform(0.2, 4.0), 2), "job": rng.randrange(jobs), "line": line,
+                    "window": round(rng.uniform(0.3, 3.0), 2)})
     return tuple(out)
 
 
@@ -205,7 +232,8 @@ def make_schedule(seed: int, register_late: bool = False, backend: str = "cooper
     if backend in STAYING:
         jobs = fit_together(jobs)
     return Schedule(seed, tuple(jobs), tuple(sorted(faults, key=lambda f: f.at)), backend,
-                    driver_faults(seed) if backend == "cuda" else (),
+                    driver_faults(seed) if backend == "cuda" else vmm_faults(seed, len(jobs)) if backend == "vmm"
+                    else (),
                     exit_delay(seed) if backend in ("cuda", "cooperative") else 0.0)
 
 
@@ -312,6 +340,17 @@ class Run:
         elif sched.backend == "cuda":  # the agent's real backend over the fake driver (bench/fake_cuda)
             agent_env["PYTHONPATH"] = os.pathsep.join([str(FAKE_CUDA), *filter(None, [base.get("PYTHONPATH")])])
             agent_env[fake_driver().FAULTS_ENV] = json.dumps(list(sched.driver_faults))
+        job_env: dict[str, str] = {}
+        if sched.backend == "vmm":  # the real shim in the jobs, over the fake driver
+            from timeslice.driver import vmm_shim
+
+            fake = workdir / "libfakecuda.so"
+            subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-O1", "-o", str(fake),
+                            str(FAKE_CUDA / "vmm" / "fake_libcuda.c")], check=True)
+            config["groups"][0]["residency"] = "exclusive"
+            job_env = {"LD_PRELOAD": str(vmm_shim.library()), "TIMESLICE_VMM_LIBCUDA": str(fake),
+                       vmm_shim.DIR_ENV: str(workdir / "vmm"), "TIMESLICE_VMM_CHUNK_BYTES": str(2 << 20)}
+            agent_env["TIMESLICE_VMM_POOL_BYTES"] = str(POOL_BYTES)
         ports = {j.name: machine.free_port() for j in sched.jobs} if sched.backend == "app" else {}
         if ports:  # each job is its own engine (bench/schedule_job.py `Engine`)
             config["groups"][0]["apps"] = {name: {"engine": "vllm", "url": f"http://127.0.0.1:{port}"}
@@ -331,7 +370,10 @@ class Run:
                     "model": j.model, "optim": j.optim, "kv": j.kv, "gen_s": j.gen_s, "reward_s": j.reward_s,
                     "train_s": j.train_s, "register_late": j.register_late, "backend": j.backend,
                     "engine_port": ports.get(j.name, 0)}
-            env = {**base, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
+            if sched.backend == "vmm":  # (empty until a driver fault is due: `_vmm_fault`)
+                (workdir / f"{j.name}.faults").write_text("")
+                job_env = {**job_env, "TIMESLICE_FAKE_VMM_FAULTS": str(workdir / f"{j.name}.faults")}
+            env = {**base, **job_env, "TIMESLICE_JOB": j.name, "TIMESLICE_ACCELERATOR_PROCESS": "1",
                    **({"TIMESLICE_MEMORY": f"{j.declare}B"} if j.declare else {})}
             self.jobs[j.name] = Proc(j.name, [sys.executable, str(JOB_SCRIPT), json.dumps(spec)], env,
                                      workdir / f"{j.name}.log")
@@ -399,7 +441,8 @@ class Run:
         while True:
             await proc.start()
             code = await proc.wait()
-            if proc.signalled:  # killed by a fault: started again, it must be granted again
+            if proc.signalled or (self.s.backend == "vmm" and code == VMM_DIE_EXIT):
+                # killed by a fault (or the vmm fake driver's, mid-copy): started again, it must be granted again
                 await asyncio.sleep(self._restart_delay.pop(spec.name, 0.0))
                 continue
             self.outcome[spec.name] = "done" if code == 0 else "oom" if code == OOM_EXIT else f"exit {code}"
@@ -422,6 +465,14 @@ class Run:
         proc.signalled = True
         proc.send(signal.SIGKILL if f.kind == "kill" else signal.SIGTERM)
 
+    async def _vmm_fault(self, f: dict[str, Any]) -> None:
+        """A fault of the vmm fake driver in one job's processes for its window (`vmm_faults`)."""
+        await asyncio.sleep(max(0.0, self.t0 + f["at"] - time.monotonic()))
+        faults = self.dir / f"{self.s.jobs[f['job']].name}.faults"
+        faults.write_text(f["line"] + "\n")
+        await asyncio.sleep(f["window"])
+        faults.write_text("")
+
     async def run(self) -> None:
         self._restart_delay: dict[str, float] = {}
         self.applied: list[Fault] = []
@@ -433,6 +484,8 @@ class Run:
         self.t0 = time.monotonic()
         comps = [asyncio.create_task(self._component(p, done)) for p in (self.agent, self.orch)]
         faults = [asyncio.create_task(self._fault(f)) for f in self.s.faults]
+        if self.s.backend == "vmm":
+            faults += [asyncio.create_task(self._vmm_fault(f)) for f in self.s.driver_faults]
         jobs = [asyncio.create_task(self._job(j)) for j in self.s.jobs]
         last = max([f.at + f.pause_s + f.restart_s for f in self.s.faults] + [j.start_s for j in self.s.jobs])
         try:
@@ -557,6 +610,7 @@ def run_one(seed: int, keep: bool = False, register_late: bool = False,
     applied = [_fault_text(f) for f in getattr(run, "applied", [])]
     applied += [f"driver {f['call']} #{f['nth']} {f['kind']} (planned)"
                 + (f" {f['error']}" if f["kind"] == "error" else "")
+                if backend == "cuda" else f"driver '{f['line']}' in job {f['job']} at {f['at']} for {f['window']} s"
                 for f in sched.driver_faults]
     applied += [f"exits free device memory after {sched.exit_seconds} s"] if sched.exit_seconds else []
     result = {"seed": seed, "jobs": len(sched.jobs), "faults": applied,
@@ -606,8 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=BACKENDS, default="cooperative",
                     help="the group's backend: cooperative job processes, or transparent ones moved by the agent's "
                          "cuda backend over a fake driver with faults, stopped by its freeze backend, only "
-                         "ordered by the lock (none), or slept and woken as inference engines (app); freeze and "
-                         "none jobs fit together (default cooperative)")
+                         "ordered by the lock (none), slept and woken as inference engines (app), or moved by the "
+                         "agent's vmm backend through the real shim over a fake driver with faults (vmm); freeze "
+                         "and none jobs fit together (default cooperative)")
     ap.add_argument("--failing-logs", metavar="FILE.tar",
                     help="add each failing schedule's work directory to this tar as it fails (a run on another "
                          "machine, e.g. the lent GPU host, brings its logs back)")

@@ -31,7 +31,7 @@ start=$(date +%s)
 if TIMESLICE_DECISION_EXAMPLES=100000 .venv/bin/pytest -q -p no:cacheprovider --timeout 3600 tests/test_decisions.py \
     tests/test_switch_outcome.py tests/test_lease_calls.py >/tmp/stress-decisions.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "decision cores (hypothesis, 100000 cases each): $result in $(( $(date +%s) - start )) s"
-for backend in cooperative cuda freeze none app; do
+for backend in cooperative cuda freeze none app vmm; do
   start=$(date +%s)
   if .venv/bin/python bench/schedules.py --backend "$backend" --count "${SCHEDULES:-1000}" --seed 100001 --workers 2 \
       --out "/tmp/stress-schedules-$backend.json" >"/tmp/stress-schedules-$backend.log" 2>&1; then
