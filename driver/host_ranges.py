@@ -69,7 +69,7 @@ class HostRanges:
         """Reserve free ranges, largest first, that hold `nbytes` together (the last one cut to
         fit); [] when the free total is smaller (nothing is reserved then). For one process
         of several checkpointed at once; `keep` gives back what it did not use."""
-        if nbytes <= 0 or sum(n for _, n in self._free) < nbytes:
+        if nbytes <= 0 or self.free_bytes < nbytes:
             return []
         taken: list[tuple[int, int]] = []
         free: list[tuple[int, int]] = []

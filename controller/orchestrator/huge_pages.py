@@ -61,15 +61,16 @@ def mounts() -> list[HugeMount]:
         except OSError:
             continue
         page = st.f_bsize
-        free = _free_pages(page) * page
+        free = free_pages(page) * page
         if st.f_blocks:  # mounted with size=: its own bound too
             free = min(free, st.f_bavail * page)
         found.append(HugeMount(point, page, free))
     return found
 
 
-def _free_pages(page_size: int) -> int:
-    """Huge pages of `page_size` bytes reserved and neither used nor promised (free - resv)."""
+def free_pages(page_size: int) -> int:
+    """Huge pages of `page_size` bytes reserved and neither used nor promised (free - resv); 0
+    when the kernel has none of that size."""
     folder = SYSFS / f"hugepages-{page_size // 1024}kB"
     try:
         return max(0, int((folder / "free_hugepages").read_text()) - int((folder / "resv_hugepages").read_text()))

@@ -14,8 +14,8 @@ checkpointed in the old one restores from it.
 
 Its pages are taken when the first shim registers it (never before: an agent with no `vmm` job
 costs nothing) and stay taken: pinned memory is not reclaimable. Huge pages (MFD_HUGETLB) when the
-host has reserved enough free ones (`HugePages_Free` of /proc/meminfo; registering them was ~7x
-faster on the H200 host, controller/orchestrator/huge_pages.py), else regular shared memory.
+host has reserved enough that no mapping has claimed (`huge_pages.free_pages`, as for the
+cooperative pool; registering them was ~7x faster on the H200 host), else regular shared memory.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
+from timeslice.controller.orchestrator import huge_pages
 from timeslice.driver.host_ranges import HostRanges
 
 log = logging.getLogger("timeslice.agent")
@@ -32,18 +33,14 @@ SIZE_ENV = "TIMESLICE_VMM_POOL_BYTES"  # the pool's size in bytes (0: none); def
 MEMINFO = "/proc/meminfo"
 
 
-def free_huge_pages() -> tuple[int, int]:
-    """(free reserved huge pages, their size in bytes) of the default huge page size, from
-    /proc/meminfo (Documentation/admin-guide/mm/hugetlbpage.rst); (0, 0) when it has none."""
-    fields: dict[str, int] = {}
+def default_huge_page() -> int:
+    """The default huge page size in bytes, the one MFD_HUGETLB takes (`Hugepagesize` of
+    /proc/meminfo, Documentation/admin-guide/mm/hugetlbpage.rst); 0 when the kernel has none."""
     try:
         with open(MEMINFO) as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                fields[name] = int(rest.split()[0]) if rest.split() else 0
-    except (OSError, ValueError):
-        return 0, 0
-    return fields.get("HugePages_Free", 0), fields.get("Hugepagesize", 0) * 1024
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Hugepagesize:")), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass
@@ -61,8 +58,8 @@ class VmmPool(HostRanges):
     def create(cls, size: int) -> VmmPool:
         if size <= 0:
             raise ValueError(f"vmm pool size must be > 0 bytes, got {size}")
-        pages, page = free_huge_pages()
-        huge = page > 0 and pages * page >= size
+        page = default_huge_page()
+        huge = page > 0 and huge_pages.free_pages(page) * page >= size
         if huge:
             size = -(-size // page) * page
         fd = os.memfd_create("timeslice-vmm-pool", os.MFD_CLOEXEC | (os.MFD_HUGETLB if huge else 0))
