@@ -30,11 +30,11 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from timeslice.controller.orchestrator import huge_pages, pinned_pool, state_format
+from timeslice.controller.orchestrator import pinned_pool, state_format
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
-from timeslice.driver import host_ranges, names, signals, vmm_shim
+from timeslice.driver import host_ranges, huge_pages, names, signals, vmm_shim
 from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
 from timeslice.kubelet_plugin.agent.backends.base import Backend

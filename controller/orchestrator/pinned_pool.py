@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from timeslice.controller.orchestrator import huge_pages
+from timeslice.driver import huge_pages
 from timeslice.driver.host_ranges import SHM, HostRanges
 
 log = logging.getLogger("timeslice.cooperative")

@@ -25,7 +25,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 
-from timeslice.controller.orchestrator import huge_pages
+from timeslice.driver import huge_pages
 from timeslice.driver.host_ranges import HostRanges
 
 log = logging.getLogger("timeslice.agent")
