@@ -1,8 +1,6 @@
 """The orchestrator's state file as a snapshot plus a journal (issue 24: persistence per
 group, off the event loop, one write per loop turn): what a crash, a full disk or a
-removed file leaves, in real processes where the fault is real (SIGKILL, RLIMIT_FSIZE). The
-tests that write run twice: journal lines appended on the event loop (a fast disk, the
-default) and in the writer thread (`inline_append_seconds=0`: what a slow disk gets)."""
+removed file leaves, in real processes where the fault is real (SIGKILL, RLIMIT_FSIZE)."""
 
 from __future__ import annotations
 
@@ -18,15 +16,8 @@ from pathlib import Path
 import pytest
 from timeslice.controller.orchestrator import state_format
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.controller.orchestrator.state_writer import INLINE_SECONDS
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(params=[INLINE_SECONDS, 0.0], ids=["on-loop", "writer-thread"])
-def inline(request: pytest.FixtureRequest) -> float:
-    """`StateFile(inline_append_seconds=...)`: appends on the event loop, or all in the writer thread."""
-    return float(request.param)
 
 # Records one change after another in 20 groups, each waited for, and prints its number once
 # `durable()` said it is on disk. A small COMPACT_MIN makes it compact the journal many times.
@@ -38,7 +29,7 @@ from timeslice.controller.orchestrator.state_file import StateFile
 state_journal.COMPACT_MIN = 4096
 
 async def main():
-    state = StateFile(Path(sys.argv[1]), float(sys.argv[2]))
+    state = StateFile(Path(sys.argv[1]))
     i = 0
     while True:
         i += 1
@@ -51,15 +42,14 @@ asyncio.run(main())
 """
 
 
-def test_every_change_reported_written_survives_a_sigkill_at_any_point_of_writes_and_compactions(
-        tmp_path, inline) -> None:
+def test_every_change_reported_written_survives_a_sigkill_at_any_point_of_writes_and_compactions(tmp_path) -> None:
     """SIGKILL of the writing process at 12 points (mid-append, mid-compaction, between):
     every change `durable()` reported written is in what the next start loads, and the state
     loads (a torn last line is dropped, never refused)."""
     path = tmp_path / "state.json"
     for kill_after in (1, 7, 40, 90, 150, 260, 400, 555, 700, 820, 1000, 1300):
         acked = 0
-        with subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(inline)], stdout=subprocess.PIPE, text=True,
+        with subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True,
                               cwd=REPO) as child:
             assert child.stdout is not None
             for line in child.stdout:
@@ -88,7 +78,7 @@ from timeslice.controller.orchestrator.state_file import StateFile
 
 async def main():
     path = Path(sys.argv[1])
-    state = StateFile(path, float(sys.argv[2]))
+    state = StateFile(path)
     state.record("g", "a", [], ["a"])
     await state.durable()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, or is cut short
@@ -109,13 +99,13 @@ asyncio.run(main())
 """
 
 
-def test_a_write_the_disk_cut_short_is_cut_off_and_written_again_whole(tmp_path, inline) -> None:
+def test_a_write_the_disk_cut_short_is_cut_off_and_written_again_whole(tmp_path) -> None:
     """A journal line cut short by a full disk (RLIMIT_FSIZE, a real short write) fails its
     callers, and the next write first cuts it off: the journal holds whole lines only, and
     the state after the disk is back is the latest."""
     path = tmp_path / "state.json"
-    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(path), str(inline)], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["failed 27", "then written"]  # EFBIG
     lines = state_format.journal_path(path).read_bytes().split(b"\n")
@@ -159,14 +149,14 @@ def test_journal_lines_a_compaction_already_has_are_not_applied_again(tmp_path) 
 @pytest.mark.parametrize("how", ["journal removed", "journal renamed", "journal linked elsewhere, then removed",
                                  "snapshot removed", "snapshot renamed"])
 async def test_state_files_removed_or_moved_under_a_running_orchestrator_are_written_again_whole(
-        tmp_path, inline, caplog, how) -> None:
+        tmp_path, caplog, how) -> None:
     """Someone removes or moves the state files while the orchestrator runs (review of issue
     24: what it appended went to a file the next start does not read, and a missing snapshot
     made the start empty the journal): the next write notices, logs it, and writes the whole
     state again; the next start has every change reported written."""
     path = tmp_path / "state.json"
     journal = state_format.journal_path(path)
-    state = StateFile(path, inline)
+    state = StateFile(path)
     state.reserve("g", 1)
     state.record("g", "a", [], ["a"])
     await state.durable()
@@ -192,12 +182,12 @@ async def test_state_files_removed_or_moved_under_a_running_orchestrator_are_wri
 
 
 async def test_a_file_removed_while_a_write_runs_holds_its_callers_until_the_whole_state_is_written(
-        tmp_path, inline, monkeypatch) -> None:
+        tmp_path, monkeypatch) -> None:
     """The journal removed while a line is being written to it: the line lands in a file the
     next start does not read, so its callers are told only once the whole state is written
     again (review of issue 24: an idle orchestrator killed then lost that change)."""
     path = tmp_path / "state.json"
-    state = StateFile(path, inline)
+    state = StateFile(path)
     real = os.pwrite
 
     def removed_meanwhile(fd: int, data: bytes, offset: int) -> int:
@@ -267,12 +257,12 @@ def test_a_dropped_last_line_is_kept_beside_the_journal(tmp_path) -> None:
     state.close()
 
 
-def test_one_state_file_serves_a_second_event_loop(tmp_path, inline) -> None:
+def test_one_state_file_serves_a_second_event_loop(tmp_path) -> None:
     """A StateFile used from a new event loop (an in-process restart): its writer thread of
     the old loop reported to nobody and every later grant waited for ever (review of issue
     24). It starts a writer for the new loop."""
     path = tmp_path / "state.json"
-    state = StateFile(path, inline)
+    state = StateFile(path)
 
     async def change(group: str) -> None:
         state.record(group, "a", [], ["a"])
@@ -286,12 +276,12 @@ def test_one_state_file_serves_a_second_event_loop(tmp_path, inline) -> None:
     again.close()
 
 
-async def test_the_changes_of_one_loop_turn_share_one_line_of_only_the_groups_that_changed(tmp_path, inline) -> None:
+async def test_the_changes_of_one_loop_turn_share_one_line_of_only_the_groups_that_changed(tmp_path) -> None:
     """Per group: 1000 groups, 3 of them change in one loop turn: one journal line with those
     3 (not the whole state)."""
     path = tmp_path / "state.json"
     threads = set(threading.enumerate())
-    state = StateFile(path, inline)
+    state = StateFile(path)
     for i in range(1000):
         state.record(f"g{i}", "a", [], [])
     await state.durable()
@@ -309,12 +299,11 @@ async def test_the_changes_of_one_loop_turn_share_one_line_of_only_the_groups_th
 async def test_a_failed_write_fails_those_waiting_for_the_next_and_their_changes_are_written_again(
         tmp_path, monkeypatch) -> None:
     """A write fails while changes wait for the next: their callers fail with it, unwritten
-    (nothing is written after a change that is not), and the next write has all the changes.
-    In the writer thread (the write is held open there)."""
+    (nothing is written after a change that is not), and the next write has all the changes."""
     from timeslice.controller.orchestrator.state_journal import Journal
 
     path = tmp_path / "state.json"
-    state = StateFile(path, inline_append_seconds=0)
+    state = StateFile(path)
     entered, gate = threading.Event(), threading.Event()
     real = Journal.append
 
@@ -340,31 +329,3 @@ async def test_a_failed_write_fails_those_waiting_for_the_next_and_their_changes
     assert (again.placement("g1").holder, again.placement("g2").holder) == ("a", "b")
     again.close()
     state.close()
-
-
-async def test_an_append_slower_than_its_bound_sends_the_next_appends_to_the_writer_thread(
-        tmp_path, monkeypatch, caplog) -> None:
-    """Journal lines are appended on the event loop (a local disk answers an O_DSYNC append
-    in ~0.2 ms, a thread's hand-off costs a grant GIL waits and loop turns); an append that
-    took longer than `inline_append_seconds` (a slow disk) sends the next ones to the
-    writer thread, so a slow disk cannot stall the loop on every grant."""
-    path = tmp_path / "state.json"
-    state = StateFile(path, inline_append_seconds=0.05)
-    real = os.pwrite
-    threads: list[str] = []
-
-    def slow_once(fd: int, data: bytes, offset: int) -> int:
-        threads.append(threading.current_thread().name)
-        if len(threads) == 2:
-            threading.Event().wait(0.1)  # (a slow disk: no event to wait for)
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", slow_once)
-    for i in range(3):
-        state.record("g", f"job-{i}", [], [])
-        await state.durable()
-    monkeypatch.setattr(os, "pwrite", real)
-    assert threads == ["MainThread", "MainThread", "orchestrator-state-file"]
-    assert "go to the writer thread" in caplog.text
-    state.close()
-    assert StateFile(path).placement("g").holder == "job-2"

@@ -278,7 +278,7 @@ async def test_grants_are_delivered_only_once_written_and_those_made_during_a_wr
     from timeslice.controller.orchestrator.state_journal import Journal
 
     path = tmp_path / "state.json"
-    state = StateFile(path, inline_append_seconds=0)  # (a slow disk: every line written in the writer thread)
+    state = StateFile(path)
     entered, gate, writes = threading.Event(), threading.Event(), []
     real = Journal.append
 
@@ -374,8 +374,7 @@ async def test_a_grant_held_back_for_a_slow_state_file_write_gets_its_whole_leas
         go.wait(30)
         write(journal, line)
 
-    state = StateFile(tmp_path / "s.json", inline_append_seconds=0)  # (a slow disk: written in the writer thread)
-    orch = Orchestrator([GroupSpec(id="g", backend="none", lease_seconds=10)], state=state)
+    orch = Orchestrator([GroupSpec(id="g", backend="none", lease_seconds=10)], state=StateFile(tmp_path / "s.json"))
     monkeypatch.setattr(Journal, "append", slow_write)
     g = orch.group("g")
     g.clock = lambda: now[0]

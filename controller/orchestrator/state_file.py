@@ -18,10 +18,9 @@ the reconnect grace has passed), then its bytes and checksum once acknowledged; 
 once restored or forgotten. Written by `CooperativeJobs` (its `CheckpointRecords`). A
 record does not make its job checkpointed after a restart (the process may have restored
 after it was written): until the process confirms it, its job counts as on the GPUs.
-Written as a snapshot and a journal of changes (state_journal.py, state_writer.py): a change is
-made in memory and marks its group (or the pool) dirty; a journal line of what is dirty is
-appended with one synchronous `pwrite`, on the loop while the disk answers within 2 ms,
-else (and every snapshot) in the writer thread. A caller that
+Written off the event loop as a snapshot and a journal of changes (state_journal.py, state_writer.py):
+a change is made in memory and marks its group (or the pool) dirty; one writer thread
+appends a journal line of what is dirty with one synchronous `pwrite`. A caller that
 waits for its changes (`when_written`, `durable`) starts that write at once when none is
 in flight; the changes made meanwhile, by any group, share the next, and changes nobody
 waits for are written after their loop turn (the cost: `bench/handoff.py --state-file`).
@@ -44,7 +43,7 @@ from pathlib import Path
 from timeslice.controller.orchestrator import state_format
 from timeslice.controller.orchestrator.state_format import Placement, PoolCheckpoint
 from timeslice.controller.orchestrator.state_journal import Journal
-from timeslice.controller.orchestrator.state_writer import INLINE_SECONDS, StateWriter
+from timeslice.controller.orchestrator.state_writer import StateWriter
 
 log = logging.getLogger("timeslice.orchestrator")
 BLOCK = 1000
@@ -56,7 +55,7 @@ class StateFile:
     cannot be read, is not a valid state file, or cannot be written (checked at once: an
     orchestrator that cannot persist refuses every grant, so it must not start)."""
 
-    def __init__(self, path: Path | None, inline_append_seconds: float = INLINE_SECONDS) -> None:
+    def __init__(self, path: Path | None) -> None:
         self._path = path
         self._ends: dict[str, int] = {}
         self._placements: dict[str, Placement] = {}
@@ -74,7 +73,7 @@ class StateFile:
         self._in_flight: list[Callable[[OSError | None], None]] | None = None  # ... that the one in flight covers
         self._batch: tuple[set[str], set[str], bool] = (set(), set(), False)  # (what it writes: kept if it fails)
         self._flush_scheduled = False
-        self._writer = StateWriter(self._written, inline_append_seconds)
+        self._writer = StateWriter(self._written)
         if path is None:
             return
         try:
@@ -240,10 +239,11 @@ class StateFile:
         self._dirty_epochs, self._dirty_groups, self._dirty_pool = set(), set(), False
         self._in_flight, self._waiting = self._waiting, []
         if self._journal.compact_due():
-            self._writer.put(self._journal.compact, self._snapshot())
+            step: tuple[Callable[[bytes], None], bytes] = (self._journal.compact, self._snapshot())
         else:
             self._seq += 1
-            self._writer.put(self._journal.append, self._change(*self._batch), append=True)
+            step = (self._journal.append, self._change(*self._batch))
+        self._writer.put(*step)
 
     def _written(self, err: OSError | None) -> None:
         """On the loop: the write in flight ended. Settle its callers (a failed write fails
