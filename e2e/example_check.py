@@ -44,6 +44,21 @@ def status(kube) -> list[dict]:
     return json.loads(r.stdout) if r.returncode == 0 else []
 
 
+def not_finished(kube, ns: str) -> str:
+    """Why Jobs of `ns` did not finish, for an assertion's message: its pods (phase, each
+    container's state), the namespace's last Warning events, each group's `timeslice status`."""
+    pods = []
+    for pod in kube.json("get", "pods", "-n", ns)["items"]:
+        states = [f"{c['name']}={json.dumps(c.get('state'))} restarts={c.get('restartCount', 0)}"
+                  for c in pod.get("status", {}).get("containerStatuses", [])]
+        pods.append(f"{pod['metadata']['name']}: {pod.get('status', {}).get('phase')} {' '.join(states)}")
+    events = kube.run("get", "events", "-n", ns, "--field-selector", "type=Warning", "--sort-by=.lastTimestamp",
+                      check=False).stdout.splitlines()[-15:]
+    groups = [{k: g.get(k) for k in ("group_id", "phase", "holder", "waiters", "switches", "failed_switches")}
+              for g in status(kube)]
+    return "\n".join(["pods:", *pods, "warning events:", *events, "groups:", *map(json.dumps, groups)])
+
+
 def recorded_holders(kube) -> set[str]:
     """The holders the example's claims record in their status (what a new leader adopts)."""
     return {d.get("data", {}).get("holder") for c in kube.json("get", "resourceclaims", "-n", NS)["items"]
@@ -73,7 +88,7 @@ def run_example_and_check(kube, during=lambda: None, layout: Path = EXAMPLE) -> 
             break
         during()
         time.sleep(0.5)
-    assert len(done) == 2, "jobs did not finish"
+    assert len(done) == 2, f"jobs did not finish\n{not_finished(kube, NS)}"
     # one group held both claim sets, and switched between them
     assert len(seen) == 1, seen
     group = next(iter(seen.values()))

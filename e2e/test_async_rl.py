@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e.example_check import NS as EXAMPLE_NS
-from e2e.example_check import run_example_and_check
+from e2e.example_check import not_finished, run_example_and_check
 from e2e.plugin_fixtures import node_agent_plugin, token_kubeconfig, wait
 from e2e.test_timeslicing import Controller, leader, status
 
@@ -67,7 +67,7 @@ def finished_jobs(kube, layout: Path, on_poll=lambda: None) -> list[dict]:
         if jobs and all(j.get("status", {}).get("succeeded") for j in jobs):
             return jobs
         time.sleep(0.5)
-    raise AssertionError("jobs did not finish")
+    raise AssertionError(f"jobs did not finish\n{not_finished(kube, NS)}")
 
 
 def phase_lines(kube, job: str) -> list[dict]:
