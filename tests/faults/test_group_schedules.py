@@ -144,6 +144,7 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
             pending.clear()
             await g.close()
             await state.written()  # (its writes are done: a new one reads the file)
+            state.close()  # (its lock and journal: 10 000 schedules ran out of descriptors without it)
             state = StateFile(state_path)  # what the last run wrote, read as a restarted orchestrator does
             g = _group(gpu, residency, state)
             takeover.adopt_standalone(g, state, set(gpu.off))  # gpu.off: what the agents' records say
@@ -187,3 +188,4 @@ async def _schedule(ops, residency: str, fail_every: int, state_path: Path) -> N
     assert g.holder is None or g.holder.request_ids or g.holder.callers_unknown or g.holder.job_id in grants
     await g.close()
     await state.written()
+    state.close()
