@@ -84,7 +84,8 @@ class SwitchFailed(TimeSliceServerError):
 
 class JobFailed(SwitchFailed):
     """The job failed for good: its state is lost (its restore failed `MAX_RESTORE_FAILURES`
-    times in a row, or its checkpoint is gone). Its acquires are refused until it is
+    times or more in a row over `RESTORE_FAILURE_SECONDS`: controller/orchestrator/switch_outcome.py;
+    or its checkpoint is gone). Its acquires are refused until it is
     restarted; a client must not retry. Still ABORTED on the wire (older clients see a
     failed switch), told apart by its `reason`."""
 

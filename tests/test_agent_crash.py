@@ -215,7 +215,7 @@ async def test_a_restore_the_agent_reports_timed_out_counts_toward_failing_the_j
     """The agent's own StepTimeout comes back as DEADLINE_EXCEEDED: a reply, not a lost call.
     It was taken as "unreachable", so a job whose restore kept timing out never failed and
     every acquire repeated checkpoint -> restore -> rollback."""
-    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES, RESTORE_FAILURE_SECONDS
     from timeslice.driver.errors import StepTimeout, SwitchFailed
 
     c = await make_cluster(backend="cuda")
@@ -233,9 +233,12 @@ async def test_a_restore_the_agent_reports_timed_out_counts_toward_failing_the_j
         return await type(fake).restore(fake, pids, timeout)
 
     fake.restore = timing_out  # type: ignore[method-assign]
+    now = [g.clock()]
+    g.clock = lambda: now[0]  # (the failures span RESTORE_FAILURE_SECONDS, as its client's retries would)
     for i in range(MAX_RESTORE_FAILURES):
         with pytest.raises(SwitchFailed, match="timed out"):
             await g.acquire("a", 0, f"a-{i}", None)
+        now[0] += RESTORE_FAILURE_SECONDS / (MAX_RESTORE_FAILURES - 1)
     assert "a" in g.failed_jobs and "outcome is unknown" not in g.failed_jobs["a"]
 
 

@@ -576,9 +576,11 @@ async def test_a_background_restore_that_fails_is_not_retried_in_a_loop() -> Non
 async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_the_others() -> None:
     """Issue 10, item 5: every acquire of the job repeated checkpoint(other) -> restore(it) ->
     rollback, and the job was never marked failed. Now the third restore step that fails in
-    a row fails the job: `JobFailed` (not retried by clients), refused at once until dropped."""
+    a row fails the job, once the first of them is RESTORE_FAILURE_SECONDS old (before, a
+    fault passing within it failed the job): `JobFailed` (not retried by clients), refused at
+    once until dropped."""
     from timeslice.controller.orchestrator.group_model import SwitchError
-    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES
+    from timeslice.controller.orchestrator.switch_outcome import MAX_RESTORE_FAILURES, RESTORE_FAILURE_SECONDS
 
     class BadRestore(FakeGpu):
         async def __call__(self, spec, evict, incoming, restore):
@@ -591,21 +593,26 @@ async def test_a_restore_that_keeps_failing_fails_its_job_and_the_group_serves_t
 
     events: list[str] = []
     gpu = BadRestore(a=60)
+    now = [1000.0]
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",)), gpu,  # type: ignore[arg-type]
-                  observer=lambda _, e: events.append(e.kind))
+                  clock=lambda: now[0], observer=lambda _, e: events.append(e.kind))
     await hold(g, "a")
     gpu.off["bad"] = 10 * GB
     g.residency.moved_out("bad")
-    for i in range(MAX_RESTORE_FAILURES - 1):
+    first = now[0]
+    for i, after in enumerate([0.0, 3.0, 6.0, RESTORE_FAILURE_SECONDS - 0.1]):  # a fault that may pass yet
+        now[0] = first + after
         with pytest.raises(SwitchFailed, match="restore of bad failed") as err:
             await g.acquire("bad", 0, f"bad-{i}", timeout=None)
         assert not isinstance(err.value, JobFailed)
-    with pytest.raises(SwitchFailed, match="restore of bad failed"):  # the third: its waiters already failed
+    assert "job-failed" not in events
+    now[0] = first + RESTORE_FAILURE_SECONDS
+    with pytest.raises(SwitchFailed, match="restore of bad failed"):  # its waiters already failed
         await g.acquire("bad", 0, "bad-last", timeout=None)
-    assert events.count("job-failed") == 1 and gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES
-    with pytest.raises(JobFailed, match=r"job bad failed: 3 restores in a row failed.*restart the job"):
+    assert events.count("job-failed") == 1 and gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES + 2
+    with pytest.raises(JobFailed, match=r"job bad failed: 5 restores in a row failed over 10.0 s.*restart the job"):
         await g.acquire("bad", 0, "bad-again", timeout=None)  # refused at once, nothing planned
-    assert gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES
+    assert gpu.calls.count(("restore", "bad")) == MAX_RESTORE_FAILURES + 2
     await hold(g, "a")  # the group serves the others
     g.drop_job("bad", "restarted")
     assert "bad" not in g.failed_jobs

@@ -16,7 +16,8 @@ The rules (DESIGN.md, "Lock groups and the orchestrator"):
   `SwitchFailed`.
 - The job that fails for good is the one whose step failed: only the incoming job, only for a
   restore step that ran and failed (`failed_step == "restore"`, its agents answered), and
-  only once `MAX_RESTORE_FAILURES` of its restores failed in a row (`JobFailed`). A failed
+  only once `MAX_RESTORE_FAILURES` of its restores failed in a row over at least
+  `RESTORE_FAILURE_SECONDS` (`JobFailed`). A failed
   background restore is not tried again in the background (`IdleFailed`).
 """
 
@@ -27,12 +28,17 @@ from dataclasses import dataclass
 from timeslice.controller.orchestrator.group_model import SwitchRecord
 from timeslice.driver import names
 
-# A job whose restore fails this many times in a row fails (`JobFailed`): its acquires are
-# refused with the last cause until it is dropped (its pods restarted), and the group serves
-# the others instead of repeating checkpoint(other) -> restore -> rollback at every acquire.
-# Only a restore step that ran and failed counts: not a plan without room, nor a checkpoint
-# of another job, nor agents that did not answer (none of them is the job's own fault).
+# A job whose restore fails this many times in a row, over at least RESTORE_FAILURE_SECONDS
+# from the first of them, fails (`JobFailed`): its acquires are refused with the last cause
+# until it is dropped (its pods restarted), and the group serves the others instead of
+# repeating checkpoint(other) -> restore -> rollback at every acquire. The seconds keep a
+# fault that passes (a driver error, memory not yet freed) from costing the job: its client
+# asks again after 0.25, 0.5, 1, 2, 4, 5 s (`timeslice._rpc`), so a job fails at its seventh
+# failed restore, ~13 s after the first. Only a restore step that ran and failed counts: not
+# a plan without room, nor a checkpoint of another job, nor agents that did not answer (none
+# of them is the job's own fault).
 MAX_RESTORE_FAILURES = 3
+RESTORE_FAILURE_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class OutcomeFacts:
     """What the outcome depends on besides the result: the switch (`evict`, `incoming`,
     `restore`, `grant`, `beside`: the holder a staging made room beside), the jobs that wait,
     whether `incoming` is an orphan restored for nobody, its restores failed in a row before
-    this switch, and the holder's epoch."""
+    this switch and the seconds since the first of them (0.0: none), and the holder's epoch."""
 
     group_id: str
     backend: str
@@ -64,6 +70,7 @@ class OutcomeFacts:
     queued: frozenset[str] = frozenset()
     orphan: bool = False
     restore_failures: int = 0
+    failing_seconds: float = 0.0
     holder_epoch: int = 0
 
 
@@ -202,5 +209,6 @@ def outcome(f: OutcomeFacts, r: SwitchResult) -> tuple[SwitchRecord | None, list
     if not f.grant and f.beside is None and (record is None or not record.ok):
         effects.append(IdleFailed(f.incoming))
     elif record is not None and record.failed_step == "restore" and not record.unreachable:
-        effects.append(RestoreFailed(f.incoming, record, f.restore_failures + 1 >= MAX_RESTORE_FAILURES))
+        effects.append(RestoreFailed(f.incoming, record, f.restore_failures + 1 >= MAX_RESTORE_FAILURES
+                                     and f.failing_seconds >= RESTORE_FAILURE_SECONDS))
     return record, effects

@@ -62,7 +62,8 @@ class SwitchRunner:
         self.evicting: frozenset[str] = frozenset()  # the jobs the switch in flight moves off the GPUs
         self.task: asyncio.Task[None] | None = None
         self.unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
-        self._restore_failures: dict[str, int] = {}  # job -> restores failed in a row
+        self._restore_failures: dict[str, tuple[int, float]] = {}  # job -> (restores failed in a row, clock() of
+        # the first)
 
     def forget(self, job: str) -> None:
         """`job` was granted or dropped: its failed restores no longer count."""
@@ -154,7 +155,7 @@ class SwitchRunner:
             self.task = None
         facts = OutcomeFacts(g.id, g.spec.backend, tuple(evict or ()), incoming, restore, grant, beside,
                              frozenset(w.job_id for w in g.queue), g.idle.is_orphan(incoming),
-                             self._restore_failures.get(incoming, 0), g.holder.epoch if g.holder else 0)
+                             *self._failures_of(incoming), holder_epoch=g.holder.epoch if g.holder else 0)
         record, effects = outcome(facts, result)
         self._log(facts, result, record)
         for effect in effects:
@@ -250,12 +251,19 @@ class SwitchRunner:
             return False
         return True
 
+    def _failures_of(self, job: str) -> tuple[int, float]:
+        """(restores of `job` failed in a row, seconds since the first of them; 0.0: none)."""
+        n, first = self._restore_failures.get(job, (0, 0.0))
+        return n, self._g.clock() - first if n else 0.0
+
     def _restore_failed(self, e: RestoreFailed) -> None:
         g = self._g
-        n = self._restore_failures[e.job] = self._restore_failures.get(e.job, 0) + 1
+        n, first = self._restore_failures.get(e.job, (0, g.clock()))
+        self._restore_failures[e.job] = (n := n + 1, first)
         if not e.fails:
             return
-        g.failed_jobs[e.job] = f"{n} restores in a row failed, the last: {e.record.error}"
+        g.failed_jobs[e.job] = (f"{n} restores in a row failed over {g.clock() - first:.1f} s, the last: "
+                                f"{e.record.error}")
         log.error("job failed group=%s job=%s: %s", g.id, e.job, g.failed_jobs[e.job])
         g.fail_job(e.job, JobFailed(f"group {g.id}: job {e.job} failed: {g.failed_jobs[e.job]} (it is not "
                                     "retried: restart the job, which drops it)"))
