@@ -162,7 +162,7 @@ def driver_faults(seed: int) -> tuple[dict[str, Any], ...]:
     rng = random.Random(f"{seed}:cuda")
     out = []
     for _ in range(rng.choice([0, 1, 1, 2])):
-        kind = rng.choice(["hang", "error", "error-once", "die"])
+        kind = rng.choice(["hang", "error-once", "error-once", "die"])  # (an error that lasts fails the job, by design)
         out.append({"call": rng.choice(["lock", "checkpoint", "checkpoint", "restore", "restore", "unlock"]),
                     "nth": rng.randint(1, 4), "kind": kind, "error": rng.choice(DRIVER_ERRORS),
                     "seconds": round(rng.uniform(0.5, 12.0), 2)})
