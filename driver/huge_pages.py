@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MOUNTS = Path("/proc/self/mounts")
+MEMINFO = Path("/proc/meminfo")
 SYSFS = Path("/sys/kernel/mm/hugepages")
 _OCTAL = re.compile(r"\\([0-7]{3})")
 
@@ -75,6 +76,16 @@ def free_pages(page_size: int) -> int:
     try:
         return max(0, int((folder / "free_hugepages").read_text()) - int((folder / "resv_hugepages").read_text()))
     except (OSError, ValueError):
+        return 0
+
+
+def default_page_size() -> int:
+    """The default huge page size in bytes, the one MFD_HUGETLB takes (`Hugepagesize` of
+    /proc/meminfo, Documentation/admin-guide/mm/hugetlbpage.rst); 0 when the kernel has none."""
+    try:
+        with MEMINFO.open() as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Hugepagesize:")), 0)
+    except (OSError, ValueError, IndexError):
         return 0
 
 

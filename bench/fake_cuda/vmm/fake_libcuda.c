@@ -10,7 +10,8 @@
  * $TIMESLICE_FAKE_VMM_USED: a file rewritten with the bytes of physical memory held ("GPU used").
  * $TIMESLICE_FAKE_VMM_FAULTS: a file read at every copy and cuMemCreate; each line "<call> <kind>
  * [seconds]" with call dtoh|htod|create|unregister and kind error (CUDA_ERROR_UNKNOWN; create: out of
- * memory), error-once (the same, then the file is emptied: a transient fault), hang (write "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, add a line of it to
+ * memory), error-once (the same, then the file is emptied: a transient fault), hang (write
+ * "<call>" to $TIMESLICE_FAKE_VMM_FAULTS.hit, sleep, add a line of it to
  * $TIMESLICE_FAKE_VMM_FAULTS.after, then do it) or die (_exit(86) before it).
  * cudaMalloc/cudaFree here are the runtime's own allocator (malloc), for allocations the shim
  * leaves to the runtime (left out with -DFAKE_DRIVER_ONLY: a driver apart from its runtime).

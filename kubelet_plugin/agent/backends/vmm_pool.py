@@ -30,17 +30,6 @@ from timeslice.driver.host_ranges import HostRanges
 
 log = logging.getLogger("timeslice.agent")
 SIZE_ENV = "TIMESLICE_VMM_POOL_BYTES"  # the pool's size in bytes (0: none); default host_ranges.default_size
-MEMINFO = "/proc/meminfo"
-
-
-def default_huge_page() -> int:
-    """The default huge page size in bytes, the one MFD_HUGETLB takes (`Hugepagesize` of
-    /proc/meminfo, Documentation/admin-guide/mm/hugetlbpage.rst); 0 when the kernel has none."""
-    try:
-        with open(MEMINFO) as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Hugepagesize:")), 0)
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 @dataclass
@@ -58,7 +47,7 @@ class VmmPool(HostRanges):
     def create(cls, size: int) -> VmmPool:
         if size <= 0:
             raise ValueError(f"vmm pool size must be > 0 bytes, got {size}")
-        page = default_huge_page()
+        page = huge_pages.default_page_size()
         huge = page > 0 and huge_pages.free_pages(page) * page >= size
         if huge:
             size = -(-size // page) * page
