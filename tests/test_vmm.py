@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc.aio
 import pytest
+from timeslice import host_memory
 from timeslice.driver import vmm_shim
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
@@ -237,6 +238,42 @@ async def test_a_process_that_cannot_map_the_pool_checkpoints_into_its_own_buffe
         assert await a.verify() == "verified ok"
     await old.restore([b.pid], timeout=30)
     assert await b.verify() == "verified ok"
+
+
+async def test_a_checkpoints_host_room_counts_the_pool_only_where_its_processes_hold_it(start_job, short_tmp,
+                                                                                         monkeypatch):
+    """The node agent's host-memory check adds the pool's free bytes (taken from the host already,
+    so not in MemAvailable) only for a job whose processes' shims hold the pool: one that refused
+    it checkpoints into host memory of its own (found by the review of issue 26: the pool was
+    counted for every checkpoint, so such a process could take host memory the host lacked)."""
+    pool_bytes = 128 * MIB
+    monkeypatch.setenv("TIMESLICE_VMM_POOL_BYTES", str(pool_bytes))
+    a, b = await start_job("a"), await start_job("b")
+    _limit_address_space(b.pid, 64 * MIB)  # b's shim cannot map the pool: it refuses it
+    backend = VmmBackend(10)
+    backend.seen([a.pid])
+    await eventually(lambda: backend.pinned_free_bytes() == pool_bytes, 30, what="a's shim takes the pool's pages")
+    node = NodeAgent(StaticProcessResolver({"a": [a.pid], "b": [b.pid]}), backends=[backend],
+                     records_path=short_tmp / "records.json",
+                     memory_probe=lambda: [GpuInfo("GPU-0", 0, 80 << 30, 40 << 30,
+                                                   {a.pid: SHIM_BYTES, b.pid: SHIM_BYTES})],
+                     host_probe=lambda: host_memory.RESERVE_BYTES + SHIM_BYTES - 1)  # one byte short without the pool
+    target = f"unix://{short_tmp / 'agent.sock'}"
+    server, _ = await create_server(node, target)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = apb_grpc.NodeAgentStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Checkpoint(apb.SwitchStepRequest(job_id="b", backend="vmm"))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no host memory for the checkpoint of job b" in err.value.details()
+            assert [st.state for st in await backend.state([b.pid])] == [RUNNING]  # nothing was touched
+            await stub.Checkpoint(apb.SwitchStepRequest(job_id="a", backend="vmm"))  # into the pool
+            assert a.used_bytes() == 0 and backend.pinned_free_bytes() == pool_bytes - SHIM_BYTES
+            await stub.Restore(apb.SwitchStepRequest(job_id="a", backend="vmm"))
+    finally:
+        await server.stop(0)
+    assert [await a.verify(), await b.verify()] == ["verified ok"] * 2
 
 
 async def test_descriptors_sent_to_the_shim_with_a_command_are_not_kept(start_job):

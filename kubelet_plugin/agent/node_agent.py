@@ -274,7 +274,8 @@ class NodeAgent:
             on_gpus: dict[str, int] = {}
             if backend_name in HOST_MEMORY_BACKENDS:  # (freeze and none move no GPU memory: no NVML call)
                 on_gpus = _per_device(await asyncio.to_thread(self._memory_probe), pids)
-                await self._check_host_room(job_id, sum(on_gpus.values()), timeout or self.default_timeout)
+                await self._check_host_room(job_id, backend, pids, sum(on_gpus.values()),
+                                            timeout or self.default_timeout)
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
@@ -454,21 +455,28 @@ class NodeAgent:
             log.debug("no processes job=%s: %s", job.job_id, err)
             return []
 
+    async def _host_settled(self, wait: float) -> None:
+        """Once what the backends' answered steps still release is released
+        (`Backend.host_memory_settled`), or `wait` seconds have passed (logged)."""
+        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in self._backends.values()))
+        if not all(settled):
+            log.warning("host memory read while a checkpoint's host buffer is still being freed (waited %g s)", wait)
+
     async def _host_available(self, wait: float) -> int:
         """The host's memory available for checkpoints in bytes (MemAvailable, and what the
         backends' pinned pools have free of the memory they already took: `Backend.pinned_free_bytes`),
-        once what the backends' answered steps still release is released
-        (`Backend.host_memory_settled`), or `wait` seconds have passed (logged)."""
-        backends = list(self._backends.values())
-        settled = await asyncio.gather(*(b.host_memory_settled(wait) for b in backends))
-        if not all(settled):
-            log.warning("host memory read while a checkpoint's host buffer is still being freed (waited %g s)", wait)
-        return await asyncio.to_thread(self._host_probe) + sum(b.pinned_free_bytes() for b in backends)
+        once settled (`_host_settled`)."""
+        await self._host_settled(wait)
+        return await asyncio.to_thread(self._host_probe) + sum(b.pinned_free_bytes() for b in self._backends.values())
 
-    async def _check_host_room(self, job_id: str, need: int, wait: float) -> None:
-        """Raise FailedPrecondition when the host cannot take `need` more bytes (after up to
-        `wait` seconds for memory being freed)."""
-        available = await self._host_available(wait)
+    async def _check_host_room(self, job_id: str, backend: Backend, pids: Sequence[int], need: int,
+                               wait: float) -> None:
+        """Raise FailedPrecondition when the host cannot take `need` more bytes of the checkpoint of
+        `pids` by `backend` (after up to `wait` seconds for memory being freed): MemAvailable and the
+        part of that backend's pool the checkpoint lands in (`Backend.pinned_free_for`; another
+        backend's pool takes none of it)."""
+        await self._host_settled(wait)
+        available = await asyncio.to_thread(self._host_probe) + await backend.pinned_free_for(pids)
         if need > available - host_memory.RESERVE_BYTES:
             raise FailedPrecondition(
                 f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "

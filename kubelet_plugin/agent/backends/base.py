@@ -76,6 +76,12 @@ class Backend(ABC):
         Default: no pool."""
         return 0
 
+    async def pinned_free_for(self, pids: Sequence[int]) -> int:
+        """Bytes of `pinned_free_bytes` that a checkpoint of the processes `pids` lands in: the
+        node agent adds them to the host's room for that checkpoint. Raises nothing. Default: all
+        of them."""
+        return self.pinned_free_bytes()
+
     def seen(self, pids: Sequence[int]) -> None:
         """The node agent resolved `pids` as a job's (a memory report): a backend may prepare
         them for a later step, in the background (`vmm` hands its pool to their shims).

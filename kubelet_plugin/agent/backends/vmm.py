@@ -96,17 +96,6 @@ def has_shim(pid: int) -> bool:
     return loaded and os.path.exists(socket_path(pid))
 
 
-def _hand_over(pid: int, fd: int) -> str:
-    """Send the pool's descriptor `fd` to the shim in `pid`; its answer line ("ok ..." or
-    "error <why>"). Raises OSError (no shim listening, no answer in STATE_SECONDS)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(STATE_SECONDS)
-        conn.connect(socket_path(pid))
-        socket.send_fds(conn, [b"pool\n"], [fd])
-        with conn.makefile("rb") as answers:
-            return answers.readline(REPLY_LIMIT).decode(errors="replace").strip()
-
-
 class VmmBackend(Backend):
     """`pool_bytes`: the size of the node's pinned pool (0: none; None: $TIMESLICE_VMM_POOL_BYTES,
     else `host_ranges.default_size` of the GPUs' total memory, which `memory_probe` (NVML) reads)."""
@@ -177,6 +166,18 @@ class VmmBackend(Backend):
     def pinned_free_bytes(self) -> int:
         return self._pool.populated_free() if self._pool is not None else 0
 
+    async def pinned_free_for(self, pids: Sequence[int]) -> int:
+        """The pool's free bytes only where the shim of each live process of `pids` holds the pool
+        (handed now if it had not been, as their checkpoint would): one that refused it (another
+        user's process, or one that cannot map it) or has no shim (the `cuda` backend moves it)
+        checkpoints into host memory of its own, which the pool's pages, taken already, do not
+        give (the check counted them and let such a checkpoint take host memory the host lacked)."""
+        if await self._pool_now() is None:
+            return 0
+        live = [pid for pid in pids if exit_state(pid) == "live"]
+        held = await asyncio.gather(*(self._hand_pool(pid) for pid in live))
+        return self.pinned_free_bytes() if all(h is True for h in held) else 0
+
     def seen(self, pids: Sequence[int]) -> None:
         for pid in pids:
             self._hand_pool(pid)
@@ -223,10 +224,11 @@ class VmmBackend(Backend):
                 log.info("vmm: pid %d is uid %d's, the pinned pool this agent's (uid %d): its checkpoints go to host "
                          "memory of its own", pid, uid, os.geteuid())
                 return None
-            answer = await asyncio.to_thread(_hand_over, pid, pool.fd)
-        except OSError as err:
+            line = await asyncio.wait_for(self._exchange(pid, "pool", [pool.fd]), STATE_SECONDS)
+        except (OSError, ValueError) as err:  # (no shim listening, no answer in time, a line too long)
             log.info("vmm: pid %d not handed the pinned pool (%s)", pid, err)
             return False
+        answer = line.decode(errors="replace").strip()
         if not answer.startswith("ok"):
             log.warning("vmm: pid %d refused the pinned pool (%s): its checkpoints go to host memory of its own",
                         pid, answer)
@@ -395,13 +397,25 @@ class VmmBackend(Backend):
         raise BackendError(f"vmm {command} pid {pid}: {' '.join(words[1:]) if words[0] == 'error' else line!r}")
 
     @staticmethod
-    async def _exchange(pid: int, command: str) -> bytes:
-        """Send `command` to the shim in `pid`, return its one-line answer (b"": none)."""
+    async def _exchange(pid: int, command: str, fds: Sequence[int] = ()) -> bytes:
+        """Send `command` to the shim in `pid`, with the descriptors `fds` (SCM_RIGHTS, unix(7)),
+        and return its one-line answer (b"": none). Raises OSError (no shim listening), ValueError
+        (an answer over REPLY_LIMIT bytes)."""
         path = await asyncio.to_thread(socket_path, pid)
-        reader, writer = await asyncio.open_unix_connection(path, limit=REPLY_LIMIT)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            writer.write(f"{command}\n".encode())
-            await writer.drain()
+            conn.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(conn, path)
+            line = f"{command}\n".encode()  # (a few bytes into a new connection's empty buffer: never blocks)
+            if fds:
+                socket.send_fds(conn, [line], list(fds))
+            else:
+                conn.send(line)
+            reader, writer = await asyncio.open_unix_connection(sock=conn, limit=REPLY_LIMIT)
+        except BaseException:
+            conn.close()
+            raise
+        try:
             return await reader.readline()
         finally:
             writer.close()
