@@ -2,7 +2,8 @@
 # The suite on a loaded machine (issue 12): stress-ng keeps every core busy while the unit +
 # integration suite runs RUNS times (default 5), the e2e suite once, the lock group's hypothesis
 # schedules 10 000 times each (tests/faults/test_group*_schedules.py), its decision cores over
-# 100 000 random cases each (tests/test_decisions.py, tests/test_switch_outcome.py, tests/test_lease_calls.py), and the randomized process
+# 100 000 random cases each (tests/test_decisions.py, tests/test_switch_outcome.py, tests/test_lease_calls.py,
+# tests/test_acquire_calls.py), and the randomized process
 # schedules (bench/schedules.py) SCHEDULES times per backend (default 1000, about 40 minutes per backend on 2 cores; the suite runs a slice);
 # each run's time and result is printed. Needs stress-ng (Debian package, installed when missing)
 # and, for e2e, root.
@@ -29,7 +30,7 @@ if TIMESLICE_SCHEDULE_EXAMPLES=10000 .venv/bin/pytest -q -p no:cacheprovider --t
 echo "group schedules (hypothesis, 10000 each): $result in $(( $(date +%s) - start )) s"
 start=$(date +%s)
 if TIMESLICE_DECISION_EXAMPLES=100000 .venv/bin/pytest -q -p no:cacheprovider --timeout 3600 tests/test_decisions.py \
-    tests/test_switch_outcome.py tests/test_lease_calls.py >/tmp/stress-decisions.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
+    tests/test_switch_outcome.py tests/test_lease_calls.py tests/test_acquire_calls.py >/tmp/stress-decisions.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "decision cores (hypothesis, 100000 cases each): $result in $(( $(date +%s) - start )) s"
 for backend in cooperative cuda freeze none app vmm; do
   start=$(date +%s)

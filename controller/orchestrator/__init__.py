@@ -10,7 +10,8 @@ static mode a job name from the node agents' job tables.
     group.py            LockGroup: holder, fencing epoch, grants; owns the collaborators below
     decisions.py        the decision core of a dispatch (pure): DispatchFacts -> grant, switch, stage, wait
     moves.py            MemoryMoves: gathers the facts and runs the decision; the jobs that must leave
-    holds.py            a hold's life: a caller joins its job's hold, a grant delivered once persisted, its end
+    acquire_calls.py    the decision core of an Acquire (pure): AcquireFacts -> join the hold, queue, refuse
+    holds.py            a hold's life: an Acquire admitted (joins the hold, or queues), a grant once persisted, its end
     departures.py       a job leaving the group: dropped, found gone at a restart, done with it (`Leave`)
     switch_run.py       SwitchRunner: the switch in progress (a staging, a confirmation before a grant), its outcome
     switch_outcome.py   the decision core of a switch's end (pure): OutcomeFacts + SwitchResult -> effects

@@ -59,7 +59,7 @@ from timeslice.controller.orchestrator.moves import MemoryMoves
 from timeslice.controller.orchestrator.preemption import Preemption
 from timeslice.controller.orchestrator.residency import Residency
 from timeslice.controller.orchestrator.state_file import StateFile
-from timeslice.driver.errors import AcquireTimeout, JobFailed, Unavailable
+from timeslice.driver.errors import AcquireTimeout, Unavailable
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -134,25 +134,9 @@ class LockGroup:
         memory = member.memory if member is not None and member.memory else memory
         if memory:
             self.residency.declare(job_id, memory)
-        joined = await holds.join(self, job_id, request_id, timeout)
-        if joined is not None:
-            return joined
-        if job_id in self.failed_jobs:
-            raise JobFailed(f"group {self.id}: job {job_id} failed: {self.failed_jobs[job_id]} (it is not "
-                               "retried: restart the job, which drops it)")
-        if member is not None:
-            priority = member.priority
-        w = self.queue.by_request(job_id, request_id)
-        if w is not None:
-            w.callers += 1
-        else:
-            w = self.queue.push(request_id, job_id, priority, self.clock(),
-                                asyncio.get_running_loop().create_future(), timeout)
-            w.owner = self
-            log.debug("queued group=%s job=%s priority=%d position=%d", self.id, job_id, priority,
-                      len(self.queue) - 1)
-            self.dispatch()
-            self.preemption.arm()
+        w = await holds.admit(self, job_id, request_id, priority, timeout)
+        if isinstance(w, GrantInfo):
+            return w
         try:
             return await asyncio.wait_for(asyncio.shield(w.future), timeout)
         except TimeoutError:

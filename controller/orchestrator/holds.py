@@ -1,20 +1,32 @@
-"""A hold's life: a caller that joins its job's hold, a grant, which reaches its callers once
-its fencing epoch is persisted (standalone: the state file), and the hold's end.
+"""A hold's life: an Acquire admitted (`acquire_calls.admit` performed: the caller joins its job's
+hold, or queues), a grant, which reaches its callers once its fencing epoch is persisted
+(standalone: the state file), and the hold's end.
 
 Functions of a `LockGroup` (group.py), which calls them from `acquire`, `grant`, `end_hold` and `job_started`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from timeslice.controller.orchestrator import takeover
+from timeslice.controller.orchestrator import acquire_calls, takeover
+from timeslice.controller.orchestrator.acquire_calls import (
+    AcquireFacts,
+    AddCaller,
+    EndHold,
+    JoinHold,
+    Moved,
+    Queue,
+    Refuse,
+    WaitForExits,
+)
 from timeslice.controller.orchestrator.exits import wait_for_exits
 from timeslice.controller.orchestrator.group_model import GrantInfo, Hold, JobCounters
 from timeslice.controller.orchestrator.lock_queue import Waiter
 from timeslice.controller.orchestrator.preemption import PREEMPTED
-from timeslice.driver.errors import SwitchFailed, Unavailable
+from timeslice.driver.errors import JobFailed, SwitchFailed, Unavailable
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -22,45 +34,70 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 
-async def join(g: LockGroup, job_id: str, request_id: str, timeout: float | None) -> GrantInfo | None:
-    """A caller of `job_id` (`request_id`) joins its job's hold when the job holds: returns
-    its grant, else None (it waits its turn: the job does not hold, or its hold is its ended
-    processes'). On memory-aware groups it first waits for ended processes' memory to be
-    freed (exits.py). Raises Unavailable (the job's claim set moved to another group
-    meanwhile), SwitchFailed (the hold's epoch cannot be persisted)."""
-    h = g.holder
-    if h is not None and h.job_id == job_id and g.memory_aware:
-        # a process that joins may be the next one of a job whose holder was killed: it grows beside
-        # what the ended one still holds (schedules seed 8): exits.py. It shows the job alive meanwhile.
-        g.leases.renew(h)
-        await wait_for_exits(g.switcher, g.spec, job_id, g.residency.peaks, timeout)
-        if g.spec.members and g.spec.member(job_id) is None:
-            raise Unavailable(f"group {g.id}: job {job_id}'s claim set moved to another group while it "
-                              "waited to join its hold; ask again")
-        h = g.holder  # (it may have ended meanwhile: then the caller waits its turn below)
-    if h is not None and h.job_id == job_id and h.processes_ended:
-        # cooperative schedules seed 30009: the holder's process was killed holding, the job's next
-        # process joined its hold at once and ran out of memory beside the ended one's bytes, which the
-        # GPU still held: a new process waits its turn, planned on a fresh report
-        g.end_hold(h, "its processes ended, and a new one of the job asks")
-        g.record_placement()
-        h = None
-    if h is not None and h.job_id == job_id:  # another process (or thread) of the holder joins its hold
-        h.request_ids.add(request_id)
-        # A joining caller shows the job alive: its lease runs again from now (none schedules seed
-        # 896: a job's process was killed holding, its next process joined phase after phase, each
-        # shorter than a keep-alive interval, and the lease lapsed under it)
-        g.leases.renew(h)
-        if g.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
-            try:
-                await g.state.durable()
-            except BaseException as err:  # (its caller went away, or the write failed): not a caller of it
-                h.request_ids.discard(request_id)
-                if isinstance(err, OSError):
-                    raise SwitchFailed(f"group {g.id}: cannot persist the fencing epoch: {err}") from None
-                raise
-        return grant_info(g, h, waited=0.0)
-    return None
+async def admit(g: LockGroup, job_id: str, request_id: str, priority: int,
+                timeout: float | None) -> GrantInfo | Waiter:
+    """Perform what `acquire_calls.admit` answers the Acquire of `job_id` (`request_id`, at
+    `priority`), asking again after a wait for exits or a hold ended, until the caller joins its
+    job's hold (returns its grant) or has its entry in the queue (returns the waiter, queued).
+    Raises JobFailed (the job failed for good), Unavailable (its claim set moved to another group
+    while it waited to join), SwitchFailed (the hold's epoch cannot be persisted)."""
+    waited = False
+    while True:
+        h, member, w = g.holder, g.spec.member(job_id), g.queue.by_request(job_id, request_id)
+        facts = AcquireFacts(job_id, priority, member.priority if member is not None else None,
+                             h.job_id if h is not None else None, h is not None and h.processes_ended,
+                             g.memory_aware, waited, bool(g.spec.members) and member is None,
+                             g.failed_jobs.get(job_id), w is not None)
+        match acquire_calls.admit(facts):
+            case WaitForExits():
+                assert h is not None
+                g.leases.renew(h)  # (it shows the job alive meanwhile)
+                await wait_for_exits(g.switcher, g.spec, job_id, g.residency.peaks, timeout)
+                waited = True
+            case Moved():
+                raise Unavailable(f"group {g.id}: job {job_id}'s claim set moved to another group while it "
+                                  "waited to join its hold; ask again")
+            case EndHold():
+                assert h is not None
+                g.end_hold(h, "its processes ended, and a new one of the job asks")
+                g.record_placement()
+            case JoinHold():
+                assert h is not None
+                return await _join(g, h, request_id)
+            case Refuse(why=why):
+                raise JobFailed(f"group {g.id}: job {job_id} failed: {why} (it is not retried: restart the job, "
+                                "which drops it)")
+            case AddCaller():
+                assert w is not None
+                w.callers += 1
+                return w
+            case Queue(priority=at):
+                w = g.queue.push(request_id, job_id, at, g.clock(), asyncio.get_running_loop().create_future(),
+                                 timeout)
+                w.owner = g
+                log.debug("queued group=%s job=%s priority=%d position=%d", g.id, job_id, at, len(g.queue) - 1)
+                g.dispatch()
+                g.preemption.arm()
+                return w
+
+
+async def _join(g: LockGroup, h: Hold, request_id: str) -> GrantInfo:
+    """Another caller (process, thread) of the holder joins its hold: granted once the hold's
+    epoch is on disk. Raises SwitchFailed (it cannot be persisted)."""
+    h.request_ids.add(request_id)
+    # A joining caller shows the job alive: its lease runs again from now (none schedules seed
+    # 896: a job's process was killed holding, its next process joined phase after phase, each
+    # shorter than a keep-alive interval, and the lease lapsed under it)
+    g.leases.renew(h)
+    if g.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
+        try:
+            await g.state.durable()
+        except BaseException as err:  # (its caller went away, or the write failed): not a caller of it
+            h.request_ids.discard(request_id)
+            if isinstance(err, OSError):
+                raise SwitchFailed(f"group {g.id}: cannot persist the fencing epoch: {err}") from None
+            raise
+    return grant_info(g, h, waited=0.0)
 
 
 def grant(g: LockGroup, job_id: str, restored: bool, switch_seconds: float) -> None:
