@@ -1589,3 +1589,54 @@ def test_room_for_a_holder_that_outgrew_its_reservation_checkpoints_idle_residen
     assert room_for_holder(snap, ["c", "a", "b"], (0.1, 0)) == ["a", "b"]
     assert room_for_holder(snap, ["c"], (0.1, 0)) == []  # nobody idle on the short GPU
     assert room_for_holder(snap, ["a", "b"], (0.04, 0)) == []  # 5 GB free covers a 4 GB headroom
+
+
+@pytest.mark.parametrize("how", ["left", "started"])
+async def test_a_job_that_restarts_during_its_switch_is_granted_on_a_fresh_plan(how: str) -> None:
+    """cuda schedules seed 600008: a job SIGTERMed while it waited left during the switch planned
+    for it (CancelAcquire, then Leave), its next process asked, and the switch's end granted that
+    process at once while the old one still held 66 GB of the GPU: the new one ran out of memory.
+    The switch now grants nobody; the new process is granted after a fresh memory report. The same
+    when the job does not leave but a new process of it starts (`started`: killed outright, its
+    next process connected)."""
+    class GatedGpu(FakeGpu):
+        def __init__(self, **on_gpu: int) -> None:
+            super().__init__(**on_gpu)
+            self.entered, self.gate = asyncio.Event(), asyncio.Event()
+
+        async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+            self.entered.set()
+            await self.gate.wait()
+            return await super().__call__(spec, evict, incoming, restore)
+
+    gpu = GatedGpu(b=60)
+    gpu.off["a"] = 60  # a is checkpointed: its grant restores it, and b must leave for it
+    reports_at_grant: list[int] = []
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=("agent-0",)), gpu,  # type: ignore[arg-type]
+                  observer=lambda _, e: reports_at_grant.append(gpu.reports) if e.kind == "granted"
+                  and e.job_id == "a" else None)
+    g.residency.checkpointed.add("a")
+    g.residency.declare("a", 60 * GB)
+    try:
+        b = await g.acquire("b", 0, "b-1", None, 60 * GB)
+        first = asyncio.ensure_future(g.acquire("a", 0, "a-1", None))
+        await eventually(lambda: len(g.queue) == 1, 10, what="a queued")
+        g.release("b", b.lease_id, b.epoch)
+        await asyncio.wait_for(gpu.entered.wait(), 10)  # the switch for a runs
+        first.cancel()  # a's process ends: its client's call ends (SIGTERMed: it gives up the request and leaves)
+        await asyncio.gather(first, return_exceptions=True)
+        if how == "left":
+            g.cancel("a", "a-1")
+            assert g.switching == ("b", "a") and g.leave("a") == "left"
+        else:
+            g.job_started("a")
+        second = asyncio.ensure_future(g.acquire("a", 0, "a-2", None))  # a's next process asks
+        await eventually(lambda: any(w.request_id == "a-2" for w in g.queue), 10, what="a's next process queued")
+        reports = gpu.reports
+        gpu.gate.set()
+        granted = await asyncio.wait_for(second, 10)
+        assert reports_at_grant and reports_at_grant[-1] > reports, "granted on the switch's plan, no fresh report"
+        g.release("a", granted.lease_id, granted.epoch)
+    finally:
+        gpu.gate.set()
+        await g.close()

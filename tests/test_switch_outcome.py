@@ -5,6 +5,7 @@ that did not run. `TIMESLICE_DECISION_EXAMPLES` sets the number of cases (defaul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -15,6 +16,7 @@ from timeslice.controller.orchestrator.switch_outcome import (
     MAX_RESTORE_FAILURES,
     RESTORE_FAILURE_SECONDS,
     CheckedOut,
+    Counted,
     Dropped,
     FailWaiters,
     Grant,
@@ -40,15 +42,16 @@ def cases(draw) -> tuple[OutcomeFacts, SwitchResult]:
     incoming = draw(st.sampled_from(JOBS))
     evict = tuple(draw(st.lists(st.sampled_from([j for j in JOBS if j != incoming]), unique=True)))
     grant = draw(st.booleans())
+    dropped = draw(st.booleans())  # the incoming job was dropped while its switch ran
     others = [j for j in JOBS if j not in (incoming, *evict)]
     beside = None if grant or not others else draw(st.none() | st.sampled_from(others))
     facts = OutcomeFacts("g", draw(st.sampled_from(["cuda", "cooperative", "freeze", "app"])), evict, incoming,
                          restore=draw(st.booleans()), grant=grant, beside=beside,
                          queued=frozenset(draw(st.lists(st.sampled_from(JOBS), unique=True))),
-                         orphan=not grant and draw(st.booleans()),
+                         orphan=(not grant or dropped) and draw(st.booleans()),
                          restore_failures=draw(st.integers(0, MAX_RESTORE_FAILURES)),
                          failing_seconds=draw(st.sampled_from([0.0, 3.0, RESTORE_FAILURE_SECONDS, 60.0])),
-                         holder_epoch=draw(st.integers(0, 5)))
+                         holder_epoch=draw(st.integers(0, 5)), dropped=dropped, restarted=draw(st.booleans()))
     kind = draw(st.sampled_from(["ran", "no-room", "failed", "crashed"]))
     record = None
     if kind in ("ran", "failed") and (kind == "failed" or draw(st.booleans())):
@@ -75,10 +78,17 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
                                and f.failing_seconds >= RESTORE_FAILURE_SECONDS)
         if isinstance(e, FailWaiters):  # waiters fail only for the incoming job, only when its switch failed
             assert e.job == f.incoming and not ok and not (r.kind == "no-room" and f.beside is not None)
+    # a job dropped or started again while its switch ran: its waiters now are a later incarnation's, which
+    # nothing of the switch grants, fails or counts against; a dropped one is not taken to be on the GPUs
+    replaced = f.dropped or f.restarted
+    if replaced:
+        assert not {Grant, Held, FailWaiters, RestoreFailed, IdleFailed} & set(kinds), effects
+    if f.dropped:
+        assert MovedIn not in kinds
     assert kinds.count(RestoreFailed) <= 1
     # a grant follows only a switch that ran and succeeded, once, for the incoming job
     grants = [e for e in effects if isinstance(e, Grant)]
-    assert len(grants) == (1 if f.grant and ok else 0)
+    assert len(grants) == (1 if f.grant and ok and not replaced else 0)
     assert all(e.job == f.incoming and e.restored == f.restore for e in grants)
     # no job is taken to be on the GPUs by a switch that did not run
     if not ok:
@@ -93,15 +103,17 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
             assert job not in f.queued and r.record is not None and job in r.record.gone
         if grants and dropped:
             assert effects.index(grants[0]) < min(effects.index(Dropped(j)) for j in dropped)
-        assert kinds.count(Held) == (1 if f.grant else 0)
-        assert kinds.count(MovedIn) == (1 if not f.grant and not f.orphan and f.restore and r.record else 0)
+        held = f.grant and not replaced
+        assert kinds.count(Held) == (1 if held else 0)
+        assert kinds.count(MovedIn) == (1 if not held and not f.orphan and f.restore and r.record
+                                        and not f.dropped else 0)
     # a staging without room is left to the hand-off, and nothing else happens
     if r.kind == "no-room" and f.beside is not None:
         assert effects == [Unstaged(f.holder_epoch, f.incoming)] and record is None
     if record is not None:
         assert Recorded(f.incoming, record) in effects
     if IdleFailed in kinds:
-        assert not f.grant and f.beside is None and (record is None or not record.ok)
+        assert not f.grant and f.beside is None and (record is None or not record.ok) and not replaced
 
 
 @pytest.mark.slow  # (~30 s for 10 000 on an idle 2-core VM)
@@ -111,6 +123,25 @@ def test_every_outcome_keeps_the_invariants(case: tuple[OutcomeFacts, SwitchResu
     f, r = case
     record, effects = outcome(f, r)
     check(f, r, record, effects)
+
+
+def test_a_job_dropped_while_its_switch_ran_is_not_granted_by_it() -> None:
+    """cuda schedules seed 600008: a job SIGTERMed while it waited left (dropped) during the switch
+    planned for it, its next process asked, and the switch's end granted that process in place
+    while the old one still held 66 GB: it ran out of memory. Its waiters stay queued, failed by
+    nothing of the switch, and the next dispatch plans on fresh reports."""
+    f = OutcomeFacts("g", "cuda", ("b",), "a", restore=False, grant=True, queued=frozenset({"a"}), dropped=True)
+    rec = SwitchRecord("b", "a", ok=True)
+    _, effects = outcome(f, SwitchResult("ran", rec))
+    assert effects == [CheckedOut("b"), Counted(True), Recorded("a", rec)]
+    bad = SwitchRecord("b", "a", ok=False, error="restore failed", failed_step="restore")
+    _, effects = outcome(dataclasses.replace(f, restore=True), SwitchResult("failed", bad, frozenset(), "x"))
+    assert not any(isinstance(e, (FailWaiters, RestoreFailed, Grant)) for e in effects)
+    # started again (a SIGKILLed process, no Leave: its next one connected, or a report named it): the
+    # restore that ran leaves it resident and next up, ungranted
+    again = dataclasses.replace(f, restore=True, dropped=False, restarted=True)
+    _, effects = outcome(again, SwitchResult("ran", rec))
+    assert effects == [CheckedOut("b"), Counted(True), MovedIn("a", next_up=True), Recorded("a", rec)]
 
 
 def test_an_evicted_jobs_failed_checkpoint_never_counts_against_the_incoming_job() -> None:

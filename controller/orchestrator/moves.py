@@ -139,7 +139,7 @@ class MemoryMoves:
             g.residency.forget(job)
         self._lapsed.discard(job)
         g.awake.forget(job)
-        self.runner.forget(job)
+        self.runner.dropped(job)
         self.deferral.forget(job)
 
     # -- grants ------------------------------------------------------------------------

@@ -62,7 +62,7 @@ class Residency:
         self._holding: dict[str, _Hold] = {}  # the holder's hold
         self._ended: dict[str, _Hold] = {}  # holds ended since the last snapshot
         self._restored: dict[str, float] = {}  # job -> when (monotonic seconds) it was restored without a grant
-        self._started: dict[str, float] = {}  # job -> when (monotonic seconds) its processes started again
+        self._started: dict[str, float] = {}  # job -> when (monotonic seconds) its processes last started again
         self._left_at: float | None = None  # when (monotonic seconds) a resident job last left (`forget`)
         self._incarnations: dict[str, str] = {}  # agent target -> the run that answered last
         self._processes: dict[str, set[str]] = {}  # job -> its processes in the last report that named it
@@ -119,6 +119,10 @@ class Residency:
         self.holds.pop(job, None)
         self._ended.pop(job, None)
         self._started[job] = time.monotonic()
+
+    def started_at(self, job: str) -> float | None:
+        """When (monotonic seconds) `job`'s processes last started again (None: not since it joined)."""
+        return self._started.get(job)
 
     def started_since_report(self, job: str) -> bool:
         """Whether `job`'s processes started again after the last snapshot was taken: what
@@ -236,7 +240,6 @@ class Residency:
             return
         self.snapshot = snap
         self._restored = {job: at for job, at in self._restored.items() if at >= snap.taken_at}
-        self._started = {job: at for job, at in self._started.items() if at >= snap.taken_at}
         for job in self.residents:
             peak = self.peaks.setdefault(job, {})
             seen = dict(snap.on_device(job))

@@ -8,6 +8,14 @@ The rules (DESIGN.md, "Lock groups and the orchestrator"):
   (`Dropped`, after the grant); the incoming job is held (`Held`, a switch that grants), an
   orphan restored for nobody is forgotten (`RestoredForNobody`), or a staged or background
   restore is resident (`MovedIn`).
+- A job dropped while its switch ran (it left, or was found gone), or whose processes started
+  again meanwhile, is not granted by it: the waiters it has now are a later incarnation's, whose
+  processes the plan did not see (the old ones may still hold the GPU's memory: cuda schedules
+  seed 600008, a job SIGTERMed while waiting and started again was granted in place at the end of
+  a switch planned for it, and its new process ran out of memory beside the old one's 66 GB).
+  They stay queued, nothing of the switch fails them or counts against them, and the next
+  dispatch plans afresh. A dropped job is not taken to be on the GPUs by it; one started again
+  whose restore ran is resident, next up (`MovedIn`).
 - A plan without room fails the incoming job's waiters (`FailWaiters`: their clients ask
   again), except a staging, which is left to the hand-off (`Unstaged`).
 - A switch that failed is counted, the evicted jobs the rollback could not put back are off
@@ -58,7 +66,9 @@ class OutcomeFacts:
     """What the outcome depends on besides the result: the switch (`evict`, `incoming`,
     `restore`, `grant`, `beside`: the holder a staging made room beside), the jobs that wait,
     whether `incoming` is an orphan restored for nobody, its restores failed in a row before
-    this switch and the seconds since the first of them (0.0: none), and the holder's epoch."""
+    this switch and the seconds since the first of them (0.0: none), the holder's epoch, and
+    whether `incoming` was dropped (`dropped`) or its processes started again (`restarted`) while
+    the switch ran."""
 
     group_id: str
     backend: str
@@ -72,6 +82,13 @@ class OutcomeFacts:
     restore_failures: int = 0
     failing_seconds: float = 0.0
     holder_epoch: int = 0
+    dropped: bool = False
+    restarted: bool = False
+
+    @property
+    def replaced(self) -> bool:
+        """The incoming job's waiters are a later incarnation's (`dropped` or `restarted`)."""
+        return self.dropped or self.restarted
 
 
 @dataclass(frozen=True)
@@ -176,39 +193,48 @@ def outcome(f: OutcomeFacts, r: SwitchResult) -> tuple[SwitchRecord | None, list
     effects: list[Effect] = []
     vanished: list[str] = []
     record = r.record
+    replaced = f.replaced
+    grant = f.grant and not replaced
     if r.kind == "no-room":
         if f.beside is not None:  # not now: the hand-off plans again, without the holder
             return None, [Unstaged(f.holder_epoch, f.incoming)]
         record = SwitchRecord(None, f.incoming, ok=False, error=r.error)
-        effects.append(FailWaiters(f.incoming, f"group {f.group_id}: {r.error}"))
+        effects += _fail(f, r.error)
     elif r.kind == "failed":
         effects += [Counted(False), *(OffGpu(j) for j in sorted(r.off_gpu)), Unsure(r.off_gpu)]
         if f.backend == names.BACKEND_APP:  # put back by a wake (those it did not reach: a reload more)
             effects.append(Woke(tuple(j for j in f.evict if j not in r.off_gpu)))
-        effects.append(FailWaiters(f.incoming, f"group {f.group_id}: {r.error}"))
+        effects += _fail(f, r.error)
     elif r.kind == "crashed":
         record = SwitchRecord(None, f.incoming, ok=False, error=f"internal error: {r.error}")
-        effects += [Counted(False), FailWaiters(f.incoming, f"group {f.group_id}: internal error: {r.error}")]
+        effects += [Counted(False), *_fail(f, f"internal error: {r.error}")]
     else:
         vanished = [j for j in f.evict if record is not None and j in record.gone and j not in f.queued]
         effects += [CheckedOut(j) for j in f.evict if j not in vanished]
         if record is not None:
             effects.append(Counted(True))
-        if f.grant:
+        if grant:
             effects.append(Held(f.incoming))
         elif f.orphan:  # its processes run on, unowned
             effects.append(RestoredForNobody(f.incoming))
-        elif f.restore and record is not None:
-            effects.append(MovedIn(f.incoming, next_up=f.beside is not None))
+        elif f.restore and record is not None and not f.dropped:
+            effects.append(MovedIn(f.incoming, next_up=f.beside is not None or f.grant))
     ok = record is None or record.ok
     if record is not None:
         effects.append(Recorded(f.incoming, record))
-    if f.grant and ok:  # before the drops below, which dispatch (seed 252)
+    if grant and ok:  # before the drops below, which dispatch (seed 252)
         effects.append(Grant(f.incoming, f.restore, record.seconds if record else 0.0))
     effects += [Dropped(j) for j in vanished]  # a one-box job killed with its client: nothing of it anywhere
+    if replaced:  # what it did was for an earlier incarnation: no failure of it counts against this one
+        return record, effects
     if not f.grant and f.beside is None and (record is None or not record.ok):
         effects.append(IdleFailed(f.incoming))
     elif record is not None and record.failed_step == "restore" and not record.unreachable:
         effects.append(RestoreFailed(f.incoming, record, f.restore_failures + 1 >= MAX_RESTORE_FAILURES
                                      and f.failing_seconds >= RESTORE_FAILURE_SECONDS))
     return record, effects
+
+
+def _fail(f: OutcomeFacts, why: str) -> list[Effect]:
+    """The incoming job's waiters fail with `why`; none of a later incarnation's."""
+    return [] if f.replaced else [FailWaiters(f.incoming, f"group {f.group_id}: {why}")]

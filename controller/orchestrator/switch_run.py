@@ -61,6 +61,8 @@ class SwitchRunner:
         self.beside: str | None = None
         self.evicting: frozenset[str] = frozenset()  # the jobs the switch in flight moves off the GPUs
         self.task: asyncio.Task[None] | None = None
+        self.incoming_dropped = False  # the incoming job of the switch in flight was dropped meanwhile
+        self._began = 0.0  # when (monotonic seconds) the switch or confirmation in flight began
         self.unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._restore_failures: dict[str, tuple[int, float]] = {}  # job -> (restores failed in a row, clock() of
         # the first)
@@ -69,36 +71,59 @@ class SwitchRunner:
         """`job` was granted or dropped: its failed restores no longer count."""
         self._restore_failures.pop(job, None)
 
+    def dropped(self, job: str) -> None:
+        """`job` was dropped: the switch or confirmation in flight for it grants nobody (its waiters
+        now are a later incarnation's: `switch_outcome`'s rules)."""
+        self.forget(job)
+        if self.switching is not None and self.switching[1] == job:
+            self.incoming_dropped = True
+
+    def _restarted(self, incoming: str) -> bool:
+        """`incoming`'s processes started again (a new one connected, or a report named one) since
+        the switch or confirmation in flight began: what it planned on is an earlier incarnation's."""
+        at = self._g.residency.started_at(incoming)
+        return at is not None and at >= self._began
+
+    def _begin(self, incoming: str, evict: str | None = None, beside: str | None = None) -> None:
+        self.switching, self.beside, self.incoming_dropped, self._began = (evict, incoming), beside, False, \
+            time.monotonic()
+
     def start(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
-        self.switching = (evict[0] if evict else None, incoming)
+        self._begin(incoming, evict[0] if evict else None)
         self.task = asyncio.get_running_loop().create_task(
             self._switch(evict, incoming, restore, grant), name=f"switch-{self._g.id}")
 
     def stage(self, job: str, beside: str) -> None:
         """Restore `job` without a grant, with room beside the holder `beside` (`decisions.Stage`)."""
-        self.switching, self.beside = (None, job), beside
+        self._begin(job, beside=beside)
         self.task = asyncio.get_running_loop().create_task(
             self._switch(None, job, restore=True, grant=False, beside=beside), name=f"stage-{self._g.id}")
 
     def confirm(self, incoming: str) -> None:
         """Grant `incoming` once its node agents confirm it is on the GPUs (`MemoryMoves._grant_on_gpu`)."""
-        self.switching = (None, incoming)
+        self._begin(incoming)
         self.task = asyncio.get_running_loop().create_task(self._confirm_then_grant(incoming),
                                                            name=f"confirm-{self._g.id}")
 
     async def _confirm_then_grant(self, incoming: str) -> None:
         g = self._g
+        failure: Exception | None = None
         try:
             on_gpu = await g.switcher.confirm(g.spec, incoming)  # type: ignore[attr-defined]
         except Exception as err:  # an agent that does not answer (or a switcher bug): no grant on a guess
             log.warning("cannot confirm group=%s job=%s is on the GPUs: %s", g.id, incoming, err)
-            g.fail_job(incoming, SwitchFailed(f"group {g.id}: cannot confirm that job {incoming} has its state "
-                                              f"on the GPUs: {err}; nothing was granted"))
-            on_gpu = None
+            on_gpu, failure = None, err
         finally:
             self.switching = None
             self.task = None
-        if on_gpu is False:
+        if self.incoming_dropped or self._restarted(incoming):  # its waiters are a later incarnation's: they
+            # wait, planned afresh
+            g.dispatch()
+            return
+        if failure is not None:
+            g.fail_job(incoming, SwitchFailed(f"group {g.id}: cannot confirm that job {incoming} has its state "
+                                              f"on the GPUs: {failure}; nothing was granted"))
+        elif on_gpu is False:
             log.warning("job %s is checkpointed on its node agents, not resident as this group believed "
                         "group=%s: restoring it before the grant", incoming, g.id)
             g.residency.moved_out(incoming)
@@ -155,7 +180,8 @@ class SwitchRunner:
             self.task = None
         facts = OutcomeFacts(g.id, g.spec.backend, tuple(evict or ()), incoming, restore, grant, beside,
                              frozenset(w.job_id for w in g.queue), g.idle.is_orphan(incoming),
-                             *self._failures_of(incoming), holder_epoch=g.holder.epoch if g.holder else 0)
+                             *self._failures_of(incoming), holder_epoch=g.holder.epoch if g.holder else 0,
+                             dropped=self.incoming_dropped, restarted=self._restarted(incoming))
         record, effects = outcome(facts, result)
         self._log(facts, result, record)
         for effect in effects:
