@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from timeslice.controller.orchestrator import takeover
-from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.config import AppEngine, GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.driver.errors import StaleLease
 from timeslice.v1 import orchestrator_pb2 as pb
@@ -416,6 +416,60 @@ def test_a_takeover_puts_every_job_in_one_place_and_the_presumptive_holder_on_th
         await g.close()
 
     asyncio.run(adopted())
+
+
+OLD, NEW = "abcd", "wxyz"  # (a job belongs to one group)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(holder=st.none() | st.sampled_from(OLD), checkpointed=st.frozensets(st.sampled_from(OLD)),
+       must_leave=st.frozensets(st.sampled_from(OLD)), residents=st.frozensets(st.sampled_from(OLD)),
+       jobs=st.frozensets(st.sampled_from(OLD)), new_holder=st.none() | st.sampled_from(NEW),
+       new_must_leave=st.frozensets(st.sampled_from(NEW)), epochs=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+       backend=st.sampled_from(["cuda", "freeze", "vmm", "none", "cooperative", "app"]))
+def test_groups_reforming_put_every_carried_job_in_one_place_and_never_two_holders_on_the_gpus(
+        holder, checkpointed, must_leave, residents, jobs, new_holder, new_must_leave, epochs, backend) -> None:
+    """`takeover.carrying` over random groups: the new epoch is below neither group's; a carried
+    job is in one place; the carried holder holds on only where the new group has no holder and
+    nobody else must leave its GPUs first, else it is parked (it keeps its lease and leaves the
+    GPUs before any grant) or, where nothing stops it, revoked; and `carry` moves two real
+    `LockGroup`s, each taken over from those records, exactly there."""
+
+    async def carried() -> None:
+        apps = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in OLD + NEW} if backend == "app" else {}
+        old, new = (LockGroup(GroupSpec(id=i, backend=backend, agents=("agent",), apps=apps),  # type: ignore[arg-type]
+                              _NoSwitch()) for i in ("old", "new"))
+        old.adopt(holder, set(checkpointed), epochs[0], must_leave, residents)
+        new.adopt(new_holder, set(), epochs[1], new_must_leave)
+        ro = old.residency
+        c = takeover.carrying(jobs, (old.epoch, new.epoch), set(ro.checkpointed), set(ro.residents),
+                              old.moves.must_leave(""), holder, new.holder is not None, set(new.moves.must_leave()),
+                              backend)
+        assert c.epoch == max(epochs)
+        known = jobs & (ro.checkpointed | set(ro.residents))
+        assert set(c.checkpointed) | set(c.residents) == known and not set(c.checkpointed) & set(c.residents)
+        assert set(c.leaving) <= set(c.residents)
+        outcomes = [j for j in (c.holder, c.parked, c.revoked) if j is not None]
+        assert outcomes == ([holder] if holder in jobs else []), "the carried holder ends in exactly one way"
+        if c.holder is not None:
+            assert new_holder is None and not (set(new.moves.must_leave()) | set(c.leaving)) - {holder}
+        assert (c.revoked is not None) <= (backend in takeover.REVOKING_BACKENDS)
+        assert (c.parked is not None) <= (backend not in takeover.REVOKING_BACKENDS)
+
+        takeover.carry(new, old, set(jobs))
+        assert new.epoch == c.epoch
+        assert set(c.checkpointed) <= new.residency.checkpointed and set(c.residents) <= set(new.residency.residents)
+        assert set(c.leaving) <= set(new.moves.must_leave(""))
+        assert (new.holder.job_id if new.holder else None) == (c.holder or new_holder)
+        assert old.holder is None if holder in jobs else (old.holder.job_id if old.holder else None) == holder
+        if c.parked is not None:
+            assert c.parked in new.preemption.parked_jobs() and c.parked in new.moves.must_leave("")
+        if c.revoked is not None and backend != "none":  # (`none` moves nothing: the revoked lease is all)
+            assert c.revoked in new.moves.must_leave("")
+        await old.close()
+        await new.close()
+
+    asyncio.run(carried())
 
 
 class _NoSwitch:

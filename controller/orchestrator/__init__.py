@@ -26,7 +26,8 @@ static mode a job name from the node agents' job tables.
     in_flight.py        Settling: steps the orchestrator gave up on, unread records: settled before a grant
     preemption.py       Preemption: maxHoldSeconds, parked (preempted) holders
     idle_restores.py    IdleRestores: restores while the group is idle
-    takeover.py         adopting the agents' records after a restart or a leader change
+    takeover.py         adopting the agents' records after a restart or a leader change, and
+                        claim sets carried when groups re-form (pure cores: adoption, carrying)
     group_model.py      the group's types (Hold, SwitchRecord, GroupView, ...) and its status view
     residency.py        Residency: what the group learned of its jobs' memory (peaks, declared, settled)
     memory_snapshot.py  MemorySnapshot / DeviceMemory: the group's memory as its node agents reported it

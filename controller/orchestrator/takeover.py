@@ -8,8 +8,9 @@ so epochs never repeat.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,54 @@ def adoption(resident: str | None, checkpointed: Set[str], epoch: int, must_leav
     others = tuple(sorted(set(residents) - out - set(must_leave) - {resident}))
     return Adoption(out, (*leaving[::-1], *others[::-1], *([resident] if resident is not None else [])), leaving,
                     resident, epoch)
+
+
+@dataclass(frozen=True)
+class Carrying:
+    """What groups re-forming makes of the claim sets carried from an old group to a new one
+    (`carrying`): the new group's fencing `epoch`; `checkpointed`, off the GPUs, and
+    `residents`, on them (sorted); `leaving`, on them and bound to leave before the new group
+    grants anyone (the old group's lapsed, dropped or preempted holders, in its order); and the
+    old group's holder, if carried, in exactly one of: `holder` (it holds on in the new group
+    under its lease), `parked` (preempted: it keeps its lease, leaves the GPUs before anyone is
+    granted, and is restored in its turn) or `revoked` (its lease is revoked: nothing stops its
+    processes, so it leaves as a lapsed holder)."""
+
+    epoch: int
+    checkpointed: tuple[str, ...]
+    residents: tuple[str, ...]
+    leaving: tuple[str, ...]
+    holder: str | None = None
+    parked: str | None = None
+    revoked: str | None = None
+
+
+# Backends under which a carried holder preempted by the new group's own is revoked, not parked:
+# nothing stops its processes (none, cooperative), or its engine sleeps once its client released (app)
+REVOKING_BACKENDS = (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP)
+
+
+def carrying(jobs: Set[str], epochs: tuple[int, int], checkpointed: Set[str], residents: Set[str],
+             leaving: Sequence[str], holder: str | None, new_holds: bool, new_leaving: Set[str],
+             backend: str) -> Carrying:
+    """`carry`'s rules. Pure. `jobs`: the claim sets carried; `epochs`: (old, new) groups'
+    epochs; `checkpointed`, `residents`, `leaving`: the old group's; `holder`: its holder's job
+    (None: nobody holds); `new_holds`: the new group has a holder; `new_leaving`: the new
+    group's jobs that must leave the GPUs; `backend`: the new group's. The new epoch is never
+    below either group's; a carried job is in one place, checkpointed first (as the old group
+    knew it); the carried holder holds on only where the new group has no holder and nobody
+    (but it) must leave first, else it is parked, or revoked under `REVOKING_BACKENDS`."""
+    out = tuple(sorted(j for j in jobs if j in checkpointed))
+    on = tuple(sorted(j for j in jobs if j in residents and j not in checkpointed))
+    gone = tuple(j for j in leaving if j in jobs)
+    c = Carrying(max(epochs), out, on, gone)
+    if holder is None or holder not in jobs:
+        return c
+    if not new_holds and not ({*new_leaving, *gone} - {holder}):
+        return dataclasses.replace(c, holder=holder)
+    if backend in REVOKING_BACKENDS:
+        return dataclasses.replace(c, revoked=holder)
+    return dataclasses.replace(c, parked=holder)
 
 
 def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int,
@@ -154,18 +203,20 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
     revoked and it must leave as a lapsed holder, with `app` once its client released
     (`AwakeEngines`, which carries along). Callers carry the old group of the
     highest-priority holder first."""
-    new.epoch = max(new.epoch, old.epoch)
+    h = old.holder
     r_old, r_new = old.residency, new.residency
-    for job in sorted(jobs):
-        if job in r_old.checkpointed:
-            r_new.moved_out(job)
-        elif job in r_old.residents:
-            r_new.moved_in(job)
-        if job in r_old.peaks:
-            r_new.peaks[job] = dict(r_old.peaks[job])
-    for job in old.moves.must_leave(""):
-        if job in jobs:
-            new.moves.lapsed(job, *(old.awake.unreleased_hold(job) or (None, "its lease lapsed")))
+    c = carrying(jobs, (old.epoch, new.epoch), set(r_old.checkpointed), set(r_old.residents), old.moves.must_leave(""),
+                 h.job_id if h is not None else None, new.holder is not None, set(new.moves.must_leave()),
+                 new.spec.backend)
+    new.epoch = c.epoch
+    for job in c.checkpointed:
+        r_new.moved_out(job)
+    for job in c.residents:
+        r_new.moved_in(job)
+    for job in sorted(jobs & r_old.peaks.keys()):
+        r_new.peaks[job] = dict(r_old.peaks[job])
+    for job in c.leaving:
+        new.moves.lapsed(job, *(old.awake.unreleased_hold(job) or (None, "its lease lapsed")))
     for w in old.queue:
         if w.job_id not in jobs:
             continue
@@ -177,28 +228,25 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
             continue
         w.owner = new
         new.queue.adopt(w)
-    h = old.holder
-    if h is not None and h.job_id in jobs:
-        if new.holder is None and not new.moves.must_leave(h.job_id):
-            old.holder = None
-            old.leases.stop()
-            old.preemption.stop_clock()
-            new.holder = h
+    if h is not None and c.holder is not None:
+        old.holder = None
+        old.leases.stop()
+        old.preemption.stop_clock()
+        new.holder = h
+        new.leases.remember(h.lease_id)
+        r_new.held(h.job_id, observed=False)  # `old` watched it until now
+        new.leases.arm()
+        log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
+    elif h is not None and (c.parked or c.revoked):
+        old.end_hold(h, f"preempted: its claim set moved to group {new.id}, which has another holder")
+        r_new.moved_in(h.job_id)
+        if c.revoked:  # nothing stops it: its lease is revoked (app: its engine sleeps once its client released)
+            new.moves.lapsed(h.job_id, h, f"its claim set moved to group {new.id}, which has another holder")
+        else:  # as if preempted: it keeps its lease, leaves the GPUs before any grant, is restored in turn
             new.leases.remember(h.lease_id)
-            r_new.held(h.job_id, observed=False)  # `old` watched it until now
-            new.leases.arm()
-            log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
-        else:
-            old.end_hold(h, f"preempted: its claim set moved to group {new.id}, which has another holder")
-            r_new.moved_in(h.job_id)
-            if new.spec.backend in (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP):
-                # nothing stops it: its lease is revoked (app: its engine sleeps once its client released)
-                new.moves.lapsed(h.job_id, h, f"its claim set moved to group {new.id}, which has another holder")
-            else:  # as if preempted: it keeps its lease, leaves the GPUs before any grant, is restored in turn
-                new.leases.remember(h.lease_id)
-                new.preemption.park(h)
-            log.warning("holder preempted group=%s job=%s epoch=%d: its group merged with one that holds; it "
-                        "leaves the GPUs before anyone is granted", new.id, h.job_id, h.epoch)
+            new.preemption.park(h)
+        log.warning("holder preempted group=%s job=%s epoch=%d: its group merged with one that holds; it "
+                    "leaves the GPUs before anyone is granted", new.id, h.job_id, h.epoch)
     log.info("carried group=%s from=%s jobs=%s waiters=%d", new.id, old.id, sorted(jobs), len(new.queue))
     new.preemption.arm()
     old.preemption.disarm_when_unwaited()
