@@ -376,6 +376,10 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         dst.close()
 
 
+# Jobs whose processes all ended that `PeerJobs.gone` still knows once their scopes are forgotten.
+MAX_ENDED_JOBS = 1024
+
+
 class PeerJobs:
     """Which scopes (process groups or cgroups) make up each job in one-box mode, and whose
     job it is: the one owner of these facts. The orchestrator's peer authenticator binds a
@@ -390,6 +394,7 @@ class PeerJobs:
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
         self._callers: dict[Scope, dict[int, int | None]] = {}  # pid -> start time of who acted for the group's own job
+        self._ended: dict[str, None] = {}  # jobs whose last scope was forgotten empty, oldest first (bounded)
         self._cgroup2 = cgroup2_root()  # where cgroup scopes are looked up (mounted once, read once)
         self._path = path
         if path is not None:
@@ -424,10 +429,14 @@ class PeerJobs:
             log.warning("job bindings not written to %s: %s", self._path, err)
 
     def gone(self, job: str) -> bool:
-        """Whether `job` had processes bound and none of them is alive now (a restarted
-        server's adopted holder that exited: nothing of it can compute)."""
+        """Whether `job` had processes bound and none of them is alive now (a holder killed
+        with its process group, a restarted server's adopted holder that exited: nothing of it
+        can compute), also once its scopes were forgotten (another job's bind forgets empty
+        scopes) until it binds again."""
         scopes = [s for s, j in self._job_of.items() if j == job]
-        return bool(scopes) and not any(self._alive(s) for s in scopes)
+        if not scopes:
+            return job in self._ended
+        return not any(self._alive(s) for s in scopes)
 
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
@@ -449,6 +458,7 @@ class PeerJobs:
                 "each job in its own process group (its own shell command line, or `setsid`) or its own cgroup "
                 "(`systemd-run --user --scope`)")
         self._job_of[scope] = job
+        self._ended.pop(job, None)
         self._born[scope] = start_time(int(scope.key)) if scope.kind == "process-group" else None
         self._owner.setdefault(job, caller.uid)
         self._save()
@@ -495,6 +505,9 @@ class PeerJobs:
             self._callers.pop(scope, None)
             if job not in self._job_of.values():
                 self._owner.pop(job, None)
+                self._ended[job] = None
+                if len(self._ended) > MAX_ENDED_JOBS:  # (the oldest then waits for its lease, as before)
+                    del self._ended[next(iter(self._ended))]
 
     def _alive(self, scope: Scope) -> bool:
         """Whether `scope` still holds the processes it was bound for. A process group whose

@@ -91,6 +91,33 @@ async def test_a_holder_killed_while_another_job_is_frozen_lets_the_idle_group_t
         await finish(b)
 
 
+async def test_a_holder_killed_with_its_process_group_is_dropped_at_once_not_after_its_lease(tmp_path) -> None:
+    """A new user's trial: `kill -9` of the holding job's process group left the waiting job
+    stalled for the holder's whole lease (10 s), although nothing of the holder was left. Now
+    serve drops a holder none of whose processes is left: B, waiting with a 60 s timeout, is
+    granted under a lease of 300 s."""
+    async with serve_process(tmp_path, lease_seconds=300) as (sock, _, _):
+        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
+                                                 env=env_for(sock), start_new_session=True)
+        b = None
+        try:
+            await line(a, "granted")
+            b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
+                                                     env=env_for(sock), start_new_session=True)
+            os.killpg(a.pid, signal.SIGKILL)
+            await a.wait()
+            await line(b, "held", 90)
+            await line(b, "done")
+            assert await asyncio.wait_for(b.wait(), 60) == 0
+        finally:
+            for p in (a, b):
+                if p is not None and p.returncode is None:
+                    p.kill()
+                    await p.wait()
+    log = (tmp_path / "serve.log").read_text()
+    assert f"job=pgid-{a.pid}" in log and "its processes are gone" in log and "lease expired" not in log, log[-3000:]
+
+
 async def test_stopping_serve_thaws_a_frozen_job(tmp_path) -> None:
     async with serve_process(tmp_path) as (sock, _, serve):
         a, b = await b_frozen_behind_a(sock)
