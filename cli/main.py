@@ -25,6 +25,8 @@ from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.names import install_hint
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+TARGET_HELP = ("orchestrator address: unix:///PATH (what `timeslice serve` prints) or HOST:PORT (default "
+               "$TIMESLICE_ORCHESTRATOR)")
 
 
 class _Version(argparse.Action):
@@ -491,13 +493,13 @@ def parser() -> argparse.ArgumentParser:
                                    "Other exit codes: 75 no grant within --timeout, 69 orchestrator unreachable, "
                                    "group unknown or the job failed, 70 the hold was lost while CMD ran, 127 CMD "
                                    "cannot start, 2 usage.",
-                       usage="timeslice run [-h] [--target HOST:PORT] [--job JOB] [--group GROUP] "
+                       usage="timeslice run [-h] [--target ADDRESS] [--job JOB] [--group GROUP] "
                              "[--timeout SECONDS] [--priority N] -- CMD [ARG ...]")
-    r.add_argument("--target", help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+    r.add_argument("--target", metavar="ADDRESS", help=TARGET_HELP)
     r.add_argument("--job", help="job id (default $TIMESLICE_JOB; in a pod with a token: the pod's job)")
     r.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
-    r.add_argument("--timeout", type=float, help="seconds to wait for the grant (default: no bound)")
-    r.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
+    r.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for the grant (default: no bound)")
+    r.add_argument("--priority", type=int, default=0, metavar="N", help="queue priority, higher first (default 0)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     r.set_defaults(fn=_run)
 
@@ -518,7 +520,7 @@ def parser() -> argparse.ArgumentParser:
         h.add_argument("--hold-file", help="where the hold is recorded (default $XDG_RUNTIME_DIR or /tmp, "
                                            "timeslice-<uid>/hold-<job>@<group>.json)")
         if name == "acquire":
-            h.add_argument("--target", help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+            h.add_argument("--target", metavar="ADDRESS", help=TARGET_HELP)
             h.add_argument("--timeout", type=float, help="seconds to wait for the grant (default: no bound)")
             h.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
         h.set_defaults(fn=_acquire if name == "acquire" else _release)
@@ -527,8 +529,7 @@ def parser() -> argparse.ArgumentParser:
                        description="An orchestrator with --auth tokenreview wants a token (audience timeslice.dev) "
                                    "in $TIMESLICE_TOKEN_FILE, e.g. from `kubectl create token <serviceaccount> "
                                    "--audience timeslice.dev`.")
-    s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"),
-                   help="orchestrator address (default $TIMESLICE_ORCHESTRATOR)")
+    s.add_argument("--target", default=os.environ.get("TIMESLICE_ORCHESTRATOR"), metavar="ADDRESS", help=TARGET_HELP)
     s.add_argument("--group", help="one group only")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_status)

@@ -29,7 +29,9 @@ from timeslice import TimeSliceOrchestratorClient
 
 name, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 os.makedirs(out, exist_ok=True)
-WORKER = ("import time\nend = time.time() + 600\nwhile time.time() < end:  # a daemon left behind ends too\n"
+# The worker ends with its client (argv[1]: the client's PID; 0, a daemon: after 600 s at most)
+WORKER = ("import os, sys, time\nparent, end = int(sys.argv[1]), time.time() + 600\n"
+          "while time.time() < end and (not parent or os.getppid() == parent):\n"
           "    print(repr(time.time()), flush=True)\n    time.sleep(0.005)\n")
 mode = sys.argv[4] if len(sys.argv) > 4 else "in-group"
 ticks = f"{out}/{name}.ticks"
@@ -40,10 +42,10 @@ def start_worker() -> int:
     """The worker's PID. `daemon`: `sh` starts it in the background and exits (a double fork)."""
     env = {**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"}
     if mode == "daemon":
-        return int(subprocess.check_output(["setsid", "sh", "-c", '"$0" -c "$1" >>"$2" & echo $!', sys.executable,
+        return int(subprocess.check_output(["setsid", "sh", "-c", '"$0" -c "$1" 0 >>"$2" & echo $!', sys.executable,
                                             WORKER, ticks], env=env))
     with open(ticks, "a") as f:
-        children.append(subprocess.Popen([sys.executable, "-c", WORKER], stdout=f, env=env,
+        children.append(subprocess.Popen([sys.executable, "-c", WORKER, str(os.getpid())], stdout=f, env=env,
                                          start_new_session=mode == "setsid"))
     return children[-1].pid
 
@@ -52,15 +54,18 @@ children: list[subprocess.Popen] = []
 worker = None if mode == "daemon" else start_worker()
 client = TimeSliceOrchestratorClient(group_id=os.environ.get("TIMESLICE_GROUP", "g"))
 spans = []
-for _ in range(rounds):
-    with client.on_accelerators():
-        t0 = time.time()
-        worker = worker or start_worker()
-        time.sleep(0.3)  # the phase's work (on a GPU: the worker's)
-        spans.append([name, t0, time.time()])
-    time.sleep(0.05)  # between phases: the other job may hold
-client.close()
-os.kill(worker, signal.SIGKILL)
+try:
+    for _ in range(rounds):
+        with client.on_accelerators():
+            t0 = time.time()
+            worker = worker or start_worker()
+            time.sleep(0.3)  # the phase's work (on a GPU: the worker's)
+            spans.append([name, t0, time.time()])
+        time.sleep(0.05)  # between phases: the other job may hold
+    client.close()
+finally:  # (also when the group is unknown or the orchestrator unreachable: no worker left behind)
+    if worker is not None:
+        os.kill(worker, signal.SIGKILL)
 for child in children:
     child.wait()
 with open(f"{out}/{name}.spans", "w") as f:
