@@ -521,8 +521,10 @@ def parser() -> argparse.ArgumentParser:
                                            "timeslice-<uid>/hold-<job>@<group>.json)")
         if name == "acquire":
             h.add_argument("--target", metavar="ADDRESS", help=TARGET_HELP)
-            h.add_argument("--timeout", type=float, help="seconds to wait for the grant (default: no bound)")
-            h.add_argument("--priority", type=int, default=0, help="queue priority, higher first (default 0)")
+            h.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for the grant (default: "
+                           "no bound)")
+            h.add_argument("--priority", type=int, default=0, metavar="N", help="queue priority, higher first "
+                           "(default 0)")
         h.set_defaults(fn=_acquire if name == "acquire" else _release)
 
     s = sub.add_parser("status", help="print groups, holders, queues and recent switches",

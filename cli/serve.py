@@ -234,9 +234,12 @@ async def drop_gone_holders(orchestrator: Orchestrator, jobs: PeerJobs) -> None:
     while True:
         for g in orchestrator.groups():
             h = g.holder
-            if h is not None and jobs.gone(h.job_id) and not g.adopted_holder_gone(h.job_id):
-                log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
-                g.drop_job(h.job_id, "its processes are gone")
+            try:
+                if h is not None and jobs.gone(h.job_id) and not g.adopted_holder_gone(h.job_id):
+                    log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
+                    g.drop_job(h.job_id, "its processes are gone")
+            except Exception:  # one group's fault must not end the watch of the others
+                log.exception("holder watch failed group=%s", g.id)
         await asyncio.sleep(HOLDER_GONE_CHECK_SECONDS)
 
 

@@ -30,7 +30,7 @@ if TIMESLICE_SCHEDULE_EXAMPLES=10000 .venv/bin/pytest -q -p no:cacheprovider --t
 echo "group schedules (hypothesis, 10000 each): $result in $(( $(date +%s) - start )) s"
 start=$(date +%s)
 if TIMESLICE_DECISION_EXAMPLES=100000 .venv/bin/pytest -q -p no:cacheprovider --timeout 3600 tests/test_decisions.py \
-    tests/test_switch_outcome.py tests/test_lease_calls.py tests/test_acquire_calls.py >/tmp/stress-decisions.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
+    tests/test_switch_outcome.py tests/test_lease_calls.py tests/test_acquire_calls.py tests/test_takeover.py >/tmp/stress-decisions.log 2>&1; then result=passed; else result=FAILED; failed=1; fi
 echo "decision cores (hypothesis, 100000 cases each): $result in $(( $(date +%s) - start )) s"
 for backend in cooperative cuda freeze none app vmm; do
   start=$(date +%s)

@@ -1,9 +1,12 @@
-"""A new leader's takeover: the resident job is a presumptive holder (LockGroup.adopt)."""
+"""A new leader's takeover: the resident job is a presumptive holder (LockGroup.adopt); and
+groups re-forming (`takeover.carrying`, `takeover.carry`). `TIMESLICE_DECISION_EXAMPLES` sets
+the number of random records of the two property tests (default 2000)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 
 import pytest
@@ -16,6 +19,9 @@ from timeslice.driver.errors import StaleLease
 from timeslice.v1 import orchestrator_pb2 as pb
 
 from tests.conftest import eventually
+
+# Random records per property test (each run through real lock groups too); `make stress-test`: 100 000
+EXAMPLES = int(os.environ.get("TIMESLICE_DECISION_EXAMPLES", "2000"))
 
 
 async def test_presumptive_holder_keeps_its_lock_with_its_old_lease(make_cluster) -> None:
@@ -388,7 +394,7 @@ async def test_a_grant_held_back_for_a_slow_state_file_write_gets_its_whole_leas
     await orch.close()
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(resident=st.none() | st.sampled_from("abcd"), checkpointed=st.frozensets(st.sampled_from("abcd")),
        must_leave=st.frozensets(st.sampled_from("abcd")), residents=st.frozensets(st.sampled_from("abcd")),
        epoch=st.integers(0, 3000))
@@ -421,7 +427,7 @@ def test_a_takeover_puts_every_job_in_one_place_and_the_presumptive_holder_on_th
 OLD, NEW = "abcd", "wxyz"  # (a job belongs to one group)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(holder=st.none() | st.sampled_from(OLD), checkpointed=st.frozensets(st.sampled_from(OLD)),
        must_leave=st.frozensets(st.sampled_from(OLD)), residents=st.frozensets(st.sampled_from(OLD)),
        jobs=st.frozensets(st.sampled_from(OLD)), new_holder=st.none() | st.sampled_from(NEW),
