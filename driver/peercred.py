@@ -394,7 +394,7 @@ class PeerJobs:
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
         self._callers: dict[Scope, dict[int, int | None]] = {}  # pid -> start time of who acted for the group's own job
-        self._ended: dict[str, None] = {}  # jobs whose last scope was forgotten empty, oldest first (bounded)
+        self._ended: dict[str, int] = {}  # job whose last scope was forgotten empty -> its owner, oldest first
         self._cgroup2 = cgroup2_root()  # where cgroup scopes are looked up (mounted once, read once)
         self._path = path
         if path is not None:
@@ -428,15 +428,40 @@ class PeerJobs:
         except OSError as err:  # a restart then waits a lease for a holder that is gone, nothing worse
             log.warning("job bindings not written to %s: %s", self._path, err)
 
-    def gone(self, job: str) -> bool:
-        """Whether `job` had processes bound and none of them is alive now (a holder killed
-        with its process group, a restarted server's adopted holder that exited: nothing of it
-        can compute), also once its scopes were forgotten (another job's bind forgets empty
-        scopes) until it binds again."""
+    def gone(self, job: str, proc: Path = Path("/proc")) -> bool:
+        """Whether `job` had processes bound and none of its processes is alive now (a holder
+        killed with its process group, a restarted server's adopted holder that exited: nothing
+        of it can compute), also once its scopes were forgotten (another job's bind forgets
+        empty scopes) until it binds again. Its processes are the ones `processes` finds: a
+        worker that left its job's process group or double-forked, and a process group of a
+        named job that never called, are the job's as long as TIMESLICE_JOB names it (a new
+        user's trial: the job was dropped while such a worker computed beside the next
+        holder). Cheap while a bound scope lives (`killpg`); else a scan of /proc."""
         scopes = [s for s, j in self._job_of.items() if j == job]
-        if not scopes:
-            return job in self._ended
-        return not any(self._alive(s) for s in scopes)
+        if not scopes and job not in self._ended:
+            return False  # never bound here: not ours to call gone
+        if any(self._alive(s) for s in scopes):
+            return False
+        return not self.processes(job, proc)
+
+    def owners(self, job: str) -> set[int]:
+        """The uids whose processes named by TIMESLICE_JOB=`job` are the job's: its owner's,
+        also once its scopes were forgotten (`named`; 0: any uid's)."""
+        if any(j == job for j in self._job_of.values()):
+            return {self._owner.get(job, 0)}
+        return {self._ended[job]} if job in self._ended else set()
+
+    def processes(self, job: str, proc: Path = Path("/proc")) -> list[int]:
+        """Live PIDs of `job`, ascending: those of its scopes (`members`: and their descendants
+        that left them) and its owner's processes named by TIMESLICE_JOB=`job` (`named`),
+        never another job's process group. The one definition of a job's processes in one-box
+        mode: the node agent moves these (`PeerProcessResolver`), and `gone` is none of them."""
+        def elsewhere(scope: Scope) -> bool:  # another job's scope: its processes are that job's
+            return self._job_of.get(scope) not in (None, job)
+
+        pids = {p for scope, uid in self.scopes(job) for p in members(scope, uid, proc, elsewhere)}
+        pids |= {p for uid in self.owners(job) for p in named(job, uid, proc, elsewhere)}
+        return sorted(pids)
 
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
@@ -504,8 +529,8 @@ class PeerJobs:
             self._born.pop(scope, None)
             self._callers.pop(scope, None)
             if job not in self._job_of.values():
-                self._owner.pop(job, None)
-                self._ended[job] = None
+                if (owner := self._owner.pop(job, None)) is not None:
+                    self._ended[job] = owner
                 if len(self._ended) > MAX_ENDED_JOBS:  # (the oldest then waits for its lease, as before)
                     del self._ended[next(iter(self._ended))]
 
@@ -513,7 +538,8 @@ class PeerJobs:
         """Whether `scope` still holds the processes it was bound for. A process group whose
         number now leads a newer process (its old processes all gone, the PID reused: with
         `--socket-mode 660` another user's group took the victim's job binding, and the
-        agent never moved the victim's processes) is not."""
+        agent never moved the victim's processes) is not, nor a cgroup left empty (`cgroup.events`
+        says `populated 0`: its processes were killed, and nothing removed it)."""
         if scope.kind == "process-group":
             try:
                 os.killpg(int(scope.key), 0)
@@ -523,4 +549,10 @@ class PeerJobs:
                 pass
             born, now = self._born.get(scope), start_time(int(scope.key))
             return born is None or now is None or now == born
-        return self._cgroup2 is not None and (self._cgroup2 / scope.key.lstrip("/")).is_dir()
+        if self._cgroup2 is None:
+            return False
+        path = self._cgroup2 / scope.key.lstrip("/")
+        try:
+            return b"populated 1" in (path / "cgroup.events").read_bytes()
+        except OSError:  # (no such file: gone, or a hierarchy without it: its folder says)
+            return path.is_dir()

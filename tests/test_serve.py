@@ -265,6 +265,35 @@ def test_job_bindings_kept_in_the_state_dir_say_after_a_restart_which_jobs_are_g
         leader.wait()
 
 
+def test_a_job_whose_bound_process_group_ended_is_not_gone_while_a_process_it_names_lives() -> None:
+    """A new user's trial of the dead-holder drop: the job's bound process group ended while a
+    worker it started (in a session of its own, or another process group of a job named by
+    TIMESLICE_JOB) still computed; serve dropped the job as gone, and the agent, finding none
+    of its processes, let the worker compute beside the next holder. A job's processes are one
+    set (`PeerJobs.processes`), which the agent moves and `gone` reads, also after another
+    job's bind forgot the ended group."""
+    me = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+    client = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    worker = subprocess.Popen(["sleep", "600"], start_new_session=True, env={**os.environ, "TIMESLICE_JOB": "train"})
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        jobs = PeerJobs()
+        jobs.bind("train", me, Scope("process-group", str(client.pid)))
+        assert jobs.processes("train") == sorted([client.pid, worker.pid]) and not jobs.gone("train")
+        client.kill()
+        client.wait()
+        jobs.bind("other", me, Scope("process-group", str(other.pid)))  # (forgets train's ended group)
+        assert jobs.scopes("train") == [] and jobs.processes("train") == [worker.pid]
+        assert not jobs.gone("train")
+        worker.kill()
+        worker.wait()
+        assert jobs.gone("train") and not jobs.gone("other") and not jobs.gone("never-bound")
+    finally:
+        for p in (client, worker, other):
+            p.kill()
+            p.wait()
+
+
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:
     jobs = PeerJobs()
     group = Scope("process-group", str(os.getpgrp()))  # a live group, so that it is not forgotten

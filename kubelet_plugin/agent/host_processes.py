@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from timeslice.driver.errors import NotFound
-from timeslice.driver.peercred import PeerJobs, Scope, environ, members, named
+from timeslice.driver.peercred import PeerJobs, environ
 from timeslice.kubelet_plugin.agent import model_gpu
 from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, marked
 
@@ -85,13 +85,8 @@ class PeerProcessResolver(_HostResolver):
         self._jobs = jobs
 
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
-        def elsewhere(scope: Scope) -> bool:  # another job's scope: its processes are that job's
-            return self._jobs.job_of(scope) not in (None, job_id)
-
-        scopes = self._jobs.scopes(job_id)
-        pids = {p for scope, uid in scopes for p in members(scope, uid, self._proc, elsewhere)}
-        pids |= {p for uid in {uid for _, uid in scopes} for p in named(job_id, uid, self._proc, elsewhere)}
-        return sorted(pids), f"in {', '.join(str(s) for s, _ in scopes) or 'no scope yet'} or named by TIMESLICE_JOB"
+        scopes = ", ".join(str(s) for s, _ in self._jobs.scopes(job_id)) or "no live scope"
+        return self._jobs.processes(job_id, self._proc), f"in {scopes} or named by TIMESLICE_JOB"
 
 
 class EnvironProcessResolver(_HostResolver):
