@@ -118,6 +118,53 @@ async def test_a_holder_killed_with_its_process_group_is_dropped_at_once_not_aft
     assert f"job=pgid-{a.pid}" in log and "its processes are gone" in log and "lease expired" not in log, log[-3000:]
 
 
+# Job W: holds, then starts a worker in a session of its own (it carries the TIMESLICE_JOB the
+# client set at the grant, and is marked so that the agent moves it), and waits for a signal.
+JOB_W = textwrap.dedent("""
+    import os, signal, subprocess
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(group_id="g")
+    c.acquire(timeout=60)
+    w = subprocess.Popen(["sleep", "600"], start_new_session=True, stdout=subprocess.DEVNULL,
+                         env={**os.environ, "TIMESLICE_ACCELERATOR_PROCESS": "1"})
+    print(f"granted {w.pid}", flush=True)
+    signal.pause()
+""")
+
+
+async def test_a_holder_whose_client_died_but_whose_setsid_worker_lives_is_not_dropped_and_is_frozen(
+        tmp_path) -> None:
+    """A helper's attack on the dead-holder drop: the holder's client was killed with its process
+    group while the worker it had started with `setsid` went on; serve dropped the job as gone,
+    and the agent, finding none of its processes, let the worker compute beside the next
+    holder. Now the worker is the job's (TIMESLICE_JOB names it): the hold lasts until its lease
+    lapses, and the worker is frozen while B holds."""
+    async with serve_process(tmp_path, lease_seconds=2) as (sock, _, _):
+        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_W, stdout=asyncio.subprocess.PIPE,
+                                                 env=env_for(sock), start_new_session=True)
+        b = worker = None
+        try:
+            assert a.stdout is not None
+            got = (await asyncio.wait_for(a.stdout.readline(), 60)).decode().split()
+            assert got[0] == "granted", got
+            worker = int(got[1])
+            b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
+                                                     env=env_for(sock), start_new_session=True)
+            os.killpg(a.pid, signal.SIGKILL)  # the client's group only: the worker has a session of its own
+            await a.wait()
+            await line(b, "granted", 90)
+            assert not running(worker), "A's worker computes beside B"
+        finally:
+            for p in (a, b):
+                if p is not None and p.returncode is None:
+                    p.kill()
+                    await p.wait()
+            if worker is not None:
+                os.kill(worker, signal.SIGKILL)
+    log = (tmp_path / "serve.log").read_text()
+    assert "its processes are gone" not in log and f"job=pgid-{a.pid}" in log, log[-3000:]
+
+
 async def test_stopping_serve_thaws_a_frozen_job(tmp_path) -> None:
     async with serve_process(tmp_path) as (sock, _, serve):
         a, b = await b_frozen_behind_a(sock)
