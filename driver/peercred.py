@@ -434,9 +434,9 @@ class PeerJobs:
         of it can compute), also once its scopes were forgotten (another job's bind forgets
         empty scopes) until it binds again. Its processes are the ones `processes` finds: a
         worker that left its job's process group or double-forked, and a process group of a
-        named job that never called, are the job's as long as TIMESLICE_JOB names it (a new
-        user's trial: the job was dropped while such a worker computed beside the next
-        holder). Cheap while a bound scope lives (`killpg`); else a scan of /proc."""
+        named job that never called, are the job's as long as TIMESLICE_JOB names it (a helper's
+        attack on serve's dead-holder drop: the job was dropped while such a worker computed
+        beside the next holder). Cheap while a bound scope lives (`killpg`); else a scan of /proc."""
         scopes = [s for s, j in self._job_of.items() if j == job]
         if not scopes and job not in self._ended:
             return False  # never bound here: not ours to call gone
