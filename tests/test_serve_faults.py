@@ -51,20 +51,24 @@ async def line(proc: asyncio.subprocess.Process, want: str, seconds: float = 60)
 
 
 
+async def job(sock: str, code: str, **env: str) -> asyncio.subprocess.Process:
+    """A job: Python `code` in a session (so a process group) of its own, with the serve socket
+    set; its stdout piped."""
+    return await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE,
+                                                env=env_for(sock, **env), start_new_session=True)
+
+
 def running(pid: int) -> bool:
     return proc_state(pid) not in ("T", "t")
 
 
 async def b_frozen_behind_a(sock: str) -> tuple[asyncio.subprocess.Process, asyncio.subprocess.Process]:
     """B holds and releases; A, waiting, is granted: B is frozen (its client with it)."""
-    b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
-                                             env=env_for(sock, TIMESLICE_ACCELERATOR_PROCESS="1"),
-                                             start_new_session=True)
+    b = await job(sock, JOB_B, TIMESLICE_ACCELERATOR_PROCESS="1")
     a = None
     try:
         await line(b, "held")
-        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
-                                                 env=env_for(sock), start_new_session=True)
+        a = await job(sock, JOB_A)
         await line(a, "granted")
         assert not running(b.pid)
         return a, b
@@ -97,13 +101,11 @@ async def test_a_holder_killed_with_its_process_group_is_dropped_at_once_not_aft
     serve drops a holder none of whose processes is left: B, waiting with a 60 s timeout, is
     granted under a lease of 300 s."""
     async with serve_process(tmp_path, lease_seconds=300) as (sock, _, _):
-        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
-                                                 env=env_for(sock), start_new_session=True)
+        a = await job(sock, JOB_A)
         b = None
         try:
             await line(a, "granted")
-            b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
-                                                     env=env_for(sock), start_new_session=True)
+            b = await job(sock, JOB_B)
             os.killpg(a.pid, signal.SIGKILL)
             await a.wait()
             await line(b, "held", 90)
@@ -140,16 +142,14 @@ async def test_a_holder_whose_client_died_but_whose_setsid_worker_lives_is_not_d
     holder. Now the worker is the job's (TIMESLICE_JOB names it): the hold lasts until its lease
     lapses, and the worker is frozen while B holds."""
     async with serve_process(tmp_path, lease_seconds=2) as (sock, _, _):
-        a = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_W, stdout=asyncio.subprocess.PIPE,
-                                                 env=env_for(sock), start_new_session=True)
+        a = await job(sock, JOB_W)
         b = worker = None
         try:
             assert a.stdout is not None
             got = (await asyncio.wait_for(a.stdout.readline(), 60)).decode().split()
             assert got[0] == "granted", got
             worker = int(got[1])
-            b = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_A, stdout=asyncio.subprocess.PIPE,
-                                                     env=env_for(sock), start_new_session=True)
+            b = await job(sock, JOB_A)
             os.killpg(a.pid, signal.SIGKILL)  # the client's group only: the worker has a session of its own
             await a.wait()
             await line(b, "granted", 90)
@@ -211,8 +211,7 @@ async def test_a_restarted_serve_hands_the_group_on_at_once_when_its_last_holder
         os.killpg(a.pid, signal.SIGKILL)
         await a.wait()
         async with serve_process(tmp_path, lease_seconds=300, name="serve-again") as (sock, _, _):
-            c = await asyncio.create_subprocess_exec(sys.executable, "-c", JOB_B, stdout=asyncio.subprocess.PIPE,
-                                                     env=env_for(sock), start_new_session=True)
+            c = await job(sock, JOB_B)
             await line(c, "held")
             await line(c, "done")
             assert await asyncio.wait_for(c.wait(), 60) == 0

@@ -61,7 +61,7 @@ class SwitchRunner:
         self.beside: str | None = None
         self.evicting: frozenset[str] = frozenset()  # the jobs the switch in flight moves off the GPUs
         self.task: asyncio.Task[None] | None = None
-        self.incoming_dropped = False  # the incoming job of the switch in flight was dropped meanwhile
+        self._incoming_dropped = False  # the incoming job of the switch in flight was dropped meanwhile
         self._began = 0.0  # when (monotonic seconds) the switch or confirmation in flight began
         self.unstaged: tuple[int, str] | None = None  # (holder's epoch, job) a staging found no room for
         self._restore_failures: dict[str, tuple[int, float]] = {}  # job -> (restores failed in a row, clock() of
@@ -76,7 +76,7 @@ class SwitchRunner:
         now are a later incarnation's: `switch_outcome`'s rules)."""
         self.forget(job)
         if self.switching is not None and self.switching[1] == job:
-            self.incoming_dropped = True
+            self._incoming_dropped = True
 
     def _restarted(self, incoming: str) -> bool:
         """`incoming`'s processes started again (a new one connected, or a report named one) since
@@ -85,7 +85,7 @@ class SwitchRunner:
         return at is not None and at >= self._began
 
     def _begin(self, incoming: str, evict: str | None = None, beside: str | None = None) -> None:
-        self.switching, self.beside, self.incoming_dropped, self._began = (evict, incoming), beside, False, \
+        self.switching, self.beside, self._incoming_dropped, self._began = (evict, incoming), beside, False, \
             time.monotonic()
 
     def start(self, evict: list[str] | None, incoming: str, restore: bool, grant: bool) -> None:
@@ -116,7 +116,7 @@ class SwitchRunner:
         finally:
             self.switching = None
             self.task = None
-        if self.incoming_dropped or self._restarted(incoming):  # its waiters are a later incarnation's: they
+        if self._incoming_dropped or self._restarted(incoming):  # its waiters are a later incarnation's: they
             # wait, planned afresh
             g.dispatch()
             return
@@ -181,7 +181,7 @@ class SwitchRunner:
         facts = OutcomeFacts(g.id, g.spec.backend, tuple(evict or ()), incoming, restore, grant, beside,
                              frozenset(w.job_id for w in g.queue), g.idle.is_orphan(incoming),
                              *self._failures_of(incoming), holder_epoch=g.holder.epoch if g.holder else 0,
-                             dropped=self.incoming_dropped, restarted=self._restarted(incoming))
+                             dropped=self._incoming_dropped, restarted=self._restarted(incoming))
         record, effects = outcome(facts, result)
         self._log(facts, result, record)
         for effect in effects:
