@@ -103,7 +103,7 @@ def led_by_a_shell(scope: Scope, caller: int, proc: Path = Path("/proc")) -> boo
 def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
             elsewhere: Callable[[Scope], bool] = lambda _: False) -> list[int]:
     """Live PIDs in `scope` whose real uid is `uid` (any uid when `uid` is 0), ascending,
-    never this process itself (the server). For a process group, also their descendants
+    never this process itself (the server) nor a zombie. For a process group, also their descendants
     that left it (a worker that called `setsid`, as SGLang's and several launchers' do: it
     kept computing while another job held), unless the group a descendant moved to is
     another job's (`elsewhere`); a process reparented away (a double fork) is not followed."""
@@ -114,14 +114,12 @@ def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
             continue
         pid = int(entry.name)
         try:
-            if uid and _uid(pid, proc) != uid:
+            fields = stat_fields(pid, proc)
+            if fields[0] == b"Z" or (uid and _uid(pid, proc) != uid):  # (a zombie computes nothing)
                 continue
-            if scope.kind == "process-group":
-                ppid, pgid = _stat_ppid_pgid(pid, proc)
-                found[pid] = (ppid, str(pgid))
-            else:
-                found[pid] = (0, _cgroup(pid, proc))
-        except (OSError, ValueError):  # gone meanwhile, a zombie, or not ours to read
+            found[pid] = (int(fields[1]), str(int(fields[2]))) if scope.kind == "process-group" else \
+                (0, _cgroup(pid, proc))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
     inside = {pid for pid, (_, key) in found.items() if key == scope.key}
     if scope.kind == "process-group":
@@ -538,8 +536,10 @@ class PeerJobs:
         """Whether `scope` still holds the processes it was bound for. A process group whose
         number now leads a newer process (its old processes all gone, the PID reused: with
         `--socket-mode 660` another user's group took the victim's job binding, and the
-        agent never moved the victim's processes) is not, nor a cgroup left empty (`cgroup.events`
-        says `populated 0`: its processes were killed, and nothing removed it)."""
+        agent never moved the victim's processes) is not, nor one left with unreaped zombies only
+        (killed with its group while its launcher waited for another job: `killpg` still finds
+        them), nor a cgroup left empty (`cgroup.events` says `populated 0`: its processes were
+        killed, and nothing removed it)."""
         if scope.kind == "process-group":
             try:
                 os.killpg(int(scope.key), 0)
@@ -548,7 +548,9 @@ class PeerJobs:
             except PermissionError:
                 pass
             born, now = self._born.get(scope), start_time(int(scope.key))
-            return born is None or now is None or now == born
+            if now is None:  # its leader ended (or is an unreaped zombie): alive while another member lives
+                return bool(members(scope, 0, elsewhere=lambda _: True))
+            return born is None or now == born
         if self._cgroup2 is None:
             return False
         path = self._cgroup2 / scope.key.lstrip("/")

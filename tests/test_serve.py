@@ -23,7 +23,7 @@ import pytest
 from timeslice.cli.serve import ServeConfig, gpu_count, orchestrator_config
 from timeslice.controller.peer_auth import PeerAuthenticator, PeerCaller
 from timeslice.driver.errors import PermissionDenied
-from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, UnixFront
+from timeslice.driver.peercred import PeerCredentials, PeerJobs, Scope, UnixFront, stat_fields
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -292,6 +292,36 @@ def test_a_job_whose_bound_process_group_ended_is_not_gone_while_a_process_it_na
         for p in (client, worker, other):
             p.kill()
             p.wait()
+
+
+def test_a_process_group_left_with_only_unreaped_zombies_is_gone() -> None:
+    """A job killed with its process group (`kill -9 -- -PGID`) while whoever started it has
+    not reaped it yet (a launcher that waits for its jobs one after the other): its leader is a
+    zombie, which `killpg(pgid, 0)` still finds. Nothing of it can compute, so the job is gone
+    at once (serve drops the holder), not after its lease; a live member keeps the group."""
+    me = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+    leader = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], start_new_session=True)
+    try:
+        jobs = PeerJobs()
+        jobs.bind("train", me, Scope("process-group", str(leader.pid)))
+        deadline = time.monotonic() + 30
+        while len(jobs.processes("train")) < 2:  # (the shell and its sleep)
+            assert time.monotonic() < deadline, "the job's sleep never started"
+            time.sleep(0.01)
+        child = max(p for p in jobs.processes("train") if p != leader.pid)
+        os.kill(leader.pid, signal.SIGKILL)  # the leader alone: a zombie (unreaped), its sleep lives on
+        while stat_fields(leader.pid)[0] != b"Z":
+            assert time.monotonic() < deadline, "the leader never became a zombie"
+            time.sleep(0.01)
+        assert jobs.processes("train") == [child] and not jobs.gone("train")
+        os.kill(child, signal.SIGKILL)  # (reaped by init: the group is its zombie leader alone)
+        while jobs.processes("train"):
+            assert time.monotonic() < deadline, "the sleep never ended"
+            time.sleep(0.01)
+        assert jobs.gone("train")
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
 
 
 def test_a_job_belongs_to_the_uid_that_first_acted_for_it_and_a_scope_to_one_job() -> None:
