@@ -32,7 +32,6 @@ import yaml
 from pydantic import ValidationError
 from timeslice.controller.orchestrator import pinned_pool, state_format
 from timeslice.controller.orchestrator.config import OrchestratorConfig, PinnedPoolSpec
-from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.server import running
 from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import host_ranges, huge_pages, names, signals, vmm_shim
@@ -218,31 +217,6 @@ def lock_state_dir(state_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-# How often (seconds) `timeslice serve` looks whether each group's holder still has a live process.
-HOLDER_GONE_CHECK_SECONDS = 0.5
-
-
-async def drop_gone_holders(orchestrator: Orchestrator, jobs: PeerJobs) -> None:
-    """While serving: a holder whose processes have all ended (killed with its process group,
-    crashed, or exited without releasing) is dropped within `HOLDER_GONE_CHECK_SECONDS`
-    (`LockGroup.drop_job`), and so is, at the first look, a holder adopted from the state dir
-    whose processes exited while no server ran (`LockGroup.adopted_holder_gone`): the next
-    job is granted then, not after the holder's lease (10 s by default; a new user's trial:
-    `kill -9` of a holding job's process group stalled the other job 10 s). Its processes are
-    the ones its calls came from (`PeerJobs.gone`): a job whose worker outlives its client
-    still has one, and keeps its hold until its lease lapses."""
-    while True:
-        for g in orchestrator.groups():
-            h = g.holder
-            try:
-                if h is not None and jobs.gone(h.job_id) and not g.adopted_holder_gone(h.job_id):
-                    log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
-                    g.drop_job(h.job_id, "its processes are gone")
-            except Exception:  # one group's fault must not end the watch of the others
-                log.exception("holder watch failed group=%s", g.id)
-        await asyncio.sleep(HOLDER_GONE_CHECK_SECONDS)
-
-
 async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None:
     front = UnixFront(cfg.socket, cfg.socket_mode)
     await front.bind()  # a second server on this socket stops here, touching nothing
@@ -265,20 +239,15 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
             agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
             agent_server, _ = await create_agent_server(agent, agent_target)
             try:
-                async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (orchestrator, port):
-                    # (its first look, before any call: a holder that exited while no server ran is handed on now)
-                    watch = asyncio.get_running_loop().create_task(drop_gone_holders(orchestrator, jobs))
-                    try:
-                        front.splice_to(port)
-                        groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
-                        pool = config.pinned_pool
-                        log.info("serving socket=%s scope=%s groups=%s pinned_pool=%s", cfg.socket, cfg.scope, groups,
-                                 f"{pool.path}({pool.bytes})" if pool else "-")
-                        print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket}{preload_word(config)} groups={groups}",
-                              flush=True)
-                        await stop.wait()
-                    finally:
-                        watch.cancel()
+                async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):
+                    front.splice_to(port)
+                    groups = ",".join(f"{g.id}({g.backend})" for g in config.groups)
+                    pool = config.pinned_pool
+                    log.info("serving socket=%s scope=%s groups=%s pinned_pool=%s", cfg.socket, cfg.scope, groups,
+                             f"{pool.path}({pool.bytes})" if pool else "-")
+                    print(f"ready TIMESLICE_ORCHESTRATOR=unix://{cfg.socket}{preload_word(config)} groups={groups}",
+                          flush=True)
+                    await stop.wait()
             finally:
                 await agent_server.stop(1)
                 # the orchestrator is gone with it: no job may stay frozen or checkpointed for nobody

@@ -77,7 +77,8 @@ async def test_every_node_agent_method_needs_the_controllers_token(agent) -> Non
                 "Restore": apb.SwitchStepRequest(job_id="a", backend="freeze"),
                 "GetJobState": apb.GetJobStateRequest(job_id="a", backend="freeze"),
                 "ListJobs": apb.ListJobsRequest(),
-                "GetMemory": apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="a")])}
+                "GetMemory": apb.GetMemoryRequest(jobs=[apb.SwitchStepRequest(job_id="a")]),
+                "GetLiveJobs": apb.GetLiveJobsRequest(jobs=[apb.SwitchStepRequest(job_id="a")])}
     assert set(requests) == set(apb.DESCRIPTOR.services_by_name["NodeAgent"].methods_by_name)
     async with grpc.aio.insecure_channel(agent.target) as ch:
         stub = apb_grpc.NodeAgentStub(ch)

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -84,6 +85,63 @@ async def orchestrate_jobs_a_and_b(config: dict, tmp_path: Path) -> asyncio.subp
     finally:
         await stop(orch)
     return orch
+
+
+# Holds the group, prints "granted", then ends by its own release (argv[1] "release") or waits
+# for a signal (argv[1] "hold": the test kills it).
+HOLDER = textwrap.dedent("""
+    import signal, sys
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(group_id="g")
+    c.acquire(timeout=60)
+    print("granted", flush=True)
+    if sys.argv[1] == "hold":
+        signal.pause()
+    c.release()
+    c.close()
+""")
+
+
+async def test_a_standalone_holder_killed_is_dropped_at_once_not_after_its_lease(tmp_path, short_tmp) -> None:
+    """`kill -9` of a holding job on a standalone node (`node-agent` on its default unix socket +
+    `orchestrator`): the waiting job stalled for the holder's whole lease. Now the orchestrator
+    asks the agent about its holders every 0.5 s (`gone_holders`), and the agent, having seen
+    the job's TIMESLICE_JOB-named process, says it is gone: B, waiting with a 60 s timeout, is
+    granted under a lease of 300 s."""
+    agent, m = await start("node-agent", "--listen", f"unix://{short_tmp / 'a.sock'}", "--state-dir",
+                           str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen=(\S+)"), stream="stdout")
+    jobs: list[asyncio.subprocess.Process] = []
+    try:
+        config = {"listen": "127.0.0.1:0", "groups": [{"id": "g", "backend": "freeze", "agents": [m.group(1).decode()],
+                                                       "lease_seconds": 300}]}
+        (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
+        orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
+                              ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+        try:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+            env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
+            for name, how in (("a", "hold"), ("b", "release")):
+                jobs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", HOLDER, how, env={**env, "TIMESLICE_JOB": name},
+                    stdout=asyncio.subprocess.PIPE))
+                assert jobs[-1].stdout is not None
+                if name == "a":
+                    assert await asyncio.wait_for(jobs[-1].stdout.readline(), 60) == b"granted\n"
+            jobs[0].kill()
+            await jobs[0].wait()
+            assert await asyncio.wait_for(jobs[1].stdout.readline(), 90) == b"granted\n"  # type: ignore[union-attr]
+            assert await asyncio.wait_for(jobs[1].wait(), 60) == 0
+        finally:
+            await stop(orch)
+        assert orch.stderr is not None
+        log = (await orch.stderr.read()).decode()
+        assert "holder gone group=g job=a" in log and "lease expired" not in log, log[-3000:]
+    finally:
+        for job in jobs:
+            if job.returncode is None:
+                job.kill()
+                await job.wait()
+        await stop(agent)
 
 
 async def test_the_node_agent_wants_its_token_over_its_pinned_certificate(node) -> None:

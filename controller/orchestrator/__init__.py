@@ -19,6 +19,7 @@ static mode a job name from the node agents' job tables.
     deferral.py         Deferral: a grant that would move memory waits while residents are between phases
     move_cost.py        the cost model (pure): switch speeds, a move's seconds, how long residents pass a waiter
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
+    gone_holders.py     a holder none of whose processes is left on its node agents is dropped (every 0.5 s)
     leases.py           Leases: the lease timer, and performing a release or keep-alive
     lease_calls.py      the decision cores of a release or keep-alive and of maxHoldSeconds (pure)
     callers.py          Callers: withdrawn waiters, a frozen job's waiter kept

@@ -57,6 +57,9 @@ class UnusableAgent(AgentClient):
     async def restore(self, job_id: str, *args: object, **kw: object) -> StepResult:
         raise self._refused(f"restore of job {job_id}")
 
+    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]:
+        raise self._refused("live jobs")
+
     async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:
         raise self._refused("list jobs")
 

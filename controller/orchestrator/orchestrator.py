@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.agent_pool import AgentPool
+from timeslice.controller.orchestrator.agents import AgentClient
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.cooperative import CooperativeJobs
 from timeslice.controller.orchestrator.group import LockGroup, Observer
@@ -184,6 +185,10 @@ class Orchestrator:
 
     def groups(self) -> list[LockGroup]:
         return [self._groups[k] for k in sorted(self._groups)]
+
+    def agent(self, target: str) -> AgentClient:
+        """The client of the node agent at `target` (`AgentPool.get`)."""
+        return self._pool.get(target)
 
     async def adopt_agents(self) -> None:
         """Standalone start: each group resumes from its persisted epoch floor and placement

@@ -6,12 +6,14 @@ Owned by the orchestrator; called by `timeslice orchestrator`, the demo and test
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
 
 import grpc.aio
+from timeslice.controller.orchestrator import gone_holders
 from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.config import OrchestratorConfig
 from timeslice.controller.orchestrator.metrics import start_metrics_server
@@ -41,27 +43,33 @@ async def create_server(orchestrator: Orchestrator, listen: str,
 async def running(config: OrchestratorConfig, authenticator: Authenticator | None = None,
                   grace: float = 1.0) -> AsyncIterator[tuple[Orchestrator, int]]:
     """The orchestrator of `config` serving on `config.listen` (and `/metrics` with
-    `metrics_listen`); yields (orchestrator, bound port), then stops with `grace` seconds
-    for in-flight calls (short: what is in flight at a stop is mostly Acquires blocked in a
-    queue, and clients retry those with the same request id against the next orchestrator).
+    `metrics_listen`), with its watch of gone holders (`gone_holders.watch`); yields
+    (orchestrator, bound port), then stops with `grace` seconds for in-flight calls (short:
+    what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry those
+    with the same request id against the next orchestrator).
     Used by `serve` and by one-box mode (`timeslice serve`). Raises OSError (listen, a
     certificate file)."""
     pool = PinnedPool(config.pinned_pool.path, config.pinned_pool.bytes, populate=True) if config.pinned_pool else None
     agents = AgentPool(TokenFile(config.agent_token_file) if config.agent_token_file else None)
     agents.set_certificates({t: p.read_text() for t, p in config.agent_certificates.items()})
     orchestrator = Orchestrator(config.groups, agents=agents, pinned_pool=pool, state=StateFile(config.state_file))
-    metrics = server = None
+    metrics = server = watch = None
     try:
         await orchestrator.adopt_agents()
         if config.metrics_listen:
             metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
         server, port = await create_server(orchestrator, config.listen, authenticator)
+        # (its first look before any call: a holder that exited while no server ran is handed on now)
+        watch = asyncio.get_running_loop().create_task(gone_holders.watch(orchestrator.groups, orchestrator.agent),
+                                                       name="gone-holders")
         log.info("orchestrator serving listen=%s port=%s groups=%d pinned_pool=%s", config.listen, port or "-",
                  len(config.groups), f"{pool.path}({pool.size})" if pool else "-")
         gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)
         yield orchestrator, port
     finally:
         log.info("orchestrator stopping grace=%gs", grace)
+        if watch is not None:
+            watch.cancel()
         orchestrator.cooperative.keep_pool_if_in_use()  # before the streams close: do processes map the pool?
         if server is not None:
             await server.stop(grace)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from timeslice.driver.errors import NotFound
@@ -58,6 +58,11 @@ class _HostResolver:
         a valid member: the agent then checkpoints and restores zero processes)."""
         return await asyncio.to_thread(self._pids, job_id)
 
+    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
+        """True while a job has a process here (any, with a GPU context or not); None when
+        it has none (`ProcessResolver.alive`)."""
+        return await asyncio.to_thread(lambda: {j: True if self._candidates(j)[0] else None for j in job_ids})
+
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         """(candidate PIDs, where they were looked for): the subclass's rule."""
         raise NotImplementedError
@@ -84,6 +89,16 @@ class PeerProcessResolver(_HostResolver):
         super().__init__(proc, cuda_pids, gpu_uuids)
         self._jobs = jobs
 
+    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
+        """Also False: the job had processes bound and none is left (`PeerJobs.gone`: known
+        across a restart of serve, from the bindings in its state dir). On the event loop, as
+        serve binds jobs there (a scan of /proc per job at most: milliseconds)."""
+        def alive(job: str) -> bool | None:
+            if self._jobs.processes(job, self._proc):
+                return True
+            return False if self._jobs.gone(job, self._proc) else None
+        return {j: alive(j) for j in job_ids}
+
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         scopes = ", ".join(str(s) for s, _ in self._jobs.scopes(job_id)) or "no live scope"
         return self._jobs.processes(job_id, self._proc), f"in {scopes} or named by TIMESLICE_JOB"
@@ -93,6 +108,13 @@ class EnvironProcessResolver(_HostResolver):
     """A standalone node: the processes whose environment has TIMESLICE_JOB=<job> (set by
     whoever starts the job; children inherit it), of any user (the agent runs as root to
     move them), never this process."""
+
+    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
+        """One scan of /proc for all of `job_ids` (`ProcessResolver.alive`)."""
+        def named() -> set[bytes]:
+            return {e for p in _pids(self._proc) for e in environ(p, self._proc) if e.startswith(JOB_ENV)}
+        found = await asyncio.to_thread(named)
+        return {j: True if JOB_ENV + j.encode() in found else None for j in job_ids}
 
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         want = JOB_ENV + job_id.encode()

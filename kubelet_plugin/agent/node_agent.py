@@ -30,16 +30,16 @@ from timeslice.driver.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    ProcessGone,
     TimeSliceServerError,
 )
 from timeslice.driver.peercred import start_time
+from timeslice.kubelet_plugin.agent import procfs
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING, STOPPED, Backend, ProcState
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
-from timeslice.kubelet_plugin.agent.procfs import exit_state, proc_state
+from timeslice.kubelet_plugin.agent.procfs import exit_state
 from timeslice.kubelet_plugin.agent.records import CHECKPOINTING, JobRecord, JobRecords
 from timeslice.kubelet_plugin.agent.steps import JobRef, Operations, StepOutcome, StepRequest
 
@@ -63,6 +63,8 @@ KEEP_SAMPLING_SECONDS = 30.0
 SAMPLE_GAP_SECONDS = 1.0
 # A memory report waits this long for host memory being freed (the orchestrator's deadline for it is 5 s).
 MEMORY_SETTLE_SECONDS = 1.0
+# The most jobs the agent remembers having seen processes of (`live_jobs`), the oldest forgotten first.
+MAX_SEEN_JOBS = 4096
 # Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
@@ -118,7 +120,7 @@ def job_state(processes: list[ProcState]) -> str:
 def live_pids(job_id: str, pids: list[int]) -> list[int]:
     """The PIDs that still run; vanished ones are logged and skipped (their state is gone
     with them). Raises NotFound when none is left."""
-    live = [p for p in pids if _alive(p)]
+    live = [p for p in pids if procfs.alive(p)]
     if len(live) < len(pids):
         log.warning("skipping vanished processes job=%s pids=%s", job_id, sorted(set(pids) - set(live)))
     if not live:
@@ -135,12 +137,6 @@ async def _states(backend: Backend, pids: list[int]) -> list[ProcState]:
         log.warning("state of pids=%s unknown: %s", pids, err)
         return []
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return proc_state(pid) != "Z"
-    except ProcessGone:
-        return False
 
 
 class NodeAgent:
@@ -187,6 +183,8 @@ class NodeAgent:
         self._background: set[asyncio.Task[None]] = set()
         self._host_probe = host_probe
         self.operations = Operations()
+        # jobs (not named by claims) this run saw processes of, least recently seen first (`live_jobs`)
+        self._seen_jobs: dict[str, None] = {}
 
     def backend(self, name: str) -> Backend:
         """The backend of that name; InvalidArgument when not offered, FailedPrecondition
@@ -204,7 +202,9 @@ class NodeAgent:
 
     async def _pids(self, job: JobRef) -> list[int]:
         if not job.claims:
-            return await self.resolver.pids(job.job_id)
+            pids = await self.resolver.pids(job.job_id)
+            self._seen(job.job_id)
+            return pids
         if self.claim_resolver is None:
             raise InvalidArgument("this node agent has no cluster access: name the job only, not claims")
         return await self.claim_resolver.pids(job.claims, job.pod_uids, job.claim_name)
@@ -263,7 +263,7 @@ class NodeAgent:
             if req.operation_id and done is not None and done.operation == req.operation_id and \
                     done.phase != CHECKPOINTING:  # a resend to a restarted agent: its record answers
                 procs = [ProcState(st.pid, st.state, done.pids.get(st.pid, 0))
-                         for st in await _states(backend, [p for p in done.pids if _alive(p)])]
+                         for st in await _states(backend, [p for p in done.pids if procfs.alive(p)])]
                 log.info("checkpoint resent job=%s operation=%s: done before (its record), not run again", job_id,
                          req.operation_id)
                 return StepOutcome(job_id, procs, done.bytes, time.monotonic() - t0)
@@ -346,7 +346,7 @@ class NodeAgent:
                 raise FailedPrecondition(f"job {job_id} was checkpointed by backend {record.backend}: restore it "
                                          f"with that backend, not {backend_name} (its processes stay as they are)")
             if record is not None:
-                pids = [p for p in record.pids if _alive(p)]
+                pids = [p for p in record.pids if procfs.alive(p)]
                 if not pids:  # a job that ended while checkpointed (its pods deleted): nothing to restore
                     log.info("restore job=%s: its checkpointed processes %s are gone, their state with them",
                              job_id, sorted(record.pids))
@@ -403,7 +403,7 @@ class NodeAgent:
         that finished but was not recorded (every process of it runs). No process stays
         stopped without a record, and no record names running processes."""
         for job_id, record in list(self.records.jobs.items()):
-            pids = [p for p in record.pids if _alive(p)]
+            pids = [p for p in record.pids if procfs.alive(p)]
             if record.phase != CHECKPOINTING:
                 try:
                     states = await self.backend(record.backend).bind(record.app).state(pids) if pids else []
@@ -430,7 +430,7 @@ class NodeAgent:
     async def _put_back(self, job_id: str, record: JobRecord, why: str) -> bool:
         """Restore the live processes of `record` and drop it; False (logged, record kept)
         when the restore fails."""
-        pids = [p for p in record.pids if _alive(p)]
+        pids = [p for p in record.pids if procfs.alive(p)]
         try:
             if pids:
                 await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
@@ -482,6 +482,26 @@ class NodeAgent:
                 f"no host memory for the checkpoint of job {job_id}: it holds {need / 1e9:.2f} GB on the GPUs, "
                 f"the node has {available / 1e9:.2f} GB available and keeps {host_memory.RESERVE_BYTES / 1e9:.2f} GB "
                 "for its other processes; nothing was touched, the job stays on the GPUs")
+
+    async def live_jobs(self, jobs: Sequence[JobRef]) -> tuple[list[str], list[str]]:
+        """(live, gone) among `jobs` (`GetLiveJobs`): live, a process of the job runs here
+        (any, with a GPU context or not: `ProcessResolver.alive`); gone, none does and the
+        job had processes here, as the resolver knows (serve's bindings) or this run of
+        the agent saw (a report, a step, an earlier look). Others are neither: never seen
+        here, or named by claims (a cluster's pods: not looked at; their lease decides)."""
+        named = sorted({j.job_id for j in jobs if not j.claims})
+        alive = await self.resolver.alive(named) if named else {}
+        live = [j for j in named if alive.get(j)]
+        gone = [j for j in named if alive.get(j) is False or (alive.get(j) is None and j in self._seen_jobs)]
+        for j in live:
+            self._seen(j)
+        return live, gone
+
+    def _seen(self, job_id: str) -> None:
+        self._seen_jobs.pop(job_id, None)
+        self._seen_jobs[job_id] = None
+        if len(self._seen_jobs) > MAX_SEEN_JOBS:
+            del self._seen_jobs[next(iter(self._seen_jobs))]
 
     async def memory(self, jobs: Sequence[JobRef], watch_seconds: float = 0.0, low_free: int = 0) -> MemoryView:
         """The node's GPUs and host memory, and where each job's memory is. A job whose

@@ -19,6 +19,13 @@ class ProcessResolver(Protocol):
         """Host PIDs of `job_id` on this node; raises NotFound when there are none."""
         ...
 
+    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
+        """Per job of `job_ids`, whether it has a live process on this node (any of its
+        processes, with or without a GPU context): True; False when the resolver knows the
+        job had processes and none is left; None when it has none now and cannot tell more
+        (the agent's memory of the job decides: `NodeAgent.live_jobs`)."""
+        ...
+
 
 class StaticProcessResolver:
     """Jobs' PIDs as told by whoever starts them. `descendants`: a job is also every live
@@ -34,6 +41,10 @@ class StaticProcessResolver:
 
     def remove(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
+
+    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
+        """A job whose PIDs were told is alive while one of them runs, else gone."""
+        return {j: any(procfs.alive(p) for p in self._jobs[j]) if self._jobs.get(j) else None for j in job_ids}
 
     async def pids(self, job_id: str) -> list[int]:
         pids = self._jobs.get(job_id)

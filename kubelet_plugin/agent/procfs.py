@@ -16,6 +16,14 @@ def proc_state(pid: int) -> str:
         raise ProcessGone(f"process {pid} does not exist") from None
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: in /proc and not a zombie."""
+    try:
+        return proc_state(pid) != "Z"
+    except ProcessGone:
+        return False
+
+
 PF_EXITING = 0x4  # include/linux/sched.h: the process is in do_exit (proc(5), /proc/<pid>/stat field 9 `flags`)
 
 

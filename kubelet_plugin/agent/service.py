@@ -132,6 +132,12 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
             host_available_bytes=view.host_available, incarnation=view.incarnation, busy_jobs=view.busy_jobs)
 
     @rpc_method
+    async def GetLiveJobs(self, request: apb.GetLiveJobsRequest, context: grpc.aio.ServicerContext) -> apb.LiveJobs:
+        await self._check(context)
+        live, gone = await self._agent.live_jobs([_step_request(j, backend_required=False).job for j in request.jobs])
+        return apb.LiveJobs(live=live, gone=gone)
+
+    @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
         await self._check(context)

@@ -6,6 +6,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetLiveJobsRequest(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[SwitchStepRequest]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ...) -> None: ...
+
+class LiveJobs(_message.Message):
+    __slots__ = ("live", "gone")
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    live: _containers.RepeatedScalarFieldContainer[str]
+    gone: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, live: _Optional[_Iterable[str]] = ..., gone: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class GetMemoryRequest(_message.Message):
     __slots__ = ("jobs", "watch_seconds", "low_free_bytes")
     JOBS_FIELD_NUMBER: _ClassVar[int]

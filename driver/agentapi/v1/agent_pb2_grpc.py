@@ -59,6 +59,11 @@ class NodeAgentStub:
                 request_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.SerializeToString,
                 response_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.FromString,
                 _registered_method=True)
+        self.GetLiveJobs = channel.unary_unary(
+                '/timeslice.agent.v1.NodeAgent/GetLiveJobs',
+                request_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetLiveJobsRequest.SerializeToString,
+                response_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.LiveJobs.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -107,6 +112,18 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLiveJobs(self, request, context):
+        """Which of the named jobs have a live process on this node, and which had one
+        (seen by this run of the agent, or bound to the job in `timeslice serve`'s
+        state dir) and have none left: a holder killed, crashed or exited without a
+        release. Any process the node counts as the job's, whether or not it uses a
+        GPU. A job in neither list is unknown here (never seen; the processes of a
+        cluster's claims are not looked at): its lease decides.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +151,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.GetMemory,
                     request_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.FromString,
                     response_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.SerializeToString,
+            ),
+            'GetLiveJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLiveJobs,
+                    request_deserializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetLiveJobsRequest.FromString,
+                    response_serializer=timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.LiveJobs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +293,33 @@ class NodeAgent:
             '/timeslice.agent.v1.NodeAgent/GetMemory',
             timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetMemoryRequest.SerializeToString,
             timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.MemoryReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLiveJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/timeslice.agent.v1.NodeAgent/GetLiveJobs',
+            timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.GetLiveJobsRequest.SerializeToString,
+            timeslice_dot_driver_dot_agentapi_dot_v1_dot_agent__pb2.LiveJobs.FromString,
             options,
             channel_credentials,
             insecure,

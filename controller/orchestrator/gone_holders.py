@@ -1,0 +1,79 @@
+"""Holders whose processes are gone: dropped at once, not after their lease.
+
+Run beside the orchestrator by `timeslice orchestrator` and `timeslice serve` (server.py
+`running`). Every `CHECK_SECONDS` each group's holder is looked up on the group's node agents
+(`GetLiveJobs`, one call per agent for every group it serves). A holder that no agent reports
+live and at least one reports gone (it had processes there and none is left: killed with its
+process group, crashed, exited without a release) is dropped (`LockGroup.drop_job`; an
+adopted holder `LockGroup.adopted_holder_gone`), and the next job is granted: a new user's
+trial of `kill -9 -- -PGID` on a holding job stalled the other job for the whole lease (10 s
+by default). A holder an agent reports live (a worker that outlives its client) keeps its hold
+until its lease lapses, and so does one no agent knows (never seen there; a cluster's claims,
+which the agents do not look at here) or one whose agent does not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from timeslice.controller.orchestrator.config import MemberSpec
+from timeslice.controller.orchestrator.group import LockGroup
+
+log = logging.getLogger("timeslice.orchestrator")
+
+# How often (seconds) each group's holder is looked up on its node agents.
+CHECK_SECONDS = 0.5
+
+
+class LiveJobs(Protocol):
+    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]: ...
+
+
+async def watch(groups: Callable[[], list[LockGroup]], agent: Callable[[str], LiveJobs],
+                every: float = CHECK_SECONDS) -> None:
+    """Drop gone holders (`drop_gone`) every `every` seconds until cancelled; a failed round is
+    logged and the next one runs."""
+    while True:
+        try:
+            await drop_gone(groups(), agent)
+        except Exception:  # (a bug here must not end the watch of every group)
+            log.exception("holder watch failed")
+        await asyncio.sleep(every)
+
+
+async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs]) -> list[tuple[str, str]]:
+    """One round: ask each agent about the holders of the groups it serves, then drop each
+    holder that is gone on its group's agents (`gone`) and still holds. Returns the
+    (group id, job) pairs dropped."""
+    asked = [(g, g.holder) for g in groups if g.holder is not None and g.spec.agents]
+    targets = sorted({t for g, _ in asked for t in g.spec.agents})
+    jobs = {t: sorted({(h.job_id, g.id) for g, h in asked if t in g.spec.agents}) for t in targets}
+    members = {(g.id, h.job_id): g.spec.member(h.job_id) for g, h in asked}
+    answers = await asyncio.gather(*(agent(t).live_jobs([(j, members[(gid, j)]) for j, gid in jobs[t]])
+                                     for t in targets), return_exceptions=True)
+    by_target: dict[str, tuple[set[str], set[str]] | None] = {}
+    for t, answer in zip(targets, answers, strict=True):
+        if isinstance(answer, BaseException):
+            log.debug("holder watch: agent %s did not answer: %s", t, answer)
+            by_target[t] = None
+        else:
+            by_target[t] = answer
+    dropped = []
+    for g, h in asked:
+        if g.holder is not h or not gone(h.job_id, [by_target[t] for t in g.spec.agents]):
+            continue
+        log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
+        if not g.adopted_holder_gone(h.job_id):
+            g.drop_job(h.job_id, "its processes are gone")
+        dropped.append((g.id, h.job_id))
+    return dropped
+
+
+def gone(job: str, answers: Sequence[tuple[set[str], set[str]] | None]) -> bool:
+    """Whether `job` is gone by its group's agents' `answers` ((live, gone) each; None: that
+    agent did not answer): every agent answered, none has it live, and one has it gone."""
+    return all(a is not None for a in answers) and not any(job in a[0] for a in answers if a is not None) \
+        and any(job in a[1] for a in answers if a is not None)
