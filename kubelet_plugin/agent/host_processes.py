@@ -58,11 +58,6 @@ class _HostResolver:
         a valid member: the agent then checkpoints and restores zero processes)."""
         return await asyncio.to_thread(self._pids, job_id)
 
-    async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
-        """True while a job has a process here (any, with a GPU context or not); None when
-        it has none (`ProcessResolver.alive`)."""
-        return await asyncio.to_thread(lambda: {j: True if self._candidates(j)[0] else None for j in job_ids})
-
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         """(candidate PIDs, where they were looked for): the subclass's rule."""
         raise NotImplementedError
