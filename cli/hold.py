@@ -105,6 +105,14 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
               f"process group, not the script's): run acquire from the script itself (--timeout bounds the wait)",
               file=sys.stderr)
         return 2
+    named = os.environ.get("TIMESLICE_JOB")
+    if job and named != job and not (target or os.environ.get("TIMESLICE_ORCHESTRATOR") or "").startswith("unix:"):
+        # (a node agent finds a job's processes by TIMESLICE_JOB: the script's commands, not named, were never
+        # stopped, and computed beside the next holder; serve knows the script's process group instead)
+        print(f"timeslice acquire: warning: --job {job} holds for job {job!r}, but the commands this script runs "
+              f"next carry {'TIMESLICE_JOB=' + named if named else 'no TIMESLICE_JOB'}: a node agent cannot stop "
+              f"them while another job holds (after this hold's lease lapses, they would compute beside it). "
+              f"`export TIMESLICE_JOB={job}` first (then --job is not needed)", file=sys.stderr)
     try:
         private_dir(path.parent)
         claimed = _claim(path)

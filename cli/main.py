@@ -496,7 +496,8 @@ def parser() -> argparse.ArgumentParser:
                        usage="timeslice run [-h] [--target ADDRESS] [--job JOB] [--group GROUP] "
                              "[--timeout SECONDS] [--priority N] -- CMD [ARG ...]")
     r.add_argument("--target", metavar="ADDRESS", help=TARGET_HELP)
-    r.add_argument("--job", help="job id (default $TIMESLICE_JOB; in a pod with a token: the pod's job)")
+    r.add_argument("--job", help="job id (default $TIMESLICE_JOB; in a pod with a token: the pod's job); CMD runs "
+                                 "with TIMESLICE_JOB set to it")
     r.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
     r.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for the grant (default: no bound)")
     r.add_argument("--priority", type=int, default=0, metavar="N", help="queue priority, higher first (default 0)")
@@ -515,7 +516,8 @@ def parser() -> argparse.ArgumentParser:
                            "`timeslice run` of the same job joins the hold; a second acquire of it is refused (2). "
                            f"Exit codes: {codes}.")
         h.add_argument("--job", help="job id (default $TIMESLICE_JOB; with a unix: target, timeslice serve, "
-                                     "pgid-<N>: this process group, the script's)")
+                                     "pgid-<N>: this process group, the script's). On a standalone node, export "
+                                     "TIMESLICE_JOB instead: the node agent finds the script's commands by it")
         h.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
         h.add_argument("--hold-file", help="where the hold is recorded (default $XDG_RUNTIME_DIR or /tmp, "
                                            "timeslice-<uid>/hold-<job>@<group>.json)")

@@ -17,6 +17,7 @@ and CMD's status stands: the hold ends when its lease lapses.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -50,8 +51,8 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
         except TimeSliceError as err:
             print(f"timeslice run: {err}", file=sys.stderr)
             return EX_UNAVAILABLE
-        try:
-            child = subprocess.Popen(list(cmd))
+        try:  # the command and what it starts are the job's (`TIMESLICE_JOB`: how node agents find them)
+            child = subprocess.Popen(list(cmd), env={**os.environ, "TIMESLICE_JOB": grant.job_id})
         except OSError as err:
             print(f"timeslice run: cannot start {cmd[0]}: {err}", file=sys.stderr)
             release(client, grant.group_id, "timeslice run")

@@ -65,6 +65,27 @@ async def test_the_commands_status_is_the_exit_status(target) -> None:
     assert after == before  # a command that cannot start takes no grant (a new-user try found one taken)
 
 
+async def test_the_command_of_run_job_is_that_jobs_as_its_environment_says(target, tmp_path) -> None:
+    """A helper's attack on a standalone node: `timeslice run --job a -- CMD` started CMD with no
+    TIMESLICE_JOB, so the node agent found none of job a's processes to stop, and CMD computed
+    beside the next holder once a's lease lapsed. CMD carries the job it runs for; `acquire
+    --job`, whose script's next commands it cannot name, says so."""
+    out = tmp_path / "job"
+    env = {k: v for k, v in os.environ.items() if k != "TIMESLICE_JOB"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "timeslice.cli.main", "run", "--target", target, "--job", "a", "--group", "g", "--",
+        "sh", "-c", f'echo "$TIMESLICE_JOB" > {out}', env=env)
+    assert await asyncio.wait_for(proc.wait(), 120) == 0
+    assert out.read_text() == "a\n"
+    hold = ["--job", "a", "--group", "g", "--hold-file", str(tmp_path / "hold.json")]
+    rc, err = await timeslice("acquire", "--target", target, *hold, env=env)
+    assert rc == 0 and "export TIMESLICE_JOB=a" in err, err
+    assert (await timeslice("release", *hold, env=env))[0] == 0
+    rc, err = await timeslice("acquire", "--target", target, *hold, env={**env, "TIMESLICE_JOB": "a"})
+    assert rc == 0 and "warning" not in err, err
+    assert (await timeslice("release", *hold))[0] == 0
+
+
 async def test_no_grant_within_the_timeout_exits_75(target) -> None:
     holder = AsyncTimeSliceOrchestratorClient(target, "other", "g")
     await holder.acquire()
