@@ -112,7 +112,7 @@ def main() -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(config, f)
     orch = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "orchestrator", "--config", f.name,
-                             "--log-level", "WARNING"])
+                             "--log-level", "WARNING", *([] if a.state_file else ["--no-state-file"])])
     try:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -457,7 +457,8 @@ async def shared(a: argparse.Namespace, mode: str, backend: str, logs: Path,
             server, _ = await start_server("timeslice node-agent", argv, logs / "node-agent.log", READY_AGENT,
                                            a.ready_timeout, env)
             servers.append(server)
-            config = {"listen": "127.0.0.1:0", **config,
+            # (a state file of this run's: the default one would carry the last run's holder into this one)
+            config = {"listen": "127.0.0.1:0", "state_file": str(logs / "orchestrator-state.json"), **config,
                       "groups": [{**g, "agents": [agent_target]} for g in config["groups"]]}
             groups_file.write_text(yaml.safe_dump(config, sort_keys=False))
             argv = [*cmd, "orchestrator", "--config", str(groups_file)]

@@ -75,6 +75,18 @@ def _plot(a: argparse.Namespace) -> int:
     return 0
 
 
+def default_state_file() -> Path:
+    """`timeslice orchestrator`'s state file when none is named: orchestrator/state.json in the
+    default state dir (`serve.default_state_dir`), its folder made (mode 0700). Without one, a
+    restarted orchestrator forgot the holder, granted a checkpointed job, and both computed (a
+    helper's attack on a standalone node: 3.4 s of double compute, the holder then lost its lease)."""
+    from timeslice.cli.serve import default_state_dir
+
+    folder = default_state_dir() / "orchestrator"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder / "state.json"
+
+
 def _orchestrator(a: argparse.Namespace) -> int:
     from timeslice.cli.serve import private_pool
     from timeslice.controller.orchestrator.config import OrchestratorConfig
@@ -89,6 +101,8 @@ def _orchestrator(a: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"metrics_listen": a.metrics_listen})
     if a.state_file:
         cfg = cfg.model_copy(update={"state_file": Path(a.state_file)})
+    elif cfg.state_file is None and not a.no_state_file:
+        cfg = cfg.model_copy(update={"state_file": default_state_file()})
     # cooperative groups get the node's pool as under `timeslice serve`: without one, each job's
     # checkpoint went to host memory of its own, and on the H200 host two jobs of 47 GB each
     # were killed with their states (bench/results/rl-grpo-b-agent-cooperative-nopool-h200.json)
@@ -340,7 +354,12 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--state-file", metavar="PATH",
                    help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
                         "a restart never repeats an epoch nor grants beside a job that may still compute "
-                        "(overrides the config's state_file; default off)")
+                        "(overrides the config's state_file; default: the config's, else "
+                        "/var/lib/timeslice/orchestrator/state.json as root, else "
+                        "$XDG_STATE_HOME/timeslice/orchestrator/state.json)")
+    o.add_argument("--no-state-file", action="store_true",
+                   help="keep nothing across a restart (unsafe: a restarted orchestrator forgets which job held each "
+                        "group, and may grant another beside it while it still computes)")
     _pinned_pool_gb(o, " (unless the config names its pinned_pool)")
     o.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     o.set_defaults(fn=_orchestrator)

@@ -12,12 +12,14 @@ orchestrator to pin, `agent_certificates`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from timeslice.driver import atomic, signals
+from timeslice.driver.private_paths import lock_state_dir
 from timeslice.kubelet_plugin.agent.auth import SharedToken
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -55,6 +57,11 @@ async def serve(cfg: NodeAgentConfig) -> None:
     cfg.check()
     stop = signals.stop_event()
     cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with lock_state_dir(cfg.state_dir, "node-agent"):  # first: a second agent on this state dir stops here
+        await _serve(cfg, stop)
+
+
+async def _serve(cfg: NodeAgentConfig, stop: asyncio.Event) -> None:
     callers = SharedToken(cfg.token_file) if cfg.token_file else None
     identity = kept(cfg.state_dir, socket.gethostname()) if cfg.tls else None
     if identity is not None and cfg.certificate_file is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import tempfile
@@ -37,6 +36,7 @@ from timeslice.controller.peer_auth import PeerAuthenticator
 from timeslice.driver import host_ranges, huge_pages, names, signals, vmm_shim
 from timeslice.driver.config import problem_lines
 from timeslice.driver.peercred import PeerJobs, ScopeKind, UnixFront
+from timeslice.driver.private_paths import lock_state_dir
 from timeslice.kubelet_plugin.agent.backends.base import Backend
 from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
 from timeslice.kubelet_plugin.agent.gpu_memory import gpus
@@ -56,10 +56,13 @@ def default_socket() -> Path:
 
 
 def default_state_dir() -> Path:
-    """/var/lib/timeslice for root, else $XDG_STATE_HOME/timeslice (~/.local/state/timeslice)."""
+    """$XDG_STATE_HOME/timeslice when it is set, else /var/lib/timeslice for root, else
+    ~/.local/state/timeslice (the XDG base directory spec's default)."""
+    if os.environ.get("XDG_STATE_HOME"):
+        return Path(os.environ["XDG_STATE_HOME"]) / "timeslice"
     if os.geteuid() == 0:
         return Path("/var/lib/timeslice")
-    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "timeslice"
+    return Path.home() / ".local" / "state" / "timeslice"
 
 
 @dataclass(frozen=True)
@@ -196,25 +199,6 @@ async def serve(cfg: ServeConfig) -> None:
     stop = signals.stop_event()
     with lock_state_dir(state_dir):  # first: a second serve on this state dir stops here, touching nothing
         await _serve(cfg, state_dir, stop)
-
-
-@contextlib.contextmanager
-def lock_state_dir(state_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock (`flock`, released by the kernel however the process ends) on
-    `state_dir`/serve.lock while serving. Raises OSError when another serve holds it: two
-    serves on one state dir share its agent's records, and the second one's stop thawed the
-    first one's frozen job while another job held (a new user's trial: two serves, other
-    sockets, the default state dir)."""
-    fd = os.open(state_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OSError(f"{state_dir}: another timeslice serve uses this state dir (its jobs' records): stop "
-                          "it, or give this one --state-dir") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None:

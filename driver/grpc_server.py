@@ -10,12 +10,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from timeslice.driver.errors import REASON_METADATA, TimeSliceServerError
+from timeslice.driver.private_paths import free_socket_path
 
 log = logging.getLogger("timeslice.grpc")
 _ids = itertools.count(1)
@@ -110,6 +112,8 @@ def bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentia
     outside 0..65535, OSError when the address cannot be bound (in use, not local)."""
     if not listen.startswith("unix:"):
         host_port(listen)
+    else:  # (grpc removes whatever file is there, a live server's socket too)
+        free_socket_path(Path(listen.removeprefix("unix://").removeprefix("unix:")))
     try:
         port = (server.add_insecure_port(listen) if credentials is None
                 else server.add_secure_port(listen, credentials))

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import socket
-import stat
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Literal
 
 from timeslice.driver.atomic import write_atomic
 from timeslice.driver.errors import PermissionDenied, ProcessGone
-from timeslice.driver.private_paths import private_dir
+from timeslice.driver.private_paths import free_socket_path, private_dir
 
 log = logging.getLogger("timeslice.serve")
 
@@ -293,17 +292,7 @@ class UnixFront:
         a socket; its directory, or one above it, is another user's or writable by others:
         `private_paths.private_dir`). Connections wait until `splice_to`."""
         private_dir(self.path.parent, mode=0o755)
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISSOCK(self.path.lstat().st_mode):
-                raise OSError(f"{self.path} exists and is not a socket: remove it or choose another --socket")
-            probe = socket.socket(socket.AF_UNIX)
-            try:
-                probe.connect(str(self.path))
-                raise OSError(f"{self.path}: another server is listening there")
-            except ConnectionRefusedError:  # a leftover of a server that is gone
-                self.path.unlink()
-            finally:
-                probe.close()
+        free_socket_path(self.path)
         old = os.umask(0o777 & ~self._mode)  # the socket file is never reachable with wider bits
         try:
             self._server = await asyncio.start_unix_server(self._accepted, path=str(self.path), limit=_CHUNK)

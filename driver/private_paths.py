@@ -12,11 +12,15 @@ above it must be owned by this user or root, and writable by no one else unless 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import socket
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["private_dir"]
+__all__ = ["free_socket_path", "lock_state_dir", "private_dir"]
 
 
 def private_dir(path: Path, mode: int = 0o700) -> Path:
@@ -56,3 +60,41 @@ def _check(path: Path) -> None:
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
             raise OSError(f"{p} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): they could swap "
                           "what is in it; chmod go-w it, or choose another place")
+
+
+def free_socket_path(path: Path) -> None:
+    """Make `path` free for a unix socket server to bind: a socket file no server answers on (a
+    leftover of one that is gone) is removed. Raises OSError when a live server listens there
+    (binding would take its path over: a second `timeslice node-agent` on the default socket
+    did, and removed it on exit, and the first one could no longer be reached) or the path is
+    not a socket."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise OSError(f"{path} exists and is not a socket: remove it or choose another path")
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+            raise OSError(f"{path}: another server is listening there: stop it, or choose another path")
+        except ConnectionRefusedError:  # a leftover of a server that is gone
+            path.unlink()
+        finally:
+            probe.close()
+
+
+@contextlib.contextmanager
+def lock_state_dir(state_dir: Path, command: str = "serve") -> Iterator[None]:
+    """Hold an exclusive lock (`flock`, released by the kernel however the process ends) on
+    `state_dir`/<command>.lock while `timeslice <command>` serves. Raises OSError when another
+    holds it: two serves (or node agents) on one state dir share its agent's records, and the
+    second one's stop thawed the first one's frozen job while another job held (a new user's
+    trial: two serves, other sockets, the default state dir)."""
+    fd = os.open(state_dir / f"{command}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(f"{state_dir}: another timeslice {command} uses this state dir (its jobs' records): stop "
+                          "it, or give this one --state-dir") from None
+        yield
+    finally:
+        os.close(fd)

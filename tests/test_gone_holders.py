@@ -5,16 +5,22 @@ tests/test_node_agent_cli.py; through `timeslice serve`: tests/test_serve_faults
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 
 import pytest
-from timeslice.controller.orchestrator.gone_holders import gone
+from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.gone_holders import GoneHolders, gone
+from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupEvent, Hold
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.steps import JobRef
+
+from tests.conftest import eventually
 
 
 @pytest.mark.parametrize(("answers", "want"), [
@@ -70,3 +76,26 @@ async def test_a_job_whose_pids_were_told_is_gone_once_they_all_ended() -> None:
         worker.kill()
         worker.wait()
     assert await NodeAgent(resolver, backends=["none"]).live_jobs([JobRef("told")]) == ([], ["told"])
+
+
+async def test_a_grant_wakes_the_watch_before_its_period() -> None:
+    """A holder killed at once after its grant is gone only if an agent saw it: the watch looks
+    at each grant, not only every `CHECK_SECONDS`."""
+    asked: list[list[str]] = []
+
+    class Agent:
+        async def live_jobs(self, jobs):
+            asked.append([j for j, _ in jobs])
+            return {j for j, _ in jobs}, set()
+
+    group = LockGroup(GroupSpec(id="g", agents=("unix:///agent.sock",)), switcher=None)  # type: ignore[arg-type]
+    group.holder = Hold("x", "lease", 1, 0.0, 10.0, {"r"}, False, 0.0)
+    holders = GoneHolders(lambda: [group], lambda _: Agent(), every=3600)
+    watch = asyncio.get_running_loop().create_task(holders.watch())
+    try:
+        await eventually(lambda: asked == [["x"]], timeout=30, what="the first round")  # (then it waits an hour)
+        group.holder = Hold("a", "lease", 2, 0.0, 10.0, {"r"}, False, 0.0)
+        holders.observe(group, GroupEvent("granted", "g", "a", 2))
+        await eventually(lambda: ["a"] in asked, timeout=30, what="a look at the grant")
+    finally:
+        watch.cancel()

@@ -197,7 +197,8 @@ def test_orchestrator_command_serves_metrics(tmp_path) -> None:
     """`timeslice orchestrator --config` with `metrics_listen`: the bound port is logged and
     /metrics lists the configured groups."""
     cfg = tmp_path / "orch.yaml"
-    cfg.write_text("listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\ngroups: [{id: g1}, {id: g2}]\n")
+    cfg.write_text(f"listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\nstate_file: {tmp_path / 'state.json'}\n"
+                   "groups: [{id: g1}, {id: g2}]\n")
     p = subprocess.Popen([sys.executable, "-m", "timeslice.cli.main", "orchestrator", "--config", str(cfg)],
                          stderr=subprocess.PIPE, text=True)
     try:

@@ -76,6 +76,7 @@ async def test_every_dashboard_panel_shows_one_series_per_job_from_a_real_scrape
     agent, agent_target = await fake_driver_agent(short_tmp, monkeypatch, gpu)
     cfg = short_tmp / "orch.json"
     cfg.write_text(json.dumps({"listen": f"unix://{short_tmp / 'orch.sock'}", "metrics_listen": "127.0.0.1:0",
+                               "state_file": str(short_tmp / "state.json"),
                                "groups": [{"id": "g", "backend": "cuda", "agents": [agent_target]}]}))
     orch, m = await start("orchestrator", "--config", str(cfg), ready=re.compile(rb"metrics serving .* port=(\d+)"),
                           stream="stderr")

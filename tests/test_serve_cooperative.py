@@ -281,7 +281,7 @@ async def test_node_agent_and_orchestrator_give_a_cooperative_group_the_default_
     agent, _ = await start("node-agent", "--listen", agent_sock, "--backends", "none", "--state-dir",
                            str(tmp_path / "agent-state"), ready=re.compile(rb"^ready listen="), stream="stdout")
     before = _pool_dirs()
-    config = {"listen": "127.0.0.1:0",
+    config = {"listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"),
               "groups": [{"id": "g", "backend": "cooperative", "agents": [agent_sock], "residency": "exclusive"}]}
     (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
     try:

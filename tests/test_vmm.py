@@ -508,7 +508,8 @@ async def test_a_node_agent_killed_mid_checkpoint_loses_no_job(fake_lib, tmp_pat
     cli = [sys.executable, "-m", "timeslice.cli.main"]
     agent_target = f"unix://{tmp_path / 'agent.sock'}"
     group = f"{{id: g, backend: vmm, residency: exclusive, agents: ['{agent_target}']}}"
-    (tmp_path / "groups.yaml").write_text(f"listen: 127.0.0.1:0\ngroups:\n  - {group}\n")
+    (tmp_path / "groups.yaml").write_text(f"listen: 127.0.0.1:0\nstate_file: {tmp_path / 'state.json'}\n"
+                                          f"groups:\n  - {group}\n")
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
     procs: list[asyncio.subprocess.Process] = []
 

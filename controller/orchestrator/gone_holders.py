@@ -1,8 +1,10 @@
 """Holders whose processes are gone: dropped at once, not after their lease.
 
 Run beside the orchestrator by `timeslice orchestrator` and `timeslice serve` (server.py
-`running`). Every `CHECK_SECONDS` each group's holder is looked up on the group's node agents
-(`GetLiveJobs`, one call per agent for every group it serves). A holder that no agent reports
+`running`). Every `CHECK_SECONDS`, and at once after each grant, each group's holder is looked
+up on the group's node agents (`GetLiveJobs`, one call per agent for every group it serves): an
+agent calls a job gone only once it saw a process of it, so the look at a grant shortens the
+window where a holder killed at once after its grant still costs its lease. A holder that no agent reports
 live and at least one reports gone (it had processes there and none is left: killed with its
 process group, crashed, exited without a release) is dropped (`LockGroup.drop_job`; an
 adopted holder `LockGroup.adopted_holder_gone`), and the next job is granted: a new user's
@@ -15,12 +17,14 @@ which the agents do not look at here) or one whose agent does not answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
+from timeslice.controller.orchestrator.group_model import GroupEvent
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -32,16 +36,32 @@ class LiveJobs(Protocol):
     async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]: ...
 
 
-async def watch(groups: Callable[[], list[LockGroup]], agent: Callable[[str], LiveJobs],
-                every: float = CHECK_SECONDS) -> None:
-    """Drop gone holders (`drop_gone`) every `every` seconds until cancelled; a failed round is
-    logged and the next one runs."""
-    while True:
-        try:
-            await drop_gone(groups(), agent)
-        except Exception:  # (a bug here must not end the watch of every group)
-            log.exception("holder watch failed")
-        await asyncio.sleep(every)
+class GoneHolders:
+    """The watch of `groups()`'s holders over `agent(target)`'s answers."""
+
+    def __init__(self, groups: Callable[[], list[LockGroup]], agent: Callable[[str], LiveJobs],
+                 every: float = CHECK_SECONDS) -> None:
+        self._groups = groups
+        self._agent = agent
+        self._every = every
+        self._granted = asyncio.Event()
+
+    def observe(self, group: LockGroup, event: GroupEvent) -> None:
+        """An orchestrator observer: a grant wakes the watch."""
+        if event.kind == "granted":
+            self._granted.set()
+
+    async def watch(self) -> None:
+        """Drop gone holders (`drop_gone`) every `every` seconds and after each grant, until
+        cancelled; a failed round is logged and the next one runs."""
+        while True:
+            self._granted.clear()
+            try:
+                await drop_gone(self._groups(), self._agent)
+            except Exception:  # (a bug here must not end the watch of every group)
+                log.exception("holder watch failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._granted.wait(), self._every)
 
 
 async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs]) -> list[tuple[str, str]]:

@@ -74,6 +74,10 @@ class Orchestrator:
             await group.close()
             self.metrics.forget(group_id)
 
+    def add_observer(self, observer: Observer) -> None:
+        """Tell `observer` every group event from now on, after the others (it must not raise)."""
+        self._observers.append(observer)
+
     def _streams_closed(self, group_id: str, job: str) -> None:
         """A cooperative job's last command stream closed: a holder kept past its lease
         because it streamed loses it now (`Leases.streams_closed`)."""

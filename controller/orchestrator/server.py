@@ -13,9 +13,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc.aio
-from timeslice.controller.orchestrator import gone_holders
 from timeslice.controller.orchestrator.agent_pool import AgentPool
 from timeslice.controller.orchestrator.config import OrchestratorConfig
+from timeslice.controller.orchestrator.gone_holders import GoneHolders
 from timeslice.controller.orchestrator.metrics import start_metrics_server
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
@@ -43,7 +43,7 @@ async def create_server(orchestrator: Orchestrator, listen: str,
 async def running(config: OrchestratorConfig, authenticator: Authenticator | None = None,
                   grace: float = 1.0) -> AsyncIterator[tuple[Orchestrator, int]]:
     """The orchestrator of `config` serving on `config.listen` (and `/metrics` with
-    `metrics_listen`), with its watch of gone holders (`gone_holders.watch`); yields
+    `metrics_listen`), with its watch of gone holders (`GoneHolders`); yields
     (orchestrator, bound port), then stops with `grace` seconds for in-flight calls (short:
     what is in flight at a stop is mostly Acquires blocked in a queue, and clients retry those
     with the same request id against the next orchestrator).
@@ -60,8 +60,9 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
             metrics, _ = await start_metrics_server(orchestrator.metrics, config.metrics_listen)
         server, port = await create_server(orchestrator, config.listen, authenticator)
         # (its first look before any call: a holder that exited while no server ran is handed on now)
-        watch = asyncio.get_running_loop().create_task(gone_holders.watch(orchestrator.groups, orchestrator.agent),
-                                                       name="gone-holders")
+        holders = GoneHolders(orchestrator.groups, orchestrator.agent)
+        orchestrator.add_observer(holders.observe)
+        watch = asyncio.get_running_loop().create_task(holders.watch(), name="gone-holders")
         log.info("orchestrator serving listen=%s port=%s groups=%d pinned_pool=%s", config.listen, port or "-",
                  len(config.groups), f"{pool.path}({pool.size})" if pool else "-")
         gc.freeze()  # start-up objects live forever: keep them out of every GC pass (shorter pauses)

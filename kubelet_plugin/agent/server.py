@@ -11,7 +11,6 @@ unix socket is its owner's only (mode 0600): the kubelet plugin serves an agent 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import grpc.aio
 from timeslice.driver import grpc_server
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
+from timeslice.driver.private_paths import free_socket_path
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.service import CallerCheck, NodeAgentServicer
 
@@ -34,13 +34,12 @@ async def create_server(agent: NodeAgent, listen: str, callers: CallerCheck | No
     a file left at its path by an earlier run replaced, and the socket made mode 0600.
     Raises OSError when `listen` cannot be bound. Checkpoints an earlier run left
     unfinished are undone first (`NodeAgent.recover`)."""
+    path = Path(listen.removeprefix("unix://").removeprefix("unix:")) if listen.startswith("unix:") else None
+    if path is not None:  # before the records are touched: a live agent's socket refuses this one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        free_socket_path(path)
     await agent.recover()
     servicer = NodeAgentServicer(agent, callers)
-    path = Path(listen.removeprefix("unix://").removeprefix("unix:")) if listen.startswith("unix:") else None
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
     server, port = await grpc_server.start(lambda s: apb_grpc.add_NodeAgentServicer_to_server(servicer, s),
                                            [SERVICE_NAME], listen, credentials)
     if path is not None:
