@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -99,6 +100,10 @@ def _orchestrator(a: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"listen": a.listen})
     if a.metrics_listen:
         cfg = cfg.model_copy(update={"metrics_listen": a.metrics_listen})
+    if not cfg.groups:
+        logging.getLogger("timeslice.orchestrator").warning(
+            "no groups configured (%s): every acquire is refused with GroupNotFound; list them under `groups:`",
+            a.config or "no --config")
     if a.state_file:
         cfg = cfg.model_copy(update={"state_file": Path(a.state_file)})
     elif cfg.state_file is None and not a.no_state_file:

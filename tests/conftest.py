@@ -42,6 +42,9 @@ from tests.kubelet_fakes import serve_plugin  # noqa: F401  (fixture: a kubelet 
 # starts): 64 MiB holds several fake jobs' states (tests/test_vmm.py) where the default would be 1 GB
 # per agent, populated by the first shim that registers it.
 os.environ.setdefault("TIMESLICE_VMM_POOL_BYTES", str(64 << 20))
+# Default state dirs (`timeslice serve`, `timeslice orchestrator`'s state file) of this process and of
+# those it starts: a folder of this run's, never the machine's /var/lib/timeslice or the user's own.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="timeslice-test-state-")
 
 
 @dataclass

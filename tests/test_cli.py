@@ -187,6 +187,8 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch) -> None:
     bad = tmp_path / "groups.yaml"
     for text, expected in (("groups: [", "not valid YAML"),
                            ("groups: [{id: g, backend: freeze}]", "needs at least one agent"),
+                           ("groups: [{id: g, backend: freeze, agents: [/run/a.sock]}]",
+                            "write a unix socket as unix:///run/a.sock"),
                            ("listen: 127.0.0.1:99999", "port must be a number in 0..65535")):
         bad.write_text(text)
         assert main(["orchestrator", "--config", str(bad)]) == 2

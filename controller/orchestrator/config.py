@@ -122,6 +122,16 @@ class GroupSpec(BaseModel):
             out[job] = app
         return out
 
+    @field_validator("agents")
+    @classmethod
+    def _agent_targets(cls, agents: tuple[str, ...]) -> tuple[str, ...]:
+        """A node agent is `unix:///path` or `host:port`: a bare path was taken for a host name
+        (a helper's try: "hostname lookup error ... Domain name not found" at the first switch)."""
+        for a in agents:
+            if not a or a.startswith(("/", "./", "~")):
+                raise ValueError(f"agent {a!r}: write a unix socket as unix://{a or '/path'} (or host:port)")
+        return agents
+
     @field_validator("memory_headroom")
     @classmethod
     def _headroom(cls, v: str | int) -> str | int:
