@@ -132,12 +132,13 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
     job_id = job_id or os.environ.get(ENV_JOB)
     group_id = group_id or os.environ.get(ENV_GROUP) or None
     if not target:
-        raise ValueError(f"no orchestrator address: pass target= or set {ENV_TARGET}")
+        raise ValueError(f"no orchestrator address: pass target= (`--target` of the timeslice commands) or set "
+                         f"{ENV_TARGET}")
     target = address(target)
     if not job_id and call_metadata() is None and not target.startswith("unix:"):
-        raise ValueError(f"no job id: pass job_id= or set {ENV_JOB} (in a cluster pod, mount the projected token "
-                         f"(audience timeslice.dev) at {DEFAULT_TOKEN_FILE} or ${ENV_TOKEN_FILE} instead: the "
-                         "orchestrator then takes the job from the pod)")
+        raise ValueError(f"no job id: pass job_id= (`--job` of the timeslice commands) or set {ENV_JOB} (in a "
+                         f"cluster pod, mount the projected token (audience timeslice.dev) at {DEFAULT_TOKEN_FILE} "
+                         f"or ${ENV_TOKEN_FILE} instead: the orchestrator then takes the job from the pod)")
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
     return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory),
