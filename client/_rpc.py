@@ -209,7 +209,8 @@ def leave_request(s: Settings, group: str) -> pb.LeaveRequest:
 
 
 def keep_alive_request(s: Settings, g: Grant) -> pb.KeepAliveRequest:
-    return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch)
+    return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch,
+                               request_id=g.request_id)
 
 
 class Retry:

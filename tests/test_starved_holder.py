@@ -392,3 +392,74 @@ async def _holder(c, job: str) -> bool:
 
 async def _expiries(c, n: int) -> bool:
     return (await c.status()).lease_expiries == n
+
+
+# A job's process: holds, keeps its part alive at least once ("kept"), then waits to be killed.
+KEPT_THEN_KILLED = textwrap.dedent("""
+    import signal, sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(sys.argv[1], "a", "g")
+    grant = c.acquire(timeout=30)
+    time.sleep(grant.lease_seconds)  # (keep-alives every third of it)
+    print("kept", flush=True)
+    signal.pause()
+""")
+# The job's next process, started at once under the same name: short phases for a long while.
+PHASES = textwrap.dedent("""
+    import sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(sys.argv[1], "a", "g")
+    for _ in range(600):
+        c.acquire(timeout=120)
+        time.sleep(0.05)
+        c.release()
+    print("done", flush=True)
+""")
+B_ONCE = textwrap.dedent("""
+    import sys
+    from timeslice import TimeSliceOrchestratorClient
+    c = TimeSliceOrchestratorClient(sys.argv[1], "b", "g")
+    c.acquire(timeout=60)
+    print("granted", flush=True)
+    c.release()
+""")
+
+
+async def test_a_job_started_again_at_once_does_not_keep_its_killed_process_part_and_starve_the_others() -> None:
+    """A helper's attack on a standalone node: a holding job killed and started again at once
+    under its name joined the hold its killed process still had a part of; every release left
+    that part, every join renewed the job's lease, and the waiting job got nothing until the
+    new process ended. A part whose caller kept it alive and then stopped for the lease's length
+    ends now (`Callers.prune_parts`): B is granted while A's new process still runs its phases."""
+    orch = Orchestrator([GroupSpec(id="g", backend="none", lease_seconds=2)])
+    server, port = await create_orchestrator_server(orch, "127.0.0.1:0")
+    target = f"127.0.0.1:{port}"
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(code: str) -> subprocess.Popen[str]:
+        procs.append(subprocess.Popen([sys.executable, "-c", code, target], stdout=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    async def line(p: subprocess.Popen[str], seconds: float) -> str:
+        assert p.stdout is not None
+        return (await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), seconds)).strip()
+
+    try:
+        first = start(KEPT_THEN_KILLED)
+        assert await line(first, 60) == "kept"
+        b = start(B_ONCE)
+        await eventually(lambda: any(w.job_id == "b" for w in orch.group("g").queue), timeout=30, what="b waiting")
+        first.kill()
+        first.wait()
+        again = start(PHASES)
+        assert await line(b, 60) == "granted"
+        assert again.poll() is None, "B was granted only once A's new process had ended"
+        assert await line(again, 180) == "done"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        await server.stop(0)
+        await orch.close()

@@ -85,10 +85,34 @@ class Callers:
 
     def released_part(self, h: Hold, request_id: str) -> None:
         """A Release by the caller of `request_id` while other callers share `h` (it goes on:
-        `lease_calls.Lease.shared_beyond` says when): its part ends."""
+        `lease_calls.Lease.shared_beyond` says when): its part ends, and so do parts their
+        callers stopped keeping alive (`prune_parts`)."""
         h.request_ids.discard(request_id)
         log.info("caller released its part group=%s job=%s request=%s callers_left=%d", self._g.id, h.job_id,
                  request_id, len(h.request_ids))
+        self.prune_parts(h)
+
+    def prune_parts(self, h: Hold) -> None:
+        """End the parts of `h` whose callers kept them alive (a KeepAlive naming their request)
+        and then not for the lease's length: killed while the job's next process shared the
+        hold, whose joins and keep-alives renewed the job's lease for ever (a helper's attack on
+        a standalone node: the other jobs waited until the new process ended). The hold ends
+        with its last part; a part that never named itself in a KeepAlive (an older client, a
+        phase shorter than the keep-alive interval) is never ended here."""
+        g = self._g
+        if h is not g.holder:  # (a parked hold's parts wait with it)
+            return
+        now = g.clock()
+        for request_id in [r for r, t in h.kept_alive.items() if now - t > g.spec.lease_seconds]:
+            del h.kept_alive[request_id]
+            if request_id not in h.request_ids or h.ended:
+                continue
+            log.warning("caller part lapsed group=%s job=%s request=%s: no keep-alive for %.1f s", g.id, h.job_id,
+                        request_id, g.spec.lease_seconds)
+            if self._left_hold(h, request_id, "its callers stopped keeping it alive"):
+                g.notify("released", h.job_id, h.epoch)
+                g.dispatch()
+                return
 
     def _left_hold(self, h: Hold, request_id: str, why: str) -> bool:
         """The caller of `request_id` left the hold `h`; the hold ends with its last caller

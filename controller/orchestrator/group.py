@@ -163,13 +163,14 @@ class LockGroup:
         """CancelAcquire of `job_id`'s request `request_id`: `Callers.gave_up`."""
         return self.callers.gave_up(job_id, request_id)
 
-    def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> float:
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "") -> float:
         """Extend the lease; returns the seconds it now has (a preempted holder's lease
         waits with it and does not lapse). A holder switched out mid-phase under an earlier
         leader, or whose lease lapsed here, on a backend that stops processes, is queued
         again under that lease; one under a revoked `app` lease is refused: the rules are
-        `lease_calls.lease_call`. Raises StaleLease."""
-        self.leases.keep_alive(job_id, lease_id, epoch)
+        `lease_calls.lease_call`. With `request_id` (the caller's Acquire), that caller's part of
+        a shared hold is kept alive too (`Callers.prune_parts`). Raises StaleLease."""
+        self.leases.keep_alive(job_id, lease_id, epoch, request_id)
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str) -> None:

@@ -120,6 +120,9 @@ class Hold:
     # a new Acquire of the job ends it rather than join it
     streams_closed: bool = False
     processes_ended: bool = False
+    # request id -> clock() seconds its caller last kept its part alive (a KeepAlive naming it):
+    # `Callers.prune_parts`
+    kept_alive: dict[str, float] = field(default_factory=dict)
     ended: bool = False  # `LockGroup.end_hold` ran (a hold carried to another group goes on there)
 
 

@@ -87,8 +87,10 @@ async def _join(g: LockGroup, h: Hold, request_id: str) -> GrantInfo:
     h.request_ids.add(request_id)
     # A joining caller shows the job alive: its lease runs again from now (none schedules seed
     # 896: a job's process was killed holding, its next process joined phase after phase, each
-    # shorter than a keep-alive interval, and the lease lapsed under it)
+    # shorter than a keep-alive interval, and the lease lapsed under it); a killed caller's
+    # part it shares ends once its keep-alives stopped for the lease's length (`prune_parts`)
     g.leases.renew(h)
+    g.callers.prune_parts(h)
     if g.state is not None:  # the hold's epoch (a presumptive one's block) on disk first
         try:
             await g.state.durable()

@@ -187,7 +187,7 @@ class Leases:
             raise AssertionError(f"a release cannot {d.act.value}")
         return len(g.queue), g.switching is not None
 
-    def keep_alive(self, job_id: str, lease_id: str, epoch: int) -> None:
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "") -> None:
         """Perform a keep-alive (`LockGroup.keep_alive`). Raises StaleLease."""
         g = self._g
         d, on = self._decide(job_id, lease_id, epoch, None)
@@ -203,7 +203,11 @@ class Leases:
             g.dispatch()
             g.preemption.arm()
         elif d.act is Act.HOLDER_RENEW:
-            self.renew(on.held())
+            h = on.held()
+            self.renew(h)
+            if request_id in h.request_ids:
+                h.kept_alive[request_id] = g.clock()
+            g.callers.prune_parts(h)
         else:
             raise AssertionError(f"a keep-alive cannot {d.act.value}")
 
