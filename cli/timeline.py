@@ -115,7 +115,11 @@ def from_demo(result: Mapping[str, Any]) -> Timeline:
                      else "switch times unknown (no grant matched a switch record)")
     raw: list[Span] = []
     for e in events:
-        raw += [Span(e["job"], "wait", e["acquire"], e["granted"]), Span(e["job"], "hold", e["granted"], e["released"]),
+        # a hold ends when its job asks to release it (`release`): `released`, when the answer came
+        # back, may be after the orchestrator granted the next job (a full run drew two holds 2.6 ms
+        # over each other)
+        end = e.get("release", e["released"])
+        raw += [Span(e["job"], "wait", e["acquire"], e["granted"]), Span(e["job"], "hold", e["granted"], end),
                 Span(e["job"], "compute", e["gen_start"], e["gen_end"])]
     if offset is not None:
         raw += switch_spans(records, offset)
