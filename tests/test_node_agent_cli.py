@@ -73,16 +73,22 @@ async def test_jobs_named_in_their_environment_are_moved_by_a_standalone_node_ag
     check_hand_offs(tmp_path, "ab")
 
 
-async def orchestrate_jobs_a_and_b(config: dict, tmp_path: Path) -> asyncio.subprocess.Process:
-    """`timeslice orchestrator --config` with `config` (a loopback `listen`), and jobs a and b
-    (`TIMESLICE_JOB`, 3 rounds of `tests.test_serve.JOB` each) run to their exit 0 through it;
-    returns the stopped orchestrator process."""
+async def orchestrator(config: dict, tmp_path: Path) -> tuple[asyncio.subprocess.Process, dict[str, str]]:
+    """`timeslice orchestrator --config` with `config` (a loopback `listen`), once it serves, and
+    the environment of a job that calls it (no other TIMESLICE_ setting)."""
     (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
     orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
                           ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
+    return orch, {**env, "TIMESLICE_ORCHESTRATOR": f"127.0.0.1:{m.group(1).decode()}"}
+
+
+async def orchestrate_jobs_a_and_b(config: dict, tmp_path: Path) -> asyncio.subprocess.Process:
+    """`orchestrator` with `config`, and jobs a and b (`TIMESLICE_JOB`, 3 rounds of
+    `tests.test_serve.JOB` each) run to their exit 0 through it; returns the stopped orchestrator
+    process."""
+    orch, env = await orchestrator(config, tmp_path)
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
-        env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
         jobs = [await asyncio.create_subprocess_exec(sys.executable, "-c", JOB, name, str(tmp_path), "3",
                                                      env={**env, "TIMESLICE_JOB": name}) for name in "ab"]
         for job in jobs:
@@ -119,14 +125,10 @@ async def test_a_standalone_holder_killed_is_dropped_at_once_not_after_its_lease
                            ready=re.compile(rb"^ready listen="), stream="stdout")
     jobs: list[asyncio.subprocess.Process] = []
     try:
-        config = {"listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"),
-                  "groups": [{"id": "g", "backend": "freeze", "agents": [agent_sock], "lease_seconds": 300}]}
-        (tmp_path / "orchestrator.yaml").write_text(yaml.safe_dump(config))
-        orch, m = await start("orchestrator", "--config", str(tmp_path / "orchestrator.yaml"),
-                              ready=re.compile(rb"orchestrator serving listen=\S+ port=(\d+)"), stream="stderr")
+        orch, env = await orchestrator({"listen": "127.0.0.1:0", "state_file": str(tmp_path / "state.json"),
+                                         "groups": [{"id": "g", "backend": "freeze", "agents": [agent_sock],
+                                                     "lease_seconds": 300}]}, tmp_path)
         try:
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
-            env["TIMESLICE_ORCHESTRATOR"] = f"127.0.0.1:{m.group(1).decode()}"
             for name, how in (("a", "hold"), ("b", "release")):
                 jobs.append(await asyncio.create_subprocess_exec(
                     sys.executable, "-c", HOLDER, how, env={**env, "TIMESLICE_JOB": name},
@@ -198,7 +200,7 @@ async def test_an_orchestrator_restarted_with_its_defaults_keeps_the_holder_and_
     jobs: list[asyncio.subprocess.Process] = []
     drains: list[asyncio.Future[bytes]] = []
 
-    async def orchestrator() -> str:
+    async def orchestrator_of_the_defaults() -> str:
         orchs.append(await asyncio.create_subprocess_exec(*argv, env=env, stderr=asyncio.subprocess.PIPE))
         while True:
             line = await asyncio.wait_for(orchs[-1].stderr.readline(), 60)  # type: ignore[union-attr]
@@ -208,7 +210,7 @@ async def test_an_orchestrator_restarted_with_its_defaults_keeps_the_holder_and_
                 return f"127.0.0.1:{m.group(2).decode()}"
 
     try:
-        target = await orchestrator()
+        target = await orchestrator_of_the_defaults()
         job_env = {**env, "TIMESLICE_ORCHESTRATOR": target}
         for name, code in (("a", HOLD_UNTIL_USR1), ("b", HOLDER)):
             jobs.append(await asyncio.create_subprocess_exec(
@@ -219,7 +221,7 @@ async def test_an_orchestrator_restarted_with_its_defaults_keeps_the_holder_and_
         await eventually(lambda: _waits(target, "b"), timeout=60, what="b waiting")
         orchs[0].kill()
         await orchs[0].wait()
-        await orchestrator()  # the same command, the same defaults
+        await orchestrator_of_the_defaults()  # the same command again
         await eventually(lambda: _waits(target, "b"), timeout=60, what="b waiting at the restarted orchestrator")
         status = await _group(target)
         assert status.holder.job_id == "a", status
