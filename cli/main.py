@@ -359,9 +359,9 @@ def parser() -> argparse.ArgumentParser:
     o.add_argument("--state-file", metavar="PATH",
                    help="persist fencing-epoch floors and each group's holder here (written before each grant), so "
                         "a restart never repeats an epoch nor grants beside a job that may still compute "
-                        "(overrides the config's state_file; default: the config's, else "
-                        "/var/lib/timeslice/orchestrator/state.json as root, else "
-                        "$XDG_STATE_HOME/timeslice/orchestrator/state.json)")
+                        "(overrides the config's state_file; default: the config's, else orchestrator/state.json "
+                        "in the state dir: $XDG_STATE_HOME/timeslice when set, else /var/lib/timeslice as root, "
+                        "else ~/.local/state/timeslice)")
     o.add_argument("--no-state-file", action="store_true",
                    help="keep nothing across a restart (unsafe: a restarted orchestrator forgets which job held each "
                         "group, and may grant another beside it while it still computes)")
@@ -393,7 +393,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--job-scope", choices=["process-group", "cgroup"], default="process-group",
                    help="a job's processes: the caller's process group (default) or its cgroup")
     v.add_argument("--state-dir", help="agent records and epoch floors, kept across restarts (default "
-                                       "/var/lib/timeslice as root, else $XDG_STATE_HOME/timeslice)")
+                                       "$XDG_STATE_HOME/timeslice when set, else /var/lib/timeslice as root, else "
+                                       "~/.local/state/timeslice)")
     _pinned_pool_gb(v)
     v.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     v.set_defaults(fn=_serve)
