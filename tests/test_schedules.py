@@ -148,7 +148,8 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
+    # (a's memory outlives it by 5 s: on a loaded machine the kill and the check below took over 1 s)
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=5.0)
     procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
     agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
     spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
