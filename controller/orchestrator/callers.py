@@ -85,20 +85,20 @@ class Callers:
 
     def released_part(self, h: Hold, request_id: str) -> None:
         """A Release by the caller of `request_id` while other callers share `h` (it goes on:
-        `lease_calls.Lease.shared_beyond` says when): its part ends, and so do parts their
-        callers stopped keeping alive (`prune_parts`)."""
+        `lease_calls.Lease.shared_beyond` says when): its part ends."""
         h.request_ids.discard(request_id)
         log.info("caller released its part group=%s job=%s request=%s callers_left=%d", self._g.id, h.job_id,
                  request_id, len(h.request_ids))
-        self.prune_parts(h)
 
     def prune_parts(self, h: Hold) -> None:
-        """End the parts of `h` whose callers kept them alive (a KeepAlive naming their request)
-        and then not for the lease's length: killed while the job's next process shared the
-        hold, whose joins and keep-alives renewed the job's lease for ever (a helper's attack on
-        a standalone node: the other jobs waited until the new process ended). The hold ends
-        with its last part; a part that never named itself in a KeepAlive (an older client, a
-        phase shorter than the keep-alive interval) is never ended here."""
+        """As a caller joins `h`: end the parts whose callers kept them alive (a KeepAlive naming
+        their request) and then not for the lease's length: killed while the job's next process
+        shared the hold, whose joins renewed the job's lease for ever (a helper's attack on a
+        standalone node: the other jobs waited until the new process ended). Only at a join: a
+        part whose caller's keep-alives are merely starved (a process pinning tens of GB) while
+        another caller of its job keeps the hold alive is not ended under it. A part that never
+        named itself in a KeepAlive (an older client, a phase shorter than the keep-alive
+        interval) is never ended here. The hold ends with its last part."""
         g = self._g
         if h is not g.holder:  # (a parked hold's parts wait with it)
             return

@@ -169,7 +169,7 @@ class LockGroup:
         leader, or whose lease lapsed here, on a backend that stops processes, is queued
         again under that lease; one under a revoked `app` lease is refused: the rules are
         `lease_calls.lease_call`. With `request_id` (the caller's Acquire), that caller's part of
-        a shared hold is kept alive too (`Callers.prune_parts`). Raises StaleLease."""
+        a shared hold is marked kept alive (`Callers.prune_parts`). Raises StaleLease."""
         self.leases.keep_alive(job_id, lease_id, epoch, request_id)
         return self.spec.lease_seconds
 

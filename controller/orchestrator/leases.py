@@ -207,7 +207,6 @@ class Leases:
             self.renew(h)
             if request_id in h.request_ids:
                 h.kept_alive[request_id] = g.clock()
-            g.callers.prune_parts(h)
         else:
             raise AssertionError(f"a keep-alive cannot {d.act.value}")
 
