@@ -40,7 +40,7 @@ def sleeper(job: str | None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "TIMESLICE_JOB"}
     if job is not None:
         env["TIMESLICE_JOB"] = job
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env)
+    return subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], env=env)  # (until killed)
 
 
 async def test_a_standalone_agent_tells_a_job_gone_only_once_it_saw_a_named_process_of_it_end() -> None:

@@ -4,8 +4,8 @@ Run beside the orchestrator by `timeslice orchestrator` and `timeslice serve` (s
 `running`). Every `CHECK_SECONDS`, and at once after each grant, each group's holder is looked
 up on the group's node agents (`GetLiveJobs`, one call per agent for every group it serves): an
 agent calls a job gone only once it saw a process of it, so the look at a grant shortens the
-window where a holder killed at once after its grant still costs its lease. A holder that no agent reports
-live and at least one reports gone (it had processes there and none is left: killed with its
+window where a holder killed at once after its grant still costs its lease. A holder that no
+agent reports live and at least one reports gone (it had processes there and none is left: killed with its
 process group, crashed, exited without a release) is dropped (`LockGroup.drop_job`; an
 adopted holder `LockGroup.adopted_holder_gone`), and the next job is granted: a new user's
 trial of `kill -9 -- -PGID` on a holding job stalled the other job for the whole lease (10 s
@@ -70,10 +70,9 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
     (group id, job) pairs dropped."""
     asked = [(g, g.holder) for g in groups if g.holder is not None and g.spec.agents]
     targets = sorted({t for g, _ in asked for t in g.spec.agents})
-    jobs = {t: sorted({(h.job_id, g.id) for g, h in asked if t in g.spec.agents}) for t in targets}
-    members = {(g.id, h.job_id): g.spec.member(h.job_id) for g, h in asked}
-    answers = await asyncio.gather(*(agent(t).live_jobs([(j, members[(gid, j)]) for j, gid in jobs[t]])
-                                     for t in targets), return_exceptions=True)
+    answers = await asyncio.gather(*(agent(t).live_jobs([(h.job_id, g.spec.member(h.job_id)) for g, h in asked
+                                                         if t in g.spec.agents]) for t in targets),
+                                   return_exceptions=True)
     by_target: dict[str, tuple[set[str], set[str]] | None] = {}
     for t, answer in zip(targets, answers, strict=True):
         if isinstance(answer, BaseException):

@@ -46,11 +46,7 @@ def gone_or_failed(pid: int, message: str) -> ProcessGone | BackendError:
     BackendError, so a restore that failed for another reason is never read as "nothing
     left to restore" (issue 22: a restore answered with CUDA error 304 granted the waiter
     while its state was still checkpointed)."""
-    try:
-        gone = proc_state(pid) == "Z"
-    except ProcessGone:
-        gone = True
-    return ProcessGone(message) if gone else BackendError(f"{message} (the process is alive)")
+    return BackendError(f"{message} (the process is alive)") if alive(pid) else ProcessGone(message)
 
 
 def descendants(pid: int) -> list[int]:
