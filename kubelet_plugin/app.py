@@ -29,6 +29,7 @@ from timeslice.driver import kubeapi, names, signals, vmm_shim
 from timeslice.driver.errors import NotFound
 from timeslice.driver.events import EventRecorder
 from timeslice.driver.liveness import Heartbeat, tasks_alive
+from timeslice.driver.private_paths import lock_state_dir
 from timeslice.driver.tasks import cancel_and_wait
 from timeslice.driver.tokenreview import TokenReviewer
 from timeslice.kubelet_plugin.agent.auth import AllowedCallers
@@ -130,7 +131,15 @@ async def _prune_periodically(preparer: ClaimPreparer, seconds: float) -> None:
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None). Raises
-    GpuDiscoveryError at once on a node without the NVIDIA driver (`--driver-root`)."""
+    GpuDiscoveryError at once on a node without the NVIDIA driver (`--driver-root`), OSError
+    when another kubelet plugin uses `cfg.state_dir` (its claims' checkpoint and its agent's
+    records) or serves on its sockets: the second one stops touching nothing."""
+    cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with lock_state_dir(cfg.state_dir, "kubelet-plugin"):
+        await _serve(cfg, stop)
+
+
+async def _serve(cfg: KubeletPluginConfig, stop: asyncio.Event | None) -> None:
     driver = DriverRoot(cfg.driver_root, cfg.driver_root_host or cfg.driver_root) \
         if cfg.driver_root is not None and cfg.fake_gpus is None else None
     if driver is not None:

@@ -6,11 +6,13 @@ helper (reference/dra-protocol.md §2): the DRA service listens on
 registration on `<registry dir>/<driver>-reg.sock` (default registry dir
 `/var/lib/kubelet/plugins_registry`, watched by kubelet). A file left by an earlier
 process is removed before binding, and ours are removed when we stop. (gRPC itself
-unlinks a stale *socket* before binding and its socket on stop, but not a regular file
-or a symlink; we do both explicitly so that no leftover blocks a start.)
+unlinks whatever socket is there before binding, a live server's too, but not a regular
+file or a symlink; we remove leftovers explicitly so that none blocks a start.)
 
-One plugin process per driver and node: a second one would remove the first one's
-sockets (rolling updates with per-pod socket names are not supported yet).
+One plugin process per driver and node: a second one is refused while the first serves
+(a socket a server answers on is never removed; the plugin also locks its state dir), so
+it cannot take the first one's sockets from the kubelet (rolling updates with per-pod
+socket names are not supported yet).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from timeslice.driver.private_paths import free_socket_path
 
 log = logging.getLogger("timeslice.kubelet_plugin.sockets")
 
@@ -44,18 +48,23 @@ def socket_paths(driver_name: str, plugin_data_dir: Path | None = None,
 
 
 def prepare_socket(path: Path) -> str:
-    """Make `path` ready to bind: parent created, a stale file removed; returns the gRPC address.
+    """Make `path` ready to bind: parent created, a socket no server answers on removed
+    (`private_paths.free_socket_path`) and any other leftover file (not a folder); returns the
+    gRPC address.
 
-    Raises ValueError when the path is too long for a unix socket or is a directory.
+    Raises ValueError when the path is too long for a unix socket or is a directory, OSError
+    when a live server answers there (a second plugin on the node must not take the first
+    one's socket from the kubelet).
     """
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise ValueError(f"socket path {path} is longer than {UNIX_PATH_MAX} bytes")
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         raise ValueError(f"socket path {path} is a directory")
-    if path.exists() or path.is_symlink():
-        log.info("removing stale socket path=%s", path)
+    if path.is_symlink() or (path.exists() and not path.is_socket()):
+        log.info("removing a leftover file at the socket path path=%s", path)
         path.unlink()
+    free_socket_path(path)
     return f"unix://{path}"
 
 

@@ -19,6 +19,8 @@ from timeslice.driver.kubeletapi.dra_v1 import dra_pb2 as v1
 from timeslice.driver.kubeletapi.dra_v1 import dra_pb2_grpc as v1_grpc
 from timeslice.driver.kubeletapi.registration import registration_pb2 as rpb
 from timeslice.driver.kubeletapi.registration import registration_pb2_grpc as rpb_grpc
+from timeslice.driver.private_paths import lock_state_dir
+from timeslice.kubelet_plugin.app import KubeletPluginConfig, run
 from timeslice.kubelet_plugin.health import DeviceRef, StaticHealthSource
 from timeslice.kubelet_plugin.plugin_server import PluginServerConfig, create_servers
 from timeslice.kubelet_plugin.registration import RegistrationServicer
@@ -94,6 +96,39 @@ async def test_stale_sockets_are_replaced_at_start_and_removed_at_stop(short_tmp
         await servers.stop(0)
     assert not paths.dra.exists() and not paths.registration.exists()
     assert paths.dra.parent.is_dir() and paths.registration.parent.is_dir()
+
+
+async def test_a_second_plugin_is_refused_and_the_first_keeps_its_sockets(short_tmp) -> None:
+    """A second plugin on the node (a stray copy, a manual start beside the DaemonSet's) must
+    not take the kubelet's sockets from the first (gRPC alone removes a live socket file)."""
+    config = PluginServerConfig(plugin_data_dir=short_tmp / "plugins" / "drv", registry_dir=short_tmp / "reg")
+    paths = config.socket_paths()
+    first = await create_servers(config, FakeClaimPlugin())
+    try:
+        dra_inode = paths.dra.stat().st_ino
+        with pytest.raises(OSError, match="another server is listening"):
+            await create_servers(config, FakeClaimPlugin())
+        assert paths.dra.stat().st_ino == dra_inode
+        async with grpc.aio.insecure_channel(f"unix:{paths.registration}") as ch:
+            info = await rpb_grpc.RegistrationStub(ch).GetInfo(rpb.InfoRequest(), timeout=5)
+        async with grpc.aio.insecure_channel(f"unix:{info.endpoint}") as dra:
+            r = await health_pb2_grpc.HealthStub(dra).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await first.stop(0)
+
+
+async def test_a_plugin_on_a_state_dir_in_use_stops_before_it_touches_anything(tmp_path) -> None:
+    """The state dir holds the claims' checkpoint and the node agent's records: a second
+    plugin on it is refused (the first holds its lock) before it reads or serves anything."""
+    config = KubeletPluginConfig(node_name="n", state_dir=tmp_path / "state", fake_gpus="1",
+                                 registry_dir=tmp_path / "reg")
+    (tmp_path / "state").mkdir()
+    with lock_state_dir(tmp_path / "state", "kubelet-plugin"):
+        with pytest.raises(OSError, match="another timeslice kubelet-plugin uses this state dir"):
+            await run(config)
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["kubelet-plugin.lock"]
+    assert not (tmp_path / "reg").exists()
 
 
 async def test_dra_serves_before_the_registration_socket_appears(short_tmp) -> None:
