@@ -27,6 +27,12 @@ BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_VMM, BACKEND_FREEZE, 
 # Backends whose checkpoint stops the job's processes (SIGSTOP) or locks them (CUDA calls
 # block): a checkpointed job's client may not answer. Under `app` and `cooperative` it runs on.
 STOPPING_BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE)
+# Backends that move a job's memory without stopping its processes or its client: moved under a
+# holder that still computes, its work fails (`app`: its requests; `vmm`: its kernels find their
+# memory unmapped, the process dies). A hold that ends without its client's release (a lapsed or
+# revoked lease, `maxHoldSeconds`, a merge of groups) is moved only once its client released or
+# its processes are gone (controller/orchestrator/awake_engines.py).
+UNRELEASED_KEPT_BACKENDS = (BACKEND_APP, BACKEND_VMM)
 # Moved by the job's own process (timeslice.torch) on the orchestrator's command, not by a
 # node agent: agents only report memory for it.
 BACKEND_COOPERATIVE = "cooperative"

@@ -28,7 +28,7 @@ from timeslice.controller.orchestrator.decisions import (
     lease_timer,
     next_job,
 )
-from timeslice.driver.names import STOPPING_BACKENDS
+from timeslice.driver.names import STOPPING_BACKENDS, UNRELEASED_KEPT_BACKENDS
 
 JOBS = ("a", "b", "c", "d", "e")
 EXAMPLES = int(os.environ.get("TIMESLICE_DECISION_EXAMPLES", "10000"))
@@ -162,17 +162,19 @@ def test_an_awake_engine_keeps_its_gpus_until_its_client_releases_unless_its_own
 
 
 lease_facts = st.builds(LeaseFacts, backend=st.sampled_from(["none", "freeze", "cuda", "cuda-checkpoint",
-                                                             "cooperative", "app"]),
+                                                             "cooperative", "app", "vmm"]),
                         current=st.booleans(), now=st.floats(0, 20), deadline=st.floats(0, 20),
-                        streaming=st.booleans(), callers_unknown=st.booleans(), overdue=st.booleans())
+                        streaming=st.booleans(), callers_unknown=st.booleans(), overdue=st.booleans(),
+                        live=st.booleans())
 
 
 @settings(max_examples=2000, deadline=None)
 @given(lease_facts)
-def test_a_lease_lapses_only_past_its_deadline_and_never_under_a_computing_cooperative_holder(f: LeaseFacts) -> None:
+def test_a_lease_lapses_only_past_its_deadline_and_never_under_a_computing_holder_nothing_stops(f: LeaseFacts) -> None:
     d = lease_timer(f)
-    if isinstance(d, Lapse):  # past its deadline, and not a cooperative holder still computing
+    if isinstance(d, Lapse):  # past its deadline, and not a holder still computing that nothing would stop
         assert f.current and f.now >= f.deadline and not (f.streaming and not f.callers_unknown), (f, d)
+        assert not (f.live and f.backend in UNRELEASED_KEPT_BACKENDS and not f.callers_unknown), (f, d)
         # its late keep-alive queues it again only where the orchestrator stopped its processes
         assert d.requeue == (f.backend in STOPPING_BACKENDS), (f, d)
     if not f.current:  # a timer armed for a hold that ended does nothing

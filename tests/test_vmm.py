@@ -11,6 +11,7 @@ in the middle of a copy) and real kills.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -444,16 +445,14 @@ def test_preload_env_puts_the_shim_first():
     assert ProcessGone  # imported for the reader: `gone` is how run_step reports a ProcessGone
 
 
-async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_lib, tmp_path):
-    """`timeslice serve` on backend vmm, as a user runs it: its ready line names the shim, two jobs
-    started with it (the client library's holds, no other change) share the group; with residency
-    exclusive every hand-off checkpoints the holder through its shim and restores the other, and
-    each job finds its bytes at its addresses in every hold (a job touching memory that is not
-    back would die)."""
-    (tmp_path / "groups.yaml").write_text("groups:\n  - {id: g, backend: vmm, residency: exclusive}\n")
+@contextlib.asynccontextmanager
+async def _serve_vmm(fake_lib: Path, tmp_path: Path, group: str) -> AsyncIterator[dict[str, str]]:
+    """`timeslice serve --config` with one group `group` (YAML flow mapping), as a user runs it:
+    yields the environment its ready line gives jobs (the shim in LD_PRELOAD), over the fake
+    driver; serve's log is tmp_path/serve.log."""
+    (tmp_path / "groups.yaml").write_text(f"groups:\n  - {group}\n")
     sock = tmp_path / "run" / "orchestrator.sock"
-    log = tmp_path / "serve.log"
-    with log.open("ab") as err:
+    with (tmp_path / "serve.log").open("ab") as err:
         serve = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "timeslice.cli.main", "serve", "--config", str(tmp_path / "groups.yaml"),
             "--socket", str(sock), "--state-dir", str(tmp_path / "state"), stdout=subprocess.PIPE, stderr=err)
@@ -461,30 +460,66 @@ async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_l
         assert serve.stdout is not None
         line = (await asyncio.wait_for(serve.stdout.readline(), 60)).decode()
         assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} LD_PRELOAD={vmm_shim.library()} "
-                               "groups=g(vmm)"), log.read_text()
-        words = dict(w.split("=", 1) for w in line.split()[1:3])
+                               "groups=g(vmm)"), (tmp_path / "serve.log").read_text()
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
-        env.update(words)
+        env.update(dict(w.split("=", 1) for w in line.split()[1:3]))
         env.update({"TIMESLICE_GROUP": "g", "TIMESLICE_ACCELERATOR_PROCESS": "1",
                     "TIMESLICE_VMM_LIBCUDA": str(fake_lib), vmm_shim.DIR_ENV: str(tmp_path / "vmm"),
                     "TIMESLICE_VMM_CHUNK_BYTES": str(2 * MIB)})
         (tmp_path / "peers").mkdir()  # each keeps its first hold until both asked: at least one hand-off
         env["TIMESLICE_FAKE_VMM_PEERS"] = f"{tmp_path / 'peers'}:2"
-        jobs = [await asyncio.create_subprocess_exec(
-            sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
-            env={**env, "TIMESLICE_FAKE_VMM_USED": str(tmp_path / f"{i}.used")}, stdout=subprocess.PIPE,
-            start_new_session=True) for i in range(2)]
+        yield env
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(serve.wait(), 30)
+
+
+async def _holds(fake_lib: Path, env: dict[str, str], used: Path) -> asyncio.subprocess.Process:
+    """A job of 4 holds (bench/fake_cuda/vmm/job.py): it exits 0 saying `holds ok` only when it
+    found its bytes at its addresses in each (touching memory that is not back kills it)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(FAKE / "job.py"), str(fake_lib), "--holds", "4", *map(str, SIZES),
+        env={**env, "TIMESLICE_FAKE_VMM_USED": str(used)}, stdout=subprocess.PIPE, start_new_session=True)
+
+
+async def test_serve_moves_unmodified_jobs_with_their_bytes_and_addresses(fake_lib, tmp_path):
+    """`timeslice serve` on backend vmm, as a user runs it: its ready line names the shim, two jobs
+    started with it (the client library's holds, no other change) share the group; with residency
+    exclusive every hand-off checkpoints the holder through its shim and restores the other, and
+    each job finds its bytes at its addresses in every hold (a job touching memory that is not
+    back would die)."""
+    async with _serve_vmm(fake_lib, tmp_path, "{id: g, backend: vmm, residency: exclusive}") as env:
+        jobs = [await _holds(fake_lib, env, tmp_path / f"{i}.used") for i in range(2)]
         outs = await asyncio.wait_for(asyncio.gather(*(j.communicate() for j in jobs)), 120)
+        text = (tmp_path / "serve.log").read_text()
         assert [(j.returncode, o[0].decode().strip()) for j, o in zip(jobs, outs)] == [(0, "holds ok")] * 2, \
-            log.read_text()[-3000:]
-        text = log.read_text()
+            text[-3000:]
         assert text.count("vmm checkpoint pid=") >= 1 and text.count("vmm restore pid=") >= 1, text[-3000:]
         # every checkpoint copied into the node's pool (room for both jobs), which each shim maps
         checkpoints = re.findall(r"vmm checkpoint pid=\d+: (\d+) bytes .*, (\d+) of them in the node's pool", text)
         assert checkpoints and all(whole == pooled for whole, pooled in checkpoints), text[-3000:]
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(serve.wait(), 30)
+
+
+async def test_a_holder_whose_keep_alives_stop_is_not_moved_while_its_process_lives(fake_lib, tmp_path):
+    """A holder whose keep-alives stop past its lease while its process lives (a helper's
+    attack: a C call holding the GIL for 20 s, or a SIGSTOP of 30 s) may still compute, and
+    nothing stops it: its memory moved under it, it died (SIGSEGV) on its next read, or its
+    release raised LeaseLost. It keeps the lock while its agent reports it live; once it goes
+    on, its late keep-alive renews the lease and both jobs finish with their bytes."""
+    group = "{id: g, backend: vmm, residency: exclusive, lease_seconds: 2}"
+    async with _serve_vmm(fake_lib, tmp_path, group) as env:
+        a = await _holds(fake_lib, env, tmp_path / "a.used")
+        await _line(tmp_path / "serve.log", rf"granted group=g job=\S*{a.pid}\b")
+        os.kill(a.pid, signal.SIGSTOP)  # in its first hold, which waits for the second job to ask
+        b = await _holds(fake_lib, env, tmp_path / "b.used")
+        m = await _line(tmp_path / "serve.log", r"lease of holder past its deadline .*|lease expired .*")
+        os.kill(a.pid, signal.SIGCONT)
+        assert "keeps the lock" in m.group(0), m.group(0)
+        outs = await asyncio.wait_for(asyncio.gather(a.communicate(), b.communicate()), 120)
+        text = (tmp_path / "serve.log").read_text()
+        assert [(a.returncode, outs[0][0].decode().strip()), (b.returncode, outs[1][0].decode().strip())] \
+            == [(0, "holds ok")] * 2, text[-3000:]
+        assert "lease expired" not in text, text[-3000:]
 
 
 async def _line(path: Path, pattern: str, seconds: float = 60) -> re.Match[str]:

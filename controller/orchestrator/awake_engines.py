@@ -1,4 +1,5 @@
-"""AwakeEngines: backend `app` engines kept awake for their clients.
+"""AwakeEngines: backend `app` engines kept awake for their clients (and `vmm` processes'
+memory kept on the GPUs for theirs: `names.UNRELEASED_KEPT_BACKENDS`).
 
 Owned by `LockGroup` (one per group; `MemoryMoves` consults it). The node agent calls a
 job's inference engine (vLLM's sleep API, SGLang's memory occupation), it does not stop the

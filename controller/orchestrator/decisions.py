@@ -222,8 +222,9 @@ class LeaseFacts:
     """What a holder's lease timer decides on when it fires (`Leases.on_timer`): whether the
     hold it was armed for still holds (`current`), clock() seconds `now` and the lease's
     `deadline`, whether a process of the holder keeps its memory command stream open
-    (`streaming`: cooperative), whether the hold's callers are unknown (adopted after a
-    restart), and whether it is already kept past its deadline (`overdue`)."""
+    (`streaming`: cooperative), whether its node agents reported a process of it live a
+    moment ago (`live`: `GoneHolders`), whether the hold's callers are unknown (adopted after
+    a restart), and whether it is already kept past its deadline (`overdue`)."""
 
     backend: str
     current: bool
@@ -232,6 +233,7 @@ class LeaseFacts:
     streaming: bool = False
     callers_unknown: bool = False
     overdue: bool = False
+    live: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,8 +243,10 @@ class Rearm:
 
 @dataclass(frozen=True)
 class KeepOverdue:
-    """A cooperative holder past its deadline whose processes keep their streams open is
-    computing (its keep-alives are late): it keeps the lock; `first`: newly overdue."""
+    """A holder past its deadline that is computing (its keep-alives are late) keeps the lock:
+    a cooperative one whose processes keep their streams open, or one on a backend that
+    cannot stop it (`names.UNRELEASED_KEPT_BACKENDS`) whose processes its agents report
+    live; `first`: newly overdue."""
 
     first: bool
 
@@ -265,5 +269,8 @@ def lease_timer(f: LeaseFacts) -> LeaseDecision:
     if f.now < f.deadline:  # extended by keep-alives since armed
         return Rearm()
     if f.streaming and not f.callers_unknown:  # (an adopted hold: the job may be idle)
+        return KeepOverdue(first=not f.overdue)
+    if f.live and f.backend in names.UNRELEASED_KEPT_BACKENDS and not f.callers_unknown:
+        # its keep-alives are late, its processes run: it may compute, and nothing could stop it
         return KeepOverdue(first=not f.overdue)
     return Lapse(requeue=f.backend in names.STOPPING_BACKENDS)

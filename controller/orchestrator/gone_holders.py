@@ -10,7 +10,8 @@ process group, crashed, exited without a release) is dropped (`LockGroup.drop_jo
 adopted holder `LockGroup.adopted_holder_gone`), and the next job is granted: a new user's
 trial of `kill -9 -- -PGID` on a holding job stalled the other job for the whole lease (10 s
 by default). A holder an agent reports live (a worker that outlives its client) keeps its hold
-until its lease lapses, and so does one no agent knows (never seen there; a cluster's claims,
+until its lease lapses (on `vmm` and `app`, whose processes nothing stops, also past it while
+reported live: `decisions.lease_timer`), and so does one no agent knows (never seen there; a cluster's claims,
 which the agents do not look at here) or one whose agent does not answer.
 """
 
@@ -82,7 +83,10 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
             by_target[t] = answer
     dropped = []
     for g, h in asked:
-        if g.holder is not h or not gone(h.job_id, [by_target[t] for t in g.spec.agents]):
+        said = [by_target[t] for t in g.spec.agents]
+        if g.holder is h and any(a is not None and h.job_id in a[0] for a in said):
+            g.seen_live(h.job_id)
+        if g.holder is not h or not gone(h.job_id, said):
             continue
         log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
         if not g.adopted_holder_gone(h.job_id):

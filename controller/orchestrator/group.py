@@ -181,6 +181,10 @@ class LockGroup:
         """The adopted holder `job_id` has no process left: `departures.adopted_holder_gone`."""
         return departures.adopted_holder_gone(self, job_id)
 
+    def seen_live(self, job_id: str) -> None:
+        """A node agent reported a process of `job_id` live: `Leases.seen_live`."""
+        self.leases.seen_live(job_id)
+
     def leave(self, job_id: str) -> str:
         """A process of `job_id` is done with the group (`Leave`): `departures.leave`."""
         return departures.leave(self, job_id)

@@ -123,6 +123,7 @@ class Hold:
     # request id -> clock() seconds its caller last kept its part alive (a KeepAlive naming it):
     # `Callers.prune_parts`
     kept_alive: dict[str, float] = field(default_factory=dict)
+    live_at: float | None = None  # clock() seconds its node agents last reported a process of it live
     ended: bool = False  # `LockGroup.end_hold` ran (a hold carried to another group goes on there)
 
 

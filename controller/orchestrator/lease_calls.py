@@ -11,7 +11,7 @@ The leases it is matched against, in order (leases.py has the why of each):
 - release: the *parked* lease of a preempted holder (its place in the queue ends; with a
   `request_id` while other callers share it, only that caller's part) → the *lapsed* lease of a
   holder on a backend that stops processes (accepted, nothing moves) → the *revoked* lease of an
-  `app` hold that ended unreleased (refused; noted first: its engine may sleep once no caller is
+  `app` or `vmm` hold that ended unreleased (refused; noted first: its engine may sleep once no caller is
   left) → the *holder's* lease (its hold ends, or the caller's part of it) → refused.
 - keep-alive: the parked lease (it is extended) → the revoked lease (refused) → a lease an
   earlier leader granted to a job checkpointed here, on a backend that stops processes
@@ -254,12 +254,13 @@ class AfterSwitch:
 class Preempt:
     """The hold ends. `park`: on a backend that stops processes, the holder is switched out like
     a releasing one and queued again under its lease (its preemption is invisible to its code);
-    `revoke_app`: an `app` engine is slept only once its client released, and must leave before
-    anyone is granted; neither (`none`, `cooperative`: nothing stops the holder): its lease is
-    revoked like a lapsed one."""
+    `revoke_kept`: its lease is revoked, and its memory moves only once its client released,
+    before anyone is granted (`app`: its engine sleeps then; `vmm`: moved under its computing
+    process, it would die: `names.UNRELEASED_KEPT_BACKENDS`); neither (`none`, `cooperative`:
+    nothing stops the holder): its lease is revoked like a lapsed one."""
 
     park: bool = False
-    revoke_app: bool = False
+    revoke_kept: bool = False
 
 
 LimitDecision = Nothing | AfterSwitch | Preempt
@@ -280,4 +281,4 @@ def hold_limit(f: LimitFacts) -> LimitDecision:
         return AfterSwitch()
     if not contended(f.holder, f.priority, f.queue):
         return Nothing()
-    return Preempt(park=f.backend in names.STOPPING_BACKENDS, revoke_app=f.backend == names.BACKEND_APP)
+    return Preempt(park=f.backend in names.STOPPING_BACKENDS, revoke_kept=f.backend in names.UNRELEASED_KEPT_BACKENDS)

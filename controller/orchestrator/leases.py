@@ -19,13 +19,20 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
   the lapsed holder leaves the GPUs before anyone is granted, and its lease is remembered
   (`lapsed`): its late keep-alive queues it again under that lease, like a preempted
   holder (restored in its turn, invisibly to its code), and its late release is accepted.
+- `vmm`: nothing stops the holder's processes, and moving its memory under a process that
+  computes kills it (its kernels find their memory unmapped). A holder whose node agents
+  report a process of it live keeps the lock past its lease (*overdue*, looked at again every
+  `LIVE_SECONDS`) until it keeps alive (its lease is current again), releases, or is no longer
+  reported live; one that is not (its agent does not answer, a cluster's claims, which agents
+  do not look at here) has its lease revoked, and its memory moves only once its client
+  released, as `app`'s below.
 - `none`: nothing stops a lapsed holder, so the next job may overlap it: its late calls are
   refused (the client raises `LeaseLost`).
 - `app`: the agent sleeps the job's engine but does not stop its client, whose requests a
   sleeping engine fails. Its late calls are refused as with `none`, and also those of a
   holder preempted at `maxHoldSeconds` or by a merge; its engine is
   slept only once its client released (its refused release is noted first), and nobody is
-  granted in its place until then (`AwakeEngines`).
+  granted in its place until then (`AwakeEngines`). Kept overdue while reported live, as `vmm`.
 """
 
 from __future__ import annotations
@@ -60,6 +67,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 KNOWN_LEASES = 1024  # leases granted by this orchestrator, remembered per group (most recent)
+# A holder its node agents reported live this recently, seconds, is alive (`GoneHolders` asks
+# every 0.5 s); an overdue one kept for it is looked at again this often.
+LIVE_SECONDS = 2.0
 
 
 class Leases:
@@ -89,7 +99,16 @@ class Leases:
         """`h`'s lease was extended (its deadline moved): an overdue holder's timer runs again."""
         if self._overdue is h:
             self._overdue = None
+            self.stop()
             self.arm()
+
+    def seen_live(self, job_id: str) -> None:
+        """A node agent reported a process of `job_id` live (`GoneHolders`): if it holds, noted
+        (`Hold.live_at`); on `names.UNRELEASED_KEPT_BACKENDS` a holder seen live is not cut
+        off when its keep-alives are late."""
+        h = self._g.holder
+        if h is not None and h.job_id == job_id:
+            h.live_at = self._g.clock()
 
     def arm(self) -> None:
         """Time the current holder's lease (from its deadline)."""
@@ -111,17 +130,22 @@ class Leases:
         streams open: overdue)."""
         g = self._g
         self._timer = None
-        d = lease_timer(LeaseFacts(g.spec.backend, g.holder is h, g.clock(), h.lease_deadline,
-                                   g.holder is h and self._streaming(h.job_id), h.callers_unknown,
-                                   self._overdue is h))
+        streaming = g.holder is h and self._streaming(h.job_id)
+        live = h.live_at is not None and g.clock() - h.live_at <= LIVE_SECONDS
+        d = lease_timer(LeaseFacts(g.spec.backend, g.holder is h, g.clock(), h.lease_deadline, streaming,
+                                   h.callers_unknown, self._overdue is h, live))
         if isinstance(d, Rearm):
             self.arm()
         elif isinstance(d, KeepOverdue):
             if d.first:
-                log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock, its "
-                            "processes keep their memory command streams open (computing; its keep-alives are "
-                            "late), until they close or it releases", g.id, h.job_id, h.epoch)
+                log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock, %s "
+                            "(computing; its keep-alives are late), until %s or it releases", g.id, h.job_id,
+                            h.epoch, *(("its processes keep their memory command streams open", "they close")
+                                       if streaming else ("its processes run and nothing could stop them",
+                                                          "they end, are no longer reported live,")))
             self._overdue = h
+            if not streaming:  # looked at again: still reported live?
+                self._timer = asyncio.get_running_loop().call_later(LIVE_SECONDS, self.on_timer, h)
         elif isinstance(d, Lapse):
             self._lapse(h, d.requeue)
 

@@ -101,9 +101,10 @@ class MemoryMoves:
     def lapsed(self, job: str, hold: Hold | None = None, why: str = "its lease lapsed") -> bool:
         """`job`'s lease lapsed while it held (or was revoked: `hold`, the hold that ended, and
         `why`): cut off, not gone, it may still compute, so it leaves the GPUs before anyone is
-        granted. On backend `app` only once its client released (`AwakeEngines.lapsed`, whose
-        answer it returns: whether the job is to be dropped instead)."""
-        if self._g.spec.backend == names.BACKEND_APP:
+        granted. On backends `app` and `vmm` (`names.UNRELEASED_KEPT_BACKENDS`) only once its
+        client released (`AwakeEngines.lapsed`, whose answer it returns: whether the job is to be
+        dropped instead)."""
+        if self._g.spec.backend in names.UNRELEASED_KEPT_BACKENDS:
             return self._g.awake.lapsed(job, hold, why)
         if self._g.spec.backend != names.BACKEND_NONE:
             self._lapsed.add(job)

@@ -10,9 +10,11 @@ and restored when its turn comes, so the preemption is invisible to its code. Wi
 too: the agent puts the job's engine to sleep but does not stop its client, which may be
 mid-phase, sending requests that a sleeping engine fails; and a wake under a hold its
 client believes uninterrupted would not tell it that its engine reloaded (vLLM level 2
-discards the weights). Its keep-alives and release are refused (its client raises
-`LeaseLost`), and its engine sleeps only once its client released (`AwakeEngines`);
-its next grant is a new one, restored.
+discards the weights). With `vmm` as well: its shim moves the memory of a process that
+nothing stops, whose kernels would then find their memory unmapped. Its keep-alives and
+release are refused (its client raises `LeaseLost`), and its memory moves (its engine
+sleeps) only once its client released (`AwakeEngines`); its next grant is a new one,
+restored.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Preemption:
         g.notify("preempted", h.job_id, h.epoch)
         why = f"maxHoldSeconds {limit:g} exceeded while others waited"
         g.end_hold(h, why)
-        if d.revoke_app:  # its engine sleeps once its client released
+        if d.revoke_kept:  # its memory moves (an engine sleeps) once its client released
             g.moves.lapsed(h.job_id, h, why)
             g.record_placement()  # it must leave before anyone is granted, also after a restart
         elif d.park:  # checkpointed by the switch, re-queued keeping its lease

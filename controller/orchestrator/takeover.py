@@ -72,8 +72,9 @@ class Carrying:
 
 
 # Backends under which a carried holder preempted by the new group's own is revoked, not parked:
-# nothing stops its processes (none, cooperative), or its engine sleeps once its client released (app)
-REVOKING_BACKENDS = (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, names.BACKEND_APP)
+# nothing stops its processes (none, cooperative), or its memory moves once its client released
+# (app, vmm: `names.UNRELEASED_KEPT_BACKENDS`)
+REVOKING_BACKENDS = (names.BACKEND_NONE, names.BACKEND_COOPERATIVE, *names.UNRELEASED_KEPT_BACKENDS)
 
 
 def carrying(jobs: Set[str], epochs: tuple[int, int], checkpointed: Set[str], residents: Set[str],
