@@ -220,7 +220,9 @@ async def _serve(cfg: ServeConfig, state_dir: Path, stop: asyncio.Event) -> None
             backends = [VmmBackend(names.DEFAULT_LOCK_TIMEOUT_SECONDS, pool_bytes=vmm_pool)
                         if b == names.BACKEND_VMM else b for b in backends]
             jobs = PeerJobs(state_dir / "jobs.json")
-            agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json")
+            # its orchestrator starts and stops with it: what no group of this config restores is put back at start
+            agent = NodeAgent(PeerProcessResolver(jobs), backends=backends, records_path=state_dir / "agent.json",
+                              groups={g.id: g.backend for g in config.groups})
             agent_server, _ = await create_agent_server(agent, agent_target)
             try:
                 async with running(config, PeerAuthenticator(front, jobs, cfg.scope)) as (_, port):

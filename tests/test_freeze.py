@@ -7,7 +7,7 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import FailedPrecondition
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -159,6 +159,71 @@ async def test_a_restore_with_another_backend_than_the_checkpoint_is_refused(tmp
     assert proc_state(proc.pid) == "T" and "a" in agent.records.jobs  # untouched: the right restore still works
     await agent.restore(StepRequest(JobRef("a"), "freeze", "g", 5))
     assert proc_state(proc.pid) in "RS" and "a" not in agent.records.jobs
+
+
+async def frozen_by_an_earlier_run(tmp_path, children, group: str = "g") -> tuple[int, object]:
+    """A spinner frozen by an agent offering `freeze` (its record in tmp_path/records.json), as a
+    killed run leaves it: (its pid, the records' path)."""
+    proc = spinner(children)
+    records = tmp_path / "records.json"
+    agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["freeze"], records_path=records)
+    await agent.checkpoint(StepRequest(JobRef("a"), "freeze", group, 5))
+    assert proc_state(proc.pid) == "T"
+    return proc.pid, records
+
+
+async def test_a_record_whose_backend_is_no_longer_offered_is_put_back_at_start(tmp_path, children, caplog) -> None:
+    """Found by an attacker: an agent restarted without `freeze` kept a frozen job's record
+    without checking it ("cannot check the processes ... (record kept)"), and nothing could
+    thaw the job any more (a restore naming another backend is refused). Now its own backend,
+    built for that only, puts it back at start; steps still refuse the backend."""
+    pid, records = await frozen_by_an_earlier_run(tmp_path, children)
+    again = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=["none"], records_path=records)
+    await again.recover()
+    assert proc_state(pid) in "RS" and again.records.jobs == {}
+    assert "job=a group=g was left frozen by backend freeze and backend freeze is not offered" in caplog.text
+    with pytest.raises(InvalidArgument, match="not offered"):
+        await again.checkpoint(StepRequest(JobRef("a"), "freeze", "g", 5))
+    assert proc_state(pid) in "RS"
+
+
+async def test_a_kept_record_of_a_backend_no_longer_offered_is_restored_by_a_step_naming_it(tmp_path,
+                                                                                           children) -> None:
+    """A record put back at start failed to be (an `app` engine not answering yet): a restore
+    step naming its backend still puts it back, with that backend built for it."""
+    pid, records = await frozen_by_an_earlier_run(tmp_path, children)
+    again = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=["none"], records_path=records)
+    await again.restore(StepRequest(JobRef("a"), "freeze", "g", 5))  # (no recover: as if it had failed)
+    assert proc_state(pid) in "RS" and again.records.jobs == {}
+
+
+async def test_a_record_that_cannot_be_put_back_is_kept_with_an_error_naming_the_way_out(tmp_path, children,
+                                                                                          caplog) -> None:
+    """Backend `app` with no engine recorded cannot be built to put a record back: the record
+    stays, and an error line names the job and what to do."""
+    from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
+
+    pid = spinner(children).pid
+    JobRecords(tmp_path / "records.json").put("a", JobRecord("app", "g", {pid: 0}))
+    again = NodeAgent(StaticProcessResolver(), backends=["none"], records_path=tmp_path / "records.json")
+    await again.recover()
+    assert "a" in again.records.jobs
+    assert f"job=a pids=[{pid}] stays checkpointed by backend app, and nobody will restore it" in caplog.text
+    assert "Put group g back on backend app" in caplog.text
+
+
+@pytest.mark.parametrize(("groups", "thawed"), [({"g": "freeze"}, False), ({"g": "none"}, True),
+                                                ({"h": "freeze"}, True)])
+async def test_serve_s_agent_puts_back_at_start_what_no_group_of_its_config_restores(tmp_path, children, groups,
+                                                                                    thawed: bool) -> None:
+    """`timeslice serve` names its groups (its orchestrator starts and stops with the agent):
+    a record of a group now on another backend, or gone, is put back at start, although its
+    backend is still offered (another group's); one its group restores is kept, stopped."""
+    pid, records = await frozen_by_an_earlier_run(tmp_path, children)
+    again = NodeAgent(StaticProcessResolver({"a": [pid]}), backends=["freeze", "none"], records_path=records,
+                      groups=groups)
+    await again.recover()
+    assert (proc_state(pid) in "RS") == thawed and ("a" in again.records.jobs) != thawed
 
 
 async def test_job_ids_leave_no_state_behind(tmp_path) -> None:

@@ -51,11 +51,13 @@ def check_hand_offs(out: Path, jobs: str) -> None:
 
 @contextlib.asynccontextmanager
 async def serve_process(tmp_path: Path, lease_seconds: float = 10, name: str = "serve",
-                        sock: Path | None = None) -> AsyncIterator[tuple[str, int, asyncio.subprocess.Process]]:
-    """A `timeslice serve` process with one freeze group `g`, logging to tmp_path/<name>.log:
+                        sock: Path | None = None, backend: str = "freeze"
+                        ) -> AsyncIterator[tuple[str, int, asyncio.subprocess.Process]]:
+    """A `timeslice serve` process with one group `g` on `backend`, logging to tmp_path/<name>.log:
     (socket path, loopback port, process); stopped with SIGTERM at the end unless the test
     ended it."""
-    (tmp_path / "groups.yaml").write_text(f"groups:\n  - {{id: g, backend: freeze, lease_seconds: {lease_seconds}}}\n")
+    (tmp_path / "groups.yaml").write_text(
+        f"groups:\n  - {{id: g, backend: {backend}, lease_seconds: {lease_seconds}}}\n")
     sock = sock or tmp_path / "run" / "orchestrator.sock"
     log = tmp_path / f"{name}.log"
     with log.open("ab") as err:
@@ -66,7 +68,7 @@ async def serve_process(tmp_path: Path, lease_seconds: float = 10, name: str = "
     assert proc.stdout is not None
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g(freeze)"), log.read_text()
+        assert line.startswith(f"ready TIMESLICE_ORCHESTRATOR=unix://{sock} groups=g({backend})"), log.read_text()
         ports = re.findall(r"orchestrator serving listen=127.0.0.1:0 port=(\d+)", log.read_text())
         yield str(sock), int(ports[-1]), proc  # logged before `ready`
     finally:

@@ -5,6 +5,7 @@ scripts are real processes; the `freeze` backend stops a job's marked processes.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shlex
@@ -224,6 +225,69 @@ async def test_a_restarted_serve_hands_the_group_on_at_once_when_its_last_holder
         for p in (a, b):
             if p.returncode is None:
                 p.kill()
+                await p.wait()
+
+
+# A job of ROUNDS holds, all of it marked (the agent stops it whole): each hold computes on the
+# CPU for 0.4 s; the holds' spans go to OUT (JSON) once it is done.
+JOB_ROUNDS = textwrap.dedent("""
+    import json, sys, time
+    from timeslice import TimeSliceOrchestratorClient
+    out, rounds = sys.argv[1], int(sys.argv[2])
+    c = TimeSliceOrchestratorClient(group_id="g")
+    spans = []
+    for r in range(rounds):
+        with c.on_accelerators():
+            t0 = time.time()
+            print("held", r, flush=True)
+            while time.time() < t0 + 0.4:
+                pass
+            spans.append([t0, time.time()])
+        time.sleep(0.05)
+    c.close()
+    with open(out, "w") as f:
+        json.dump(spans, f)
+""")
+
+
+@pytest.mark.parametrize("backend", ["none", "cooperative"])
+async def test_a_serve_restarted_with_the_group_on_another_backend_thaws_the_job_its_killed_run_left_frozen(
+        tmp_path, backend: str) -> None:
+    """An attacker's trial: `kill -9` of serve (freeze) while a job was frozen, then serve
+    restarted on the same state dir with the group on another backend. Its agent, which no
+    longer offered `freeze`, kept the job's record without checking it ("cannot check the
+    processes ... (record kept)"), its orchestrator adopted nothing checkpointed, and the job
+    stayed stopped for good. Now the agent thaws it at start (the record's own backend, built
+    for that); both jobs finish, and their holds never overlap."""
+    jobs: list[asyncio.subprocess.Process] = []
+    try:
+        async with serve_process(tmp_path) as (sock, _, serve):
+            for name in "ab":
+                jobs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", JOB_ROUNDS, str(tmp_path / f"{name}.spans"), "4",
+                    stdout=asyncio.subprocess.DEVNULL, start_new_session=True,
+                    env=env_for(sock, TIMESLICE_ACCELERATOR_PROCESS="1")))
+            # a job is frozen once it has held and the other holds
+            await eventually(lambda: any(not running(p.pid) for p in jobs), 60, what="a job frozen")
+            serve.kill()
+            await serve.wait()
+        frozen = [p for p in jobs if not running(p.pid)]
+        assert len(frozen) == 1, [proc_state(p.pid) for p in jobs]  # the other one holds
+        async with serve_process(tmp_path, name="serve-again", backend=backend):
+            await eventually(lambda: running(frozen[0].pid), 30, what="the frozen job thawed by the restarted serve")
+            for p in jobs:
+                assert await asyncio.wait_for(p.wait(), 90) == 0
+        spans = sorted(s for name in "ab" for s in json.loads((tmp_path / f"{name}.spans").read_text()))
+        assert len(spans) == 8
+        for prev, cur in itertools.pairwise(spans):
+            assert cur[0] >= prev[1], spans  # never two holders at once
+        log = (tmp_path / "serve-again.log").read_text()
+        assert f"job=pgid-{frozen[0].pid} group=g was left frozen by backend freeze" in log, log[-3000:]
+        assert "cannot check the processes" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        for p in jobs:
+            if p.returncode is None:
+                os.killpg(p.pid, signal.SIGKILL)
                 await p.wait()
 
 

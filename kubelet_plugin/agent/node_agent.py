@@ -141,7 +141,9 @@ async def _states(backend: Backend, pids: list[int]) -> list[ProcState]:
 
 class NodeAgent:
     """`backends`: what this node offers, by name (built on first use) or as ready
-    `Backend` objects; other names are refused with INVALID_ARGUMENT."""
+    `Backend` objects; other names are refused with INVALID_ARGUMENT. `groups`: group id ->
+    backend of every group the agent serves, given where its only orchestrator starts and stops
+    with it (`timeslice serve`), so that `recover` puts back what no group would restore."""
 
     def __init__(self, resolver: ProcessResolver, backends: Iterable[str | Backend] = (names.BACKEND_FREEZE,
                  names.BACKEND_NONE), records_path: Path | None = None,
@@ -149,8 +151,12 @@ class NodeAgent:
                  lock_timeout: float = names.DEFAULT_LOCK_TIMEOUT_SECONDS,
                  claim_resolver: ClaimProcessResolver | None = None,
                  memory_probe: Callable[[], list[GpuInfo]] = gpus,
-                 host_probe: Callable[[], int] = host_memory.available_bytes) -> None:
+                 host_probe: Callable[[], int] = host_memory.available_bytes,
+                 groups: Mapping[str, str] | None = None) -> None:
         self.resolver = resolver
+        # group id -> its backend, where this agent's caller is its only orchestrator and starts with
+        # it (serve): a record of another group, or made with another backend, is nobody's to restore
+        self.groups = dict(groups) if groups is not None else None
         self.claim_resolver = claim_resolver
         given = list(backends)
         self._backends: dict[str, Backend] = {b.name: b for b in given if isinstance(b, Backend)}
@@ -185,6 +191,9 @@ class NodeAgent:
         self.operations = Operations()
         # jobs (not named by claims) this run saw processes of, least recently seen first (`live_jobs`)
         self._seen_jobs: dict[str, None] = {}
+        # backends built only to put back what an earlier run recorded with a backend this run
+        # does not offer (`recovery_backend`): never used for a checkpoint
+        self._recovering: dict[str, Backend] = {}
 
     def backend(self, name: str) -> Backend:
         """The backend of that name; InvalidArgument when not offered, FailedPrecondition
@@ -199,6 +208,34 @@ class NodeAgent:
             except BackendError as err:
                 raise FailedPrecondition(f"backend {name} unavailable on this node: {err}") from err
         return backend
+
+    def recovery_backend(self, record: JobRecord) -> Backend:
+        """The backend that puts `record`'s processes back, bound to its engine: the record's
+        own backend as offered, or, when this run does not offer it (the node's configuration
+        changed since the checkpoint: serve restarted with the group on another backend, an agent
+        restarted with other `--backends`), an instance of it built for putting back only (a
+        `vmm` one without a pinned pool of its own), since no step naming an offered backend can
+        undo it. Raises FailedPrecondition when this node cannot run it (`cuda` without its
+        driver bindings, `cuda-checkpoint` without its binary, `app` without the job's engine)."""
+        name = record.backend
+        if name in self.enabled:
+            return self.backend(name).bind(record.app)
+        backend = self._recovering.get(name)
+        if backend is None:
+            try:
+                if name == names.BACKEND_VMM:
+                    from timeslice.kubelet_plugin.agent.backends.vmm import VmmBackend
+                    backend = VmmBackend(self.lock_timeout, self._memory_probe, pool_bytes=0)
+                else:
+                    backend = make_backend(name, self.lock_timeout, self._memory_probe)
+            except (BackendError, InvalidArgument) as err:
+                raise FailedPrecondition(f"backend {name} (not offered by this node agent now) cannot be built "
+                                         f"here to put its checkpoint back: {err}") from err
+            self._recovering[name] = backend
+        try:
+            return backend.bind(record.app)
+        except InvalidArgument as err:
+            raise FailedPrecondition(f"backend {name}: {err}") from err
 
     async def _pids(self, job: JobRef) -> list[int]:
         if not job.claims:
@@ -333,7 +370,10 @@ class NodeAgent:
     async def _restore(self, req: StepRequest) -> StepOutcome:
         job_id, backend_name, group_id, timeout = req.job_id, req.backend, req.group_id, req.timeout
         record = self.records.jobs.get(job_id)
-        backend = self.backend(backend_name).bind(req.app or (record.app if record else None))
+        if record is not None and record.backend == backend_name and backend_name not in self.enabled:
+            backend = self.recovery_backend(record)  # a record an earlier run left: its own backend puts it back
+        else:
+            backend = self.backend(backend_name).bind(req.app or (record.app if record else None))
         async with self._lock(job_id):
             t0 = time.monotonic()
             if req.operation_id and self.records.restored.get(req.operation_id) == job_id:
@@ -400,10 +440,18 @@ class NodeAgent:
         """At start, make the records match the processes: undo the checkpoints a previous run
         of this agent began and did not finish (write-ahead records still `checkpointing`:
         their processes are restored, the records dropped), and drop the record of a restore
-        that finished but was not recorded (every process of it runs). No process stays
-        stopped without a record, and no record names running processes."""
+        that finished but was not recorded (every process of it runs). A record no restore step
+        would come for (`_orphaned`: its backend is not offered now, or, with `groups`, its
+        group is gone or on another backend: the configuration changed since) is put back now
+        with its own backend (`recovery_backend`), or, where it cannot be, kept with an error
+        line naming the job and the way out. No
+        process stays stopped without a record, and no record names running processes."""
         for job_id, record in list(self.records.jobs.items()):
             pids = [p for p in record.pids if procfs.alive(p)]
+            orphaned = self._orphaned(record)
+            if orphaned:
+                await self._put_back_orphan(job_id, record, pids, orphaned)
+                continue
             if record.phase != CHECKPOINTING:
                 try:
                     states = await self.backend(record.backend).bind(record.app).state(pids) if pids else []
@@ -418,6 +466,42 @@ class NodeAgent:
             log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
             await self._put_back(job_id, record, "undoing an interrupted checkpoint")
 
+    def _orphaned(self, record: JobRecord) -> str:
+        """Why no restore step will come for `record` (an earlier run's), "" when one may: its
+        backend is not offered now (a step naming another backend is refused for it), or, with
+        `groups`, its group is gone or on another backend now."""
+        if record.backend not in self.enabled:
+            return f"backend {record.backend} is not offered by this node agent now (offered: " \
+                f"{', '.join(self.enabled)})"
+        if self.groups is None:
+            return ""
+        now = self.groups.get(record.group)
+        if now is None:
+            return f"its group {record.group} is gone"
+        return f"its group {record.group} is on backend {now} now" if now != record.backend else ""
+
+    async def _put_back_orphan(self, job_id: str, record: JobRecord, pids: list[int], why: str) -> None:
+        """Put back at start a job an earlier run checkpointed that no restore step would put
+        back (`_orphaned`: `why`), with its own backend (`recovery_backend`). Where that fails,
+        its record is kept (a restore step naming that backend may still put it back: `_restore`)
+        and an error line says what the user must do."""
+        if not pids:
+            log.info("dropping the record of job=%s: its processes %s are gone (%s)", job_id, sorted(record.pids), why)
+            self.records.pop(job_id)
+            return
+        left = "frozen" if record.backend == names.BACKEND_FREEZE else "checkpointed"
+        log.warning("job=%s group=%s was left %s by backend %s and %s: putting its processes %s back now, as no "
+                    "restore step would", job_id, record.group, left, record.backend, why, pids)
+        if await self._put_back(job_id, record, why):
+            log.info("restored job=%s pids=%s at start with backend %s", job_id, pids, record.backend)
+            return
+        way_out = f"`kill -CONT {' '.join(map(str, pids))}`" if record.backend == names.BACKEND_FREEZE else \
+            "end its processes"
+        log.error("job=%s pids=%s stays %s by backend %s, and nobody will restore it (%s). Put group %s back on "
+                  "backend %s (serve: its config; node-agent and kubelet plugin: --backends %s offered) and restart, "
+                  "or %s", job_id, pids, left, record.backend, why, record.group, record.backend, record.backend,
+                  way_out)
+
     async def restore_all(self, why: str) -> None:
         """Restore every job this agent holds checkpointed or frozen and drop its record: for
         one-box mode's stop (`timeslice serve`), where the orchestrator stops with the agent
@@ -428,12 +512,12 @@ class NodeAgent:
                 log.info("restored job=%s pids=%s: %s", job_id, list(record.pids), why)
 
     async def _put_back(self, job_id: str, record: JobRecord, why: str) -> bool:
-        """Restore the live processes of `record` and drop it; False (logged, record kept)
-        when the restore fails."""
+        """Restore the live processes of `record` with its own backend (`recovery_backend`) and
+        drop it; False (logged, record kept) when the restore fails."""
         pids = [p for p in record.pids if procfs.alive(p)]
         try:
             if pids:
-                await self.backend(record.backend).bind(record.app).restore(pids, self.default_timeout)
+                await self.recovery_backend(record).restore(pids, self.default_timeout)
         except TimeSliceServerError as err:
             log.error("could not restore job=%s (%s): %s (record kept)", job_id, why, err)
             return False
