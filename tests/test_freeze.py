@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import grpc
 import grpc.aio
 import pytest
@@ -14,7 +17,7 @@ from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
 from timeslice.kubelet_plugin.agent.server import create_server
 
-from tests.conftest import python_child
+from tests.conftest import eventually, python_child
 
 SPIN = """
     import time
@@ -236,3 +239,30 @@ async def test_job_ids_leave_no_state_behind(tmp_path) -> None:
         await agent.checkpoint(StepRequest(JobRef(f"job-{i}-" + "x" * 200), "freeze", "g", 1))
     gc.collect()
     assert len(agent._job_locks) == 0
+
+
+async def test_a_frozen_job_continued_by_someone_else_is_stopped_again_until_its_restore(children, tmp_path, short_tmp,
+                                                                                        caplog) -> None:
+    """A SIGSTOP is undone by anyone's SIGCONT (a shell's `fg` after Ctrl-Z): a helper's attack
+    on `timeslice serve` had a holder frozen at its lapsed lease and then continued by its user
+    compute 1.6 s beside the next holder. The agent stops it again (`FrozenWatch`), and leaves
+    it running once its restore thawed it."""
+    proc = spinner(children)
+    agent = NodeAgent(StaticProcessResolver({"job-a": [proc.pid]}), backends=["freeze"],
+                      records_path=tmp_path / "records.json")
+    server, _ = await create_server(agent, f"unix://{short_tmp / 'agent.sock'}")
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{short_tmp / 'agent.sock'}") as ch:
+            stub = apb_grpc.NodeAgentStub(ch)
+            await stub.Checkpoint(apb.SwitchStepRequest(job_id="job-a", backend="freeze", group_id="g"))
+            assert proc_state(proc.pid) == "T"
+            for _ in range(2):
+                os.kill(proc.pid, signal.SIGCONT)
+                assert proc.stdout.readline().strip().isdigit()  # it computes: continued
+                await eventually(lambda: proc_state(proc.pid) == "T", what="the continued job stopped again")
+            assert f"frozen job=job-a: processes [{proc.pid}] were continued by someone else" in caplog.text
+            await stub.Restore(apb.SwitchStepRequest(job_id="job-a", backend="freeze"))
+            await eventually(lambda: not agent.frozen_watch.watching, what="the watch ended with no job frozen")
+            assert proc_state(proc.pid) in "RS"
+    finally:
+        await server.stop(0)

@@ -36,6 +36,7 @@ from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent import procfs
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED, GONE, RUNNING, STOPPED, Backend, ProcState
+from timeslice.kubelet_plugin.agent.frozen_watch import FrozenWatch
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus
 from timeslice.kubelet_plugin.agent.pod_processes import ClaimProcessResolver
 from timeslice.kubelet_plugin.agent.processes import ProcessResolver
@@ -167,6 +168,7 @@ class NodeAgent:
         self.records = JobRecords(records_path)
         self.default_timeout = default_timeout
         self.lock_timeout = lock_timeout
+        self.frozen_watch = FrozenWatch(self.records, self._lock, default_timeout)  # frozen jobs stay frozen
         # one lock per job while a step runs (weak: an id seen once costs nothing afterwards)
         self._job_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._memory_probe = memory_probe
@@ -343,6 +345,7 @@ class NodeAgent:
             seconds = time.monotonic() - t0
             log.info("checkpointed job=%s group=%s backend=%s pids=%s bytes=%d seconds=%.3f operation=%s", job_id,
                      group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
+            self.frozen_watch.start()
             return StepOutcome(job_id, procs, record.bytes, seconds)
 
     async def _undo_if_a_process_ended(self, job_id: str, backend: Backend, procs: list[ProcState],
@@ -465,6 +468,7 @@ class NodeAgent:
                 continue
             log.warning("undoing an interrupted checkpoint job=%s backend=%s pids=%s", job_id, record.backend, pids)
             await self._put_back(job_id, record, "undoing an interrupted checkpoint")
+        self.frozen_watch.start()
 
     def _orphaned(self, record: JobRecord) -> str:
         """Why no restore step will come for `record` (an earlier run's), "" when one may: its
