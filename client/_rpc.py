@@ -53,6 +53,12 @@ CHANNEL_OPTIONS = [
 # side sends these blocking calls (a stopping leader's in-flight Acquire, a dropped stream):
 # a caller's own cancel surfaces as an exception of its own, not as this status.
 RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# Bound on one try of a call the orchestrator answers at once (Release, the KeepAlive that
+# confirms a grant), seconds (`Settings.call_timeout`). Such a call whose answer did not come in
+# time (DEADLINE_EXCEEDED: the orchestrator paused, e.g. `timeslice serve` stopped with Ctrl-Z,
+# or starved) is asked again like an UNAVAILABLE one (`Retry`), never raised as the caller's
+# own timeout: a release or keep-alive has none.
+CALL_TIMEOUT = 10.0
 # Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0
@@ -99,6 +105,7 @@ class Settings:
     unavailable_timeout: float
     memory: int = 0  # bytes per GPU this job declares it holds at most while it computes; 0: none
     retry_failed_switches: bool = True  # acquire() asks again after SwitchFailed (`Retry`)
+    call_timeout: float = CALL_TIMEOUT  # seconds per try of a call answered at once (`CALL_TIMEOUT`)
 
 
 def memory_bytes(memory: str | int | None) -> int:
@@ -116,7 +123,7 @@ def memory_bytes(memory: str | int | None) -> int:
 
 def settings(target: str | None, job_id: str | None, group_id: str | None, priority: int,
              unavailable_timeout: float, memory: str | int | None = None,
-             retry_failed_switches: bool = True) -> Settings:
+             retry_failed_switches: bool = True, call_timeout: float = CALL_TIMEOUT) -> Settings:
     """Fill unset arguments from TIMESLICE_ORCHESTRATOR / TIMESLICE_JOB / TIMESLICE_GROUP /
     TIMESLICE_MEMORY (`memory_bytes`).
     Without a job id, a client that has a token (`call_metadata`: in a cluster pod) sends
@@ -126,7 +133,7 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
 
     A target that is an absolute path is that unix socket's (`address`). Raises
     ValueError when the target is set nowhere, the job id is set nowhere and there is no
-    token, or the memory is malformed.
+    token, the memory is malformed, or a timeout is out of range.
     """
     target = target or os.environ.get(ENV_TARGET)
     job_id = job_id or os.environ.get(ENV_JOB)
@@ -141,8 +148,10 @@ def settings(target: str | None, job_id: str | None, group_id: str | None, prior
                          f"or ${ENV_TOKEN_FILE} instead: the orchestrator then takes the job from the pod)")
     if unavailable_timeout < 0:
         raise ValueError("unavailable_timeout must be >= 0 seconds")
+    if not call_timeout > 0:
+        raise ValueError("call_timeout must be > 0 seconds")
     return Settings(target, job_id or "", group_id, priority, unavailable_timeout, memory_bytes(memory),
-                    retry_failed_switches)
+                    retry_failed_switches, call_timeout)
 
 
 def address(target: str) -> str:
@@ -217,10 +226,17 @@ class Retry:
     """The retry policy of one logical call, shared by the sync and asyncio clients.
 
     UNAVAILABLE and CANCELLED are retried (the caller resends the same request, so the same request id)
-    with exponential backoff for `unavailable_timeout` seconds (the first UNAVAILABLE of a call
-    is logged as a warning: a command retrying in silence looked hung); `deadline` (monotonic
-    seconds, or None) bounds the whole call with AcquireTimeout. With `retried_ok`, a
-    FAILED_PRECONDITION after a retry means an earlier attempt did succeed. With
+    with exponential backoff for `unavailable_timeout` seconds from the first failure (the first
+    UNAVAILABLE of a call is logged as a warning: a command retrying in silence looked hung);
+    `deadline` (monotonic seconds, or None) bounds the whole call with AcquireTimeout. With
+    `call_timeout` (a call the orchestrator answers at once: Release, KeepAlive), each try is
+    bounded by that many seconds (`remaining`), and a try whose answer did not come in time
+    (DEADLINE_EXCEEDED) is retried the same way, its first one logged as a warning: the call
+    returns, or raises OrchestratorUnavailable naming it, within `call_timeout +
+    unavailable_timeout` seconds (40 s by default; tries and pauses after the first failure are
+    cut to the window left). With `retried_ok` (a Release), a FAILED_PRECONDITION after a failed
+    try means an earlier try did succeed: the orchestrator refuses a second Release of a hold the
+    first one ended (StaleLease), and one of a caller's part it already ended ends nothing more. With
     `retry_switches` (an Acquire), SwitchFailed is asked again until the deadline (the
     server dropped the failed request: the same id queues afresh), pausing
     SWITCH_BACKOFF_FIRST doubling to SWITCH_BACKOFF_MAX seconds, its reason logged once;
@@ -229,9 +245,10 @@ class Retry:
     """
 
     def __init__(self, what: str, deadline: float | None, unavailable_timeout: float,
-                 retried_ok: bool = False, retry_switches: bool = False) -> None:
+                 retried_ok: bool = False, retry_switches: bool = False, call_timeout: float | None = None) -> None:
         self.what = what
         self._deadline = deadline
+        self._call_timeout = call_timeout
         self._unavailable_timeout = unavailable_timeout
         self._retried_ok = retried_ok
         self._retry_switches = retry_switches
@@ -242,13 +259,23 @@ class Retry:
         self.last_switch_failure: SwitchFailed | None = None
 
     def remaining(self) -> float | None:
-        """Seconds left for the next attempt (None: no bound); raises AcquireTimeout."""
-        if self._deadline is None:
-            return None
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise self._timed_out(AcquireTimeout(f"{self.what}: no grant before the timeout"))
+        """Seconds the next try may take (None: no bound): until the deadline (past it, raises
+        AcquireTimeout); with `call_timeout`, at most that, and after a failure at most what is
+        left of the retry window."""
+        left = None
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out(AcquireTimeout(f"{self.what}: no grant before the timeout"))
+        if self._call_timeout is not None:
+            bound = self._call_timeout if self._since is None else \
+                max(0.0, min(self._call_timeout, self._window_left()))
+            left = bound if left is None else min(left, bound)
         return left
+
+    def _window_left(self) -> float:
+        assert self._since is not None
+        return self._since + self._unavailable_timeout - time.monotonic()
 
     def pause_after(self, err: grpc.RpcError, remaining: float | None) -> float | None:
         """Seconds to wait before the next attempt; None when an earlier attempt succeeded.
@@ -264,20 +291,34 @@ class Retry:
         now = time.monotonic()
         first = self._since is None
         self._since = self._since or now
-        if code not in RETRIED or socket_refused(err) or now - self._since >= self._unavailable_timeout:
-            translated = translate(err, self.what)
+        unanswered = code == grpc.StatusCode.DEADLINE_EXCEEDED and self._call_timeout is not None
+        if (code not in RETRIED and not unanswered) or socket_refused(err) \
+                or now - self._since >= self._unavailable_timeout:
+            translated = self._no_answer(err) if unanswered else translate(err, self.what)
             final = self._timed_out(translated)
             raise final from (err if final is translated else final.__cause__)
         if first and code == grpc.StatusCode.UNAVAILABLE:  # say so once: a silent retry looked like a hang
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             log.warning("%s: the orchestrator is unreachable (%s): trying again for up to %g s", self.what, details,
                         self._unavailable_timeout)
+        if first and unanswered:
+            log.warning("%s: no answer from the orchestrator within %g s (it may be paused or overloaded): trying "
+                        "again for up to %g s", self.what, self._call_timeout, self._unavailable_timeout)
         if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
             details = err.details() if callable(getattr(err, "details", None)) else str(err)
             log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
+        if self._call_timeout is not None:
+            pause = max(0.0, min(pause, self._window_left()))
         self._delay = next_backoff(self._delay)
         return pause
+
+    def _no_answer(self, err: grpc.RpcError) -> TimeSliceError:
+        """The error of a call answered at once whose tries went unanswered for the whole window."""
+        details = err.details() if callable(getattr(err, "details", None)) else str(err)
+        return OrchestratorUnavailable(f"{self.what}: no answer from the orchestrator within {self._call_timeout:g} s "
+                                       f"per try, tried for {self._unavailable_timeout:g} s more "
+                                       f"(DEADLINE_EXCEEDED: {details})")
 
     def _switch_pause(self, failed: SwitchFailed, remaining: float | None) -> float:
         """The pause before asking again after the switch to this job failed."""

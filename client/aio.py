@@ -43,9 +43,10 @@ class AsyncTimeSliceOrchestratorClient:
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
                  unavailable_timeout: float = 30.0, memory: str | int | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True,
+                 call_timeout: float = _rpc.CALL_TIMEOUT) -> None:
         self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory,
-                                retry_failed_switches)
+                                retry_failed_switches, call_timeout)
         self._channel = (grpc.aio.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.aio.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -118,8 +119,9 @@ class AsyncTimeSliceOrchestratorClient:
             hold.keepalive.cancel()
         request = _rpc.release_request(self._s, hold.grant)
         resp = await self._retrying(f"release {group}", None,
-                                    lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
-                              retried_ok=True)
+                                    lambda timeout: self._stub.Release(request, timeout=timeout,
+                                                                       metadata=_rpc.call_metadata()),
+                                    retried_ok=True, call_timeout=self._s.call_timeout)
         return int(resp.waiters) if resp is not None else 0
 
     def holding(self, group_id: str | None = None) -> _rpc.Grant | None:
@@ -141,8 +143,8 @@ class AsyncTimeSliceOrchestratorClient:
 
     async def _retrying(self, what: str, deadline: float | None,
                         call: Callable[[float | None], Awaitable[Any]], retried_ok: bool = False,
-                        retry_switches: bool = False) -> Any:
-        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches)
+                        retry_switches: bool = False, call_timeout: float | None = None) -> Any:
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches, call_timeout)
         while True:
             remaining = retry.remaining()
             try:

@@ -45,7 +45,11 @@ class TimeSliceOrchestratorClient:
         group_id: default group for calls that name none; default `$TIMESLICE_GROUP`.
         priority: queue priority, higher first, FIFO among equals.
         unavailable_timeout: seconds to keep retrying (same request id) while the
-            orchestrator answers UNAVAILABLE before raising `OrchestratorUnavailable`.
+            orchestrator answers UNAVAILABLE, or does not answer a release or keep-alive within
+            `call_timeout`, before raising `OrchestratorUnavailable`.
+        call_timeout: seconds one try of a call the orchestrator answers at once (release, the
+            keep-alive that confirms a grant) may take; one not answered in time is asked again
+            (see `unavailable_timeout`), never raised as a timeout of the job's own.
         memory: the most GPU memory this job holds while it computes, per GPU, in bytes or
             as a quantity ("57Gi", "60G"); default `$TIMESLICE_MEMORY`; sent with every
             acquire (`acquire(memory=)` overrides it once). The orchestrator reserves
@@ -64,9 +68,10 @@ class TimeSliceOrchestratorClient:
     def __init__(self, target: str | None = None, job_id: str | None = None,
                  group_id: str | None = None, *, priority: int = 0,
                  unavailable_timeout: float = 30.0, memory: str | int | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, retry_failed_switches: bool = True,
+                 call_timeout: float = _rpc.CALL_TIMEOUT) -> None:
         self._s = _rpc.settings(target, job_id, group_id, priority, unavailable_timeout, memory,
-                                retry_failed_switches)
+                                retry_failed_switches, call_timeout)
         self._channel = (grpc.secure_channel(self._s.target, credentials, _rpc.CHANNEL_OPTIONS) if credentials
                          else grpc.insecure_channel(self._s.target, _rpc.CHANNEL_OPTIONS))
         self._stub = pb_grpc.OrchestratorStub(self._channel)
@@ -182,8 +187,9 @@ class TimeSliceOrchestratorClient:
             if not checked:
                 try:
                     self._retrying(f"keep-alive {grant.group_id}", None,
-                                   lambda _: self._stub.KeepAlive(request, timeout=10.0,
-                                                                  metadata=_rpc.call_metadata()))
+                                   lambda timeout: self._stub.KeepAlive(request, timeout=timeout,
+                                                                        metadata=_rpc.call_metadata()),
+                                   call_timeout=self._s.call_timeout)
                     checked.append(True)
                 except LeaseLost:
                     checked.append(False)
@@ -211,8 +217,12 @@ class TimeSliceOrchestratorClient:
     def release(self, group_id: str | None = None) -> int:
         """End the hold; returns the number of jobs that were waiting (0: nothing moved).
 
+        A Release whose answer does not come within `call_timeout` (the orchestrator paused
+        or overloaded) is asked again, like one refused UNAVAILABLE, for `unavailable_timeout`
+        seconds (so it returns or raises within their sum, 40 s by default); a repeated Release
+        that finds the hold already ended by an earlier try counts as done.
         Raises NotHolding without a hold, LeaseLost when the hold had already ended
-        (lease lapsed or epoch taken over), OrchestratorUnavailable.
+        (lease lapsed or epoch taken over), OrchestratorUnavailable (unreachable, or no answer).
         """
         group = _rpc.group_of(self._s, group_id)
         with self._lock:
@@ -229,15 +239,16 @@ class TimeSliceOrchestratorClient:
                 loop.measure()
         request = _rpc.release_request(self._s, hold.grant)
         resp = self._retrying(f"release {group}", None,
-                              lambda _: self._stub.Release(request, timeout=10.0, metadata=_rpc.call_metadata()),
-                              retried_ok=True)
+                              lambda timeout: self._stub.Release(request, timeout=timeout,
+                                                                 metadata=_rpc.call_metadata()),
+                              retried_ok=True, call_timeout=self._s.call_timeout)
         return int(resp.waiters) if resp is not None else 0
 
     def _retrying(self, what: str, deadline: float | None, call: Callable[[float | None], Any],
-                  retried_ok: bool = False, retry_switches: bool = False) -> Any:
-        """Run `call(remaining_seconds)` under `_rpc.Retry`; None when a retried call had
+                  retried_ok: bool = False, retry_switches: bool = False, call_timeout: float | None = None) -> Any:
+        """Run `call(seconds_this_try_may_take)` under `_rpc.Retry`; None when a retried call had
         already succeeded."""
-        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches)
+        retry = _rpc.Retry(what, deadline, self._s.unavailable_timeout, retried_ok, retry_switches, call_timeout)
         while True:
             remaining = retry.remaining()
             try:

@@ -6,17 +6,20 @@ import asyncio
 import logging
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 from timeslice import (
     AcquireTimeout,
+    AsyncTimeSliceOrchestratorClient,
     GroupNotFound,
     InvalidRequest,
     LeaseLost,
     NotHolding,
     OrchestratorUnavailable,
     TimeSliceOrchestratorClient,
+    _rpc,
 )
 from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -366,3 +369,127 @@ def test_ray_methods_run_without_holding_when_no_orchestrator_is_configured(monk
     assert ts_ray.CLIENT_ATTRIBUTE not in vars(t)
     said = [r.getMessage() for r in caplog.records if "no orchestrator configured" in r.getMessage()]
     assert len(said) == 1, said
+
+
+class Unanswered(OrchestratorServicer):
+    """Answers the first `silent` Releases of each request never: `performed` first (the call
+    takes effect, and the caller's try times out: a `timeslice serve` stopped with Ctrl-Z
+    after it read the call), else before it takes effect (stopped before). `seen`: the request
+    id of every Release."""
+
+    def __init__(self, orch: Orchestrator, silent: int = 1, performed: bool = True) -> None:
+        super().__init__(orch)
+        self.silent, self.performed = silent, performed
+        self.seen: list[str] = []
+
+    async def Release(self, request, context):
+        self.seen.append(request.request_id)
+        silent = self.seen.count(request.request_id) <= self.silent
+        if silent and not self.performed:
+            await asyncio.Event().wait()  # cancelled once the caller's deadline passes
+        resp = await super().Release(request, context)
+        if silent:
+            await asyncio.Event().wait()
+        return resp
+
+
+async def test_a_release_answered_too_late_is_asked_again_and_counts_as_done(caplog) -> None:
+    """r05: a Release whose answer did not come within the per-call timeout (serve paused) raised
+    `AcquireTimeout release g: DEADLINE_EXCEEDED` out of the job's scope. Now it is asked again,
+    and the orchestrator's refusal of the repeat (the first try had ended the hold) counts as
+    done; a shared hold's part released twice ends only that part (the unit's other pod holds
+    on). Both clients."""
+    caplog.set_level(logging.WARNING, "timeslice")
+    orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
+    servicer = Unanswered(orch)
+    server, port = await serve(servicer)
+    target = f"127.0.0.1:{port}"
+    try:
+        client = TimeSliceOrchestratorClient(target, "a", "g", call_timeout=0.3)
+        grant = await asyncio.to_thread(client.acquire)
+        assert await asyncio.to_thread(client.release) == 0
+        assert servicer.seen == [grant.request_id] * 2 and orch.group("g").holder is None
+        said = [r.getMessage() for r in caplog.records if "no answer" in r.getMessage()]
+        assert said == ["release g: no answer from the orchestrator within 0.3 s (it may be paused or overloaded): "
+                        "trying again for up to 30 s"], said
+        await asyncio.to_thread(client.close)
+
+        pod0, pod1 = (TimeSliceOrchestratorClient(target, "unit", "g", call_timeout=0.3) for _ in range(2))
+        g0, g1 = await asyncio.to_thread(pod0.acquire), await asyncio.to_thread(pod1.acquire)
+        assert g0.lease_id == g1.lease_id
+        await asyncio.to_thread(pod0.release)
+        assert servicer.seen[-2:] == [g0.request_id] * 2
+        assert orch.group("g").holder is not None and orch.group("g").holder.job_id == "unit"
+        await asyncio.to_thread(pod1.release)
+        assert orch.group("g").holder is None
+        for c in (pod0, pod1):
+            await asyncio.to_thread(c.close)
+
+        aio = AsyncTimeSliceOrchestratorClient(target, "b", "g", call_timeout=0.3)
+        grant = await aio.acquire()
+        assert await aio.release() == 0
+        assert servicer.seen[-2:] == [grant.request_id] * 2 and orch.group("g").holder is None
+        await aio.close()
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
+async def test_a_release_never_answered_raises_unavailable_naming_it_within_its_bound() -> None:
+    """Past `call_timeout + unavailable_timeout` seconds without an answer a release raises
+    OrchestratorUnavailable naming the release (not AcquireTimeout), after several tries."""
+    orch = Orchestrator([GroupSpec(id="g", lease_seconds=60)])
+    servicer = Unanswered(orch, silent=1000, performed=False)
+    server, port = await serve(servicer)
+    try:
+        client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", call_timeout=0.2,
+                                             unavailable_timeout=1.0)
+        await asyncio.to_thread(client.acquire)
+        t0 = time.monotonic()
+        with pytest.raises(OrchestratorUnavailable, match=r"^release g: no answer from the orchestrator within "
+                                                          r"0.2 s per try, tried for 1 s more \(DEADLINE_EXCEEDED"):
+            await asyncio.to_thread(client.release)
+        took = time.monotonic() - t0
+        assert 1.2 <= took < 1.2 + 1.0, took  # the bound, and some slack for a loaded machine
+        assert len(servicer.seen) >= 3
+        await asyncio.to_thread(client.close)
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
+class Status(grpc.RpcError):
+    """A gRPC error value of `code` (the input of `_rpc.Retry`)."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name
+
+
+def test_the_default_retry_rule_asks_a_call_answered_at_once_again_but_not_an_acquire() -> None:
+    """With the defaults (10 s a try, 30 s of tries), a Release or KeepAlive not answered in time
+    is asked again, and a refusal of the repeat of a release counts as done; an Acquire's own
+    DEADLINE_EXCEEDED (its timeout passed) is AcquireTimeout, as before."""
+    client = TimeSliceOrchestratorClient("127.0.0.1:1", "a", "g")
+    assert (client._s.call_timeout, client._s.unavailable_timeout) == (_rpc.CALL_TIMEOUT, 30.0) == (10.0, 30.0)
+    client.close()
+    release = _rpc.Retry("release g", None, 30.0, retried_ok=True, call_timeout=_rpc.CALL_TIMEOUT)
+    assert release.remaining() == 10.0
+    pause = release.pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), release.remaining())
+    assert pause is not None and 0 < pause <= _rpc.BACKOFF_FIRST
+    assert 9.9 < release.remaining() <= 10.0  # a try is cut only near the window's end
+    assert release.pause_after(Status(grpc.StatusCode.FAILED_PRECONDITION), 10.0) is None
+    keep_alive = _rpc.Retry("keep-alive g", None, 30.0, call_timeout=_rpc.CALL_TIMEOUT)
+    assert keep_alive.pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), 10.0) is not None
+    with pytest.raises(LeaseLost):  # a keep-alive refused after a retry is a lost lease
+        keep_alive.pause_after(Status(grpc.StatusCode.FAILED_PRECONDITION), 10.0)
+    acquire = _rpc.Retry("acquire g", time.monotonic() + 5, 30.0)
+    with pytest.raises(AcquireTimeout, match="acquire g: DEADLINE_EXCEEDED"):
+        acquire.pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), 1.0)
+    with pytest.raises(OrchestratorUnavailable, match="no answer"):  # no window: raised at the first
+        _rpc.Retry("release g", None, 0.0, call_timeout=1.0).pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), 1.0)

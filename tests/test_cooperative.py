@@ -29,6 +29,7 @@ from timeslice.controller.orchestrator.group_model import SwitchError
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
 from timeslice.controller.orchestrator.pinned_pool import PinnedPool
 from timeslice.controller.orchestrator.server import create_server as create_orchestrator_server
+from timeslice.controller.orchestrator.service import OrchestratorServicer
 from timeslice.errors import SwitchFailed
 from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -38,6 +39,7 @@ from timeslice.memory_commands import pieces
 from timeslice.v1 import orchestrator_pb2 as pb
 
 from tests.conftest import eventually
+from tests.test_client import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -1106,3 +1108,37 @@ async def test_three_jobs_of_which_two_fit_swap_through_a_host_that_holds_two_st
     finally:
         for client in clients.values():
             await asyncio.to_thread(client.close)
+
+
+async def test_a_grant_whose_keep_alive_check_is_answered_too_late_is_used(short_tmp, caplog) -> None:
+    """The kind's other member: on a `cooperative` group the client confirms its grant with a
+    KeepAlive before using it; one not answered in time raised `AcquireTimeout keep-alive g`
+    out of acquire(). Now it is asked again and the grant is used."""
+    seen: list[str] = []
+
+    class LateKeepAlive(OrchestratorServicer):
+        async def KeepAlive(self, request, context):
+            resp = await super().KeepAlive(request, context)
+            seen.append(request.request_id)
+            if len(seen) == 1:
+                await asyncio.Event().wait()  # renewed, but answered never
+            return resp
+
+    caplog.set_level(logging.WARNING, "timeslice")
+    agent_target = f"unix://{short_tmp / 'agent.sock'}"
+    agent_server, _ = await create_agent_server(NodeAgent(StaticProcessResolver()), agent_target)
+    orch = Orchestrator([GroupSpec(id="g", backend="cooperative", agents=(agent_target,), lease_seconds=60)])
+    server, port = await serve(LateKeepAlive(orch))
+    client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g", call_timeout=0.3)
+    try:
+        client.serve_memory_commands(FakeStore("a"))
+        assert await asyncio.to_thread(client._memory_loops[-1].connected.wait, 10), "command stream not connected"
+        grant = await asyncio.to_thread(client.acquire, timeout=30)
+        assert seen == [grant.request_id] * 2 and client.holding() == grant
+        assert any("keep-alive g: no answer" in r.getMessage() for r in caplog.records)
+        assert await asyncio.to_thread(client.release) == 0
+    finally:
+        await asyncio.to_thread(client.close)
+        await server.stop(0)
+        await orch.close()
+        await agent_server.stop(0)

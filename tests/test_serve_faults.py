@@ -14,8 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import grpc
 import pytest
 from timeslice.kubelet_plugin.agent.procfs import proc_state
+from timeslice.v1 import orchestrator_pb2 as pb
+from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
 from tests.conftest import eventually
 from tests.test_serve import env_for, serve_process
@@ -596,3 +599,68 @@ async def test_a_name_serve_gives_a_process_group_cannot_be_taken_by_another(tmp
         squat = await script(sock, f"TIMESLICE_JOB=pgid-{os.getpid()} exec timeslice run --group g --timeout 20 true")
         out = (await asyncio.wait_for(squat.communicate(), 60))[0].decode()
         assert squat.returncode != 0 and "serve gives that name to the processes of one scope or one user" in out, out
+
+
+# Job R: holds, releases when told on stdin, then ends; its log (the client's warnings) on stderr.
+JOB_R = textwrap.dedent("""
+    import logging, sys
+    from timeslice import TimeSliceOrchestratorClient
+    logging.basicConfig(level=logging.WARNING)
+    c = TimeSliceOrchestratorClient(group_id="g")
+    with c.on_accelerators(timeout=60):
+        print("granted", flush=True)
+        sys.stdin.readline()
+    print("released", flush=True)
+    c.close()
+""")
+
+
+async def test_a_release_sent_while_serve_is_stopped_past_its_call_timeout_is_asked_again(tmp_path) -> None:
+    """An attacker's case (r05): `timeslice serve` stopped (Ctrl-Z in its terminal) for over the
+    client's 10 s per-call timeout while a job held, then continued: the job's release raised
+    `AcquireTimeout release g: DEADLINE_EXCEEDED` out of its `with` block, and the job was lost
+    (a serve killed and restarted was survived: UNAVAILABLE is retried). Now a release not
+    answered in time is asked again (the default timeouts: 10 s a try, 30 s more of tries),
+    and the waiting job is granted once serve goes on."""
+    async with serve_process(tmp_path, lease_seconds=60) as (sock, _, serve):
+        log = tmp_path / "r.err"
+        with log.open("wb") as err:
+            r = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", JOB_R, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=err, env=env_for(sock, TIMESLICE_GROUP="g"), start_new_session=True)
+        b = None
+        stopped = False
+        try:
+            await line(r, "granted")
+            b = await job(sock, JOB_B)
+            async with grpc.aio.insecure_channel(f"unix://{sock}") as ch:
+                stub = pb_grpc.OrchestratorStub(ch)
+
+                async def b_waits() -> bool:
+                    status = await stub.GetGroupStatus(pb.GetGroupStatusRequest(group_id="g"), timeout=10)
+                    return any(w.job_id == f"pgid-{b.pid}" for w in status.waiters)
+                await eventually(b_waits, 60, what="job B queued")
+            serve.send_signal(signal.SIGSTOP)
+            stopped = True
+            assert r.stdin is not None
+            r.stdin.write(b"release\n")
+            await r.stdin.drain()
+            # the release's first try went unanswered (or, before the fix, the job failed)
+            await eventually(lambda: b"no answer from the orchestrator within 10 s" in log.read_bytes()
+                             or r.returncode is not None, 60, what="the release's first try timing out")
+            serve.send_signal(signal.SIGCONT)
+            stopped = False
+            out = (await asyncio.wait_for(r.communicate(), 60))[0].decode()
+            assert out.split() == ["released"] and r.returncode == 0, log.read_text()[-3000:]
+            await line(b, "held")
+            await line(b, "done")
+            assert await asyncio.wait_for(b.wait(), 60) == 0
+        finally:
+            if stopped:
+                serve.send_signal(signal.SIGCONT)
+            for p in (r, b):
+                if p is not None and p.returncode is None:
+                    p.kill()
+                    await p.wait()
+    text = log.read_text()
+    assert "Traceback" not in text and "trying again for up to 30 s" in text, text
