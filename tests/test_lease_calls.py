@@ -186,7 +186,8 @@ def test_a_holder_is_preempted_only_for_a_job_waiting_at_its_priority_and_parked
     contender = any(w.job != f.holder and w.priority >= f.priority for w in f.queue)
     if isinstance(d, Preempt):
         assert f.current and not f.switching and contender, (f, d)
-        assert d.park == (f.backend in STOPPING_BACKENDS) and d.revoke_kept == (f.backend in UNRELEASED_KEPT_BACKENDS), (f, d)
+        assert d.park == (f.backend in STOPPING_BACKENDS), (f, d)
+        assert d.revoke_kept == (f.backend in UNRELEASED_KEPT_BACKENDS), (f, d)
     elif not isinstance(d, Nothing):  # AfterSwitch: a staging beside the holder runs; it takes effect after
         assert f.current and f.switching, (f, d)
     else:
