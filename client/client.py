@@ -298,7 +298,7 @@ class TimeSliceOrchestratorClient:
                 if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     hold.lost.set()
                     log.warning("lease lost group=%s job=%s epoch=%d: %s", hold.grant.group_id,
-                                self._s.job_id, hold.grant.epoch, err.details())
+                                hold.grant.job_id, hold.grant.epoch, err.details())
                     return
                 log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
 
