@@ -252,7 +252,7 @@ async def test_a_merge_revokes_an_app_holders_lease_and_sleeps_its_engine_after_
         again = asyncio.create_task(new.acquire("b", 0, "b-2", None))
         await eventually(lambda: len(new.queue) == 1, what="b waiting")
         assert not moves and new.switching is None  # a's engine stays awake for its client
-        with pytest.raises(StaleLease, match="noted: its engine may now sleep"):
+        with pytest.raises(StaleLease, match="noted: its memory may now move off the GPUs"):
             new.release("a", ga.lease_id, ga.epoch, "a-1")
         await asyncio.wait_for(again, 5)
         assert moves == [(("a",), "b", False)]

@@ -109,7 +109,7 @@ class Act(Enum):
     REQUEUE_SWITCHED_OUT = "a holder switched out under an earlier leader is queued again under its lease"
     REVOKED = "refused: the lease is revoked"
     REVOKED_PART = "refused: the lease is revoked; the caller's part of its hold ends"
-    REVOKED_NOTE = "refused: the lease is revoked; its release is noted (its engine may sleep)"
+    REVOKED_NOTE = "refused: the lease is revoked; its release is noted (its memory may move)"
     HOLDER_PART = "the caller's part of the hold ends; its other callers hold on"
     HOLDER_END = "the hold ends"
     HOLDER_RENEW = "the holder's lease is renewed"
@@ -208,15 +208,15 @@ def _revoked(f: LeaseCallFacts) -> LeaseCall | None:
             return None
     elif not h.matches(f.job, f.lease_id, f.epoch):
         return None
-    left = "its engine stays awake until its release"
+    left = "its memory stays on the GPUs (an app engine awake) until its release"
     act = Act.REVOKED
     if f.request_id is not None:
         if h is not None and h.shared_beyond(f.request_id):
             act = Act.REVOKED_PART
-            left = f"its engine stays awake until its other callers release ({len(h.callers - {f.request_id})})"
+            left = f"its memory stays on the GPUs until its other callers release ({len(h.callers - {f.request_id})})"
         else:
             act = Act.REVOKED_NOTE
-            left = "noted: its engine may now sleep"
+            left = "noted: its memory may now move off the GPUs (an app engine sleep)"
     return LeaseCall(act, refusal=f"{f.call} by job {f.job} epoch {f.epoch} refused: its lease is revoked "
                                   f"({u.why}); {left}")
 

@@ -138,11 +138,11 @@ class Leases:
             self.arm()
         elif isinstance(d, KeepOverdue):
             if d.first:
-                log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock, %s "
-                            "(computing; its keep-alives are late), until %s or it releases", g.id, h.job_id,
-                            h.epoch, *(("its processes keep their memory command streams open", "they close")
-                                       if streaming else ("its processes run and nothing could stop them",
-                                                          "they end, are no longer reported live,")))
+                log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock (its "
+                            "keep-alives are late), %s, until %s or it releases", g.id, h.job_id, h.epoch,
+                            *(("its processes keep their memory command streams open (computing)", "they close")
+                              if streaming else ("its processes live (computing, or stopped by someone: its memory "
+                                                 "cannot move under them)", "they end, are no longer reported live,")))
             self._overdue = h
             if not streaming:  # looked at again: still reported live?
                 self._timer = asyncio.get_running_loop().call_later(LIVE_SECONDS, self.on_timer, h)
