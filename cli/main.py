@@ -514,7 +514,9 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_controller)
 
     r = sub.add_parser("run", help="run a command while this job holds a group (like flock)",
-                       description="Acquire the group, run CMD, release when it ends; exit with CMD's status. "
+                       description="Acquire the group, run CMD, release when it ends and so have the "
+                                   "processes it left running (a worker started with &: they are the job's); exit "
+                                   "with CMD's status. "
                                    "Other exit codes: 75 no grant within --timeout, 69 orchestrator unreachable, "
                                    "group unknown or the job failed, 70 the hold was lost while CMD ran, 127 CMD "
                                    "cannot start, 2 usage.",

@@ -2,7 +2,12 @@
 
 Acquires the group (the client library: keep-alive while CMD runs, `Leave` at the end),
 starts CMD with the caller's environment, forwards SIGINT and SIGTERM to it, releases when
-it ends, and exits with CMD's status. Exit codes besides CMD's own (sysexits.h):
+it ends, and exits with CMD's status. Processes CMD leaves running (a worker started with
+`&`, a daemon) are its job's too (`TIMESLICE_JOB`): the hold lasts until they have ended as
+well, as flock(1)'s lock lasts while they hold its descriptor (they are reparented to `run`,
+a child subreaper: prctl(2) PR_SET_CHILD_SUBREAPER), and SIGINT and SIGTERM go to them then.
+Released while they ran, they computed beside the next holder and the job was forgotten, never
+stopped again (a helper's attack). Exit codes besides CMD's own (sysexits.h):
 
     75  EX_TEMPFAIL     no grant within --timeout seconds (failed switches are asked again
                         until then; the message names the last one)
@@ -17,6 +22,8 @@ and CMD's status stands: the hold ends when its lease lapses.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -27,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 EX_TEMPFAIL, EX_UNAVAILABLE, EX_SOFTWARE = 75, 69, 70
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | None, timeout: float | None,
@@ -51,17 +59,19 @@ def run(cmd: Sequence[str], target: str | None, job: str | None, group: str | No
         except TimeSliceError as err:
             print(f"timeslice run: {err}", file=sys.stderr)
             return EX_UNAVAILABLE
+        _subreaper()  # (before CMD starts: what it leaves running is reparented here)
         try:  # the command and what it starts are the job's (`TIMESLICE_JOB`: how node agents find them)
             child = subprocess.Popen(list(cmd), env={**os.environ, "TIMESLICE_JOB": grant.job_id})
         except OSError as err:
             print(f"timeslice run: cannot start {cmd[0]}: {err}", file=sys.stderr)
             release(client, grant.group_id, "timeslice run")
             return 127
-        forward = _forward_signals(child)
+        forward = _forward_signals(child.send_signal)
         try:
             status = child.wait()
         finally:
             forward()
+        _wait_for_what_it_left(grant.job_id)
         if release(client, grant.group_id, "timeslice run") == "lost":  # another job may have computed beside it
             return status if status > 0 else EX_SOFTWARE
         return status if status >= 0 else 128 - status  # killed by a signal: as a shell reports it
@@ -89,10 +99,53 @@ def release(client: Any, group: str, who: str) -> str:
     return "released"
 
 
-def _forward_signals(child: subprocess.Popen[bytes]) -> Callable[[], None]:
-    """SIGINT and SIGTERM go to CMD (which decides how to end); returns the restorer."""
+def _subreaper() -> None:
+    """Make this process a child subreaper (Linux 3.4, prctl(2)): CMD's orphans become its
+    children. Elsewhere nothing is done (they are not waited for)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _children() -> list[int]:
+    """This process's live children (/proc/self/task/*/children, Linux 3.5)."""
+    pids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.scandir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                pids += [int(p) for p in open(f"{task.path}/children").read().split()]
+    return pids
+
+
+def _wait_for_what_it_left(job: str) -> None:
+    """Wait, holding, until the processes CMD left running (reparented here) have ended;
+    SIGINT and SIGTERM go to them meanwhile."""
+    left = _children()
+    if not left:
+        return
+    print(f"timeslice run: the command left processes {left} of job {job} running: the hold lasts until they "
+          "end (Ctrl-C sends them SIGINT)", file=sys.stderr, flush=True)
+
+    def send(sig: int) -> None:
+        for pid in _children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    forward = _forward_signals(send)
+    try:
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
+    finally:
+        forward()
+
+
+def _forward_signals(send_signal: Callable[[int], None]) -> Callable[[], None]:
+    """SIGINT and SIGTERM go to `send_signal` (CMD's, which decides how to end); returns the
+    restorer."""
     def send(sig: int, _frame: FrameType | None) -> None:
-        child.send_signal(sig)
+        send_signal(sig)
 
     old = {s: signal.signal(s, send) for s in (signal.SIGINT, signal.SIGTERM)}
 

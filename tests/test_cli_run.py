@@ -54,6 +54,30 @@ async def test_commands_of_different_jobs_never_run_at_once(target, tmp_path) ->
         assert start >= end, spans
 
 
+# CMD that leaves a worker running and exits at once: the worker marks a file when it starts, then
+# appends ("a", start, end) around a short piece of work.
+LEAVES_A_WORKER = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                   "'import json, sys, time; t0 = time.time(); open(sys.argv[2], \"w\").close(); time.sleep(0.6); "
+                   "open(sys.argv[1], \"a\").write(json.dumps([\"a\", t0, time.time()]) + chr(10))', *sys.argv[1:]])")
+
+
+async def test_processes_a_command_leaves_running_keep_its_hold_until_they_end(target, tmp_path) -> None:
+    """A helper's attack: `timeslice run --job a -- sh -c 'worker &'` released when the shell
+    exited, so the worker computed through the next job's hold (and its job, left, was never
+    stopped again). Like flock(1), the hold lasts until what CMD left running has ended."""
+    log, started = tmp_path / "spans", tmp_path / "worker-started"
+    a = asyncio.create_task(timeslice_run(target, "a", "--", sys.executable, "-c", LEAVES_A_WORKER, str(log),
+                                          str(started)))
+    await eventually(started.exists, timeout=60, what="a's worker started")
+    rc_b, _ = await timeslice_run(target, "b", "--", sys.executable, "-c", WORK, str(log), "b")
+    rc_a, err_a = await a
+    assert (rc_a, rc_b) == (0, 0), err_a
+    (_, _, a_end), (_, b_start, _) = sorted((json.loads(line) for line in log.read_text().splitlines()),
+                                            key=lambda s: s[1])
+    assert b_start >= a_end, log.read_text()  # b never ran while a's worker did
+    assert "left processes" in err_a, err_a
+
+
 async def test_the_commands_status_is_the_exit_status(target) -> None:
     assert (await timeslice_run(target, "a", "--", "sh", "-c", "exit 3"))[0] == 3
     assert (await timeslice_run(target, "a", "--", "sh", "-c", "kill -TERM $$"))[0] == 128 + 15
