@@ -6,15 +6,18 @@ helper's attack on `timeslice serve`: a holder paused past its lease was frozen 
 lapsed, then its user's `fg` let it finish its phase beside the next holder, 1.6 s of double
 compute). While the agent keeps a job frozen (its record `checkpointed` under `freeze`), its
 processes are looked at every `REFREEZE_SECONDS` and one found running is stopped again, with
-a log line; a step on the job (its restore) is never raced (the job's lock), and a PID is
-stopped only while it names the process it named when the watch first saw it frozen (its
-start time: a PID the kernel gave to another process since is left alone).
+a log line, by the agent's own `freeze` backend (a `FreezeBackend`: another object offered
+under that name, a test's fake, is left to itself); a step on the job (its restore) is never
+raced (the job's lock), the agent's own process is never stopped, and a PID is stopped only
+while it names the process it named when the watch first saw it frozen (its start time: a PID
+the kernel gave to another process since is left alone).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from timeslice.driver import names
@@ -33,16 +36,17 @@ REFREEZE_SECONDS = 0.2
 
 
 class FrozenWatch:
-    """Keeps `records`' frozen jobs stopped; `lock(job)` is the job's step lock (held while
-    a step runs on it); `timeout`: seconds for one SIGSTOP to take effect."""
+    """Keeps `records`' frozen jobs stopped with `freeze()` (the agent's `freeze` backend;
+    None: it offers none); `lock(job)` is the job's step lock (held while a step runs on it);
+    `timeout`: seconds for one SIGSTOP to take effect."""
 
     def __init__(self, records: JobRecords, lock: Callable[[str], asyncio.Lock], timeout: float,
-                 every: float = REFREEZE_SECONDS) -> None:
+                 freeze: Callable[[], object], every: float = REFREEZE_SECONDS) -> None:
         self._records = records
         self._lock = lock
         self._timeout = timeout
+        self._backend = freeze
         self._every = every
-        self._freeze = FreezeBackend()
         self._task: asyncio.Task[None] | None = None
         self._starts: dict[int, int | None] = {}  # pid -> its start time when first seen frozen
 
@@ -58,6 +62,8 @@ class FrozenWatch:
         return self._task is not None and not self._task.done()
 
     def _frozen(self) -> list[tuple[str, JobRecord]]:
+        if not isinstance(self._backend(), FreezeBackend):
+            return []
         return [(j, r) for j, r in self._records.jobs.items()
                 if r.backend == names.BACKEND_FREEZE and r.phase == CHECKPOINTED]
 
@@ -83,15 +89,17 @@ class FrozenWatch:
                 return []
             for pid in record.pids:
                 self._starts.setdefault(pid, start_time(pid))
-            running = [p for p in record.pids
-                       if not _stopped(p) and self._starts[p] is not None and start_time(p) == self._starts[p]]
+            running = [p for p in record.pids if p != os.getpid() and not _stopped(p)
+                       and self._starts[p] is not None and start_time(p) == self._starts[p]]
             if not running:
                 return []
             log.warning("frozen job=%s: processes %s were continued by someone else (kill -CONT, a shell's fg) "
                         "while it is checkpointed: stopped again", job_id, running)
+            freeze = self._backend()
+            assert isinstance(freeze, FreezeBackend)  # (`_frozen`)
             for pid in running:
                 try:
-                    await self._freeze.checkpoint([pid], self._timeout)
+                    await freeze.checkpoint([pid], self._timeout)
                 except ProcessGone:
                     pass
                 except TimeSliceServerError as err:

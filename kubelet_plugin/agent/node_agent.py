@@ -168,7 +168,9 @@ class NodeAgent:
         self.records = JobRecords(records_path)
         self.default_timeout = default_timeout
         self.lock_timeout = lock_timeout
-        self.frozen_watch = FrozenWatch(self.records, self._lock, default_timeout)  # frozen jobs stay frozen
+        self.frozen_watch = FrozenWatch(self.records, self._lock, default_timeout,  # frozen jobs stay frozen
+                                        lambda: self.backend(names.BACKEND_FREEZE)
+                                        if names.BACKEND_FREEZE in self.enabled else None)
         # one lock per job while a step runs (weak: an id seen once costs nothing afterwards)
         self._job_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._memory_probe = memory_probe
