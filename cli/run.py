@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -112,7 +113,7 @@ def _children() -> list[int]:
     with contextlib.suppress(OSError):
         for task in os.scandir("/proc/self/task"):
             with contextlib.suppress(OSError):
-                pids += [int(p) for p in open(f"{task.path}/children").read().split()]
+                pids += [int(p) for p in Path(task.path, "children").read_text().split()]
     return pids
 
 
