@@ -298,14 +298,14 @@ class Retry:
             final = self._timed_out(translated)
             raise final from (err if final is translated else final.__cause__)
         if first and code == grpc.StatusCode.UNAVAILABLE:  # say so once: a silent retry looked like a hang
-            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            details = details_of(err)
             log.warning("%s: the orchestrator is unreachable (%s): trying again for up to %g s", self.what, details,
                         self._unavailable_timeout)
         if first and unanswered:
             log.warning("%s: no answer from the orchestrator within %g s (it may be paused or overloaded): trying "
                         "again for up to %g s", self.what, self._call_timeout, self._unavailable_timeout)
         if code == grpc.StatusCode.CANCELLED:  # rare: e.g. a server past its pending-call limit (issue 10, item 15)
-            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            details = details_of(err)
             log.info("%s: CANCELLED by the server side (%s): retrying with the same request id", self.what, details)
         pause = self._delay if remaining is None else max(0.0, min(self._delay, remaining))
         if self._call_timeout is not None:
@@ -315,7 +315,7 @@ class Retry:
 
     def _no_answer(self, err: grpc.RpcError) -> TimeSliceError:
         """The error of a call answered at once whose tries went unanswered for the whole window."""
-        details = err.details() if callable(getattr(err, "details", None)) else str(err)
+        details = details_of(err)
         return OrchestratorUnavailable(f"{self.what}: no answer from the orchestrator within {self._call_timeout:g} s "
                                        f"per try, tried for {self._unavailable_timeout:g} s more "
                                        f"(DEADLINE_EXCEEDED: {details})")
@@ -378,6 +378,11 @@ def code_of(err: grpc.RpcError) -> grpc.StatusCode | None:
     return code() if callable(code) else None
 
 
+def details_of(err: grpc.RpcError) -> str:
+    """The status details of `err` (its text when it carries none: a non-call error)."""
+    return err.details() if callable(getattr(err, "details", None)) else str(err)
+
+
 def reason_of(err: grpc.RpcError) -> str:
     """The orchestrator's `ErrorReason` name in `err`'s trailing metadata ("": none)."""
     trailing = getattr(err, "trailing_metadata", None)
@@ -395,7 +400,7 @@ def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
     `ErrorReason` in the trailing metadata (`REASON_METADATA`) picks its own class
     (ABORTED + JOB_FAILED: JobFailed)."""
     code = code_of(err)
-    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    details = details_of(err)
     message = f"{what}: {details}" if code is None or details == code.name else f"{what}: {code.name}: {details}"
     mapping: dict[grpc.StatusCode, type[TimeSliceError]] = {
         grpc.StatusCode.UNAVAILABLE: OrchestratorUnavailable,
@@ -420,5 +425,5 @@ def translate(err: grpc.RpcError, what: str) -> TimeSliceError:
 def socket_refused(err: grpc.RpcError) -> bool:
     """A connection to a unix socket refused by its file permissions (EACCES): gRPC reports
     it as UNAVAILABLE, but waiting cannot help."""
-    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    details = details_of(err)
     return code_of(err) == grpc.StatusCode.UNAVAILABLE and "Permission denied" in (details or "")

@@ -22,8 +22,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from timeslice.driver.private_paths import free_socket_path
-
 log = logging.getLogger("timeslice.kubelet_plugin.sockets")
 
 KUBELET_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
@@ -48,13 +46,13 @@ def socket_paths(driver_name: str, plugin_data_dir: Path | None = None,
 
 
 def prepare_socket(path: Path) -> str:
-    """Make `path` ready to bind: parent created, a socket no server answers on removed
-    (`private_paths.free_socket_path`) and any other leftover file (not a folder); returns the
-    gRPC address.
+    """Make `path` ready to bind: parent created, a leftover file that is no socket removed
+    (not a folder); returns the gRPC address. A socket there is `grpc_server.bind`'s to judge
+    (`private_paths.free_socket_path`): one no server answers on is removed, and a live one
+    refuses the bind with OSError (a second plugin on the node must not take the first one's
+    socket from the kubelet).
 
-    Raises ValueError when the path is too long for a unix socket or is a directory, OSError
-    when a live server answers there (a second plugin on the node must not take the first
-    one's socket from the kubelet).
+    Raises ValueError when the path is too long for a unix socket or is a directory.
     """
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
         raise ValueError(f"socket path {path} is longer than {UNIX_PATH_MAX} bytes")
@@ -64,7 +62,6 @@ def prepare_socket(path: Path) -> str:
     if path.is_symlink() or (path.exists() and not path.is_socket()):
         log.info("removing a leftover file at the socket path path=%s", path)
         path.unlink()
-    free_socket_path(path)
     return f"unix://{path}"
 
 

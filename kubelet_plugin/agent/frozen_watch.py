@@ -22,8 +22,7 @@ from collections.abc import Callable
 
 from timeslice.driver import names
 from timeslice.driver.errors import ProcessGone, TimeSliceServerError
-from timeslice.driver.peercred import start_time
-from timeslice.kubelet_plugin.agent import procfs
+from timeslice.driver.peercred import start_time, stat_fields
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
@@ -88,9 +87,10 @@ class FrozenWatch:
             if self._records.jobs.get(job_id) is not record:
                 return []
             for pid in record.pids:
-                self._starts.setdefault(pid, start_time(pid))
-            running = [p for p in record.pids if p != os.getpid() and not _stopped(p)
-                       and self._starts[p] is not None and start_time(p) == self._starts[p]]
+                if pid not in self._starts:
+                    self._starts[pid] = start_time(pid)
+            running = [p for p in record.pids
+                       if p != os.getpid() and self._starts[p] is not None and _running_since(p) == self._starts[p]]
             if not running:
                 return []
             log.warning("frozen job=%s: processes %s were continued by someone else (kill -CONT, a shell's fg) "
@@ -107,9 +107,11 @@ class FrozenWatch:
             return running
 
 
-def _stopped(pid: int) -> bool:
-    """Stopped, or gone (nothing to stop)."""
+def _running_since(pid: int) -> int | None:
+    """`pid`'s start time (`peercred.start_time`) while it runs, from one read of its stat;
+    None when it is stopped, a zombie or gone (nothing to stop)."""
     try:
-        return procfs.proc_state(pid) in ("T", "t", "Z")
-    except ProcessGone:
-        return True
+        fields = stat_fields(pid)
+    except OSError:
+        return None
+    return None if fields[0] in (b"T", b"t", b"Z") else int(fields[19])
