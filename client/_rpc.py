@@ -217,9 +217,21 @@ def leave_request(s: Settings, group: str) -> pb.LeaveRequest:
     return pb.LeaveRequest(job_id=s.job_id, group_id=group)
 
 
-def keep_alive_request(s: Settings, g: Grant) -> pb.KeepAliveRequest:
+def keep_alive_request(s: Settings, g: Grant, confirm: bool = False) -> pb.KeepAliveRequest:
+    """`confirm`: the keep-alive confirms a grant before its first use (accepted only while its
+    lease is the holder's: orchestrator.proto's `KeepAliveRequest.confirm`)."""
     return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch,
-                               request_id=g.request_id)
+                               request_id=g.request_id, confirm=confirm)
+
+
+def seen_late(sent_at: float, r: pb.AcquireResponse) -> bool:
+    """Whether the grant `r`, answering the Acquire try sent at `sent_at` (time.monotonic()),
+    may have lapsed before this process saw it: the try took longer than the orchestrator
+    kept it queued (`waited_seconds`) by over a quarter of the lease, so the answer waited
+    unread (the process was stopped or starved) past the point where the first keep-alive (a
+    third of the lease after it is seen) still comes in time. Durations only: no clock is
+    compared across hosts. Such a grant is confirmed before its use."""
+    return time.monotonic() - sent_at - r.waited_seconds > r.lease_seconds / 4
 
 
 class Retry:

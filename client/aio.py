@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import grpc.aio
 from timeslice import _rpc
-from timeslice.errors import NotHolding
+from timeslice.errors import AcquireTimeout, LeaseLost, NotHolding
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -54,6 +54,7 @@ class AsyncTimeSliceOrchestratorClient:
         self._held: set[str] = set()  # every group this client was granted: left at close()
         self._closed = False
         self._cancels: set[asyncio.Future[None]] = set()
+        self._acquiring: dict[str, asyncio.Lock] = {}  # per group: one Acquire of this client at a time
 
     @property
     def job_id(self) -> str:
@@ -71,20 +72,55 @@ class AsyncTimeSliceOrchestratorClient:
 
     async def acquire(self, group_id: str | None = None, *, timeout: float | None = None,
                       priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
-        """See `TimeSliceOrchestratorClient.acquire`."""
+        """See `TimeSliceOrchestratorClient.acquire` (tasks that acquire one group at once share
+        one hold, as threads of the sync client do)."""
         group = _rpc.group_of(self._s, group_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        gate = self._acquiring.setdefault(group, asyncio.Lock())
+        try:
+            await asyncio.wait_for(gate.acquire(), None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise AcquireTimeout(f"acquire {group}: no grant within {timeout:g} s (another task of this client "
+                                 "was acquiring it all along)") from None
+        try:
+            return await self._acquire(group, priority, memory, deadline)
+        finally:
+            gate.release()
+
+    async def _acquire(self, group: str, priority: int | None, memory: str | int | None,
+                       deadline: float | None) -> _rpc.Grant:
         hold = self._holds.get(group)
         if hold is not None and not hold.lost:
             hold.depth += 1
             return hold.grant
+        while True:
+            grant, late = await self._grant(group, priority, memory, deadline)
+            if not late or await self._confirmed(grant):
+                break
+            log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved "
+                        "for over its %g s lease): its state stays where the orchestrator put it; asking again",
+                        group, grant.epoch, grant.lease_seconds)
+        hold = _Hold(grant)
+        hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
+        self._holds[group] = hold
+        self._held.add(group)
+        return hold.grant
+
+    async def _grant(self, group: str, priority: int | None, memory: str | int | None,
+                     deadline: float | None) -> tuple[_rpc.Grant, bool]:
+        """(the grant, whether this process saw it late: `_rpc.seen_late`)."""
         request_id = _rpc.new_request_id()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        sent_at = 0.0
+
+        def ask(remaining: float | None) -> Awaitable[Any]:
+            nonlocal sent_at
+            sent_at = time.monotonic()
+            return self._stub.Acquire(_rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
+                                      timeout=remaining, metadata=_rpc.call_metadata())
+
         try:
-            resp = await self._retrying(
-                f"acquire {group}", deadline,
-                lambda remaining: self._stub.Acquire(
-                    _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
-                    metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
+            resp = await self._retrying(f"acquire {group}", deadline, ask,
+                                        retry_switches=self._s.retry_failed_switches)
         except BaseException as err:  # gave up (timeout, lost reply, cancelled): leave no grant behind
             if not _rpc.may_be_granted(err):
                 raise
@@ -92,11 +128,19 @@ class AsyncTimeSliceOrchestratorClient:
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
-        hold = _Hold(_rpc.grant_of(self._s, group, resp, request_id))
-        hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
-        self._holds[group] = hold
-        self._held.add(group)
-        return hold.grant
+        return _rpc.grant_of(self._s, group, resp, request_id), _rpc.seen_late(sent_at, resp)
+
+    async def _confirmed(self, grant: _rpc.Grant) -> bool:
+        """See `TimeSliceOrchestratorClient._confirmed`."""
+        request = _rpc.keep_alive_request(self._s, grant, confirm=True)
+        try:
+            await self._retrying(f"keep-alive {grant.group_id}", None,
+                                 lambda timeout: self._stub.KeepAlive(request, timeout=timeout,
+                                                                      metadata=_rpc.call_metadata()),
+                                 call_timeout=self._s.call_timeout)
+            return True
+        except LeaseLost:
+            return False
 
     async def _cancel(self, group: str, request_id: str) -> None:
         try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 
 import grpc
 from timeslice import _rpc
-from timeslice.errors import LeaseLost, NotHolding
+from timeslice.errors import AcquireTimeout, LeaseLost, NotHolding, TimeSliceError
 from timeslice.memory_commands import MemoryCommandLoop, StateStore
 from timeslice.scope import AcceleratorScope
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -79,6 +80,8 @@ class TimeSliceOrchestratorClient:
         self._held: set[str] = set()  # every group this client was granted: left at close()
         self._closed = False
         self._lock = threading.Lock()
+        self._acquiring: dict[str, threading.Lock] = {}  # per group: one Acquire of this client at a time
+        self._pid = os.getpid()
         self._memory_loops: list[MemoryCommandLoop] = []
 
     @property
@@ -100,28 +103,46 @@ class TimeSliceOrchestratorClient:
         """Block until this job holds the group and its state is on the GPUs.
 
         `timeout` is in seconds (None waits without bound), failed switches included (they
-        are asked again, see `retry_failed_switches`). On a group whose state this process
-        serves (`serve_memory_commands`), the grant's lease is confirmed with a keep-alive
-        before the grant is used: a grant whose lease lapsed before this process saw it (the
-        process was paused) is asked again, never used. Nested acquires of a held group
-        return the same grant and need as many releases.
+        are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
+        before it is used where it may have lapsed unseen: on a group whose state this process
+        serves (`serve_memory_commands`), and wherever its answer waited unread for over a
+        quarter of its lease (the process was stopped or starved while it waited: `_rpc.seen_late`);
+        a grant whose lease lapsed before this process saw it is asked again, never used.
+        Nested acquires of a held group return the same grant and need as many releases; so
+        do acquires of one group by several threads of this client at once: the later ones
+        wait (within their own timeout) for the first one's grant and share its hold.
         Raises AcquireTimeout (naming the last failed switch, if any), JobFailed (the job's
         state is lost: restart it), GroupNotFound, InvalidRequest, AccessDenied,
-        OrchestratorUnavailable; SwitchFailed only with `retry_failed_switches=False`.
+        OrchestratorUnavailable; SwitchFailed only with `retry_failed_switches=False`;
+        TimeSliceError in a forked child of the process that made the client (`_check_process`).
         """
+        self._check_process()
         group = _rpc.group_of(self._s, group_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            gate = self._acquiring.setdefault(group, threading.Lock())
+        if not gate.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise AcquireTimeout(f"acquire {group}: no grant within {timeout:g} s (another thread of this client "
+                                 "was acquiring it all along)")
+        try:
+            return self._acquire(group, priority, memory, deadline)
+        finally:
+            gate.release()
+
+    def _acquire(self, group: str, priority: int | None, memory: str | int | None,
+                 deadline: float | None) -> _rpc.Grant:
         with self._lock:
             hold = self._holds.get(group)
             if hold is not None and not hold.lost.is_set():
                 hold.depth += 1
                 return hold.grant
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             request_id = _rpc.new_request_id()
             pending: _Hold | None = None
             try:
-                pending = _Hold(self._grant(group, request_id, priority, memory, deadline))
-                if self._state_back(pending):
+                grant, late = self._grant(group, request_id, priority, memory, deadline)
+                pending = _Hold(grant)
+                if self._state_back(pending, late):
                     return pending.grant
             except BaseException as err:  # gave up (timeout, lost reply, interrupt): leave no grant behind
                 if pending is not None:
@@ -135,13 +156,18 @@ class TimeSliceOrchestratorClient:
                         group, pending.grant.epoch, pending.grant.lease_seconds)
 
     def _grant(self, group: str, request_id: str, priority: int | None, memory: str | int | None,
-               deadline: float | None) -> _rpc.Grant:
-        resp = self._retrying(
-            f"acquire {group}", deadline,
-            lambda remaining: self._stub.Acquire(
-                _rpc.acquire_request(self._s, group, priority, remaining, request_id, memory), timeout=remaining,
-                metadata=_rpc.call_metadata()), retry_switches=self._s.retry_failed_switches)
-        return _rpc.grant_of(self._s, group, resp, request_id)
+               deadline: float | None) -> tuple[_rpc.Grant, bool]:
+        """(the grant, whether this process saw it late: `_rpc.seen_late`)."""
+        sent_at = 0.0
+
+        def ask(remaining: float | None) -> Any:
+            nonlocal sent_at
+            sent_at = time.monotonic()
+            return self._stub.Acquire(_rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
+                                      timeout=remaining, metadata=_rpc.call_metadata())
+
+        resp = self._retrying(f"acquire {group}", deadline, ask, retry_switches=self._s.retry_failed_switches)
+        return _rpc.grant_of(self._s, group, resp, request_id), _rpc.seen_late(sent_at, resp)
 
     def _hold(self, hold: _Hold) -> None:
         """Record `hold` (from now on the group's memory commands find this job inside its
@@ -162,7 +188,7 @@ class TimeSliceOrchestratorClient:
             if self._holds.get(hold.grant.group_id) is hold:
                 del self._holds[hold.grant.group_id]
 
-    def _state_back(self, hold: _Hold) -> bool:
+    def _state_back(self, hold: _Hold, late: bool) -> bool:
         """Record `hold` once its grant may be used. For a group whose state this process
         serves (`serve_memory_commands`), that is once a keep-alive confirmed the grant's
         lease, under the command loops' lock (no checkpoint runs in between, and none after:
@@ -171,28 +197,22 @@ class TimeSliceOrchestratorClient:
         restored here; a restore command it gave up on may have finished since). False when
         the lease had lapsed before this process saw its grant (issue 22, case 4: the
         orchestrator may have moved this job out and granted another since): nothing is
-        restored. Other groups' grants are used at once (their state is moved by the node
-        agent, which stops a process whose lease lapsed). The keep-alive has its own window
-        (`unavailable_timeout`), not the acquire's: the grant exists already. Raises
+        restored. Other groups' grants are used at once, unless seen `late`: then once a
+        keep-alive confirmed them (a job that had not computed under a lapsed grant may have
+        had nothing for its node agent to stop: no CUDA context, backend `none`). Raises
         CheckpointLost, OrchestratorUnavailable."""
         grant = hold.grant
         loops = [loop for loop in self._memory_loops if loop.group == grant.group_id]
         if not loops:
+            if late and not self._confirmed(grant):
+                return False
             self._hold(hold)
             return True
-        request = _rpc.keep_alive_request(self._s, grant)
         checked: list[bool] = []
 
         def lease_live() -> bool:  # one keep-alive per grant, whichever loop asks first
             if not checked:
-                try:
-                    self._retrying(f"keep-alive {grant.group_id}", None,
-                                   lambda timeout: self._stub.KeepAlive(request, timeout=timeout,
-                                                                        metadata=_rpc.call_metadata()),
-                                   call_timeout=self._s.call_timeout)
-                    checked.append(True)
-                except LeaseLost:
-                    checked.append(False)
+                checked.append(self._confirmed(grant))
             if checked[0]:
                 self._hold(hold)
             return checked[0]
@@ -205,6 +225,30 @@ class TimeSliceOrchestratorClient:
                 log.warning("state of group %s restored by the client at its grant (a command had timed out)",
                             grant.group_id)
         return True
+
+    def _confirmed(self, grant: _rpc.Grant) -> bool:
+        """Whether a confirming keep-alive finds `grant`'s lease the holder's (False: refused,
+        LeaseLost). It has its own window (`unavailable_timeout`), not the acquire's: the grant
+        exists already. Raises OrchestratorUnavailable."""
+        request = _rpc.keep_alive_request(self._s, grant, confirm=True)
+        try:
+            self._retrying(f"keep-alive {grant.group_id}", None,
+                           lambda timeout: self._stub.KeepAlive(request, timeout=timeout,
+                                                                metadata=_rpc.call_metadata()),
+                           call_timeout=self._s.call_timeout)
+            return True
+        except LeaseLost:
+            return False
+
+    def _check_process(self) -> None:
+        """Raise TimeSliceError in a process forked from the one that made this client: it
+        inherited the parent's holds (its acquires would return at once, its releases end the
+        parent's hold) and a gRPC channel that does not survive fork()."""
+        if os.getpid() != self._pid:
+            raise TimeSliceError(f"this timeslice client was made in process {self._pid}; process {os.getpid()} "
+                                 "is a fork of it and may not use it (its holds are the parent's, its gRPC channel "
+                                 "does not survive fork): make a client in the child, or start it with the 'spawn' "
+                                 "method")
 
     def _cancel(self, group: str, request_id: str) -> None:
         """Best effort: the server may have granted the request just as this client gave up."""
@@ -222,8 +266,10 @@ class TimeSliceOrchestratorClient:
         seconds (so it returns or raises within their sum, 40 s by default); a repeated Release
         that finds the hold already ended by an earlier try counts as done.
         Raises NotHolding without a hold, LeaseLost when the hold had already ended
-        (lease lapsed or epoch taken over), OrchestratorUnavailable (unreachable, or no answer).
+        (lease lapsed or epoch taken over), OrchestratorUnavailable (unreachable, or no
+        answer); TimeSliceError in a forked child (`_check_process`).
         """
+        self._check_process()
         group = _rpc.group_of(self._s, group_id)
         with self._lock:
             hold = self._holds.get(group)
@@ -315,8 +361,9 @@ class TimeSliceOrchestratorClient:
         """Release every hold (best effort), stop the memory-command threads, tell the
         orchestrator this process is done with each group it held (`Leave`: a job whose
         state was moved off the GPUs after its last release is brought back, so that its
-        processes can end), close the channel. A second call does nothing."""
-        if self._closed:
+        processes can end), close the channel. A second call does nothing; so does a call in a
+        forked child (the holds and the job's groups are the parent's)."""
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         for loop in self._memory_loops:

@@ -6,6 +6,7 @@ the number of fact sets (default 10 000)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -40,7 +41,8 @@ facts = st.builds(
     LeaseCallFacts, st.sampled_from(JOBS), st.sampled_from(LEASES), st.integers(0, 4),
     st.none() | st.sampled_from(("", *REQUESTS)), st.sampled_from(["none", "freeze", "cuda", "cooperative", "app"]),
     st.integers(0, 3), st.booleans(), st.none() | leases, st.none() | leases, st.none() | leases, st.none() | leases,
-    st.booleans(), st.booleans(), st.none() | st.builds(Unreleased, st.none() | leases, st.just("lapsed")))
+    st.booleans(), st.booleans(), st.none() | st.builds(Unreleased, st.none() | leases, st.just("lapsed")),
+    st.booleans())
 
 RELEASE_ACTS = {Act.PARKED_PART, Act.PARKED_RELEASE, Act.LAPSED_RELEASE, Act.REVOKED_PART, Act.REVOKED_NOTE,
                 Act.HOLDER_PART, Act.HOLDER_END}
@@ -62,7 +64,7 @@ def check(f: LeaseCallFacts, d: LeaseCall) -> None:
     if d.act in PARKED:  # the parked lease by this id, else the adopted one's: shown
         assert shows(f, f.parked if f.parked is not None else f.parked_adopted, d.adopt), d
         assert d.adopt == (f.parked is None and f.parked_adopted is not None and f.parked_adopted.lease_id == ADOPTED)
-    elif f.parked is not None:
+    elif f.parked is not None and not (f.confirm and not release):
         assert not f.parked.matches(f.job, f.lease_id, f.epoch), d  # a matching parked lease always answers
     if d.act in LAPSED:  # a lapsed hold in force: its job does not hold again and is known here
         assert shows(f, f.lapsed, False) and (f.resident or f.checkpointed), d
@@ -98,7 +100,13 @@ def check(f: LeaseCallFacts, d: LeaseCall) -> None:
     if d.act is Act.STALE:
         h = f.holder
         assert (f"the holder is job {h.job} epoch {h.epoch}" if h else "the holder is nobody") in d.refusal, d
-        assert not shows(f, h, True), d  # the holder's lease would have been accepted
+        if f.confirm and not release:  # refused for what the plain keep-alive would do, never for a renewal
+            assert lease_call(dataclasses.replace(f, confirm=False)).act is not Act.HOLDER_RENEW, d
+        else:
+            assert not shows(f, h, True), d  # the holder's lease would have been accepted
+    if f.confirm and not release:  # a grant confirmed late is never queued again nor extended while parked
+        assert d.act in (Act.HOLDER_RENEW, Act.STALE) or d.act in REVOKED, d
+        assert not d.forget_lapsed or d.act is not Act.STALE or "seen too late" not in d.refusal, d
 
 
 @pytest.mark.slow  # (~20 s for 10 000 on an idle 2-core VM)
@@ -147,6 +155,19 @@ def test_a_late_call_of_a_lapsed_holder_is_accepted_only_while_its_job_is_here_a
     assert d.act is Act.STALE and d.forget_lapsed
     d = call(None, lapsed=lapsed, resident=True, holder=holder(lease_id="l2", epoch=3))  # holds again, anew
     assert d.act is Act.STALE and d.forget_lapsed
+
+
+def test_a_grant_confirmed_late_is_accepted_only_while_it_is_the_holders() -> None:
+    """A confirming keep-alive (its client saw the grant after its lease lapsed, the process was
+    stopped while it waited) is refused where a plain late keep-alive would be queued again under
+    the lapsed lease: nothing stopped a job that never computed under it (tester's input: a waiter
+    SIGSTOPped through its grant on `cuda` then computed beside the next holder)."""
+    lapsed = holder()
+    d = call(None, lapsed=lapsed, resident=True, confirm=True)
+    assert d.act is Act.STALE and "seen too late" in d.refusal and not d.forget_lapsed
+    assert call(None, holder=holder(), confirm=True) == LeaseCall(Act.HOLDER_RENEW)
+    d = call(None, parked=holder(), confirm=True)  # preempted before its client saw it
+    assert d.act is Act.STALE
 
 
 def test_a_holder_switched_out_under_an_earlier_leader_is_queued_again_only_where_the_backend_stopped_it() -> None:

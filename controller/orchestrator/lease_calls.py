@@ -78,7 +78,8 @@ class LeaseCallFacts:
     `parked_adopted`: the one keyed `ADOPTED` (a presumptive holder preempted before its first
     call); `lapsed`: the lapsed hold remembered under this lease id; `holds`: the job holds
     now; `resident` / `checkpointed`: its state is on the GPUs / off them; `unreleased`: its
-    `app` hold that ended unreleased."""
+    `app` hold that ended unreleased; `confirm`: a keep-alive that confirms a grant its client
+    saw late (accepted only as the holder's renewal)."""
 
     job: str
     lease_id: str
@@ -94,6 +95,7 @@ class LeaseCallFacts:
     resident: bool = False
     checkpointed: bool = False
     unreleased: Unreleased | None = None
+    confirm: bool = False
 
     @property
     def call(self) -> str:
@@ -140,7 +142,21 @@ class LeaseCall:
 
 
 def lease_call(f: LeaseCallFacts) -> LeaseCall:
-    """What the call `f` does (this module's rules). Pure: reads `f` only."""
+    """What the call `f` does (this module's rules). Pure: reads `f` only. A confirming
+    keep-alive (`confirm`: its client saw the grant late, its process was stopped while it
+    waited) is accepted only where it renews the holder's lease: a grant that lapsed or was
+    preempted before its client saw it is refused, never queued again (nothing may have
+    stopped a job that never computed under it), and the client asks anew."""
+    d = _lease_call(f)
+    if f.confirm and f.request_id is None and not d.refused and d.act is not Act.HOLDER_RENEW:
+        h = f.holder
+        holder = f"job {h.job} epoch {h.epoch}" if h else "nobody"
+        return LeaseCall(Act.STALE, refusal=f"grant to job {f.job} epoch {f.epoch} seen too late ({d.act.value}); "
+                                            f"the holder is {holder}: ask again")
+    return d
+
+
+def _lease_call(f: LeaseCallFacts) -> LeaseCall:
     release = f.request_id is not None
     parked, adopt = _parked(f)
     if parked is not None:

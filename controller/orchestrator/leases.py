@@ -19,12 +19,12 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
   the lapsed holder leaves the GPUs before anyone is granted, and its lease is remembered
   (`lapsed`): its late keep-alive queues it again under that lease, like a preempted
   holder (restored in its turn, invisibly to its code), and its late release is accepted.
+  Not a client's keep-alive that confirms a grant it saw late (`confirm`): refused, it asks anew.
 - `vmm`: nothing stops the holder's processes, and moving its memory under a process that
-  computes kills it (its kernels find their memory unmapped). A holder whose node agents
-  report a process of it live keeps the lock past its lease (*overdue*, looked at again every
-  `LIVE_SECONDS`) until it keeps alive (its lease is current again), releases, or is no longer
-  reported live; one that is not (its agent does not answer, a cluster's claims, which agents
-  do not look at here) has its lease revoked, and its memory moves only once its client
+  computes kills it. A holder whose node agents report a process of it live keeps the lock
+  past its lease (*overdue*, looked at again every `LIVE_SECONDS`) until it keeps alive,
+  releases, or is no longer reported live; one that is not (its agent does not answer, a
+  cluster's claims) has its lease revoked, and its memory moves only once its client
   released, as `app`'s below.
 - `none`: nothing stops a lapsed holder, so the next job may overlap it: its late calls are
   refused (the client raises `LeaseLost`).
@@ -90,8 +90,7 @@ class Leases:
         return lease_id in self._known
 
     def renew(self, h: Hold) -> None:
-        """`h`'s lease runs `lease_seconds` from now (a keep-alive, or a caller of its job that
-        joined it)."""
+        """`h`'s lease runs `lease_seconds` from now (a keep-alive, or a caller of its job joined)."""
         h.lease_deadline = self._g.clock() + self._g.spec.lease_seconds
         self.kept_alive(h)
 
@@ -104,21 +103,18 @@ class Leases:
 
     def seen_live(self, job_id: str) -> None:
         """A node agent reported a process of `job_id` live (`GoneHolders`): if it holds, noted
-        (`Hold.live_at`); on `names.UNRELEASED_KEPT_BACKENDS` a holder seen live is not cut
-        off when its keep-alives are late."""
+        (`Hold.live_at`: on `names.UNRELEASED_KEPT_BACKENDS` such a holder is kept when late)."""
         h = self._g.holder
         if h is not None and h.job_id == job_id:
             h.live_at = self._g.clock()
 
     def arm(self) -> None:
         """Time the current holder's lease (from its deadline)."""
-        h = self._g.holder
-        if h is None:
-            return
-        delay = max(0.0, h.lease_deadline - self._g.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay, self.on_timer, h)
+        if (h := self._g.holder) is not None:
+            delay = max(0.0, h.lease_deadline - self._g.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self.on_timer, h)
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # (the timer, and with it any overdue holder's)
         self._overdue = None
         if self._timer is not None:
             self._timer.cancel()
@@ -126,8 +122,7 @@ class Leases:
 
     def on_timer(self, h: Hold) -> None:
         """`h`'s lease timer fired: what it does is `decisions.lease_timer` (it lapses unless
-        extended since, or unless it is a cooperative holder whose processes keep their command
-        streams open: overdue)."""
+        extended since, or kept overdue: streaming cooperative holder, live vmm or app one)."""
         g = self._g
         self._timer = None
         streaming = g.holder is h and self._streaming(h.job_id)
@@ -211,10 +206,10 @@ class Leases:
             raise AssertionError(f"a release cannot {d.act.value}")
         return len(g.queue), g.switching is not None
 
-    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "") -> None:
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "", confirm: bool = False) -> None:
         """Perform a keep-alive (`LockGroup.keep_alive`). Raises StaleLease."""
         g = self._g
-        d, on = self._decide(job_id, lease_id, epoch, None)
+        d, on = self._decide(job_id, lease_id, epoch, None, confirm)
         if d.act is Act.PARKED_EXTEND:
             on.held().lease_deadline = g.clock() + g.spec.lease_seconds
         elif d.act is Act.REQUEUE_SWITCHED_OUT:
@@ -234,7 +229,8 @@ class Leases:
         else:
             raise AssertionError(f"a keep-alive cannot {d.act.value}")
 
-    def _decide(self, job_id: str, lease_id: str, epoch: int, request_id: str | None) -> tuple[LeaseCall, _On]:
+    def _decide(self, job_id: str, lease_id: str, epoch: int, request_id: str | None,
+                confirm: bool = False) -> tuple[LeaseCall, _On]:
         """What the call does and what it acts on; performs its bookkeeping (an adopted lease, a
         lapsed one forgotten) and its refusal (a release under a revoked `app` lease noted
         first: `_note_revoked`). Raises StaleLease."""
@@ -249,7 +245,8 @@ class Leases:
             parked=_lease(parked[1] if parked else None), parked_adopted=_lease(adopted[1] if adopted else None),
             lapsed=_lease(lapsed), resident=job_id in g.residency.residents,
             checkpointed=job_id in g.residency.checkpointed,
-            unreleased=None if unreleased is None else Unreleased(_lease(unreleased[0]), unreleased[1])))
+            unreleased=None if unreleased is None else Unreleased(_lease(unreleased[0]), unreleased[1]),
+            confirm=confirm))
         if d.forget_lapsed:
             del self._lapsed[lease_id]
         if d.act in PARKED:
@@ -288,8 +285,7 @@ class Leases:
 
 @dataclass
 class _On:
-    """What a release or keep-alive acts on: a hold (the parked, lapsed, revoked or holding one),
-    and a parked hold's queue entry."""
+    """What a call acts on: a hold (parked, lapsed, revoked or holding), a parked hold's entry."""
 
     hold: Hold | None  # (None only where the act touches no hold: a refusal, a hold made anew)
     entry: Waiter | None = None
