@@ -104,8 +104,8 @@ def orchestrator_config(cfg: ServeConfig, agent_target: str, state_dir: Path) ->
             raise ValueError(f"--config {cfg.groups_file}: `groups:` is a list of mappings, one per group "
                              "(`groups: [{id: g, backend: freeze}]`)")
         groups = [dict(g) for g in listed]
-        for g in groups:
-            if g.get("backend", "none") != names.BACKEND_NONE and not g.get("agents"):
+        for g in groups:  # (a `none` group's agent only looks up its holder: dropped at once when gone)
+            if not g.get("agents"):
                 g["agents"] = [agent_target]
         raw = {**raw, "groups": groups}
     else:

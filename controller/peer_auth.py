@@ -29,6 +29,7 @@ from timeslice.driver.peercred import (
     cgroup2_root,
     led_by_a_shell,
     scope_of,
+    session_leader,
 )
 
 _USER_JOB = re.compile(r"uid\d+/")
@@ -103,11 +104,15 @@ class PeerAuthenticator:
         if shared:
             return PeerCaller(creds, scope, "", refusal=shared, serving_uid=self._serving_uid)
         if bound is None and led_by_a_shell(scope, creds.pid):
+            one_job = (" This script has a session of its own (started with `setsid`): if the script is one job, "
+                       "name it (`export TIMESLICE_JOB=<name>` at its top, or `timeslice run --job <name>`); "
+                       "jobs it starts with `&` each need their own `setsid CMD &`." if session_leader(int(scope.key))
+                       else " Start each job in its own process group (`setsid CMD &`), or name it (TIMESLICE_JOB, "
+                            "--job).")
             return PeerCaller(creds, scope, "", refusal=(
                 f"process {creds.pid} names no job and is in {scope}, whose leader is a shell: a script, whose "
                 "commands (jobs started with `&` among them) all share that group, so it cannot tell one job from "
-                "another. Start each job in its own process group (`setsid CMD &`), or name it (TIMESLICE_JOB, "
-                "--job)"), serving_uid=self._serving_uid)
+                f"another.{one_job}"), serving_uid=self._serving_uid)
         return PeerCaller(creds, scope, bound or scope.job_name, serving_uid=self._serving_uid)
 
     async def authenticate(self, context: Any) -> str:

@@ -99,6 +99,15 @@ def led_by_a_shell(scope: Scope, caller: int, proc: Path = Path("/proc")) -> boo
         return False
 
 
+def session_leader(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether `pid` leads its session (started by `setsid`: its session id, /proc/<pid>/stat field 6,
+    is its pid); False when it is gone."""
+    try:
+        return int(stat_fields(pid, proc)[3]) == pid
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def members(scope: Scope, uid: int, proc: Path = Path("/proc"),
             elsewhere: Callable[[Scope], bool] = lambda _: False) -> list[int]:
     """Live PIDs in `scope` whose real uid is `uid` (any uid when `uid` is 0), ascending,

@@ -266,3 +266,22 @@ async def test_a_frozen_job_continued_by_someone_else_is_stopped_again_until_its
             assert proc_state(proc.pid) in "RS"
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "directory"])
+async def test_a_damaged_records_file_is_kept_aside_and_names_the_way_out(tmp_path, children, caplog,
+                                                                          damage: str) -> None:
+    """A tester's case: serve's `agent.json` damaged while a job was frozen: the agent ignored it
+    and its next save overwrote it, so nothing said which processes stayed stopped (a directory
+    in its place stopped serve with a bare `[Errno 21] Is a directory`). Now the agent starts,
+    keeps the file aside and its error line says what to do."""
+    path = tmp_path / "agent.json"
+    if damage == "garbage":
+        path.write_text('{"this is: not json')
+    else:
+        path.mkdir()
+    agent = NodeAgent(StaticProcessResolver(), backends=["freeze"], records_path=path)
+    await agent.recover()
+    aside = list(tmp_path.glob("agent.json.damaged-*"))
+    assert len(aside) == 1 and not path.exists(), list(tmp_path.iterdir())
+    assert f"kept as {aside[0]}" in caplog.text and "`kill -CONT` a frozen one" in caplog.text

@@ -160,6 +160,17 @@ def test_no_room_even_after_evicting_everyone() -> None:
         plan_room("c", ["a"], s, {}, parse_headroom("10%"))
 
 
+def test_a_job_that_declared_more_than_the_gpu_has_is_granted_it_with_everybody_else_moved_out() -> None:
+    """A tester's case: one job declaring 1001Mi on a GPU of 1000 MiB (as "80Gi" on an H100 of
+    79.6 GiB) was never granted, even alone on an idle GPU: no plan could ever make room for it."""
+    declared = {"c": 101 * GB}
+    s = snap(free=20, ckpt={"c": 30}, a=50, b=30)
+    assert plan_room("c", ["a", "b"], s, {}, parse_headroom("10%"), declared=declared) == ["a", "b"]
+    assert plan_room("c", [], snap(free=100, ckpt={"c": 30}), {}, parse_headroom("10%"), declared=declared) == []
+    with pytest.raises(NoRoom, match="no room for c"):  # its own state does not fit: never granted
+        plan_room("c", ["a"], snap(free=10, ckpt={"c": 101}, a=90), {}, parse_headroom("10%"), declared=declared)
+
+
 def test_no_host_memory_for_the_checkpoint_it_would_need() -> None:
     s = snap(free=10, ckpt={"c": 45}, host=40, a=45, b=45)
     with pytest.raises(NoRoom, match=r"no host memory to checkpoint a on agent-0: it holds 45.00 GB, the node has "

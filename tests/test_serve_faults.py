@@ -99,12 +99,15 @@ async def test_a_holder_killed_while_another_job_is_frozen_lets_the_idle_group_t
         await finish(b)
 
 
-async def test_a_holder_killed_with_its_process_group_is_dropped_at_once_not_after_its_lease(tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["freeze", "none"])
+async def test_a_holder_killed_with_its_process_group_is_dropped_at_once_not_after_its_lease(tmp_path,
+                                                                                            backend) -> None:
     """A new user's trial: `kill -9` of the holding job's process group left the waiting job
     stalled for the holder's whole lease (10 s), although nothing of the holder was left. Now
     serve drops a holder none of whose processes is left: B, waiting with a 60 s timeout, is
-    granted under a lease of 300 s."""
-    async with serve_process(tmp_path, lease_seconds=300) as (sock, _, _):
+    granted under a lease of 300 s. Also on `none` (a tester's case: serve gave `none` groups no
+    agent to look the holder up on, and B waited out the lease)."""
+    async with serve_process(tmp_path, lease_seconds=300, backend=backend) as (sock, _, _):
         a = await job(sock, JOB_A)
         b = None
         try:
@@ -447,6 +450,9 @@ async def test_unnamed_jobs_started_with_an_ampersand_from_one_script_are_refuse
         together = await script(sock, f"python {client} & python {client} & wait")
         out = (await asyncio.wait_for(together.communicate(), 90))[0].decode()
         assert out.count("refused:") == 2 and "setsid" in out and "held" not in out, out
+        # (a tester's case: a script started with `setsid` whose steps are `timeslice run` lines
+        # was told to start itself with `setsid`: it is told how to name it one job)
+        assert out.count("if the script is one job, name it (`export TIMESLICE_JOB=<name>`") == 2, out
         apart = await script(sock, f"setsid -w python {client} & setsid -w python {client} & wait")
         out = (await asyncio.wait_for(apart.communicate(), 90))[0].decode()
         assert out.split() == ["held", "held"], out

@@ -186,7 +186,10 @@ def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, 
                        headroom: tuple[float, int], declared: Mapping[str, int] | None,
                        lacking: Mapping[str, tuple[int, bool]], others: Mapping[str, int]) -> None:
     """Raise NoRoom where `incoming` must grow and, after the evictions, still lacks bytes (`lacking`); the
-    headroom counts only where others than it hold more than the headroom (`others`: `held_by_others`)."""
+    headroom counts only where others than it hold more than the headroom (`others`: `held_by_others`).
+    A declared need over the GPU's whole memory ("80Gi" on an H100 of 79.6 GiB) would wait forever:
+    where what the job was seen to hold fits, it is granted with everybody else moved out, and a
+    warning says so."""
     for dev, (short, must) in lacking.items():
         if not must:
             continue
@@ -196,6 +199,11 @@ def _check_growth_fits(incoming: str, snap: MemorySnapshot, peaks: Mapping[str, 
         if short > 0:
             mem = snap.devices[dev]
             need = need_of(incoming, snap, peaks, declared)[dev]
+            seen = need_of(incoming, snap, peaks, None)[dev]  # its checkpoint and peak: what it really holds
+            if need > mem.total and short - (need - seen) <= 0:
+                log.warning("%s declared %s on %s, more than its %s: granted with every other job moved out (is "
+                            "what it declared too high?)", incoming, _gb(need), dev, _gb(mem.total))
+                continue
             raise NoRoom(f"no room for {incoming} on {dev}: it needs {_gb(need)} plus "
                          f"headroom, {_gb(mem.free)} of {_gb(mem.total)} is free and checkpointing every idle "
                          f"resident would leave it {_gb(short)} short; {incoming} stays where it is")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,9 +88,17 @@ class JobRecords:
                          for job, r in data["jobs"].items()}
             self.restored = OrderedDict((str(op), str(job)) for op, job in data.get("restored", {}).items())
             self.live_pids = {int(p): int(t) for p, t in data.get("livePids", {}).items()}
-        except (ValueError, KeyError, TypeError) as err:
-            # A damaged file must not stop the agent; the processes stay as they are.
-            log.error("ignoring unreadable records file path=%s: %s", path, err)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            # A damaged file must not stop the agent; the processes stay as they are, and the file
+            # is kept aside (the next save would overwrite it) for whoever puts them back.
+            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+            try:
+                path.rename(aside)
+            except OSError as rename_err:
+                aside = Path(f"(not moved aside: {rename_err})")
+            log.error("ignoring unreadable records file path=%s (kept as %s): %s. Processes this agent had frozen "
+                      "or checkpointed may stay stopped: the file names them; `kill -CONT` a frozen one, end a "
+                      "checkpointed one", path, aside, err)
 
     def put(self, job_id: str, record: JobRecord) -> None:
         """Persist `record` (fsync'd before this returns). Raises OSError, and then keeps
