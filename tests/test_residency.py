@@ -1173,6 +1173,54 @@ async def test_a_holder_short_of_headroom_with_nothing_to_move_is_watched_on_wit
     await g.close()
 
 
+class SlowWatchedGpu(WatchedGpu):
+    """A WatchedGpu whose restores wait for `go` (a switch in flight)."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.go = asyncio.Event()
+        self.answered = 0  # watches that answered
+
+    async def memory(self, spec, jobs, watch: float = 0, low_free: int = 0, *,
+                     for_plan: bool = True) -> MemorySnapshot:
+        snap = await super().memory(spec, jobs, watch, low_free, for_plan=for_plan)
+        self.answered += bool(watch)
+        return snap
+
+    async def __call__(self, spec, evict, incoming, restore) -> SwitchRecord:
+        if restore:
+            await self.go.wait()
+        return await super().__call__(spec, evict, incoming, restore)
+
+
+async def test_a_holder_short_of_headroom_during_a_staging_is_looked_at_again_when_it_ends() -> None:
+    """The holder's watch answered low while a staging was in flight (nothing else moves
+    meanwhile): the next watch went without the threshold for its whole length, and the holder
+    grew on unwatched after the staging ended. Now the watch waits for the switch to end, then
+    watches with the threshold (answering at once): the job staged beside it leaves."""
+    gpu = SlowWatchedGpu(total=130 * GB, a=45)
+    gpu.go.set()
+    g = group(gpu)
+    await hold(g, "a")
+    gpu.on["b"] = 45 * GB
+    await hold(g, "b")
+    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)  # a checkpointed for c
+    gpu.go.clear()
+    grant_b = await g.acquire("b", 0, "b-1", timeout=None)
+    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
+    await eventually(lambda: g.switching is not None, what="a's staging")  # it waits for `go`
+    answered = gpu.answered
+    gpu.grow("b", 75 * GB)  # 120 of 130 GB: under the 10% headroom
+    await eventually(lambda: gpu.answered > answered, what="the watch's answer")
+    gpu.go.set()  # the staging ends: c out, a in
+    await eventually(lambda: ("checkpoint", "a") in gpu.calls, what="a staged, then checkpointed for b")
+    assert 0 not in gpu.lows and ("checkpoint", "b") not in gpu.calls
+    g.release("b", grant_b.lease_id, grant_b.epoch)
+    grant_a = await a_waits
+    g.release("a", grant_a.lease_id, grant_a.epoch)
+    await g.close()
+
+
 async def test_nothing_is_staged_into_the_room_a_holder_declared() -> None:
     """The room kept beside a holder for a staging is its need (declared included), not only
     its peak so far: b declared 70 GB and holds 34 (its optimizer state comes later in the
@@ -1257,6 +1305,8 @@ class SampledGpu(FakeGpu):
         self.sampled: dict[str, int] = {}
         self.changed = asyncio.Event()
         self.watches = 0
+        self.watching = 0  # watches in flight
+        self.watched: list[str] = []  # the jobs the last watch named
 
     def set(self, job: str, gb: int) -> None:
         """`job` holds `gb` GB now (it allocated or freed)."""
@@ -1274,9 +1324,14 @@ class SampledGpu(FakeGpu):
             return MemorySnapshot(unanswered={"agent-0"})
         if watch:
             self.watches += 1
+            self.watching += 1
+            self.watched = list(jobs)
             self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), watch)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.changed.wait(), watch)
+            finally:
+                self.watching -= 1
         snap = await super().memory(spec, jobs)
         snap.incarnations = {"agent-0": f"run-{self.run}"}
         snap.peak_bytes = {j: {DEV: max(b, self.sampled.pop(j, 0))} for j, b in self.on.items()}
@@ -1374,12 +1429,13 @@ async def test_a_watch_that_answers_after_its_hold_ended_is_still_learned_from()
     await hold(g, "a")
     await hold(g, "b")
     grant = await g.acquire("a", 0, "a-1", timeout=None)
-    await eventually(lambda: gpu.watches > 0, what="a's watch")
+    await eventually(lambda: gpu.watching == 1 and set(gpu.watched) == {"a", "b"}, what="a's watch")
+    watches = gpu.watches
     b_waits = asyncio.create_task(g.acquire("b", 0, "b-1", timeout=None))
     await eventually(lambda: len(g.queue) == 1, what="b waiting")
     g.release("a", grant.lease_id, grant.epoch)
     grant = await b_waits
-    assert gpu.watches == 1  # b granted at once: resident, with room
+    assert gpu.watches == watches  # b granted at once (resident, with room); a's watch names b: it goes on
     gpu.set("b", 40)
     gpu.set("b", 10)  # a's watch, still in flight, answers
     await eventually(lambda: g.residency.peaks.get("b", {}).get(DEV) == 40 * GB, what="b's peak learned")

@@ -188,6 +188,7 @@ class SwitchRunner:
             self._perform(effect)
         g.preemption.switch_ended()
         g.dispatch()
+        g.moves.watch.switch_ended()  # (a job it restored beside the holder may have to leave again)
         if g.idle.now() and (record is None or record.ok):
             g.idle.refresh_memory()
 
