@@ -24,7 +24,6 @@ logged and the loop goes on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -39,6 +38,7 @@ from timeslice.controller.grouping import Snapshot
 from timeslice.controller.reflector import DEFAULT_BACKOFF, WATCH_SECONDS, Obj, Reflector
 from timeslice.driver import names
 from timeslice.driver.backoff import Backoff
+from timeslice.driver.tasks import cancel_and_wait
 
 log = logging.getLogger("timeslice.controller.cluster_state")
 
@@ -142,8 +142,7 @@ class ClusterState:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+            await cancel_and_wait(t)  # (a cancel swallowed by 3.11's wait_for is sent again)
         self._tasks = []
 
     async def __aenter__(self) -> ClusterState:

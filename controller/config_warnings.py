@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from timeslice.controller.grouping import GroupingWarning
 from timeslice.driver.events import EventRecorder
+from timeslice.driver.tasks import cancel_and_wait
 
 log = logging.getLogger("timeslice.controller")
 
@@ -47,4 +48,5 @@ class ConfigWarnings:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task in list(self._tasks):
+            await cancel_and_wait(task)  # (a cancel swallowed by 3.11's wait_for is sent again)

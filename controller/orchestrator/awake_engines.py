@@ -17,11 +17,11 @@ to its client at its next grant (`woken`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.group_model import Hold
+from timeslice.driver.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -134,7 +134,4 @@ class AwakeEngines:
 
     async def close(self) -> None:
         self._closed = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        await cancel_and_wait(self._watch)

@@ -15,13 +15,13 @@ granted: its own acquire restores it, or says why not.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.memory_plan import plan, snapshot
 from timeslice.controller.orchestrator.placement import NoRoom
 from timeslice.driver import names
+from timeslice.driver.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -123,7 +123,4 @@ class IdleRestores:
             self._task = None
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

@@ -35,8 +35,6 @@ functions of the group (memory_plan.py).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -61,6 +59,7 @@ from timeslice.controller.orchestrator.memory_plan import roomy
 from timeslice.controller.orchestrator.move_cost import CostInputs, moves_nothing, pass_remaining
 from timeslice.controller.orchestrator.switch_run import SwitchRunner
 from timeslice.driver import names
+from timeslice.driver.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from timeslice.controller.orchestrator.group import LockGroup
@@ -241,8 +240,5 @@ class MemoryMoves:
         self.deferral.close()
         for task in (self.deferral.report_task, self.watch.task, self.settling.records_task,
                      self.settling.settle_task, self.runner.task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(task)  # (a cancel swallowed by 3.11's wait_for is sent again)
 

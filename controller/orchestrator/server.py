@@ -23,6 +23,7 @@ from timeslice.controller.orchestrator.service import Authenticator, Orchestrato
 from timeslice.controller.orchestrator.state_file import StateFile
 from timeslice.driver import grpc_server, signals
 from timeslice.driver.bearer import TokenFile
+from timeslice.driver.tasks import cancel_and_wait
 from timeslice.v1 import orchestrator_pb2 as pb
 from timeslice.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -69,8 +70,7 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
         yield orchestrator, port
     finally:
         log.info("orchestrator stopping grace=%gs", grace)
-        if watch is not None:
-            watch.cancel()
+        await cancel_and_wait(watch)
         orchestrator.cooperative.keep_pool_if_in_use()  # before the streams close: do processes map the pool?
         if server is not None:
             await server.stop(grace)
