@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from typing import Any
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -769,11 +770,9 @@ class SlowGpu(FakeGpu):
         return await super().__call__(spec, evict, incoming, restore)
 
 
-async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> None:
-    """A slow switch (the `cuda` backend's 45 GB took ~35 s on the H200) must not idle the
-    GPU: b, beside whom a is being staged, is granted again at once when it asks while the
-    switch runs; a is granted once the switch is done and b released."""
-    gpu = SlowGpu(total=130 * GB, a=45)
+async def b_holding_while_a_is_staged(gpu: Any) -> tuple[Any, Any, asyncio.Task[Any]]:
+    """(group, b's grant, a's acquire): a, b and c of 45 GB on a GPU of 130 (a checkpointed for
+    c), b holding, a waiting while its staging beside b waits for `gpu.go`."""
     gpu.go.set()
     g = group(gpu)
     await hold(g, "a")
@@ -783,7 +782,16 @@ async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> 
     gpu.go.clear()
     grant_b = await g.acquire("b", 0, "b-1", timeout=None)
     a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
-    await eventually(lambda: g.switching is not None)  # a's staging waits for `go`
+    await eventually(lambda: g.switching is not None, what="a's staging")  # it waits for `go`
+    return g, grant_b, a_waits
+
+
+async def test_the_holder_staged_beside_holds_again_while_the_staging_runs() -> None:
+    """A slow switch (the `cuda` backend's 45 GB took ~35 s on the H200) must not idle the
+    GPU: b, beside whom a is being staged, is granted again at once when it asks while the
+    switch runs; a is granted once the switch is done and b released."""
+    gpu = SlowGpu(total=130 * GB, a=45)
+    g, grant_b, a_waits = await b_holding_while_a_is_staged(gpu)
     g.release("b", grant_b.lease_id, grant_b.epoch)
     assert g.holder is None
     grant_b = await asyncio.wait_for(g.acquire("b", 0, "b-2", timeout=None), 5)  # at once, switch in flight
@@ -1199,16 +1207,7 @@ async def test_a_holder_short_of_headroom_during_a_staging_is_looked_at_again_wh
     grew on unwatched after the staging ended. Now the watch waits for the switch to end, then
     watches with the threshold (answering at once): the job staged beside it leaves."""
     gpu = SlowWatchedGpu(total=130 * GB, a=45)
-    gpu.go.set()
-    g = group(gpu)
-    await hold(g, "a")
-    gpu.on["b"] = 45 * GB
-    await hold(g, "b")
-    await hold(g, "c", then=lambda: gpu.on.__setitem__("c", 45 * GB), memory=45 * GB)  # a checkpointed for c
-    gpu.go.clear()
-    grant_b = await g.acquire("b", 0, "b-1", timeout=None)
-    a_waits = asyncio.create_task(g.acquire("a", 0, "a-1", timeout=None))
-    await eventually(lambda: g.switching is not None, what="a's staging")  # it waits for `go`
+    g, grant_b, a_waits = await b_holding_while_a_is_staged(gpu)
     answered = gpu.answered
     gpu.grow("b", 75 * GB)  # 120 of 130 GB: under the 10% headroom
     await eventually(lambda: gpu.answered > answered, what="the watch's answer")
