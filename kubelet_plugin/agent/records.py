@@ -94,11 +94,12 @@ class JobRecords:
             aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
             try:
                 path.rename(aside)
+                kept = f"kept as {aside}"
             except OSError as rename_err:
-                aside = Path(f"(not moved aside: {rename_err})")
-            log.error("ignoring unreadable records file path=%s (kept as %s): %s. Processes this agent had frozen "
-                      "or checkpointed may stay stopped: the file names them; `kill -CONT` a frozen one, end a "
-                      "checkpointed one", path, aside, err)
+                kept = f"not moved aside: {rename_err}"
+            log.error("ignoring unreadable records file path=%s (%s): %s. Processes this agent had frozen or "
+                      "checkpointed may stay stopped: the file names them; `kill -CONT` a frozen one, end a "
+                      "checkpointed one", path, kept, err)
 
     def put(self, job_id: str, record: JobRecord) -> None:
         """Persist `record` (fsync'd before this returns). Raises OSError, and then keeps
