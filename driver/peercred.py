@@ -179,14 +179,15 @@ def _stat_ppid_pgid(pid: int, proc: Path) -> tuple[int, int]:
     return int(fields[1]), int(fields[2])
 
 
-def start_time(pid: int, proc: Path = Path("/proc")) -> int | None:
+def start_time(pid: int, proc: Path = Path("/proc"), running: bool = False) -> int | None:
     """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22): with its
-    PID, it names one process however PIDs are reused. None when it is gone or a zombie."""
+    PID, it names one process however PIDs are reused. None when it is gone or a zombie, and
+    with `running` also when it is stopped (state and start time from one read)."""
     try:
         fields = stat_fields(pid, proc)
     except OSError:
         return None
-    return None if fields[0] == b"Z" else int(fields[19])
+    return None if fields[0] in ((b"T", b"t", b"Z") if running else (b"Z",)) else int(fields[19])
 
 
 def ancestors(pid: int, proc: Path = Path("/proc")) -> list[int]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from timeslice.driver import names
 from timeslice.driver.errors import ProcessGone, TimeSliceServerError
-from timeslice.driver.peercred import start_time, stat_fields
+from timeslice.driver.peercred import start_time
 from timeslice.kubelet_plugin.agent.backends.base import CHECKPOINTED
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.records import JobRecord, JobRecords
@@ -90,7 +90,8 @@ class FrozenWatch:
                 if pid not in self._starts:
                     self._starts[pid] = start_time(pid)
             running = [p for p in record.pids
-                       if p != os.getpid() and self._starts[p] is not None and _running_since(p) == self._starts[p]]
+                       if p != os.getpid() and self._starts[p] is not None
+                       and start_time(p, running=True) == self._starts[p]]
             if not running:
                 return []
             log.warning("frozen job=%s: processes %s were continued by someone else (kill -CONT, a shell's fg) "
@@ -106,12 +107,3 @@ class FrozenWatch:
                     log.error("could not stop job=%s pid=%d again: %s", job_id, pid, err)
             return running
 
-
-def _running_since(pid: int) -> int | None:
-    """`pid`'s start time (`peercred.start_time`) while it runs, from one read of its stat;
-    None when it is stopped, a zombie or gone (nothing to stop)."""
-    try:
-        fields = stat_fields(pid)
-    except OSError:
-        return None
-    return None if fields[0] in (b"T", b"t", b"Z") else int(fields[19])
