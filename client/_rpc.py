@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from timeslice.errors import (
@@ -224,15 +225,38 @@ def keep_alive_request(s: Settings, g: Grant, confirm: bool = False) -> pb.KeepA
                                request_id=g.request_id, confirm=confirm)
 
 
-def seen_late(sent_at: float, r: pb.AcquireResponse) -> bool:
-    """Whether the grant `r`, answering the Acquire try sent at `sent_at` (time.monotonic()),
-    may have lapsed before this process saw it: the try took longer than the orchestrator
-    kept it queued (`waited_seconds`) by over a quarter of the lease, so the answer waited
-    unread (the process was stopped or starved) past the point where the first keep-alive (a
-    third of the lease after it is seen) still comes in time. Durations only: no clock is
-    compared across hosts. Such a grant is confirmed before its use."""
-    return time.monotonic() - sent_at - r.waited_seconds > r.lease_seconds / 4
+class AcquireTries:
+    """The tries of one Acquire request (the same request id each time), shared by the sync and
+    asyncio clients: `send(remaining)` sends one on `stub` (its reply, or the awaitable of it)
+    and notes when; `grant(reply)` is (the grant, whether this process saw it late)."""
 
+    def __init__(self, stub: Any, s: Settings, group: str, priority: int | None,
+                 memory: str | int | None) -> None:
+        self._stub, self._s, self._group, self._priority, self._memory = stub, s, group, priority, memory
+        self.request_id = new_request_id()
+        self._sent_at = 0.0
+
+    def send(self, remaining: float | None) -> Any:
+        self._sent_at = time.monotonic()
+        return self._stub.Acquire(acquire_request(self._s, self._group, self._priority, remaining, self.request_id,
+                                                  self._memory), timeout=remaining, metadata=call_metadata())
+
+    def grant(self, r: pb.AcquireResponse) -> tuple[Grant, bool]:
+        """The grant `r` (`grant_of`), and whether it may have lapsed before this process saw it:
+        the last try took longer than the orchestrator kept it queued (`waited_seconds`) by over
+        a quarter of the lease, so the answer waited unread (the process was stopped or starved)
+        past the point where the first keep-alive (a third of the lease after it is seen) still
+        comes in time. Durations only: no clock is compared across hosts. Such a grant is
+        confirmed before its use."""
+        late = time.monotonic() - self._sent_at - r.waited_seconds > r.lease_seconds / 4
+        return grant_of(self._s, self._group, r, self.request_id), late
+
+
+def warn_lapsed_unseen(g: Grant) -> None:
+    """The log line of a grant whose confirmation was refused (it lapsed before it was seen)."""
+    log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved for over "
+                "its %g s lease): its state stays where the orchestrator put it; asking again", g.group_id, g.epoch,
+                g.lease_seconds)
 
 class Retry:
     """The retry policy of one logical call, shared by the sync and asyncio clients.

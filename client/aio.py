@@ -97,9 +97,7 @@ class AsyncTimeSliceOrchestratorClient:
             grant, late = await self._grant(group, priority, memory, deadline)
             if not late or await self._confirmed(grant):
                 break
-            log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved "
-                        "for over its %g s lease): its state stays where the orchestrator put it; asking again",
-                        group, grant.epoch, grant.lease_seconds)
+            _rpc.warn_lapsed_unseen(grant)
         hold = _Hold(grant)
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold
@@ -108,27 +106,19 @@ class AsyncTimeSliceOrchestratorClient:
 
     async def _grant(self, group: str, priority: int | None, memory: str | int | None,
                      deadline: float | None) -> tuple[_rpc.Grant, bool]:
-        """(the grant, whether this process saw it late: `_rpc.seen_late`)."""
-        request_id = _rpc.new_request_id()
-        sent_at = 0.0
-
-        def ask(remaining: float | None) -> Awaitable[Any]:
-            nonlocal sent_at
-            sent_at = time.monotonic()
-            return self._stub.Acquire(_rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
-                                      timeout=remaining, metadata=_rpc.call_metadata())
-
+        """(the grant, whether this process saw it late: `_rpc.AcquireTries.grant`)."""
+        tries = _rpc.AcquireTries(self._stub, self._s, group, priority, memory)
         try:
-            resp = await self._retrying(f"acquire {group}", deadline, ask,
+            resp = await self._retrying(f"acquire {group}", deadline, tries.send,
                                         retry_switches=self._s.retry_failed_switches)
         except BaseException as err:  # gave up (timeout, lost reply, cancelled): leave no grant behind
             if not _rpc.may_be_granted(err):
                 raise
-            task = asyncio.ensure_future(self._cancel(group, request_id))  # runs on even if we are cancelled
+            task = asyncio.ensure_future(self._cancel(group, tries.request_id))  # runs on even if we are cancelled
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
-        return _rpc.grant_of(self._s, group, resp, request_id), _rpc.seen_late(sent_at, resp)
+        return tries.grant(resp)
 
     async def _confirmed(self, grant: _rpc.Grant) -> bool:
         """See `TimeSliceOrchestratorClient._confirmed`."""

@@ -106,7 +106,7 @@ class TimeSliceOrchestratorClient:
         are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
         before it is used where it may have lapsed unseen: on a group whose state this process
         serves (`serve_memory_commands`), and wherever its answer waited unread for over a
-        quarter of its lease (the process was stopped or starved while it waited: `_rpc.seen_late`);
+        quarter of its lease (the process was stopped or starved while it waited: `_rpc.AcquireTries`);
         a grant whose lease lapsed before this process saw it is asked again, never used.
         Nested acquires of a held group return the same grant and need as many releases; so
         do acquires of one group by several threads of this client at once: the later ones
@@ -137,10 +137,12 @@ class TimeSliceOrchestratorClient:
                 hold.depth += 1
                 return hold.grant
         while True:
-            request_id = _rpc.new_request_id()
+            tries = _rpc.AcquireTries(self._stub, self._s, group, priority, memory)
             pending: _Hold | None = None
             try:
-                grant, late = self._grant(group, request_id, priority, memory, deadline)
+                resp = self._retrying(f"acquire {group}", deadline, tries.send,
+                                      retry_switches=self._s.retry_failed_switches)
+                grant, late = tries.grant(resp)
                 pending = _Hold(grant)
                 if self._state_back(pending, late):
                     return pending.grant
@@ -148,26 +150,10 @@ class TimeSliceOrchestratorClient:
                 if pending is not None:
                     self._unhold(pending)
                 if _rpc.may_be_granted(err):
-                    self._cancel(group, request_id)
+                    self._cancel(group, tries.request_id)
                 raise
             self._unhold(pending)
-            log.warning("grant of group %s (epoch %d) lapsed before this process saw it (it was paused or starved "
-                        "for over its %g s lease): its state stays where the orchestrator put it; asking again",
-                        group, pending.grant.epoch, pending.grant.lease_seconds)
-
-    def _grant(self, group: str, request_id: str, priority: int | None, memory: str | int | None,
-               deadline: float | None) -> tuple[_rpc.Grant, bool]:
-        """(the grant, whether this process saw it late: `_rpc.seen_late`)."""
-        sent_at = 0.0
-
-        def ask(remaining: float | None) -> Any:
-            nonlocal sent_at
-            sent_at = time.monotonic()
-            return self._stub.Acquire(_rpc.acquire_request(self._s, group, priority, remaining, request_id, memory),
-                                      timeout=remaining, metadata=_rpc.call_metadata())
-
-        resp = self._retrying(f"acquire {group}", deadline, ask, retry_switches=self._s.retry_failed_switches)
-        return _rpc.grant_of(self._s, group, resp, request_id), _rpc.seen_late(sent_at, resp)
+            _rpc.warn_lapsed_unseen(pending.grant)
 
     def _hold(self, hold: _Hold) -> None:
         """Record `hold` (from now on the group's memory commands find this job inside its
