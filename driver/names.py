@@ -27,6 +27,10 @@ BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_VMM, BACKEND_FREEZE, 
 # Backends whose checkpoint stops the job's processes (SIGSTOP) or locks them (CUDA calls
 # block): a checkpointed job's client may not answer. Under `app` and `cooperative` it runs on.
 STOPPING_BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT, BACKEND_FREEZE)
+# Of those, the ones that stop a process by locking its CUDA context (cuCheckpointProcessLock):
+# a process with no context yet (it has not made its first CUDA call) has nothing to lock, and a
+# checkpoint leaves it running (controller/orchestrator/leases.py: such a holder is not fenced).
+CONTEXT_LOCKING_BACKENDS = (BACKEND_CUDA, BACKEND_CUDA_CHECKPOINT)
 # Backends that move a job's memory without stopping its processes or its client: moved under a
 # holder that still computes, its work fails (`app`: its requests; `vmm`: its kernels find their
 # memory unmapped, the process dies). A hold that ends without its client's release (a lapsed or

@@ -165,7 +165,7 @@ lease_facts = st.builds(LeaseFacts, backend=st.sampled_from(["none", "freeze", "
                                                              "cooperative", "app", "vmm"]),
                         current=st.booleans(), now=st.floats(0, 20), deadline=st.floats(0, 20),
                         streaming=st.booleans(), callers_unknown=st.booleans(), overdue=st.booleans(),
-                        live=st.booleans())
+                        live=st.booleans(), unfenceable=st.booleans())
 
 
 @settings(max_examples=2000, deadline=None)
@@ -175,6 +175,8 @@ def test_a_lease_lapses_only_past_its_deadline_and_never_under_a_computing_holde
     if isinstance(d, Lapse):  # past its deadline, and not a holder still computing that nothing would stop
         assert f.current and f.now >= f.deadline and not (f.streaming and not f.callers_unknown), (f, d)
         assert not (f.live and f.backend in UNRELEASED_KEPT_BACKENDS and not f.callers_unknown), (f, d)
+        # nor one whose checkpoint would leave it running (`cuda`, no CUDA context to lock yet)
+        assert not (f.live and f.unfenceable and not f.callers_unknown), (f, d)
         # its late keep-alive queues it again only where the orchestrator stopped its processes
         assert d.requeue == (f.backend in STOPPING_BACKENDS), (f, d)
     if not f.current:  # a timer armed for a hold that ended does nothing

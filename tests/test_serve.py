@@ -51,13 +51,13 @@ def check_hand_offs(out: Path, jobs: str) -> None:
 
 @contextlib.asynccontextmanager
 async def serve_process(tmp_path: Path, lease_seconds: float = 10, name: str = "serve",
-                        sock: Path | None = None, backend: str = "freeze"
+                        sock: Path | None = None, backend: str = "freeze", more: str = ""
                         ) -> AsyncIterator[tuple[str, int, asyncio.subprocess.Process]]:
-    """A `timeslice serve` process with one group `g` on `backend`, logging to tmp_path/<name>.log:
-    (socket path, loopback port, process); stopped with SIGTERM at the end unless the test
-    ended it."""
+    """A `timeslice serve` process with one group `g` on `backend` (`more`: more of its fields,
+    YAML flow style, e.g. "max_hold_seconds: 2"), logging to tmp_path/<name>.log: (socket path,
+    loopback port, process); stopped with SIGTERM at the end unless the test ended it."""
     (tmp_path / "groups.yaml").write_text(
-        f"groups:\n  - {{id: g, backend: {backend}, lease_seconds: {lease_seconds}}}\n")
+        f"groups:\n  - {{id: g, backend: {backend}, lease_seconds: {lease_seconds}{', ' + more if more else ''}}}\n")
     sock = sock or tmp_path / "run" / "orchestrator.sock"
     log = tmp_path / f"{name}.log"
     with log.open("ab") as err:

@@ -21,7 +21,8 @@ static mode a job name from the node agents' job tables.
     holder_watch.py     HolderWatch: the holder's growth; idle residents leave where it outgrew its reservation
     gone_holders.py     a holder none of whose processes is left on its node agents is dropped (every 0.5 s)
     leases.py           Leases: the lease timer, and performing a release or keep-alive
-    lease_calls.py      the decision cores of a release or keep-alive and of maxHoldSeconds (pure)
+    lease_calls.py      the decision core of a release or keep-alive (pure)
+    hold_limits.py      the decision core of maxHoldSeconds (pure)
     callers.py          Callers: withdrawn waiters, a frozen job's waiter kept
     exits.py            a caller that joins its job's hold waits for ended processes' memory to be freed
     in_flight.py        Settling: steps the orchestrator gave up on, unread records: settled before a grant

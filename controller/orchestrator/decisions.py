@@ -224,7 +224,9 @@ class LeaseFacts:
     `deadline`, whether a process of the holder keeps its memory command stream open
     (`streaming`: cooperative), whether its node agents reported a process of it live a
     moment ago (`live`: `GoneHolders`), whether the hold's callers are unknown (adopted after
-    a restart), and whether it is already kept past its deadline (`overdue`)."""
+    a restart), whether it is already kept past its deadline (`overdue`), and whether a
+    checkpoint would leave its processes running (`unfenceable`: on a backend that locks CUDA
+    contexts, its last memory report showed it holding no GPU memory, so no context to lock)."""
 
     backend: str
     current: bool
@@ -234,6 +236,7 @@ class LeaseFacts:
     callers_unknown: bool = False
     overdue: bool = False
     live: bool = False
+    unfenceable: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,11 +247,13 @@ class Rearm:
 @dataclass(frozen=True)
 class KeepOverdue:
     """A holder past its deadline that is computing (its keep-alives are late) keeps the lock:
-    a cooperative one whose processes keep their streams open, or one on a backend that
-    cannot stop it (`names.UNRELEASED_KEPT_BACKENDS`) whose processes its agents report
-    live; `first`: newly overdue."""
+    a cooperative one whose processes keep their streams open, or one that nothing could stop
+    (`names.UNRELEASED_KEPT_BACKENDS`, or `unfenceable`) whose processes its agents report
+    live; `first`: newly overdue; `why` and `until`: for the log line."""
 
     first: bool
+    why: str = ""
+    until: str = "they end, are no longer reported live,"
 
 
 @dataclass(frozen=True)
@@ -269,8 +274,13 @@ def lease_timer(f: LeaseFacts) -> LeaseDecision:
     if f.now < f.deadline:  # extended by keep-alives since armed
         return Rearm()
     if f.streaming and not f.callers_unknown:  # (an adopted hold: the job may be idle)
-        return KeepOverdue(first=not f.overdue)
-    if f.live and f.backend in names.UNRELEASED_KEPT_BACKENDS and not f.callers_unknown:
+        return KeepOverdue(not f.overdue, "its processes keep their memory command streams open (computing)",
+                           "they close")
+    if f.live and (f.backend in names.UNRELEASED_KEPT_BACKENDS or f.unfenceable) and not f.callers_unknown:
         # its keep-alives are late, its processes run: it may compute, and nothing could stop it
-        return KeepOverdue(first=not f.overdue)
+        # (`cuda`: a holder stopped or starved before its first CUDA call, once continued, would
+        # make that call beside the next holder: a helper's attack on `timeslice serve`)
+        return KeepOverdue(not f.overdue, "its processes live with no CUDA context to lock (stopped or starved "
+                           "before their first CUDA call)" if f.unfenceable else "its processes live (computing, or "
+                           "stopped by someone: its memory cannot move under them)")
     return Lapse(requeue=f.backend in names.STOPPING_BACKENDS)

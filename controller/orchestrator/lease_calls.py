@@ -1,6 +1,5 @@
 """What a release or a keep-alive does: the lease it shows, matched against the leases a lock
-group knows (`lease_call`); and what a holder's `maxHoldSeconds` clock does when it runs out
-(`hold_limit`). Pure: it reads one immutable `LeaseCallFacts` record and returns
+group knows (`lease_call`). Pure: it reads one immutable `LeaseCallFacts` record and returns
 one `LeaseCall`, touching nothing; `Leases.release` and `Leases.keep_alive` (leases.py) gather
 the facts and perform the answer.
 
@@ -31,11 +30,9 @@ grant, of an epoch not past its own, while it is checkpointed and does not hold.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from timeslice.controller.orchestrator.decisions import Nothing, Waiting
 from timeslice.controller.orchestrator.group_model import ADOPTED
 from timeslice.driver import names
 
@@ -245,56 +242,3 @@ def _switched_out(f: LeaseCallFacts) -> bool:
     return f.backend in names.STOPPING_BACKENDS and not (f.holder is not None and f.holder.job == f.job) \
         and f.parked is None and f.checkpointed and bool(f.lease_id) and f.lease_id != ADOPTED \
         and 0 < f.epoch <= f.group_epoch and not f.known
-
-
-@dataclass(frozen=True)
-class LimitFacts:
-    """What a holder's `maxHoldSeconds` clock decides on when it runs out (`Preemption`): whether
-    the hold it was armed for still holds (`current`), whether a switch runs beside it (a
-    staging), the holder's job and priority, and the queue."""
-
-    backend: str
-    current: bool
-    switching: bool
-    holder: str
-    priority: int
-    queue: tuple[Waiting, ...] = ()
-
-
-@dataclass(frozen=True)
-class AfterSwitch:
-    """A staging runs beside the holder: the limit takes effect once it ends."""
-
-
-@dataclass(frozen=True)
-class Preempt:
-    """The hold ends. `park`: on a backend that stops processes, the holder is switched out like
-    a releasing one and queued again under its lease (its preemption is invisible to its code);
-    `revoke_kept`: its lease is revoked, and its memory moves only once its client released,
-    before anyone is granted (`app`: its engine sleeps then; `vmm`: moved under its computing
-    process, it would die: `names.UNRELEASED_KEPT_BACKENDS`); neither (`none`, `cooperative`:
-    nothing stops the holder): its lease is revoked like a lapsed one."""
-
-    park: bool = False
-    revoke_kept: bool = False
-
-
-LimitDecision = Nothing | AfterSwitch | Preempt
-
-
-def contended(holder: str, priority: int, queue: Iterable[Waiting]) -> bool:
-    """Another job than `holder` waits at its `priority` or above (only then does its clock run)."""
-    return any(w.job != holder and w.priority >= priority for w in queue)
-
-
-def hold_limit(f: LimitFacts) -> LimitDecision:
-    """What a holder's clock does when `maxHoldSeconds` ran out: a holder is preempted only
-    while another job waits at its priority or above (a lower one would only be passed over
-    again: preempting for it would re-grant the holder at once). Pure: reads `f` only."""
-    if not f.current:
-        return Nothing()
-    if f.switching:
-        return AfterSwitch()
-    if not contended(f.holder, f.priority, f.queue):
-        return Nothing()
-    return Preempt(park=f.backend in names.STOPPING_BACKENDS, revoke_kept=f.backend in names.UNRELEASED_KEPT_BACKENDS)

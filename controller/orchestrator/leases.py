@@ -20,6 +20,8 @@ pinning tens of GB, a loaded node), so a lapse never costs a computing holder it
   (`lapsed`): its late keep-alive queues it again under that lease, like a preempted
   holder (restored in its turn, invisibly to its code), and its late release is accepted.
   Not a client's keep-alive that confirms a grant it saw late (`confirm`): refused, it asks anew.
+  On `cuda`, a holder reported live that held no GPU memory at its last report has no CUDA
+  context for a checkpoint to lock (`Residency.unfenceable`): it is kept as `vmm`'s below.
 - `vmm`: nothing stops the holder's processes, and moving its memory under a process that
   computes kills it. A holder whose node agents report a process of it live keeps the lock
   past its lease (*overdue*, looked at again every `LIVE_SECONDS`) until it keeps alive,
@@ -128,16 +130,15 @@ class Leases:
         streaming = g.holder is h and self._streaming(h.job_id)
         live = h.live_at is not None and g.clock() - h.live_at <= LIVE_SECONDS
         d = lease_timer(LeaseFacts(g.spec.backend, g.holder is h, g.clock(), h.lease_deadline, streaming,
-                                   h.callers_unknown, self._overdue is h, live))
+                                   h.callers_unknown, self._overdue is h, live,
+                                   g.residency.unfenceable(h.job_id, g.spec.backend)))
         if isinstance(d, Rearm):
             self.arm()
         elif isinstance(d, KeepOverdue):
             if d.first:
                 log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock (its "
-                            "keep-alives are late), %s, until %s or it releases", g.id, h.job_id, h.epoch,
-                            *(("its processes keep their memory command streams open (computing)", "they close")
-                              if streaming else ("its processes live (computing, or stopped by someone: its memory "
-                                                 "cannot move under them)", "they end, are no longer reported live,")))
+                            "keep-alives are late), %s, until %s or it releases", g.id, h.job_id, h.epoch, d.why,
+                            d.until)
             self._overdue = h
             if not streaming:  # looked at again: still reported live?
                 self._timer = asyncio.get_running_loop().call_later(LIVE_SECONDS, self.on_timer, h)

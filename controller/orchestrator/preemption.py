@@ -2,9 +2,10 @@
 
 Owned by `LockGroup` (one per group). The clock counts from the moment another job waits
 at the holder's priority or above (no such waiter, no limit); past it the holder is
-preempted. With a checkpointing backend it is *parked*: switched out like a releasing
-holder and queued again behind the jobs already waiting at its priority under its own
-lease (its keep-alives and release stay valid, the lease does not lapse while it waits),
+preempted (not while a checkpoint would leave it running: on `cuda`, before its first CUDA
+call; looked at again every `RECHECK_SECONDS`). With a checkpointing backend it is *parked*:
+switched out like a releasing holder and queued again behind the jobs already waiting at
+its priority under its own lease (its keep-alives and release stay valid, the lease does not lapse while it waits),
 and restored when its turn comes, so the preemption is invisible to its code. With `none`
 (nothing to checkpoint) or `cooperative` its lease is revoked like a lapsed one. With `app`
 too: the agent puts the job's engine to sleep but does not stop its client, which may be
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from timeslice.controller.orchestrator.decisions import Waiting
 from timeslice.controller.orchestrator.group_model import Hold
-from timeslice.controller.orchestrator.lease_calls import AfterSwitch, LimitFacts, Preempt, contended, hold_limit
+from timeslice.controller.orchestrator.hold_limits import AfterSwitch, Later, LimitFacts, Preempt, contended, hold_limit
 from timeslice.controller.orchestrator.lock_queue import Waiter
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 PREEMPTED = "*preempted*"  # request id prefix of a preempted holder's queue entry
+RECHECK_SECONDS = 0.5  # a holder nothing could stop yet (`hold_limits.Later`) is looked at again this often
 
 
 class Preemption:
@@ -81,13 +83,16 @@ class Preemption:
         return contended(h.job_id, h.priority, (Waiting(w.job_id, w.priority) for w in self._g.queue))
 
     def _on_limit(self, h: Hold, limit: float) -> None:
-        """The holder's clock ran out: what it does is `lease_calls.hold_limit`."""
+        """The holder's clock ran out: what it does is `hold_limits.hold_limit`."""
         self._timer = None
         g = self._g
         d = hold_limit(LimitFacts(g.spec.backend, g.holder is h, g.switching is not None, h.job_id, h.priority,
-                                  tuple(Waiting(w.job_id, w.priority) for w in g.queue)))
+                                  tuple(Waiting(w.job_id, w.priority) for w in g.queue),
+                                  g.residency.unfenceable(h.job_id, g.spec.backend)))
         if isinstance(d, AfterSwitch):
             self._due = (h, limit)
+        elif isinstance(d, Later):
+            self._timer = asyncio.get_running_loop().call_later(RECHECK_SECONDS, self._on_limit, h, limit)
         if not isinstance(d, Preempt):
             return
         g.counters.preemptions += 1

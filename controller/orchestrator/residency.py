@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from timeslice.controller.orchestrator.memory_snapshot import MemorySnapshot
 from timeslice.controller.orchestrator.placement import as_planned, need_of
+from timeslice.driver import names
 
 # A hold ends *settled* (its job's memory is known) when its peak grew by at most this
 # fraction of the device's memory (allocator rounding, a longer batch), after at least
@@ -200,6 +201,16 @@ class Residency:
     def known_jobs(self) -> list[str]:
         """Every job this residency has a record of (resident, checkpointed, seen or declared)."""
         return sorted({*self.residents, *self.checkpointed, *self.peaks, *self.declared})
+
+    def unfenceable(self, job: str, backend: str) -> bool:
+        """Whether a checkpoint by `backend` would leave `job`'s processes running: the backend
+        stops a process by locking its CUDA context (`names.CONTEXT_LOCKING_BACKENDS`), and the
+        last snapshot shows the job holding no GPU memory by NVML's count, so no context (one
+        alone takes hundreds of MiB): it has not made its first CUDA call. False when not known
+        (no snapshot; bytes the job registered rather than NVML's)."""
+        snap = self.snapshot
+        return backend in names.CONTEXT_LOCKING_BACKENDS and snap is not None and bool(snap.devices) \
+            and job not in snap.unseen and not any(snap.on_device(job).values())
 
     def need(self, job: str) -> dict[str, int]:
         """`job`'s reservation per device by the last snapshot (empty without one)."""
