@@ -21,7 +21,6 @@ import re
 import signal
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from timeslice.kubelet_plugin.agent.model_gpu import ENV as MODEL_GPU_ENV
 from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
 from bench import schedules
+from tests.conftest import eventually
 from tests.test_serve import env_for, serve_process
 
 MiB = 1 << 20
@@ -68,13 +68,6 @@ async def _line(proc: asyncio.subprocess.Process, want: str, out: list[str]) -> 
     out.append(line)
 
 
-async def _until_in(path: Path, pattern: str, deadline: float = 30) -> None:
-    end = time.monotonic() + deadline
-    while not re.search(pattern, path.read_text()):
-        assert time.monotonic() < end, f"no /{pattern}/ in {path}"
-        await asyncio.sleep(0.05)
-
-
 def _overlaps(busy: dict[str, list[tuple[float, float]]]) -> list[str]:
     (a, spans_a), (b, spans_b) = busy.items()
     return [f"{a} {s} and {b} {t}" for s in spans_a for t in spans_b if s[0] < t[1] and t[0] < s[1]]
@@ -108,7 +101,9 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
                         jobs["a"].send_signal(signal.SIGSTOP)
             if stopped:  # b computes (before the fix: a's lease lapsed), or a is kept past its lease: a continues
                 b_busy = asyncio.ensure_future(_line(jobs["b"], "busy", out["b"]))
-                kept = asyncio.ensure_future(_until_in(short_tmp / "serve.log", r"past its deadline group=g"))
+                log = short_tmp / "serve.log"
+                kept = asyncio.ensure_future(eventually(lambda: "past its deadline group=g" in log.read_text(), 60,
+                                                        0.05, what="a kept past its lease"))
                 done, _ = await asyncio.wait({b_busy, kept}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
                 assert done, (out, (short_tmp / "serve.log").read_text()[-3000:])
                 await asyncio.gather(*done)
