@@ -290,8 +290,10 @@ def _status(a: argparse.Namespace) -> int:
         print(json.dumps([_plain(g) for g in groups], indent=2))
         return 0
     for g in groups:
-        holder = (f"{g.holder.job_id} (epoch {g.holder.epoch}, held {g.holder.held_seconds:.1f}s, lease "
-                  f"{g.holder.lease_remaining_seconds:.1f}s left)") if g.holder.job_id else "-"
+        lease = (f"past its lease, kept: {g.holder.kept_past_lease}" if g.holder.kept_past_lease else
+                 f"lease {g.holder.lease_remaining_seconds:.1f}s left")
+        holder = (f"{g.holder.job_id} (epoch {g.holder.epoch}, held {g.holder.held_seconds:.1f}s, {lease})"
+                  if g.holder.job_id else "-")
         print(f"group {g.group_id}  backend={g.backend}  residency={g.residency or '-'}  phase={g.phase}  "
               f"holder={holder}  resident={','.join(g.resident_job_ids) or g.resident_job_id or '-'}")
         print(f"  grants={g.grants} switches={g.switches} failed={g.failed_switches} "

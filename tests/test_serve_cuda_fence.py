@@ -80,7 +80,8 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
     """stopped-past-its-lease: a is SIGSTOPped right after its grant, b waits, a's lease (2 s)
     runs out, and a is continued once b computes (before the fix) or a is kept past its lease;
     past-max-hold: a works 3 s on the CPU before its first CUDA call under maxHoldSeconds 1.5,
-    b waits. Both end, and no GPU call of one overlaps one of the other's."""
+    b waits. Both end, and no GPU call of one overlaps one of the other's; `timeslice status`
+    says why a kept holder keeps the lock."""
     gpu = ModelGpu.create(short_tmp / "gpu.json", 1000 * MiB)
     monkeypatch.setenv(MODEL_GPU_ENV, str(gpu.path))  # for serve's node agent
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
@@ -89,6 +90,7 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
                              more="" if stopped else "max_hold_seconds: 1.5") as (sock, _, _):
         env = env_for(sock, **{MODEL_GPU_ENV: str(gpu.path)}, TIMESLICE_ACCELERATOR_PROCESS="1")
         jobs: dict[str, asyncio.subprocess.Process] = {}
+        said = ""
         out: dict[str, list[str]] = {"a": [], "b": []}
         try:
             for name, cpu_s, calls in (("a", 0.5 if stopped else 3.0, 40), ("b", 0.0, 200)):
@@ -107,6 +109,11 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
                 done, _ = await asyncio.wait({b_busy, kept}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
                 assert done, (out, (short_tmp / "serve.log").read_text()[-3000:])
                 await asyncio.gather(*done)
+                if kept in done:  # what a user sees of the group that waits
+                    status = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "timeslice.cli.main", "status", "--target", f"unix://{sock}",
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                    said = (await asyncio.wait_for(status.communicate(), 30))[0].decode()
                 jobs["a"].send_signal(signal.SIGCONT)
                 if b_busy in done:
                     kept.cancel()
@@ -125,3 +132,4 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
     assert [len(spans) for spans in busy.values()] == [40, 200], (out, log[-3000:])
     assert _overlaps(busy) == [], log[-3000:]
     assert gpu.ooms() == []
+    assert not stopped or "past its lease, kept: its processes live with no CUDA context to lock" in said, said

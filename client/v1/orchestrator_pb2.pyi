@@ -217,18 +217,20 @@ class ListGroupsResponse(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[GroupStatus, _Mapping]]] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("job_id", "lease_id", "epoch", "held_seconds", "lease_remaining_seconds")
+    __slots__ = ("job_id", "lease_id", "epoch", "held_seconds", "lease_remaining_seconds", "kept_past_lease")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HELD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_PAST_LEASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     lease_id: str
     epoch: int
     held_seconds: float
     lease_remaining_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., held_seconds: _Optional[float] = ..., lease_remaining_seconds: _Optional[float] = ...) -> None: ...
+    kept_past_lease: str
+    def __init__(self, job_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., held_seconds: _Optional[float] = ..., lease_remaining_seconds: _Optional[float] = ..., kept_past_lease: _Optional[str] = ...) -> None: ...
 
 class Waiter(_message.Message):
     __slots__ = ("job_id", "priority", "waiting_seconds", "position")

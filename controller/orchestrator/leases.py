@@ -98,6 +98,7 @@ class Leases:
 
     def kept_alive(self, h: Hold) -> None:
         """`h`'s lease was extended (its deadline moved): an overdue holder's timer runs again."""
+        h.kept = ""
         if self._overdue is h:
             self._overdue = None
             self.stop()
@@ -140,6 +141,7 @@ class Leases:
                             "keep-alives are late), %s, until %s or it releases", g.id, h.job_id, h.epoch, d.why,
                             d.until)
             self._overdue = h
+            h.kept = d.why
             if not streaming:  # looked at again: still reported live?
                 self._timer = asyncio.get_running_loop().call_later(LIVE_SECONDS, self.on_timer, h)
         elif isinstance(d, Lapse):

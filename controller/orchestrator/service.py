@@ -73,7 +73,8 @@ def group_status(v: GroupView) -> pb.GroupStatus:
     if v.holder is not None:  # never the lease id: it is the holder's secret (a release needs it)
         s.holder.CopyFrom(pb.Holder(job_id=v.holder.job_id,
                                     epoch=v.holder.epoch, held_seconds=v.held_seconds,
-                                    lease_remaining_seconds=v.lease_remaining_seconds))
+                                    lease_remaining_seconds=v.lease_remaining_seconds,
+                                    kept_past_lease=v.holder.kept))
     return s
 
 
