@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -32,6 +33,7 @@ from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.kubelet_plugin.agent.model_gpu import ENV, ModelGpu, ModelGpuOom
 
 from bench import schedules
+from tests.conftest import eventually
 from tests.test_node_agent_cli import start, stop
 
 MB = 10**6
@@ -281,6 +283,54 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
                 p.wait()
 
 
+async def test_a_process_that_joins_its_jobs_hold_while_the_node_agent_is_down_waits_for_its_answer(
+        short_tmp: Path, monkeypatch, caplog) -> None:
+    """Schedules seed 980003 (`cuda`): the node agent restarted as the holder's process was
+    killed; the job's next process joined the hold while the agent was down (its report failed,
+    taken as nothing held) and ran out of memory beside the killed one's 41.5 GB. Now the join
+    waits for the agent's answer (within its 15 s bound), and the restarted agent counts what
+    the killed process holds (it knew it alive: its records' `livePids`)."""
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.group import LockGroup
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    caplog.set_level(logging.INFO, logger="timeslice.orchestrator")
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=3.0)
+    first = await asyncio.to_thread(job_process, "a")
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+    pool = AgentPool()
+    switcher = SwitchCoordinator(pool)
+    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=(listen,)), switcher)
+    nxt = None
+    try:
+        await g.acquire("a", 0, "r1", 30)
+        gpu.alloc(first.pid, 63 * MB, "model")  # it computes, seen by the agent
+        snap = await switcher.memory(g.spec, ["a"], for_plan=False)
+        assert snap.on_device("a") == {f"{listen}/GPU-model-0": 63 * MB}
+        await stop(agent)
+        first.kill()
+        await asyncio.to_thread(first.wait)
+        nxt = await asyncio.to_thread(job_process, "a")
+        join = asyncio.ensure_future(g.acquire("a", 0, "r2", 30))
+        await eventually(lambda: "not known: the node agent did not answer" in caplog.text, 10,
+                         what="the join waiting for the agent")
+        assert not join.done()
+        agent = (await fake_driver_agent(short_tmp, monkeypatch, gpu))[0]
+        await join
+        assert gpu.read().free == 100 * MB  # only once the killed one's memory is freed
+        gpu.alloc(nxt.pid, 63 * MB, "model")
+        assert gpu.ooms() == []
+    finally:
+        await g.close()
+        await stop(agent)
+        await pool.close()
+        for p in (first, nxt):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("restart", [False, True], ids=["same agent", "agent restarted"])
 async def test_the_memory_of_a_jobs_process_killed_between_two_samples_counts_as_exiting(short_tmp: Path,
                                                                                            monkeypatch,
@@ -503,7 +553,7 @@ def test_overlapping_phases_and_altered_states_are_found(short_tmp: Path) -> Non
 SEEDS = {
     "cooperative": [*range(1, 21), 3718, 5112, 6004, 8370, 30009, 30039, 30053, 30078, 30166, 60299, 60321, 70281,
                     70367, 80422],
-    "cuda": [*range(1, 9), 29, 252, 259, 289, 957, 990, 310022],
+    "cuda": [*range(1, 9), 29, 252, 259, 289, 957, 990, 310022, 980003],
     "freeze": [*range(1, 7)],
     "none": [*range(1, 7), 896, 937],
     "app": [*range(1, 7), 53, 97, 170029],

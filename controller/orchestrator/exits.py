@@ -36,14 +36,18 @@ async def wait_for_exits(switcher: Switcher, spec: GroupSpec, job: str,
     by its node agents' reports (`MemorySnapshot.exiting_bytes`), polled every
     `EXIT_POLL_SECONDS` for at most `EXIT_WAIT_SECONDS` (or `timeout` seconds, the caller's,
     when shorter). The reports name no job: each one would take the job's peak samples from
-    the agents (`GetMemoryRequest`), which the plans learn from. A report that fails counts as
-    none held (the join is not held up by an agent that is down). Raises nothing but
-    CancelledError (the caller went away)."""
+    the agents (`GetMemoryRequest`), which the plans learn from. An agent whose report fails
+    may have GPUs that hold such memory: the join waits for its answer too, within the same
+    bound (schedules seed 980003, `cuda`: the agent restarted as the holder's process was
+    killed, the job's next process joined while the agent was down and ran out of memory beside
+    the killed one's 41.5 GB). Raises nothing but CancelledError (the caller went away)."""
     deadline = time.monotonic() + (EXIT_WAIT_SECONDS if timeout is None else min(EXIT_WAIT_SECONDS, timeout))
     waited = False
     while True:
         snap = await switcher.memory(spec, [], for_plan=False)  # type: ignore[attr-defined]
-        held = {dev: n for dev, n in snap.exiting_bytes.items() if dev in devices_of(job, snap, peaks)}
+        held: dict[str, object] = {dev: n for dev, n in snap.exiting_bytes.items()
+                                   if dev in devices_of(job, snap, peaks)}
+        held.update((agent, "not known: the node agent did not answer") for agent in sorted(snap.unanswered))
         if not held:
             if waited:
                 log.info("join group=%s job=%s: the ended processes' memory is freed", spec.id, job)
