@@ -235,26 +235,33 @@ def test_a_process_is_live_then_ending_as_a_zombie_then_gone() -> None:
     assert exit_state(p.pid) == "gone"
 
 
-async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_killed_holder(short_tmp: Path,
-                                                                                              monkeypatch) -> None:
+@pytest.mark.parametrize("agent_down", [False, True], ids=["agent up", "agent restarting"])
+async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_killed_holder(
+        short_tmp: Path, monkeypatch, caplog, agent_down: bool) -> None:
     """Schedules seed 8 (`cuda` and `cooperative`, failing in CI): a job's process was killed
     holding, the orchestrator paused; the job's next process joined the hold before the first
     one's leaving was seen, grew beside the 63 MB it still held and ran out of memory. The node
     agent names what ended processes still hold (`exiting_bytes`: the killed one here, gone from
     /proc after the agent saw it alive), and a join waits until it is freed. Backend cuda: the real
-    node agent over the fake driver, the real lock group."""
+    node agent over the fake driver, the real lock group.
+    Seed 980003 (`cuda`, "agent restarting"): the node agent restarted as the holder's process
+    was killed; the job's next process joined while the agent was down (its report failed, taken
+    as nothing held) and ran out of memory beside the killed one's 41.5 GB. The join waits for
+    the agent's answer too (within its 15 s bound), and the restarted agent counts what the
+    killed process holds (it knew it alive: its records' `livePids`)."""
     from timeslice.controller.orchestrator.agent_pool import AgentPool
     from timeslice.controller.orchestrator.config import GroupSpec
     from timeslice.controller.orchestrator.group import LockGroup
     from timeslice.controller.orchestrator.switch import SwitchCoordinator
 
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=1.0)
+    caplog.set_level(logging.INFO, logger="timeslice.orchestrator")
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=3.0 if agent_down else 1.0)
     first = await asyncio.to_thread(job_process, "a")
     agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
     pool = AgentPool()
     switcher = SwitchCoordinator(pool)
     g = LockGroup(GroupSpec(id="g", backend="cuda", agents=(listen,)), switcher)
-    nxt = None
+    nxt = stranger = None
     try:
         await g.acquire("a", 0, "r1", 30)
         stranger = await asyncio.to_thread(subprocess.Popen, ["sleep", "600"])
@@ -264,59 +271,20 @@ async def test_a_process_that_joins_its_jobs_hold_waits_for_the_memory_of_the_ki
         gpu.alloc(first.pid, 63 * MB, "model")  # it computes
         snap = await switcher.memory(g.spec, ["a"], for_plan=False)  # as the orchestrator watches a holder
         assert snap.on_device("a") == {f"{listen}/GPU-model-0": 63 * MB} and not snap.exiting_bytes
+        if agent_down:
+            await stop(agent)
         first.kill()
         await asyncio.to_thread(first.wait)  # gone from /proc; its memory is still being freed
-        snap = await switcher.memory(g.spec, ["a"], for_plan=False)
-        assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 63 * MB} and not snap.on_device("a")
+        if not agent_down:
+            snap = await switcher.memory(g.spec, ["a"], for_plan=False)
+            assert snap.exiting_bytes == {f"{listen}/GPU-model-0": 63 * MB} and not snap.on_device("a")
         nxt = await asyncio.to_thread(job_process, "a")
-        await g.acquire("a", 0, "r2", 30)  # it joins the hold
-        assert gpu.read().free == 100 * MB  # only once the killed one's memory is freed
-        gpu.alloc(nxt.pid, 63 * MB, "model")
-        assert gpu.ooms() == []
-    finally:
-        await g.close()
-        await stop(agent)
-        await pool.close()
-        for p in (first, nxt, stranger):
-            if p is not None:
-                p.kill()
-                p.wait()
-
-
-async def test_a_process_that_joins_its_jobs_hold_while_the_node_agent_is_down_waits_for_its_answer(
-        short_tmp: Path, monkeypatch, caplog) -> None:
-    """Schedules seed 980003 (`cuda`): the node agent restarted as the holder's process was
-    killed; the job's next process joined the hold while the agent was down (its report failed,
-    taken as nothing held) and ran out of memory beside the killed one's 41.5 GB. Now the join
-    waits for the agent's answer (within its 15 s bound), and the restarted agent counts what
-    the killed process holds (it knew it alive: its records' `livePids`)."""
-    from timeslice.controller.orchestrator.agent_pool import AgentPool
-    from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.group import LockGroup
-    from timeslice.controller.orchestrator.switch import SwitchCoordinator
-
-    caplog.set_level(logging.INFO, logger="timeslice.orchestrator")
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=3.0)
-    first = await asyncio.to_thread(job_process, "a")
-    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
-    pool = AgentPool()
-    switcher = SwitchCoordinator(pool)
-    g = LockGroup(GroupSpec(id="g", backend="cuda", agents=(listen,)), switcher)
-    nxt = None
-    try:
-        await g.acquire("a", 0, "r1", 30)
-        gpu.alloc(first.pid, 63 * MB, "model")  # it computes, seen by the agent
-        snap = await switcher.memory(g.spec, ["a"], for_plan=False)
-        assert snap.on_device("a") == {f"{listen}/GPU-model-0": 63 * MB}
-        await stop(agent)
-        first.kill()
-        await asyncio.to_thread(first.wait)
-        nxt = await asyncio.to_thread(job_process, "a")
-        join = asyncio.ensure_future(g.acquire("a", 0, "r2", 30))
-        await eventually(lambda: "not known: the node agent did not answer" in caplog.text, 10,
-                         what="the join waiting for the agent")
-        assert not join.done()
-        agent = (await fake_driver_agent(short_tmp, monkeypatch, gpu))[0]
+        join = asyncio.ensure_future(g.acquire("a", 0, "r2", 30))  # it joins the hold
+        if agent_down:
+            await eventually(lambda: "not known: the node agent did not answer" in caplog.text, 10,
+                             what="the join waiting for the agent")
+            assert not join.done()
+            agent = (await fake_driver_agent(short_tmp, monkeypatch, gpu))[0]
         await join
         assert gpu.read().free == 100 * MB  # only once the killed one's memory is freed
         gpu.alloc(nxt.pid, 63 * MB, "model")
@@ -325,7 +293,7 @@ async def test_a_process_that_joins_its_jobs_hold_while_the_node_agent_is_down_w
         await g.close()
         await stop(agent)
         await pool.close()
-        for p in (first, nxt):
+        for p in (first, nxt, stranger):
             if p is not None:
                 p.kill()
                 p.wait()
