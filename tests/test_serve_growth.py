@@ -23,6 +23,7 @@ from timeslice.kubelet_plugin.agent.model_gpu import ENV as MODEL_GPU_ENV
 from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
 from bench import schedules
+from tests.conftest import eventually
 from tests.test_serve import env_for, serve_process
 
 MiB = 1 << 20
@@ -30,13 +31,14 @@ OOM_EXIT = 99
 
 # A job on the model GPU: HOLDS (argv[1]) is the MiB it holds by the end of each hold; its
 # first hold allocates at once (what it declared), a later one that holds more grows in steps
-# of STEP_MIB every PAUSE_S seconds from its grant on (the input: 100 MiB/s, as the attack's).
+# of STEP_MIB every PAUSE_S seconds ($GROW_PAUSE_S, default 0.2) from its grant on (the input:
+# 100 MiB/s, as the attack's).
 # It computes COMPUTE_CALLS GPU calls of 10 ms per hold. An allocation that does not fit: exit 99.
 JOB = textwrap.dedent("""
     import os, sys, time
     from timeslice import TimeSliceOrchestratorClient
     from timeslice.kubelet_plugin.agent.model_gpu import ModelGpuOom, from_env
-    STEP_MIB, PAUSE_S, COMPUTE_CALLS = 20, 0.2, 30
+    STEP_MIB, PAUSE_S, COMPUTE_CALLS = 20, float(os.environ.get("GROW_PAUSE_S", "0.2")), 30
     holds = [int(x) << 20 for x in sys.argv[1].split(",")]
     gpu, pid, have = from_env(), os.getpid(), 0
     c = TimeSliceOrchestratorClient(group_id="g")
@@ -93,3 +95,43 @@ async def test_a_holder_growing_right_after_its_grant_has_idle_residents_checkpo
     a = f"pgid-{jobs['a'].pid}"
     assert f"holder {a} outgrew its reservation" in log  # idle residents left for it
     assert f"checkpointed job={a} " not in log  # (the agent's log) never the holder, nor a between its holds
+
+
+@pytest.mark.slow  # a restart of serve between a dozen holds of real processes
+async def test_a_holder_adopted_after_a_restart_is_watched_as_it_grows(short_tmp: Path, monkeypatch) -> None:
+    """A helper's attack on `timeslice orchestrator`: restarted (SIGKILL) right at a holder's
+    grant, the orchestrator adopted the hold in progress but did not watch its memory, and the
+    holder, growing past its reservation, ran out of memory beside an idle resident (5 of 5).
+    Here through `timeslice serve`, killed at a's third grant and started again on the same state
+    dir: a grows from 300 to 800 MiB (20 MiB every 0.5 s) on a 1000 MiB GPU where b holds 300;
+    b is checkpointed for it, a never runs out."""
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 1000 * MiB)
+    monkeypatch.setenv(MODEL_GPU_ENV, str(gpu.path))  # for serve's node agent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
+    jobs: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        async with serve_process(short_tmp, backend="cuda", lease_seconds=30) as (sock, _, serve):
+            env = env_for(sock, **{MODEL_GPU_ENV: str(gpu.path)}, TIMESLICE_MEMORY="300Mi",
+                          TIMESLICE_ACCELERATOR_PROCESS="1", GROW_PAUSE_S="0.5")
+            jobs = {name: await asyncio.create_subprocess_exec(
+                        sys.executable, "-c", JOB, holds, env=env, start_new_session=True,
+                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                    for name, holds in (("a", "300,300,800"), ("b", "300," * 5 + "300"))}
+            log = short_tmp / "serve.log"
+            await eventually(lambda: log.read_text().count(f"granted group=g job=pgid-{jobs['a'].pid} ") >= 3, 60,
+                             0.005, what="a's third grant")
+            serve.kill()
+            await serve.wait()
+        async with serve_process(short_tmp, backend="cuda", lease_seconds=30, name="serve2"):
+            out = {name: (await asyncio.wait_for(p.communicate(), 90))[0].decode() for name, p in jobs.items()}
+    finally:
+        for p in jobs.values():
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+    log2 = (short_tmp / "serve2.log").read_text()
+    assert gpu.ooms() == [], (out, log2[-3000:])
+    assert {name: (p.returncode, out[name].strip().splitlines()[-1]) for name, p in jobs.items()} == \
+        {name: (0, "done") for name in jobs}, (out, log2[-3000:])
+    assert f"holder pgid-{jobs['a'].pid} outgrew its reservation" in log2
+

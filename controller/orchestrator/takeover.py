@@ -107,10 +107,10 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
     records (and claim status, or the standalone state file); `epoch` is the last one
     recorded. The resident job becomes a *presumptive* holder: its next keep-alive or
     release with its old lease is accepted (and adopts that lease); if it was not holding,
-    the hold lapses after one lease period. `must_leave`: jobs that may still compute
-    without the lock (a lapsed or dropped holder, persisted): resident, and checkpointed
-    before anyone is granted. `residents`: jobs that may be on the GPUs (persisted),
-    resident unless checkpointed. Where each job goes is `adoption` (pure). A group that
+    the hold lapses after one lease period; its memory is watched as a holder's (`HolderWatch`).
+    `must_leave`: jobs that may still compute without the lock (a lapsed or dropped holder,
+    persisted): resident, and checkpointed before anyone is granted. `residents`: jobs that
+    may be on the GPUs (persisted), resident unless checkpointed. Where each job goes is `adoption` (pure). A group that
     already holds, queues or granted is left as it is."""
     if g.holder is not None or g.epoch or len(g.queue):
         return
@@ -133,6 +133,9 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
         g.holder = Hold(resident, ADOPTED, epoch, now, now + g.spec.lease_seconds, set(), False, 0.0,
                         member.priority if member is not None else 0, callers_unknown=True)
         g.leases.arm()
+        # its growth is watched as a granted holder's: the hold may be in progress (a helper's attack on
+        # `timeslice orchestrator`: restarted at a grant, the holder then grew unwatched into an OOM)
+        g.moves.watch.start()
     log.info("adopted group=%s resident=%s checkpointed=%s must_leave=%s residents=%s epoch=%d", g.id, resident,
              sorted(checkpointed), sorted(must_leave), list(g.residency.residents), epoch)
 
