@@ -240,6 +240,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
         new.leases.remember(h.lease_id)
         r_new.held(h.job_id, observed=False)  # `old` watched it until now
         new.leases.arm()
+        new.moves.watch.start()  # and `new` from now on (its memory may still grow)
         log.info("holder carried group=%s job=%s epoch=%d from=%s", new.id, h.job_id, h.epoch, old.id)
     elif h is not None and (c.parked or c.revoked):
         old.end_hold(h, f"preempted: its claim set moved to group {new.id}, which has another holder")
