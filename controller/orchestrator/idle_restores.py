@@ -18,7 +18,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from timeslice.controller.orchestrator.memory_plan import plan, snapshot
+from timeslice.controller.orchestrator.memory_plan import AgentsUnanswered, plan, snapshot
 from timeslice.controller.orchestrator.placement import NoRoom
 from timeslice.driver import names
 from timeslice.driver.tasks import cancel_and_wait
@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("timeslice.orchestrator")
 
+# An idle group whose background restore found no room (memory that processes which left still
+# held, other processes', an agent that did not answer) looks again after RETRY_SECONDS, then
+# twice as long each time up to RETRY_MAX_SECONDS while it stays idle: nothing else would (a job
+# that closed while checkpointed waits in its CUDA teardown for its restore: a helper's attack,
+# stuck for good once the last other jobs had left while their processes still exited).
+RETRY_SECONDS = 0.5
+RETRY_MAX_SECONDS = 30.0
+
 
 class IdleRestores:
     def __init__(self, group: LockGroup) -> None:
@@ -35,6 +43,8 @@ class IdleRestores:
         self._task: asyncio.Task[None] | None = None
         self._failed: set[str] = set()  # background restores that failed, until granted again
         self._orphans: set[str] = set()  # checkpointed jobs nobody will ask for: restored when idle, forgotten
+        self._retry: asyncio.TimerHandle | None = None  # the next look of an idle group that waits (see above)
+        self._retry_seconds = RETRY_SECONDS
 
     @property
     def refreshing(self) -> bool:
@@ -75,9 +85,17 @@ class IdleRestores:
     def refresh_memory(self) -> None:
         """In the background: take a memory snapshot (residents' peaks), and when the group
         is idle restore a checkpointed job that fits without moving anyone. Tried once per
-        trigger (a release, an idle group, a switch that succeeded). Groups without memory
-        reports restore orphans, and on `freeze` every frozen job."""
+        trigger (a release, an idle group, a switch that succeeded), and again while the group
+        stays idle and a job it found no room for is checkpointed (`RETRY_SECONDS`, backing off).
+        Groups without memory reports restore orphans, and on `freeze` every frozen job."""
+        self._retry_seconds = RETRY_SECONDS
+        self._look()
+
+    def _look(self) -> None:
         g = self._g
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if not g.moves.memory_aware:
             self._restore_unneeded_stops()
             return
@@ -101,6 +119,7 @@ class IdleRestores:
 
     async def _refresh(self) -> None:
         g = self._g
+        again = False  # a job found no room: looked at again while the group stays idle
         try:
             snap = await snapshot(g)
             if snap is None:  # the agents report no GPU memory: as a group without memory reports
@@ -116,11 +135,21 @@ class IdleRestores:
                         g.moves.runner.start([], job, restore=True, grant=False)
                         return
                 except NoRoom as err:
-                    log.info("no background restore group=%s job=%s: %s", g.id, job, err)
+                    (log.debug if self._retry_seconds > RETRY_SECONDS else log.info)(
+                        "no background restore group=%s job=%s: %s", g.id, job, err)
+                    again = True
+        except AgentsUnanswered as err:
+            log.warning("memory report failed group=%s: %s", g.id, err)
+            again = True
         except Exception as err:  # a report that fails changes nothing; the next switch asks again
             log.warning("memory report failed group=%s: %s", g.id, err)
         finally:
             self._task = None
+            if again and self.now() and g.residency.checkpointed - self._failed:
+                self._retry = asyncio.get_running_loop().call_later(self._retry_seconds, self._look)
+                self._retry_seconds = min(2 * self._retry_seconds, RETRY_MAX_SECONDS)
 
     async def close(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
         await cancel_and_wait(self._task)
