@@ -5,8 +5,8 @@ at the holder's priority or above (no such waiter, no limit); past it the holder
 preempted (not while a checkpoint would leave it running: on `cuda`, before its first CUDA
 call; looked at again every `RECHECK_SECONDS`). With a checkpointing backend it is *parked*:
 switched out like a releasing holder and queued again behind the jobs already waiting at
-its priority under its own lease (its keep-alives and release stay valid, the lease does not lapse while it waits),
-and restored when its turn comes, so the preemption is invisible to its code. With `none`
+its priority under its own lease (its keep-alives and release stay valid, the lease does
+not lapse while it waits), and restored when its turn comes, so the preemption is invisible to its code. With `none`
 (nothing to checkpoint) or `cooperative` its lease is revoked like a lapsed one. With `app`
 too: the agent puts the job's engine to sleep but does not stop its client, which may be
 mid-phase, sending requests that a sleeping engine fails; and a wake under a hold its

@@ -110,8 +110,8 @@ def adopt(g: LockGroup, resident: str | None, checkpointed: set[str], epoch: int
     the hold lapses after one lease period; its memory is watched as a holder's (`HolderWatch`).
     `must_leave`: jobs that may still compute without the lock (a lapsed or dropped holder,
     persisted): resident, and checkpointed before anyone is granted. `residents`: jobs that
-    may be on the GPUs (persisted), resident unless checkpointed. Where each job goes is `adoption` (pure). A group that
-    already holds, queues or granted is left as it is."""
+    may be on the GPUs (persisted), resident unless checkpointed. Where each job goes is
+    `adoption` (pure). A group that already holds, queues or granted is left as it is."""
     if g.holder is not None or g.epoch or len(g.queue):
         return
     a = adoption(resident, checkpointed, epoch, must_leave, residents)
