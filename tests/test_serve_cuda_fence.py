@@ -103,11 +103,11 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
                         jobs["a"].send_signal(signal.SIGSTOP)
             if stopped:  # b computes (before the fix: a's lease lapsed), or a is kept past its lease: a continues
                 b_busy = asyncio.ensure_future(_line(jobs["b"], "busy", out["b"]))
-                log = short_tmp / "serve.log"
-                kept = asyncio.ensure_future(eventually(lambda: "past its deadline group=g" in log.read_text(), 60,
-                                                        0.05, what="a kept past its lease"))
+                serve_log = short_tmp / "serve.log"
+                kept = asyncio.ensure_future(eventually(lambda: "past its deadline group=g" in serve_log.read_text(),
+                                                        60, 0.05, what="a kept past its lease"))
                 done, _ = await asyncio.wait({b_busy, kept}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-                assert done, (out, (short_tmp / "serve.log").read_text()[-3000:])
+                assert done, (out, serve_log.read_text()[-3000:])
                 await asyncio.gather(*done)
                 if kept in done:  # what a user sees of the group that waits
                     status = await asyncio.create_subprocess_exec(
@@ -117,6 +117,7 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
                 jobs["a"].send_signal(signal.SIGCONT)
                 if b_busy in done:
                     kept.cancel()
+                    await asyncio.wait({kept})
                 else:
                     await b_busy
             for name, p in jobs.items():
