@@ -86,6 +86,28 @@ async def served(tmp_path) -> AsyncIterator[tuple[str, int]]:
     assert not await asyncio.to_thread(os.path.exists, sock)
 
 
+async def start_jobs(code: str, args: dict[str, list[str]], env: dict[str, str]
+                     ) -> dict[str, asyncio.subprocess.Process]:
+    """One `python -c code *args[name]` per job name, each in its own session (its own job under
+    serve), stdout and stderr piped together."""
+    return {name: await asyncio.create_subprocess_exec(
+                sys.executable, "-c", code, *argv, env=env, start_new_session=True,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT) for name, argv in args.items()}
+
+
+async def outputs(jobs: dict[str, asyncio.subprocess.Process], timeout: float = 90) -> dict[str, str]:
+    """Each job's output once it ended (within `timeout` seconds each)."""
+    return {name: (await asyncio.wait_for(p.communicate(), timeout))[0].decode() for name, p in jobs.items()}
+
+
+async def kill_left(jobs: dict[str, asyncio.subprocess.Process]) -> None:
+    """Kill the jobs that have not ended (a test that failed)."""
+    for p in jobs.values():
+        if p.returncode is None:
+            p.kill()
+            await p.wait()
+
+
 def env_for(sock: str, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIMESLICE_")}
     return {**env, "TIMESLICE_ORCHESTRATOR": f"unix://{sock}", **extra}

@@ -29,7 +29,7 @@ from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
 from bench import schedules
 from tests.conftest import eventually
-from tests.test_serve import env_for, serve_process
+from tests.test_serve import env_for, kill_left, serve_process
 
 MiB = 1 << 20
 
@@ -123,10 +123,7 @@ async def test_a_holder_without_a_cuda_context_yet_never_computes_beside_the_nex
             for name, p in jobs.items():
                 await asyncio.wait_for(_line(p, "done", out[name]), 90)
         finally:
-            for p in jobs.values():
-                if p.returncode is None:
-                    p.kill()
-                    await p.wait()
+            await kill_left(jobs)
     log = (short_tmp / "serve.log").read_text()
     busy = {name: [(float(t0), float(t1)) for t0, t1 in re.findall(r"^busy (\S+) (\S+)$", "".join(lines), re.M)]
             for name, lines in out.items()}

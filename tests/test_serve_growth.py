@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
 from bench import schedules
 from tests.conftest import eventually
-from tests.test_serve import env_for, serve_process
+from tests.test_serve import env_for, kill_left, outputs, serve_process, start_jobs
 
 MiB = 1 << 20
 OOM_EXIT = 99
@@ -77,17 +76,12 @@ async def test_a_holder_growing_right_after_its_grant_has_idle_residents_checkpo
     async with serve_process(short_tmp, backend="cuda", lease_seconds=30) as (sock, _, _):
         env = env_for(sock, **{MODEL_GPU_ENV: str(gpu.path)}, TIMESLICE_MEMORY="300Mi",
                       TIMESLICE_ACCELERATOR_PROCESS="1")
-        jobs = {name: await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", JOB, holds, env=env, start_new_session=True,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-                for name, holds in (("a", "300,300,300,450"), ("b", "300," * 5 + "300"), ("c", "300," * 5 + "300"))}
+        jobs = await start_jobs(JOB, {"a": ["300,300,300,450"], "b": ["300," * 5 + "300"], "c": ["300," * 5 + "300"]},
+                                env)
         try:
-            out = {name: (await asyncio.wait_for(p.communicate(), 90))[0].decode() for name, p in jobs.items()}
+            out = await outputs(jobs)
         finally:
-            for p in jobs.values():
-                if p.returncode is None:
-                    p.kill()
-                    await p.wait()
+            await kill_left(jobs)
     log = (short_tmp / "serve.log").read_text()
     assert gpu.ooms() == [], (out, log[-3000:])
     assert {name: (p.returncode, out[name].strip()) for name, p in jobs.items()} == \
@@ -113,22 +107,16 @@ async def test_a_holder_adopted_after_a_restart_is_watched_as_it_grows(short_tmp
         async with serve_process(short_tmp, backend="cuda", lease_seconds=30) as (sock, _, serve):
             env = env_for(sock, **{MODEL_GPU_ENV: str(gpu.path)}, TIMESLICE_MEMORY="300Mi",
                           TIMESLICE_ACCELERATOR_PROCESS="1", GROW_PAUSE_S="0.5")
-            jobs = {name: await asyncio.create_subprocess_exec(
-                        sys.executable, "-c", JOB, holds, env=env, start_new_session=True,
-                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-                    for name, holds in (("a", "300,300,800"), ("b", "300," * 5 + "300"))}
+            jobs = await start_jobs(JOB, {"a": ["300,300,800"], "b": ["300," * 5 + "300"]}, env)
             log = short_tmp / "serve.log"
             await eventually(lambda: log.read_text().count(f"granted group=g job=pgid-{jobs['a'].pid} ") >= 3, 60,
                              0.005, what="a's third grant")
             serve.kill()
             await serve.wait()
         async with serve_process(short_tmp, backend="cuda", lease_seconds=30, name="serve2"):
-            out = {name: (await asyncio.wait_for(p.communicate(), 90))[0].decode() for name, p in jobs.items()}
+            out = await outputs(jobs)
     finally:
-        for p in jobs.values():
-            if p.returncode is None:
-                p.kill()
-                await p.wait()
+        await kill_left(jobs)
     log2 = (short_tmp / "serve2.log").read_text()
     assert gpu.ooms() == [], (out, log2[-3000:])
     assert {name: (p.returncode, out[name].strip().splitlines()[-1]) for name, p in jobs.items()} == \

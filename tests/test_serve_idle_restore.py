@@ -13,9 +13,7 @@ again (`IdleRestores`, 0.5 s doubling up to 30 s).
 
 from __future__ import annotations
 
-import asyncio
 import os
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from timeslice.kubelet_plugin.agent.model_gpu import ENV as MODEL_GPU_ENV
 from timeslice.kubelet_plugin.agent.model_gpu import ModelGpu
 
 from bench import schedules
-from tests.test_serve import env_for, serve_process
+from tests.test_serve import env_for, kill_left, outputs, serve_process, start_jobs
 
 MiB = 1 << 20
 
@@ -65,20 +63,13 @@ async def test_a_job_that_closed_while_checkpointed_is_restored_once_the_others_
     gpu = ModelGpu.create(short_tmp / "gpu.json", 1000 * MiB)
     monkeypatch.setenv(MODEL_GPU_ENV, str(gpu.path))  # for serve's node agent
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(schedules.FAKE_CUDA), os.environ.get("PYTHONPATH", "")]))
-    jobs: dict[str, asyncio.subprocess.Process] = {}
     async with serve_process(short_tmp, backend="cuda", lease_seconds=30) as (sock, _, _):
         env = env_for(sock, **{MODEL_GPU_ENV: str(gpu.path)}, TIMESLICE_ACCELERATOR_PROCESS="1")
+        jobs = await start_jobs(JOB, {"x": ["2"], "b": ["4"], "c": ["4"]}, env)
         try:
-            for name, holds in (("x", 2), ("b", 4), ("c", 4)):
-                jobs[name] = await asyncio.create_subprocess_exec(
-                    sys.executable, "-c", JOB, str(holds), env=env, start_new_session=True,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-            out = {name: (await asyncio.wait_for(p.communicate(), 90))[0].decode() for name, p in jobs.items()}
+            out = await outputs(jobs)
         finally:
-            for p in jobs.values():
-                if p.returncode is None:
-                    p.kill()
-                    await p.wait()
+            await kill_left(jobs)
     log = (short_tmp / "serve.log").read_text()
     assert {name: (p.returncode, out[name].splitlines()[-2:]) for name, p in jobs.items()} == \
         {name: (0, ["closed", "done"]) for name in jobs}, (out, log[-3000:])  # (a retried acquire logs a line)
