@@ -124,7 +124,7 @@ class Hold:
     # `Callers.prune_parts`
     kept_alive: dict[str, float] = field(default_factory=dict)
     live_at: float | None = None  # clock() seconds its node agents last reported a process of it live
-    kept: str = ""  # why it keeps the lock past its lease (overdue: `decisions.KeepOverdue.why`), for status
+    kept: str = ""  # why it keeps the lock past its lease (overdue: `decisions.KeepOverdue.why`); "" while current
     ended: bool = False  # `LockGroup.end_hold` ran (a hold carried to another group goes on there)
 
 

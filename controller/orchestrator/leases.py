@@ -79,7 +79,6 @@ class Leases:
         self._g = group
         self._timer: asyncio.TimerHandle | None = None
         self._known: OrderedDict[str, None] = OrderedDict()  # granted here (vs. by an earlier leader)
-        self._overdue: Hold | None = None  # a cooperative holder past its lease, kept while its streams are open
         self._lapsed: OrderedDict[str, Hold] = OrderedDict()  # lease id -> a lapsed hold that may be queued again
 
     def remember(self, lease_id: str) -> None:
@@ -98,9 +97,8 @@ class Leases:
 
     def kept_alive(self, h: Hold) -> None:
         """`h`'s lease was extended (its deadline moved): an overdue holder's timer runs again."""
-        h.kept = ""
-        if self._overdue is h:
-            self._overdue = None
+        if h.kept:
+            h.kept = ""
             self.stop()
             self.arm()
 
@@ -118,7 +116,6 @@ class Leases:
             self._timer = asyncio.get_running_loop().call_later(delay, self.on_timer, h)
 
     def stop(self) -> None:  # (the timer, and with it any overdue holder's)
-        self._overdue = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -131,7 +128,7 @@ class Leases:
         streaming = g.holder is h and self._streaming(h.job_id)
         live = h.live_at is not None and g.clock() - h.live_at <= LIVE_SECONDS
         d = lease_timer(LeaseFacts(g.spec.backend, g.holder is h, g.clock(), h.lease_deadline, streaming,
-                                   h.callers_unknown, self._overdue is h, live,
+                                   h.callers_unknown, bool(h.kept), live,
                                    g.residency.unfenceable(h.job_id, g.spec.backend)))
         if isinstance(d, Rearm):
             self.arm()
@@ -140,8 +137,7 @@ class Leases:
                 log.warning("lease of holder past its deadline group=%s job=%s epoch=%d: it keeps the lock (its "
                             "keep-alives are late), %s, until %s or it releases", g.id, h.job_id, h.epoch, d.why,
                             d.until)
-            self._overdue = h
-            h.kept = d.why
+            h.kept = d.why  # (overdue: kept past its lease)
             if not streaming:  # looked at again: still reported live?
                 self._timer = asyncio.get_running_loop().call_later(LIVE_SECONDS, self.on_timer, h)
         elif isinstance(d, Lapse):
@@ -166,12 +162,11 @@ class Leases:
     def streams_closed(self, job_id: str) -> None:
         """Every memory command stream of `job_id`'s processes closed: if it holds, that is
         noted (`Hold.streams_closed`); if it is the overdue holder, its lease lapses now."""
-        g = self._g
-        if g.holder is not None and g.holder.job_id == job_id:
-            g.holder.streams_closed = True
-        h = self._overdue
-        if h is not None and h.job_id == job_id and g.holder is h:
-            self.on_timer(h)
+        h = self._g.holder
+        if h is not None and h.job_id == job_id:
+            h.streams_closed = True
+            if h.kept:
+                self.on_timer(h)
 
     def _streaming(self, job_id: str) -> bool:
         g = self._g

@@ -235,6 +235,7 @@ def carry(new: LockGroup, old: LockGroup, jobs: set[str]) -> None:
     if h is not None and c.holder is not None:
         old.holder = None
         old.leases.stop()
+        h.kept = ""  # (overdue in `old`: `new`'s lease timer decides afresh)
         old.preemption.stop_clock()
         new.holder = h
         new.leases.remember(h.lease_id)
