@@ -258,6 +258,7 @@ def warn_lapsed_unseen(g: Grant) -> None:
                 "its %g s lease): its state stays where the orchestrator put it; asking again", g.group_id, g.epoch,
                 g.lease_seconds)
 
+
 class Retry:
     """The retry policy of one logical call, shared by the sync and asyncio clients.
 
