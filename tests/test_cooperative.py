@@ -1069,6 +1069,57 @@ async def test_a_reconnect_fails_the_commands_its_old_stream_never_sent() -> Non
     await jobs.close()
 
 
+async def test_a_checkpoint_whose_stream_closed_before_its_answer_keeps_its_ranges_until_the_process_says(
+        short_tmp: Path, caplog) -> None:
+    """The kind of schedules seed 30039 (a state lost): an orchestrator stopped while a
+    process copied its state into the pinned pool; the stream closed before the answer, the
+    offered ranges were freed and written so, and the next orchestrator handed them to
+    another job's checkpoint over the first one's state. Now ranges offered to a checkpoint
+    whose answer never came stay reserved, and on disk, until the process reconnects and
+    says what it did (or the reconnect grace passes)."""
+    from timeslice.controller.orchestrator import state_format
+    from timeslice.controller.orchestrator.state_file import StateFile
+
+    caplog.set_level(logging.INFO, logger="timeslice")
+    state = StateFile(short_tmp / "state.json")
+    pool = PinnedPool(short_tmp / "pool", 1 << 16)
+    jobs = CooperativeJobs(pool=pool, state=state)
+    a = jobs.stream("g", "a", "s1", os.getpid(), 100)
+    assert (await anext(a)).kind == "hello"
+    checkpoint_a = asyncio.create_task(jobs.checkpoint("g", "a", timeout=300))
+    command = await asyncio.wait_for(anext(a), 20)
+    offered = [(r.offset, r.length) for r in command.ranges]
+    assert command.kind == "checkpoint" and offered
+    await a.aclose()  # the stream closes before the answer (the process copied its state to the ranges)
+    await eventually(lambda: "process left while checkpointed for a switch group=g job=a" in caplog.text, timeout=20)
+    await state.written()
+    doc, _ = state_format.read(short_tmp / "state.json")  # what a restarted orchestrator reads
+    assert doc is not None and doc.pool is not None
+    assert [[tuple(r) for r in c.ranges] for c in doc.pool.checkpoints if c.job == "a"] == [offered]
+
+    b = jobs.stream("g", "b", "t1", os.getpid(), 100)
+    assert (await anext(b)).kind == "hello"
+    checkpoint_b = asyncio.create_task(jobs.checkpoint("g", "b", timeout=300))
+    command_b = await asyncio.wait_for(anext(b), 20)
+    taken_by_b = [(r.offset, r.length) for r in command_b.ranges]
+    # (a single process is offered every free range: a's offer took the whole pool, so b keeps its own host copy)
+    assert not any(o < ob + nb and ob < o + n for o, n in offered for ob, nb in taken_by_b), (offered, taken_by_b)
+    jobs.ack(pb.MemoryCommandAck(job_id="b", group_id="g", op_id=command_b.op_id, ok=True, bytes=100,
+                                 pinned=bool(taken_by_b)))
+    assert (await asyncio.wait_for(checkpoint_b, 20)).bytes == 100
+
+    report = pb.PoolCheckpoint(ranges=[pb.PoolRange(offset=offered[0][0], length=100)], bytes=100, checksum=7)
+    again = jobs.stream("g", "a", "s1", os.getpid(), 100, report)  # it reconnects: checkpointed there
+    assert (await anext(again)).kind == "hello"
+    await asyncio.wait_for(checkpoint_a, 20)
+    assert jobs.checkpointed("g", "a")
+    assert jobs._processes.of("g", "a")["s1"].pool_ranges == [(offered[0][0], 100)]
+    await again.aclose()
+    await b.aclose()
+    await jobs.close()
+    state.close()
+
+
 async def test_three_jobs_of_which_two_fit_swap_through_a_host_that_holds_two_states(coop) -> None:
     """H200, 3 x 47 GB states, two fit on the GPU, host memory for two states: once two were
     out, the third could not be checkpointed ("no host memory") and ran all its phases alone

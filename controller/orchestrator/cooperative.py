@@ -119,7 +119,7 @@ class CooperativeJobs:
         old = p.commands
         p.connected, p.pid, p.registered, p.commands = True, pid, registered, asyncio.Queue()
         self._commands.fail_unsent(p, old)
-        if p.adopted:
+        if p.adopted or p.offered:  # (offered: its stream closed before it answered a checkpoint)
             self._records.confirm(p, report)
         elif p.checkpointed and report is not None and p.checksum is None:
             p.checksum = report.checksum

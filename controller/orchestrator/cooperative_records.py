@@ -129,7 +129,8 @@ class CheckpointRecords:
             self._on_learned(p.group, p.job)
 
     def confirm(self, p: Process, report: pb.PoolCheckpoint | None) -> None:
-        """An adopted process reconnected with its `report`: it confirms the record (a
+        """An adopted process, or one whose stream closed before it answered a checkpoint
+        (`p.offered`), reconnected with its `report`: it confirms the record (a
         checkpoint is reported to `on_learned`), says its state is on the GPU, or the state
         is lost."""
         p.adopted = False
@@ -215,6 +216,13 @@ class CheckpointRecords:
         self.persist()
         if self._state is not None:
             await self._state.written()
+
+    async def durable(self) -> None:
+        """`persist`, and return once it is on disk. Raises OSError: the write failed
+        (`StateFile.durable`)."""
+        self.persist()
+        if self._state is not None:
+            await self._state.durable()
 
     def close(self) -> None:
         """Remove the pool file, unless `keep_pool_if_in_use` found it in use."""

@@ -136,7 +136,11 @@ class CooperativeSteps:
         done, moved, failed, departed = [], 0, None, None
         for p, offered, ack in zip(procs, offers, results):
             if isinstance(ack, BaseException):
-                if offered and not isinstance(ack, StepTimeout):  # after a timeout they wait for its answer
+                # after a timeout, or a stream closed before the answer (`Departed`), the ranges wait for what the
+                # process says it did: it may have copied its state there (schedules seed 30039: an orchestrator
+                # stopped mid-checkpoint freed them, its successor handed them to another job's checkpoint, and
+                # the state the first process had copied there was overwritten)
+                if offered and not isinstance(ack, StepTimeout | Departed):
                     self._records.unoffer(p, offered)
                 if isinstance(ack, Departed):
                     departed = departed or ack
@@ -245,7 +249,14 @@ class CooperativeSteps:
         offers = [pool.take_all()] if len(procs) == 1 else [pool.take(p.registered) for p in procs]
         for p, offered in zip(procs, offers):
             p.offered = offered
-        await self._records.persisted()  # before any command goes: a restart hands these ranges to nobody else
+        try:  # before any command goes: a restart hands these ranges to nobody else
+            await self._records.durable()
+        except OSError as err:  # not on disk: the processes keep their own host copies
+            for p, offered in zip(procs, offers):
+                self._records.unoffer(p, offered)
+            log.warning("cooperative checkpoint of %s into the pinned pool not offered: the state file did not record "
+                        "the offer (%s); the processes copy to their own host memory", procs[0].job, err)
+            return [[] for _ in procs]
         return offers
 
     async def _restore_one(self, p: Process, timeout: float) -> int:
