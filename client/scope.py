@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from timeslice.errors import LeaseLost
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("timeslice.client")
 
 
 class AcceleratorScope:
@@ -61,8 +63,32 @@ class AcceleratorScope:
         return await asyncio.to_thread(fn)
 
     async def __aenter__(self) -> AcceleratorScope:
-        await self._call(self._acquire)
+        if self._async_client:
+            await self._acquire()
+            return self
+        # The synchronous client's acquire runs in a worker thread, which cancelling the caller
+        # (`asyncio.wait_for` around a step) does not stop: a grant it gets after its caller
+        # went away is released at once, never left held by nobody (a new user's steps under
+        # wait_for held the group for good once one timed out while waiting).
+        acquiring = asyncio.ensure_future(asyncio.to_thread(self._acquire))
+        try:
+            await asyncio.shield(acquiring)
+        except asyncio.CancelledError:
+            acquiring.add_done_callback(self._release_unused)
+            raise
         return self
+
+    def _release_unused(self, acquiring: asyncio.Future[Any]) -> None:
+        """On the loop: a grant nobody waits for any more is released, in a worker thread."""
+        if acquiring.cancelled() or acquiring.exception() is not None:
+            return
+
+        def release() -> None:
+            try:
+                self._release()
+            except Exception as err:  # (nobody is left to raise it to)
+                log.warning("release of a grant whose caller was cancelled failed: %s", err)
+        asyncio.get_running_loop().run_in_executor(None, release)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         lost = self._lost()
@@ -82,7 +108,13 @@ class AcceleratorScope:
 
 
 def decorate(scope: Any, fn: F) -> F:
-    """`fn` run inside `scope`: `async with scope` for an `async def`, else `with scope`."""
+    """`fn` run inside `scope`: `async with scope` for an `async def`, else `with scope`.
+    Raises TypeError for a generator function (plain or async): calling one returns at once,
+    before its body runs, so the scope would end before the body computes; enter the scope
+    inside it instead (`with client.on_accelerators(): ...`)."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"{fn.__qualname__} is a generator function: its body runs after the call returns, outside "
+                        "the hold; use `with client.on_accelerators():` (or `async with`) inside it")
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:

@@ -68,6 +68,56 @@ async def test_sync_client_decorates_async_functions_without_blocking_the_loop(m
     await asyncio.to_thread(client.close)  # Leave is answered by this loop
 
 
+async def test_a_sync_clients_async_step_cancelled_while_waiting_releases_the_grant_it_gets_later(
+        make_cluster) -> None:
+    """A new user's input: a sync client's decorated `async def` step under
+    `asyncio.wait_for`, cancelled while it waits. Its acquire runs on in a worker thread
+    (nothing stops a thread): the grant it got later was held by nobody, for good, and the
+    other jobs waited until the job ended. Now such a grant is released at once."""
+    c = await make_cluster()
+    holder, other = c.client("holder"), c.client("other")
+    client = TimeSliceOrchestratorClient(c.target, "x", "g")
+
+    @client.on_accelerators()
+    async def step() -> None:
+        raise AssertionError("never entered: cancelled while waiting")
+
+    await holder.acquire()
+    waiting = asyncio.create_task(step())
+
+    async def x_waits() -> bool:
+        return any(w.job_id == "x" for w in (await c.status()).waiters)
+    await eventually(x_waits, timeout=30, what="x waiting")
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await holder.release()  # x is granted now, in its worker thread, with nobody inside
+    await other.acquire(timeout=30)  # ... and released at once: the group is not held for good
+    assert client.holding() is None
+    await other.release()
+    await holder.close()
+    await other.close()
+    await asyncio.to_thread(client.close)
+
+
+def test_a_generator_function_is_refused_by_the_decorator() -> None:
+    """A new user's input: `@on_accelerators()` on a generator function released before the
+    body ran (the call returns the generator at once): every GPU call of it ran outside the
+    hold, beside the next holder's."""
+    client = TimeSliceOrchestratorClient("127.0.0.1:1", "x", "g")
+    try:
+        with pytest.raises(TypeError, match="generator function"):
+            @client.on_accelerators()
+            def rollout(n: int):
+                yield from range(n)
+        with pytest.raises(TypeError, match="generator function"):
+            @client.on_accelerators()
+            async def stream(n: int):
+                yield n
+    finally:
+        client.close()
+
+
 async def test_async_client_decorator_and_errors(make_cluster) -> None:
     c = await make_cluster()
     a, b = c.client("a"), c.client("b")
