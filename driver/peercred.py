@@ -21,19 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from timeslice.driver.atomic import write_atomic
 from timeslice.driver.errors import PermissionDenied, ProcessGone
 from timeslice.driver.private_paths import free_socket_path, private_dir
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("timeslice.serve")
 
@@ -377,6 +381,15 @@ async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
 MAX_ENDED_JOBS = 1024
 
 
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """`method` run holding its `PeerJobs`'s lock."""
+    @functools.wraps(method)
+    def run(self: PeerJobs, *args: object, **kw: object) -> _T:
+        with self._lock:
+            return method(self, *args, **kw)
+    return run
+
+
 class PeerJobs:
     """Which scopes (process groups or cgroups) make up each job in one-box mode, and whose
     job it is: the one owner of these facts. The orchestrator's peer authenticator binds a
@@ -384,9 +397,12 @@ class PeerJobs:
     Bounded: scopes whose processes are all gone are forgotten at the next bind. With a
     `path` (`timeslice serve`'s state dir) the bindings are written there at each bind and
     read back at start, so that a restarted server knows which processes an adopted holder
-    was (`gone`)."""
+    was (`gone`). Thread-safe: the orchestrator's authenticator binds on the event loop while
+    the node agent resolves a job's processes in worker threads (a bind's forgetting of empty
+    scopes ran beside a resolver's and raised "dictionary changed size during iteration")."""
 
     def __init__(self, path: Path | None = None) -> None:
+        self._lock = threading.RLock()  # every method that reads or changes the bindings holds it
         self._job_of: dict[Scope, str] = {}
         self._owner: dict[str, int] = {}  # job -> uid
         self._born: dict[Scope, int | None] = {}  # a process group's leader's start time when bound
@@ -425,6 +441,7 @@ class PeerJobs:
         except OSError as err:  # a restart then waits a lease for a holder that is gone, nothing worse
             log.warning("job bindings not written to %s: %s", self._path, err)
 
+    @_locked
     def gone(self, job: str, proc: Path = Path("/proc")) -> bool:
         """Whether `job` had processes bound and none of its processes is alive now (a holder
         killed with its process group, a restarted server's adopted holder that exited: nothing
@@ -441,6 +458,7 @@ class PeerJobs:
             return False
         return not self.processes(job, proc)
 
+    @_locked
     def owners(self, job: str) -> set[int]:
         """The uids whose processes named by TIMESLICE_JOB=`job` are the job's: its owner's,
         also once its scopes were forgotten (`named`; 0: any uid's)."""
@@ -448,6 +466,7 @@ class PeerJobs:
             return {self._owner.get(job, 0)}
         return {self._ended[job]} if job in self._ended else set()
 
+    @_locked
     def processes(self, job: str, proc: Path = Path("/proc")) -> list[int]:
         """Live PIDs of `job`, ascending: those of its scopes (`members`: and their descendants
         that left them) and its owner's processes named by TIMESLICE_JOB=`job` (`named`),
@@ -460,6 +479,7 @@ class PeerJobs:
         pids |= {p for uid in self.owners(job) for p in named(job, uid, proc, elsewhere)}
         return sorted(pids)
 
+    @_locked
     def bind(self, job: str, caller: PeerCredentials, scope: Scope) -> None:
         """`caller`, in `scope`, acts for `job`: the scope's processes become the job's.
         Raises PermissionDenied: the job is another uid's (root may act for any), or the
@@ -486,6 +506,7 @@ class PeerJobs:
         self._save()
         log.info("job bound job=%s scope=%s uid=%d pid=%d", job, scope, caller.uid, caller.pid)
 
+    @_locked
     def unrelated_caller(self, scope: Scope, caller: PeerCredentials) -> int | None:
         """`caller` acts for the job `scope` stands for when nobody names one (`pgid-<N>`):
         the PID of a live earlier caller of it that is not of one job with `caller`
@@ -505,14 +526,17 @@ class PeerJobs:
             callers[caller.pid] = start_time(caller.pid)
         return None
 
+    @_locked
     def owned_by(self, job: str, uid: int) -> bool:
         """Whether `job` has live processes bound and belongs to `uid`."""
         return bool(self.scopes(job)) and self._owner.get(job) == uid
 
+    @_locked
     def job_of(self, scope: Scope) -> str | None:
         """The job `scope` is bound to (None: none yet)."""
         return self._job_of.get(scope)
 
+    @_locked
     def scopes(self, job: str) -> list[tuple[Scope, int]]:
         """[(scope, owner uid)] of `job` ([] when none is bound). Scopes whose processes
         are all gone are dropped first, so that a reused pgid is never taken for the job."""
@@ -520,6 +544,7 @@ class PeerJobs:
         uid = self._owner.get(job, 0)
         return [(s, uid) for s, j in self._job_of.items() if j == job]
 
+    @_locked
     def _forget_empty(self) -> None:
         for scope in [s for s in self._job_of if not self._alive(s)]:
             job = self._job_of.pop(scope)

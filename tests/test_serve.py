@@ -265,6 +265,35 @@ def test_a_process_group_number_reused_by_another_users_process_is_bound_afresh(
         leader.wait()
 
 
+def test_job_bindings_are_read_by_the_agents_threads_while_the_loop_binds() -> None:
+    """A helper's finding (12 times in one serve log while 14 jobs started): a bind on the event
+    loop forgot ended scopes while the node agent resolved a job's processes in a worker
+    thread, and the resolver raised "dictionary changed size during iteration" (its memory
+    report failed; a switch step resolves the same way)."""
+    import threading
+
+    jobs, me, errors = PeerJobs(), PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid()), []
+    done = threading.Event()
+
+    def resolve() -> None:
+        while not done.is_set():
+            try:
+                jobs.scopes("other")  # (forgets the ended scopes too)
+            except Exception as err:  # the race, as the agent's resolver met it
+                errors.append(err)
+                return
+
+    reader = threading.Thread(target=resolve)
+    reader.start()
+    try:
+        for i in range(3000):  # process groups that ended at once (no such group): each bind forgets the last
+            jobs.bind(f"j{i % 50}", me, Scope("process-group", str(4_190_000 + i)))
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
+
+
 def test_job_bindings_kept_in_the_state_dir_say_after_a_restart_which_jobs_are_gone(tmp_path, caplog) -> None:
     """`timeslice serve` keeps its bindings in its state dir: a restarted server knows that an
     adopted holder's processes are gone (its group ended, or its number now leads a newer
