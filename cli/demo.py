@@ -240,7 +240,7 @@ def render(result: dict[str, Any], width: int = 72) -> str:
 
 
 async def _until_stopped(runner: DemoRunner) -> dict[str, Any] | None:
-    """The demo's result, or None when SIGINT/SIGTERM stopped it first (its jobs and
+    """The demo's result, or None when SIGINT/SIGTERM/SIGHUP stopped it first (its jobs and
     workers are stopped, frozen ones thawed first, before this returns)."""
     stop = signals.stop_event()
     demo = asyncio.create_task(runner.run())

@@ -376,8 +376,8 @@ def parser() -> argparse.ArgumentParser:
                                    "needs no job id: each call acts for the job of the calling process's process "
                                    "group (or cgroup), read from the socket's peer credentials, and the agent moves "
                                    "that job's GPU processes. Prints `ready TIMESLICE_ORCHESTRATOR=unix://...` "
-                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM, 2 bad configuration or "
-                                   "socket.")
+                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM/SIGHUP, 2 bad configuration "
+                                   "or socket.")
     v.add_argument("--config", metavar="FILE",
                    help="YAML groups, as for `timeslice orchestrator --config` (a group without `agents` uses this "
                         "machine's agent; any backend, cooperative too; pinned_pool, state_file, metrics_listen "
@@ -408,7 +408,8 @@ def parser() -> argparse.ArgumentParser:
                                    "job's processes are those whose environment has TIMESLICE_JOB=<job> (start the "
                                    "job with it; children inherit it), narrowed to those with a CUDA context (or, "
                                    "without NVML, marked TIMESLICE_ACCELERATOR_PROCESS=1). Prints `ready listen=...` "
-                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM, 2 bad flags or address.")
+                                   "when serving. Exit codes: 0 stopped by SIGINT/SIGTERM/SIGHUP, 2 bad flags or "
+                                   "address.")
     n.add_argument("--listen", default="unix:///run/timeslice/agent.sock",
                    help="unix:///path (mode 0600; default unix:///run/timeslice/agent.sock) or host:port (needs "
                         "--token-file; port 0 picks one)")

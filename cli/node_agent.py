@@ -52,7 +52,7 @@ class NodeAgentConfig:
 
 
 async def serve(cfg: NodeAgentConfig) -> None:
-    """Run until SIGINT/SIGTERM; prints `ready listen=<address> [certificate=<file>]` when
+    """Run until SIGINT/SIGTERM/SIGHUP; prints `ready listen=<address> [certificate=<file>]` when
     serving (port 0 replaced by the bound one). Raises ValueError, OSError."""
     cfg.check()
     stop = signals.stop_event()

@@ -188,7 +188,7 @@ def preload_word(config: OrchestratorConfig) -> str:
 
 
 async def serve(cfg: ServeConfig) -> None:
-    """Run until SIGINT/SIGTERM. Prints one line to stdout when ready:
+    """Run until SIGINT/SIGTERM/SIGHUP. Prints one line to stdout when ready:
     `ready TIMESLICE_ORCHESTRATOR=unix://<socket> [LD_PRELOAD=<shim>] groups=<id>(<backend>),...`
     (LD_PRELOAD where a group is on `vmm`: its jobs start with it, `preload_word`). Raises
     ValueError (configuration) or OSError (the socket cannot be bound)."""

@@ -130,7 +130,7 @@ async def _prune_periodically(preparer: ClaimPreparer, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
 async def run(cfg: KubeletPluginConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (or SIGINT/SIGTERM when `stop` is None). Raises
+    """Serve until `stop` is set (or SIGINT/SIGTERM/SIGHUP when `stop` is None). Raises
     GpuDiscoveryError at once on a node without the NVIDIA driver (`--driver-root`), OSError
     when another kubelet plugin uses `cfg.state_dir` (its claims' checkpoint and its agent's
     records) or serves on its sockets: the second one stops touching nothing."""

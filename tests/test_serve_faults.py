@@ -172,11 +172,15 @@ async def test_a_holder_whose_client_died_but_whose_setsid_worker_lives_is_not_d
     assert "its processes are gone" not in log and f"job=pgid-{a.pid}" in log, log[-3000:]
 
 
-async def test_stopping_serve_thaws_a_frozen_job(tmp_path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
+async def test_stopping_serve_thaws_a_frozen_job(tmp_path, stop) -> None:
+    """Stopped by SIGTERM, Ctrl-C, or the close of the terminal it ran in (SIGHUP: a helper's
+    `timeslice serve &` exited at once, 129, and left the frozen job stopped), serve thaws the
+    jobs it froze."""
     async with serve_process(tmp_path) as (sock, _, serve):
         a, b = await b_frozen_behind_a(sock)
         try:
-            serve.send_signal(signal.SIGTERM)
+            serve.send_signal(stop)
             assert await asyncio.wait_for(serve.wait(), 60) == 0
             await eventually(lambda: running(b.pid), 60, what="job B thawed by the stop")
         finally:

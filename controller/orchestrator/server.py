@@ -81,7 +81,7 @@ async def running(config: OrchestratorConfig, authenticator: Authenticator | Non
 
 
 async def serve(config: OrchestratorConfig, grace: float = 1.0) -> None:
-    """`timeslice orchestrator`: run until SIGINT/SIGTERM (`running`); prints
+    """`timeslice orchestrator`: run until SIGINT/SIGTERM/SIGHUP (`running`); prints
     `ready listen=<host>:<port>` on stdout once it serves (the port it bound: `listen` may
     name port 0), as `serve` and `node-agent` print theirs."""
     stop = signals.stop_event()
