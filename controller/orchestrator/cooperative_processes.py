@@ -123,8 +123,8 @@ class Processes:
         """`p`'s stream closed (`p.disconnected_at` is set); `procs`: the entry `connecting`
         returned. A process with nothing of it kept here (no checkpoint, no command left
         unanswered, no pool ranges offered to a checkpoint it did not answer) is dropped, its
-        stream id remembered; a job whose last connected process
-        left with its state on the GPU is departing."""
+        stream id remembered; a job whose last connected process left with its state on the
+        GPU is departing."""
         if not p.checkpointed and not p.unanswered and not p.offered:
             procs.pop(p.stream_id, None)
             gone = self._gone_streams.setdefault((p.group, p.job), [])
