@@ -175,6 +175,44 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
             p.wait()
 
 
+async def test_a_switch_to_a_resident_job_waits_for_the_memory_of_an_evicted_job_found_gone(short_tmp: Path,
+                                                                                             monkeypatch) -> None:
+    """Schedules seed 8 (`cuda`, failing in CI): the plan evicted a resident job that was killed
+    before its checkpoint (the orchestrator paused between them); the checkpoint found no process
+    (gone), and the incoming job, resident already (no restore), was granted at once, grew by its
+    optimizer beside the 63 MB the killed process still held and ran out of memory. Backend cuda,
+    the real node agent over the fake driver: the switch waits until the ended processes' memory
+    is freed (`exiting_bytes`), whether or not it restores."""
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    # (a's memory outlives it by 5 s: on a loaded machine the kill and the check below took over 1 s)
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=5.0)
+    procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
+    pool = AgentPool()
+    switcher = SwitchCoordinator(pool)
+    try:
+        gpu.alloc(procs["c"].pid, 30 * MB, "model")
+        gpu.alloc(procs["a"].pid, 60 * MB, "model")
+        assert (await switcher.memory(spec, ["a", "c"])).on_device("a")  # the agent saw a alive
+        procs["a"].kill()
+        await asyncio.to_thread(procs["a"].wait)
+        assert gpu.read().free == 10 * MB  # a's memory is still being freed
+        record = await asyncio.wait_for(switcher(spec, ("a",), "c", False), 60)
+        assert record.ok and record.gone == ("a",), record.error
+        assert gpu.read().processes == {procs["c"].pid: 30 * MB}
+        gpu.alloc(procs["c"].pid, 40 * MB, "optimizer")  # c grows where a was
+    finally:
+        await stop(agent)
+        await pool.close()
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 def test_the_model_gpu_moves_a_process_as_the_cuda_checkpoint_api_does(short_tmp: Path, sleeper) -> None:
     """RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING: a lock
     waits for the GPU call in progress, a call waits while the process is locked, a checkpointed

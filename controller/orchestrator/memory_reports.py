@@ -104,7 +104,7 @@ class MemoryReports:
                     snap.unseen.add(job)
 
     async def freed(self, spec: GroupSpec, jobs: Sequence[str], before: MemorySnapshot, nbytes: int,
-                    room: int = 0, by_device: bool = False) -> str | None:
+                    room: int = 0, by_device: bool = False, exited: bool = False) -> str | None:
         """None once NVML shows `nbytes` freed by `jobs` since `before`: what their acknowledged
         checkpoints moved (a cooperative process answers once it dropped its tensors; the
         CUDA caching allocator or a late stream may still hold them), plus all that those
@@ -114,7 +114,8 @@ class MemoryReports:
         once a job's processes are no longer told as its own: their PIDs leave /proc before
         the driver has freed their memory).
         With `room`, also until the GPUs have that many bytes free; `by_device`: by the devices'
-        free bytes only (a job's processes changed meanwhile). Polled every
+        free bytes only (a job's processes changed meanwhile); `exited`: also until no ended process
+        holds memory on the group's GPUs (`MemorySnapshot.exiting_bytes`). Polled every
         `FREED_POLL_SECONDS` for at most `FREED_TIMEOUT_SECONDS`; else why not (a node agent
         that does not answer shows nothing freed: schedules seed 5112, the agent killed as a
         job ended, a restore ran beside the ended job's 82 MB and ran out of memory)."""
@@ -143,7 +144,8 @@ class MemoryReports:
                 else:
                     dropped = freed
                 enough = not nbytes or dropped >= want  # (nothing to see freed: only the room counts)
-                if not now.devices or (enough and sum(d.free for d in now.devices.values()) >= room):
+                if not now.devices or (enough and sum(d.free for d in now.devices.values()) >= room
+                                       and not (exited and now.exiting_bytes)):
                     return None
             if time.monotonic() >= deadline:
                 log.error("checkpoint acknowledged but not freed group=%s jobs=%s: %d of %d bytes freed%s", spec.id,

@@ -139,15 +139,17 @@ class SwitchCoordinator:
         held += sum(max(0, sum(before.on_device(j).values()) - moved) for j, moved in left.items()) \
             if before is not None else 0
         unfreed = await self._reports.freed(spec, out, before, rec.bytes_checkpointed + held, room,
-                                            by_device=bool(left)) \
+                                            by_device=bool(left), exited=bool(gone)) \
             if before is not None and (rec.bytes_checkpointed or held or room or gone) else None
-        if gone and restore and not first and before is None and spec.backend in MEMORY_BACKENDS:
+        if gone and not first and before is None and spec.backend in MEMORY_BACKENDS:
             # A transparent checkpoint frees what it moved before it answers; a job gone frees what it held
             # only as its processes end (1.4-9.6 s after their last line on the H200), and its PIDs may
-            # leave /proc first: the restore waits until the GPU has room for the incoming job's checkpoint
+            # leave /proc first: the switch waits until no ended process holds memory on the group's GPUs
+            # (schedules seed 8, `cuda`: the incoming job, resident, grew beside a killed one's 63 MB) and a
+            # restore until the GPU has room for the incoming job's checkpoint
             now = await self.memory(spec, [incoming], for_plan=False)
-            unfreed = await self._reports.freed(spec, [], now, 0,
-                                                sum(now.checkpointed_bytes.get(incoming, {}).values()))
+            unfreed = await self._reports.freed(spec, [], now, 0, sum(now.checkpointed_bytes.get(incoming, {}).values())
+                                                if restore else 0, exited=True)
         if unfreed:
             rec.checkpoint_seconds = time.monotonic() - t0
             rollback = await self._restore_all(spec, out)
