@@ -191,6 +191,41 @@ async def test_stopping_serve_thaws_a_frozen_job(tmp_path, stop) -> None:
     await b.wait()
 
 
+# Job B, long: holds once, then works on the CPU (its marked process: "on the GPU") for up to 10 minutes.
+JOB_B_LONG = JOB_B.replace("range(100)", "range(60000)")
+
+
+async def test_a_job_thawed_by_a_stop_is_frozen_again_before_the_next_grant_after_the_restart(tmp_path) -> None:
+    """A helper's attack: serve stopped cleanly (SIGTERM: `systemctl restart`, Ctrl-C) thaws the
+    jobs it froze, as it must. The restarted serve knew nothing of them: the state file named
+    the jobs on the GPUs and the agent's records the jobs moved out, and the stop had dropped
+    those records. The thawed job then ran beside every later holder (36 holds in the helper's
+    run). Now the state file also names the jobs moved out: one that no agent still holds moved
+    out is back on the GPUs (a resident), and the next grant to another job freezes it first."""
+    async with serve_process(tmp_path, name="serve-1") as (sock, _, serve):
+        b = await job(sock, JOB_B_LONG, TIMESLICE_ACCELERATOR_PROCESS="1")
+        await line(b, "held")
+        a = await job(sock, JOB_A)
+        await line(a, "granted")
+        assert not running(b.pid)
+        serve.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(serve.wait(), 60) == 0
+    c = None
+    try:
+        await eventually(lambda: running(b.pid), 60, what="job B thawed by the stop")
+        os.killpg(a.pid, signal.SIGKILL)  # (the presumptive holder after the restart: gone, dropped at once)
+        await a.wait()
+        async with serve_process(tmp_path, name="serve-2") as (sock, _, _):
+            c = await job(sock, JOB_A)
+            await line(c, "granted")
+            assert not running(b.pid), "job B computes beside the holder"
+    finally:
+        for p in (a, b, c):
+            if p is not None and p.returncode is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                await p.wait()
+
+
 async def test_a_restarted_serve_thaws_the_job_a_killed_serve_left_frozen(tmp_path) -> None:
     async with serve_process(tmp_path) as (sock, _, serve):
         a, b = await b_frozen_behind_a(sock)

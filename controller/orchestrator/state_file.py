@@ -8,9 +8,11 @@ Owned by the orchestrator (`timeslice orchestrator --state-file`). Per group:
   group's presumptive holder, whose lease is accepted), the jobs that must leave the GPUs
   before anyone is granted (a holder whose lease lapsed, or dropped, while it may still
   compute), and the jobs that may be on the GPUs (the residents, and the incoming job of a
-  switch: an agent finishes a restore whose caller died). Written before each grant and
-  each switch, and whenever a job must leave; the agents' records say which jobs are
-  checkpointed, so these are adopted only for jobs they do not hold.
+  switch: an agent finishes a restore whose caller died), and the jobs the agents moved out.
+  Written before each grant and each switch, and whenever a job must leave; the agents'
+  records say which jobs are checkpointed, so these are adopted only for jobs they do not
+  hold (a job moved out that they no longer hold is back on the GPUs: `timeslice serve`'s
+  stop restores every job it moved out).
 And, per node pinned pool (cooperative backend), where each process's checkpoint is: the
 ranges offered to a checkpoint command before it is sent (write-ahead: after a restart
 they are handed to nobody else until that process reconnects and says what it did, or
@@ -89,7 +91,8 @@ class StateFile:
             self._seq = doc.seq
             self._ends = dict(doc.epochs)
             for g, p in doc.groups.items():
-                self._set_placement(g, Placement(p.holder, tuple(p.mustLeave), tuple(p.residents)))
+                self._set_placement(g, Placement(p.holder, tuple(p.mustLeave), tuple(p.residents),
+                                                 tuple(p.movedOut)))
             if doc.pool is not None:
                 self._set_pool((doc.pool.path, doc.pool.bytes, tuple(
                     PoolCheckpoint(c.group, c.job, c.stream, c.pid, tuple((o, n) for o, n in c.ranges), c.bytes,
@@ -120,9 +123,10 @@ class StateFile:
         self._changed()
         log.debug("epoch block reserved group=%s up_to=%d", group_id, self._ends[group_id])
 
-    def record(self, group_id: str, holder: str | None, must_leave: Iterable[str], residents: Iterable[str]) -> None:
+    def record(self, group_id: str, holder: str | None, must_leave: Iterable[str], residents: Iterable[str],
+               moved_out: Iterable[str] = ()) -> None:
         """The group's placement, written when it changed (`durable()`)."""
-        p = Placement(holder, tuple(sorted(must_leave)), tuple(sorted(set(residents))))
+        p = Placement(holder, tuple(sorted(must_leave)), tuple(sorted(set(residents))), tuple(sorted(moved_out)))
         if self._path is None or self._placements.get(group_id) == p:
             return
         self._set_placement(group_id, p)
@@ -211,7 +215,8 @@ class StateFile:
         for g in [g for g in self._stale if g in groups]:
             p = self._placements[g]
             self._group_json[g] = f"{json.dumps(g)}: " + json.dumps(
-                {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents)})
+                {"holder": p.holder, "mustLeave": list(p.must_leave), "residents": list(p.residents),
+                 "movedOut": list(p.moved_out)})
             self._stale.discard(g)
         return ", ".join(self._group_json[g] for g in groups)
 

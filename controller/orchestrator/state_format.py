@@ -6,14 +6,14 @@ state_journal.py) hold one state, as one document:
     {"apiVersion": "timeslice.dev/orchestrator-state/v1", "seq": <last change included>,
      "epochs": {"<group>": <end of block>},
      "groups": {"<group>": {"holder": "<job>" | null, "mustLeave": ["<job>", ...],
-                            "residents": ["<job>", ...]}},
+                            "residents": ["<job>", ...], "movedOut": ["<job>", ...]}},
      "pool": {"path": "<file>", "bytes": <size>,
               "checkpoints": [{"group": "<group>", "job": "<job>", "stream": "<stream id>", "pid": <pid>,
                                "ranges": [[<offset>, <length>], ...],
                                "bytes": <bytes used> | null, "checksum": <crc> | null}]}}
 
 A journal line (`Change`) has "seq" and the parts that changed since the line before.
-("seq", "groups" and "pool" are optional: files written before they existed load as they
+("seq", "groups", "movedOut" and "pool" are optional: files written before they existed load as they
 did; a checkpoint whose "bytes" is null was offered, not yet acknowledged.) `read` applies
 over the snapshot each line whose "seq" is past the snapshot's (a crash between a
 compaction's snapshot and its emptying of the journal leaves lines it already has); a
@@ -39,11 +39,13 @@ API_VERSION = "timeslice.dev/orchestrator-state/v1"
 @dataclass(frozen=True)
 class Placement:
     """`holder`: the job granted last (None: none yet); `must_leave`: jobs to checkpoint
-    before anyone is granted; `residents`: jobs that may be on the GPUs."""
+    before anyone is granted; `residents`: jobs that may be on the GPUs; `moved_out`: jobs
+    checkpointed (or frozen) by the node agents."""
 
     holder: str | None = None
     must_leave: tuple[str, ...] = ()
     residents: tuple[str, ...] = ()
+    moved_out: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class GroupDoc(BaseModel):
     holder: str | None = None
     mustLeave: list[str] = []
     residents: list[str] = []
+    movedOut: list[str] = []
 
 
 class PoolCheckpointDoc(BaseModel):

@@ -148,11 +148,15 @@ def adopt_standalone(g: LockGroup, state: StateFile | None, checkpointed: set[st
     residents, their memory counted on the GPUs, until their processes say (`CooperativeJobs`
     reports a confirmed checkpoint, and the group moves the job out). The job granted last,
     unless checkpointed or recorded so, is the presumptive holder; the jobs that had to leave
-    the GPUs still must; the others that may be on the GPUs are residents."""
+    the GPUs still must; the others that may be on the GPUs are residents, and so are the jobs
+    the agents had moved out and no longer hold (`timeslice serve`'s stop restores them: a
+    helper's attack, the job it thawed computed beside every later holder; also ended jobs,
+    which have nothing to move). Not on `cooperative`, whose agents keep no such records."""
     start, placed = (state.start(g.id), state.placement(g.id)) if state else (0, Placement())
     holder = placed.holder if placed.holder not in checkpointed | unconfirmed else None
+    back = set(placed.moved_out) if g.spec.backend != names.BACKEND_COOPERATIVE else set()
     adopt(g, holder, checkpointed, start, set(placed.must_leave) - checkpointed - {holder},
-          (set(placed.residents) | unconfirmed) - checkpointed)
+          (set(placed.residents) | unconfirmed | back) - checkpointed)
     if state is not None and g.holder is not None and g.holder.epoch == start:
         # the presumptive hold carries the floor as its epoch, which a caller joining it is granted: a block
         # past it is reserved first, so the next start's floor is new again (fencing epochs never repeat)
@@ -170,7 +174,8 @@ def persist_placement(g: LockGroup, holder: str | None, incoming: str | None = N
     `StateFile.durable`)."""
     if g.state is not None:
         g.state.record(g.id, holder, g.moves.must_leave(holder or ""),
-                       [*g.residency.residents, *(j for j in (holder, incoming) if j)])
+                       [*g.residency.residents, *(j for j in (holder, incoming) if j)],
+                       g.residency.checkpointed - {holder, incoming})
 
 
 def requeue_switched_out(g: LockGroup, job_id: str, lease_id: str, epoch: int) -> None:
