@@ -14,6 +14,7 @@ of them OOMs, alters a state, computes twice at once, loses a job or crashes a s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -23,8 +24,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc.aio
 import pytest
@@ -138,6 +141,30 @@ def test_a_ledger_writer_killed_before_it_truncated_leaves_a_ledger_others_read(
     gpu.alloc(os.getpid(), 1)
 
 
+@contextlib.asynccontextmanager
+async def cuda_switch(short_tmp: Path,
+                      monkeypatch) -> AsyncIterator[tuple[ModelGpu, dict[str, subprocess.Popen], Any, Any]]:
+    """(model GPU of 100 MB, {"a", "c": job processes}, group spec, `SwitchCoordinator`): group g on
+    backend cuda, the real node agent over the fake driver. An ended process's memory outlives it
+    by 5 s (on a loaded machine a kill and the check after it took over 1 s)."""
+    from timeslice.controller.orchestrator.agent_pool import AgentPool
+    from timeslice.controller.orchestrator.config import GroupSpec
+    from timeslice.controller.orchestrator.switch import SwitchCoordinator
+
+    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=5.0)
+    procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
+    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
+    pool = AgentPool()
+    try:
+        yield gpu, procs, GroupSpec(id="g", backend="cuda", agents=(listen,)), SwitchCoordinator(pool)
+    finally:
+        await stop(agent)
+        await pool.close()
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_resident(short_tmp: Path,
                                                                                           monkeypatch) -> None:
     """A job killed while resident frees its GPU memory only as its processes end (1.4-9.6 s on
@@ -146,18 +173,7 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
     out (nothing to move: gone) and c in waited for nothing, and c's restore ran out of the
     model GPU's memory beside a's 60 MB. Now the restore waits until the GPU has room for
     c's checkpoint."""
-    from timeslice.controller.orchestrator.agent_pool import AgentPool
-    from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.switch import SwitchCoordinator
-
-    # (a's memory outlives it by 5 s: on a loaded machine the kill and the check below took over 1 s)
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=5.0)
-    procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
-    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
-    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
-    pool = AgentPool()
-    switcher = SwitchCoordinator(pool)
-    try:
+    async with cuda_switch(short_tmp, monkeypatch) as (gpu, procs, spec, switcher):
         gpu.alloc(procs["c"].pid, 50 * MB, "model")
         assert (await switcher(spec, ("c",), "a", False)).ok  # c out
         gpu.alloc(procs["a"].pid, 60 * MB, "model")  # a computes where c was
@@ -167,12 +183,6 @@ async def test_a_transparent_restore_waits_for_the_memory_of_a_job_killed_while_
         record = await asyncio.wait_for(switcher(spec, ("a",), "c", True), 60)
         assert record.ok and record.gone == ("a",), record.error
         assert gpu.ooms() == [] and gpu.read().processes == {procs["c"].pid: 50 * MB}
-    finally:
-        await stop(agent)
-        await pool.close()
-        for p in procs.values():
-            p.kill()
-            p.wait()
 
 
 async def test_a_switch_to_a_resident_job_waits_for_the_memory_of_an_evicted_job_found_gone(short_tmp: Path,
@@ -183,18 +193,7 @@ async def test_a_switch_to_a_resident_job_waits_for_the_memory_of_an_evicted_job
     optimizer beside the 63 MB the killed process still held and ran out of memory. Backend cuda,
     the real node agent over the fake driver: the switch waits until the ended processes' memory
     is freed (`exiting_bytes`), whether or not it restores."""
-    from timeslice.controller.orchestrator.agent_pool import AgentPool
-    from timeslice.controller.orchestrator.config import GroupSpec
-    from timeslice.controller.orchestrator.switch import SwitchCoordinator
-
-    # (a's memory outlives it by 5 s: on a loaded machine the kill and the check below took over 1 s)
-    gpu = ModelGpu.create(short_tmp / "gpu.json", 100 * MB, exit_seconds=5.0)
-    procs = {job: await asyncio.to_thread(job_process, job) for job in "ac"}
-    agent, listen = await fake_driver_agent(short_tmp, monkeypatch, gpu)
-    spec = GroupSpec(id="g", backend="cuda", agents=(listen,))
-    pool = AgentPool()
-    switcher = SwitchCoordinator(pool)
-    try:
+    async with cuda_switch(short_tmp, monkeypatch) as (gpu, procs, spec, switcher):
         gpu.alloc(procs["c"].pid, 30 * MB, "model")
         gpu.alloc(procs["a"].pid, 60 * MB, "model")
         assert (await switcher.memory(spec, ["a", "c"])).on_device("a")  # the agent saw a alive
@@ -205,12 +204,6 @@ async def test_a_switch_to_a_resident_job_waits_for_the_memory_of_an_evicted_job
         assert record.ok and record.gone == ("a",), record.error
         assert gpu.read().processes == {procs["c"].pid: 30 * MB}
         gpu.alloc(procs["c"].pid, 40 * MB, "optimizer")  # c grows where a was
-    finally:
-        await stop(agent)
-        await pool.close()
-        for p in procs.values():
-            p.kill()
-            p.wait()
 
 
 def test_the_model_gpu_moves_a_process_as_the_cuda_checkpoint_api_does(short_tmp: Path, sleeper) -> None:
