@@ -66,9 +66,10 @@ def running(pid: int) -> bool:
     return proc_state(pid) not in ("T", "t")
 
 
-async def b_frozen_behind_a(sock: str) -> tuple[asyncio.subprocess.Process, asyncio.subprocess.Process]:
-    """B holds and releases; A, waiting, is granted: B is frozen (its client with it)."""
-    b = await job(sock, JOB_B, TIMESLICE_ACCELERATOR_PROCESS="1")
+async def b_frozen_behind_a(sock: str, code_b: str = JOB_B
+                            ) -> tuple[asyncio.subprocess.Process, asyncio.subprocess.Process]:
+    """B (`code_b`) holds and releases; A, waiting, is granted: B is frozen (its client with it)."""
+    b = await job(sock, code_b, TIMESLICE_ACCELERATOR_PROCESS="1")
     a = None
     try:
         await line(b, "held")
@@ -203,11 +204,7 @@ async def test_a_job_thawed_by_a_stop_is_frozen_again_before_the_next_grant_afte
     run). Now the state file also names the jobs moved out: one that no agent still holds moved
     out is back on the GPUs (a resident), and the next grant to another job freezes it first."""
     async with serve_process(tmp_path, name="serve-1") as (sock, _, serve):
-        b = await job(sock, JOB_B_LONG, TIMESLICE_ACCELERATOR_PROCESS="1")
-        await line(b, "held")
-        a = await job(sock, JOB_A)
-        await line(a, "granted")
-        assert not running(b.pid)
+        a, b = await b_frozen_behind_a(sock, JOB_B_LONG)
         serve.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(serve.wait(), 60) == 0
     c = None
