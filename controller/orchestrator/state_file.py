@@ -20,17 +20,15 @@ the reconnect grace has passed), then its bytes and checksum once acknowledged; 
 once restored or forgotten. Written by `CooperativeJobs` (its `CheckpointRecords`). A
 record does not make its job checkpointed after a restart (the process may have restored
 after it was written): until the process confirms it, its job counts as on the GPUs.
-Written off the event loop as a snapshot and a journal of changes (state_journal.py, state_writer.py):
-a change is made in memory and marks its group (or the pool) dirty; one writer thread
-appends a journal line of what is dirty with one synchronous `pwrite`. A caller that
-waits for its changes (`when_written`, `durable`) starts that write at once when none is
-in flight; the changes made meanwhile, by any group, share the next, and changes nobody
-waits for are written after their loop turn (the cost: `bench/handoff.py --state-file`).
-What must be on disk before something happens waits for `durable()`: a grant is
-delivered, a hold joined, a switch started and a checkpoint command sent only once the
-state that tells a restarted orchestrator about them is written. Their format:
-state_format.py. In a cluster the controller adopts epochs and the holder from claim
-status instead.
+Written off the event loop as a snapshot and a journal of changes (state_journal.py,
+state_writer.py): a change marks its group (or the pool) dirty; one writer thread appends
+a journal line of what is dirty with one synchronous `pwrite`. A caller that waits
+(`when_written`, `durable`) starts that write at once when none is in flight; changes made
+meanwhile, by any group, share the next; changes nobody waits for are written after their
+loop turn (the cost: `bench/handoff.py --state-file`). A grant is delivered, a hold joined,
+a switch started and a checkpoint command sent only once `durable()` says the state that
+tells a restarted orchestrator about them is written. Format: state_format.py. In a
+cluster the controller adopts epochs and the holder from claim status instead.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ class StateFile:
         self._stale: set[str] = set()  # groups whose `_group_json` is out of date
         self._pool_json: str | None = None
         self._seq = 0  # the last journal change made
-        # what changed since the last write (or the one in flight)
-        self._dirty_epochs: set[str] = set()
+        self._dirty_epochs: set[str] = set()  # what changed since the last write (or the one in flight)
         self._dirty_groups: set[str] = set()
         self._dirty_pool = False
         # the writer: one thread, handed one write at a time (`_flush`), its end reported on the loop
@@ -195,8 +192,7 @@ class StateFile:
             await self.durable()
 
     def close(self) -> None:
-        """Stop the writer thread and close the journal (after `written()`: changes made
-        after it are not written)."""
+        """Stop the writer thread and close the journal (after `written()`: later changes are lost)."""
         if self._path is None:
             return
         self._writer.stop()
@@ -225,8 +221,7 @@ class StateFile:
         self._pool_json = state_format.pool_json(*pool)
 
     def _changed(self) -> None:
-        """Write after this loop turn's changes, unless a caller's wait writes them first
-        (`when_written`), or a write is in flight (its end writes them)."""
+        """Write after this loop turn, unless a caller's wait (`when_written`) or the write in flight does."""
         if self._flush_scheduled or self._in_flight is not None:
             return
         with contextlib.suppress(RuntimeError):  # no loop running (a start-up adoption): the next durable() writes
@@ -280,9 +275,9 @@ class StateFile:
         self._dirty_pool |= pool
 
     def _rebind(self) -> None:
-        """Used from a new event loop (an in-process restart, a test) while a write handed on
-        the old one is in flight: its report reaches nobody, so it counts as not written (its
-        callers belonged to the old loop), and the writer is started again for this loop."""
+        """Used from a new event loop (an in-process restart, a test) while a write handed on the old
+        one is in flight: it counts as not written (its report and callers belong to the old loop),
+        and the writer is started again for this loop."""
         if self._in_flight is not None and self._writer.loop is not asyncio.get_running_loop():
             self._writer.stop()
             self._pending_again()
