@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -62,6 +64,51 @@ async def test_a_process_gone_during_the_step_is_reported_gone_and_the_others_mo
     assert states == {alive.pid: "stopped", dead.pid: "gone"} and proc_state(alive.pid) == "T"
     states = {p.pid: p.state for p in await backend.restore([alive.pid, dead.pid], timeout=5)}
     assert states[dead.pid] == "gone" and proc_state(alive.pid) in "RS"
+
+
+# A process that cannot stop yet: vfork()'s parent waits, killable but not stoppable (state D),
+# until its child execs or exits, and this child waits for a signal.
+VFORKED = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    print("vforking", flush=True)
+    if libc.vfork() == 0:
+        libc.pause()
+        libc._exit(0)
+"""
+
+
+def _stop_pending(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = next(line.split()[1] for line in status.splitlines() if line.startswith("ShdPnd:"))
+    return bool(int(pending, 16) & (1 << (signal.SIGSTOP - 1)))
+
+
+def _first_child(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+
+
+async def test_a_process_that_exits_before_its_sigstop_takes_effect_is_gone_at_once(children) -> None:
+    """A helper's attack on `timeslice serve`: a job forking short-lived children had one exit
+    after the freeze's SIGSTOP was sent and before it took effect. It stays a zombie (its parent
+    is stopped and cannot reap it), and the step waited for it to stop until the step timeout
+    (300 s): the group stalled for 5 minutes. A process found a zombie while the step waits is
+    gone. Here the process is held off stopping by a vfork() (state D, SIGSTOP pending), then
+    killed: a zombie, since this test does not reap it until the end."""
+    proc = python_child(VFORKED)
+    children.append(proc)
+    assert proc.stdout.readline() == "vforking\n"
+    await eventually(lambda: proc_state(proc.pid) == "D", 30, what="the vfork parent waiting (state D)")
+    child = _first_child(proc.pid)
+    try:
+        step = asyncio.ensure_future(FreezeBackend().checkpoint([proc.pid], timeout=60))
+        await eventually(lambda: _stop_pending(proc.pid), 30, what="the SIGSTOP sent and pending")
+        assert not step.done()
+        proc.kill()
+        await eventually(lambda: proc_state(proc.pid) == "Z", 30, what="the process a zombie")
+        assert [s.state for s in await asyncio.wait_for(step, 30)] == ["gone"]
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path, short_tmp) -> None:

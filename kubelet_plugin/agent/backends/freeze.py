@@ -46,15 +46,18 @@ class FreezeBackend(Backend):
         return [ProcState(pid, STOPPED if _stopped(proc_state(pid)) else RUNNING) for pid in pids]
 
     async def _signal(self, pid: int, sig: signal.Signals, want_stopped: bool, timeout: float) -> ProcState:
-        letter = proc_state(pid)
-        if letter == "Z":
-            raise ProcessGone(f"process {pid} has exited (zombie)")
+        """Send `sig` and wait until `pid` is in the wanted state. Raises ProcessGone once it is
+        gone or a zombie, also while waiting (a process that exited before its SIGSTOP took
+        effect stays a zombie while its parent is stopped: waiting for it to stop hung the
+        step, and its group, for the whole step timeout), StepTimeout after `timeout` seconds."""
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             raise ProcessGone(f"process {pid} does not exist") from None
         deadline = time.monotonic() + timeout
-        while _stopped(proc_state(pid)) != want_stopped:
+        while (letter := proc_state(pid)) == "Z" or _stopped(letter) != want_stopped:
+            if letter == "Z":
+                raise ProcessGone(f"process {pid} has exited (zombie)")
             if time.monotonic() > deadline:
                 raise StepTimeout(f"process {pid} not {'stopped' if want_stopped else 'running'} "
                                   f"after {timeout} s ({sig.name} sent)")
