@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -12,8 +13,9 @@ import grpc.aio
 import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
-from timeslice.driver.errors import FailedPrecondition, InvalidArgument
+from timeslice.driver.errors import FailedPrecondition, InvalidArgument, ProcessGone
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
+from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.procfs import proc_state
@@ -109,6 +111,59 @@ async def test_a_process_that_exits_before_its_sigstop_takes_effect_is_gone_at_o
         assert [s.state for s in await asyncio.wait_for(step, 30)] == ["gone"]
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+# A job's marked worker that forks a child every 2 ms, up to 200; each child lives on (asleep
+# mostly: it runs, in state S, unless stopped).
+FORKING = """
+    import os, time
+    print("ready", flush=True)
+    for _ in range(200):
+        if os.fork() == 0:
+            while True:
+                time.sleep(0.005)
+        time.sleep(0.002)
+    while True:
+        time.sleep(1)
+"""
+
+
+def _running(job: str) -> list[int]:
+    """The processes of `job` (TIMESLICE_JOB) that are neither stopped nor ended."""
+    running = []
+    for e in Path("/proc").iterdir():
+        try:
+            if e.name.isdigit() and f"TIMESLICE_JOB={job}".encode() in (e / "environ").read_bytes().split(b"\0") \
+                    and proc_state(int(e.name)) not in "TtZ":
+                running.append(int(e.name))
+        except (OSError, ProcessGone):
+            pass
+    return running
+
+
+async def test_processes_forked_during_a_freeze_are_stopped_with_their_job(children, tmp_path) -> None:
+    """A helper's attack on `timeslice serve`: a frozen job's marked worker forked a child
+    between the listing of the job's processes and its SIGSTOP; the child was never stopped and
+    computed beside the holder for its whole life (7 of 9 phases). After every freeze while the
+    worker forks, no process of the job runs; the children forked meanwhile are thawed with it."""
+    job = f"forky-{tmp_path.name}"
+    env = {**os.environ, "TIMESLICE_JOB": job, "TIMESLICE_ACCELERATOR_PROCESS": "1"}
+    worker = python_child(FORKING, env=env)
+    children.append(worker)
+    assert worker.stdout.readline() == "ready\n"
+    agent = NodeAgent(EnvironProcessResolver(gpu_uuids=set), backends=["freeze"])
+    step = StepRequest(JobRef(job), "freeze", "g", timeout=30)
+    try:
+        for _ in range(10):
+            await agent.checkpoint(step)
+            assert await asyncio.to_thread(_running, job) == []
+            await agent.restore(step)
+            assert proc_state(worker.pid) in "RS"
+    finally:
+        worker.kill()
+        for pid in await asyncio.to_thread(_running, job):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def test_agent_over_grpc_checkpoints_jobs_and_reports_errors(children, tmp_path, short_tmp) -> None:

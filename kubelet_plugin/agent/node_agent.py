@@ -67,6 +67,7 @@ MEMORY_SETTLE_SECONDS = 1.0
 # The most jobs the agent remembers having seen processes of (`live_jobs`), the oldest forgotten first.
 MAX_SEEN_JOBS = 4096
 # Backends whose checkpoint lands in host memory the agent can count.
+FORK_ROUNDS = 8  # times a freeze lists its job's processes again for those forked during the step
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
 
@@ -334,6 +335,7 @@ class NodeAgent:
                 raise
             if prior is None:
                 await self._undo_if_a_process_ended(job_id, backend, procs, timeout or self.default_timeout)
+            procs += await self._stop_forked(req, backend, pids, procs, prior)
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
                                on_gpus or (prior.devices if prior else {}), operation=req.operation_id,
@@ -349,6 +351,41 @@ class NodeAgent:
                      group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
             self.frozen_watch.start()
             return StepOutcome(job_id, procs, record.bytes, seconds)
+
+    async def _stop_forked(self, req: StepRequest, backend: Backend, pids: list[int], procs: list[ProcState],
+                           prior: JobRecord | None) -> list[ProcState]:
+        """Backend `freeze`: the processes of the job that were forked while its step ran (after
+        its processes were listed, before their SIGSTOP took effect; a helper's attack on `serve`:
+        children of a frozen job computed beside the holder for their whole life). The job's
+        processes are listed again, and the new ones stopped, until none is new: a stopped
+        process forks no more (at most `FORK_ROUNDS` rounds). Each round's processes are in the
+        write-ahead record before they are stopped (an agent that dies meanwhile continues them
+        at its start). Returns their states (those that ended
+        since are left out); raises what a step raises, the job's processes all continued."""
+        if backend.name != names.BACKEND_FREEZE:
+            return []
+        seen, stopped = set(pids), []
+        timeout = req.timeout or self.default_timeout
+        for _ in range(FORK_ROUNDS):
+            new = [p for p in await self._live(req.job) if p not in seen]
+            if not new:
+                return stopped
+            seen.update(new)
+            log.info("checkpoint job=%s: processes %s were forked during the step: stopped too", req.job_id, new)
+            if prior is None:
+                self._write(req.job_id, JobRecord(backend.name, req.group_id, dict.fromkeys(sorted(seen), 0), {},
+                                                  CHECKPOINTING, req.operation_id, req.app), "nothing more was stopped")
+            try:
+                stopped += [st for st in await backend.checkpoint(new, timeout) if st.state != GONE]
+            except TimeSliceServerError:
+                with contextlib.suppress(TimeSliceServerError):
+                    await backend.restore([p.pid for p in (*procs, *stopped) if p.state != GONE], timeout)
+                if prior is None:
+                    self.records.pop(req.job_id)
+                raise
+        log.warning("checkpoint job=%s: its processes were still forking after %d rounds: those forked since run on",
+                    req.job_id, FORK_ROUNDS)
+        return stopped
 
     async def _undo_if_a_process_ended(self, job_id: str, backend: Backend, procs: list[ProcState],
                                        timeout: float) -> None:
