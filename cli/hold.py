@@ -71,6 +71,27 @@ def _wrapper() -> str | None:
     return name if name in FORKING_WRAPPERS else None
 
 
+def _owner(pid: int) -> int:
+    """The process whose end ends the hold of an `acquire` run by `pid`: `pid`, or, when `pid`
+    is a subshell, the shell it was forked from. A shell forks itself for `( ... )`, a function
+    in a pipeline, or a command substitution of several commands; the subshell ends at its
+    `)`, and the hold ended with it (a helper's attack on serve: in `(timeslice acquire; echo)`
+    acquire returned 0, the script went on computing, and the next job was granted beside it). A fork
+    has its parent's executable, command line and process group: those are walked up."""
+    def facts(p: int) -> tuple[str, bytes, int, int]:
+        return (os.readlink(f"/proc/{p}/exe"), Path(f"/proc/{p}/cmdline").read_bytes(), os.getpgid(p),
+                int(Path(f"/proc/{p}/stat").read_bytes().rsplit(b")", 1)[1].split()[1]))
+    for _ in range(64):
+        try:
+            exe, cmdline, pgid, parent = facts(pid)
+            if parent <= 1 or facts(parent)[:3] != (exe, cmdline, pgid):
+                return pid
+        except (OSError, ValueError, IndexError):  # (a process that is gone, or not ours to read)
+            return pid
+        pid = parent
+    return pid
+
+
 def _claim(path: Path) -> bool:
     """Create the hold file exclusively ({pid: this acquire, state: "acquiring"}), so that of
     two acquires of one hold at once only one goes on (both went on: each started a holder,
@@ -124,7 +145,7 @@ def acquire(path: Path, target: str | None, job: str | None, group: str | None, 
               "is under way", file=sys.stderr)
         return 2
     argv = [sys.executable, "-m", "timeslice.cli.hold", str(path), target or "", job or "", group or "",
-            "" if timeout is None else str(timeout), str(priority), str(os.getppid())]
+            "" if timeout is None else str(timeout), str(priority), str(_owner(os.getppid()))]
     # its own log (next to the hold file): it must not keep the caller's terminal or pipes; it
     # stays in the caller's process group, so a Ctrl-C or hang-up of the script releases the hold
     with open(path.with_suffix(".log"), "ab") as log:

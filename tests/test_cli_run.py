@@ -189,6 +189,41 @@ async def test_acquire_under_timeout_fails_loudly_and_holds_nothing(target, tmp_
     assert not (tmp_path / "hold.json").exists() and (await _status(target)).holder.job_id == ""
 
 
+async def test_acquire_in_a_subshell_holds_until_the_scripts_release(target, tmp_path) -> None:
+    """A helper's attack on `timeslice serve`: in `(timeslice acquire; echo acquired)` acquire
+    returned 0, but the hold ended with the subshell that ran it (the process it watched), at
+    its `)`: the script computed on while the next job was granted (4 of 4 runs). The hold is
+    the script's: it lasts until the script releases."""
+    cli = f"{sys.executable} -m timeslice.cli.main"
+    hold = f"--job a --group g --hold-file {tmp_path / 'hold.json'}"
+    script = (f"(cd {tmp_path} && {cli} acquire --target {target} {hold}; echo $? > {tmp_path / 'acquired'})\n"
+              f"while [ ! -e {tmp_path / 'go'} ]; do sleep 0.01; done\n"
+              f"{cli} release {hold}; echo $? > {tmp_path / 'released'}\n")
+    proc = await asyncio.create_subprocess_exec("bash", "-c", script)
+    other = AsyncTimeSliceOrchestratorClient(target, "b", "g")
+    waiter: asyncio.Future | None = None
+    try:
+        await eventually(lambda: (tmp_path / "acquired").exists() and (tmp_path / "acquired").read_text(), 60,
+                         what="the subshell's acquire")
+        assert (tmp_path / "acquired").read_text().strip() == "0"
+        waiter = asyncio.ensure_future(other.acquire(timeout=60))
+        await eventually(lambda: _waiting(target, "b"), timeout=30, what="b waiting")
+        assert (await _status(target)).holder.job_id == "a" and not waiter.done()  # the script still holds
+        (tmp_path / "go").touch()
+        assert (await waiter).epoch == 2
+        await asyncio.wait_for(proc.wait(), 60)
+        assert (tmp_path / "released").read_text().strip() == "0"
+        await other.release()
+    finally:
+        if waiter is not None:
+            waiter.cancel()
+        (tmp_path / "go").touch()
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        await other.close()
+
+
 async def test_two_acquires_of_one_hold_at_once_start_one_holder_and_release_frees_the_group(target,
                                                                                              tmp_path) -> None:
     """Two `acquire`s of one hold from one script at once both went on: each started a
