@@ -7,6 +7,7 @@ Imports only `grpc`, `protobuf` and the generated `timeslice.v1` stubs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -190,6 +191,17 @@ def acquire_request(s: Settings, group: str, priority: int | None, remaining: fl
                              priority=s.priority if priority is None else priority,
                              request_id=request_id, timeout_seconds=remaining or 0.0,
                              memory_bytes=s.memory if memory is None else parse_bytes(memory))
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    """The monotonic deadline (seconds) of an acquire `timeout` in seconds: None (no bound) for
+    None or infinity (`math.inf`, `--timeout inf`: a deadline past the clock's range raised
+    OverflowError); a negative one is past already. Raises ValueError for NaN."""
+    if timeout is None or timeout == math.inf:
+        return None
+    if math.isnan(timeout):
+        raise ValueError("timeout is NaN: give seconds, or None (or math.inf) for no bound")
+    return time.monotonic() + timeout
 
 
 def new_request_id() -> str:

@@ -75,7 +75,7 @@ class AsyncTimeSliceOrchestratorClient:
         """See `TimeSliceOrchestratorClient.acquire` (tasks that acquire one group at once share
         one hold, as threads of the sync client do)."""
         group = _rpc.group_of(self._s, group_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _rpc.deadline_of(timeout)
         gate = self._acquiring.setdefault(group, asyncio.Lock())
         try:
             await asyncio.wait_for(gate.acquire(), None if deadline is None else max(0.0, deadline - time.monotonic()))

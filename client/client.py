@@ -102,7 +102,7 @@ class TimeSliceOrchestratorClient:
                 priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
         """Block until this job holds the group and its state is on the GPUs.
 
-        `timeout` is in seconds (None waits without bound), failed switches included (they
+        `timeout` is in seconds (None or `math.inf` waits without bound), failed switches included (they
         are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
         before it is used where it may have lapsed unseen: on a group whose state this process
         serves (`serve_memory_commands`), and wherever its answer waited unread for over a
@@ -118,7 +118,7 @@ class TimeSliceOrchestratorClient:
         """
         self._check_process()
         group = _rpc.group_of(self._s, group_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _rpc.deadline_of(timeout)
         with self._lock:
             gate = self._acquiring.setdefault(group, threading.Lock())
         if not gate.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):

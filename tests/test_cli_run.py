@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import sys
@@ -135,6 +136,29 @@ async def _status(target: str) -> pb.GroupStatus:
 
 async def _waiting(target: str, job: str) -> bool:
     return job in [w.job_id for w in (await _status(target)).waiters]
+
+
+async def test_an_infinite_timeout_waits_without_bound(target) -> None:
+    """A helper's trial: `acquire(timeout=math.inf)` raised OverflowError (a deadline past the
+    clock's range) and `timeslice run --timeout inf` printed a traceback. Infinity is no bound,
+    as None is; NaN is refused, saying why."""
+    holder = AsyncTimeSliceOrchestratorClient(target, "other", "g")
+    await holder.acquire()
+    try:
+        running = asyncio.ensure_future(timeslice_run(target, "a", "--timeout", "inf", "--", "true"))
+        await eventually(lambda: _waiting(target, "a"), timeout=30, what="a waiting")
+        await holder.release()
+        assert await running == (0, "")
+        client = AsyncTimeSliceOrchestratorClient(target, "b", "g")
+        try:
+            with pytest.raises(ValueError, match="NaN"):
+                await client.acquire(timeout=math.nan)
+            assert (await client.acquire(timeout=math.inf)).epoch == 3
+            await client.release()
+        finally:
+            await client.close()
+    finally:
+        await holder.close()
 
 
 async def test_acquire_holds_until_release_across_commands(target, tmp_path) -> None:
