@@ -364,7 +364,8 @@ class NodeAgent:
         since are left out); raises what a step raises, the job's processes all continued."""
         if backend.name != names.BACKEND_FREEZE:
             return []
-        seen, stopped = set(pids), []
+        seen: set[int] = set(pids)
+        stopped: list[ProcState] = []
         timeout = req.timeout or self.default_timeout
         for _ in range(FORK_ROUNDS):
             new = [p for p in await self._live(req.job) if p not in seen]
