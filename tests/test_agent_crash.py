@@ -164,12 +164,16 @@ SLOW_AGENT = """
     from timeslice.kubelet_plugin.agent.server import create_server
 
     target, records, marker, pid = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-
+    forked = [int(a) for a in sys.argv[5:]]  # processes of the job that appear during its first step
+    resolver = StaticProcessResolver({"a": [pid]})
     cut = asyncio.Event()
 
     class Slow(FreezeBackend):  # a large checkpoint: the processes are stopped long before it ends
         async def checkpoint(self, pids, timeout):
             states = await super().checkpoint(pids, timeout)
+            if forked and pids == [pid]:  # "forked" during the step: found when the job is listed again
+                resolver.set("a", [pid, *forked])
+                return states
             marker.write_text("frozen")
             await asyncio.wait_for(cut.wait(), 30)  # it ends only after its call was cut
             return states
@@ -180,7 +184,7 @@ SLOW_AGENT = """
             await super()._undo_cancelled(*args)
 
     async def main():
-        agent = Agent(StaticProcessResolver({"a": [pid]}), backends=[Slow()], records_path=records)
+        agent = Agent(resolver, backends=[Slow()], records_path=records)
         server, _ = await create_server(agent, target)
         await asyncio.Event().wait()
 
@@ -188,14 +192,18 @@ SLOW_AGENT = """
 """
 
 
+@pytest.mark.parametrize("forks", [False, True], ids=["", "forked-during-the-step"])
 async def test_a_checkpoint_whose_call_is_cut_is_finished_then_undone_by_the_agent(children, short_tmp,
-                                                                                 tmp_path) -> None:
+                                                                                 tmp_path, forks) -> None:
     """The orchestrator's call was cut (deadline, its switch cancelled) mid-checkpoint: the
-    process stayed stopped and its record was dropped, so nobody would ever restore it."""
+    process stayed stopped and its record was dropped, so nobody would ever restore it. Also
+    when the cut lands while the agent stops a process forked during the step (`freeze`): every
+    process the step stopped runs again."""
     job = spinner(children)
+    forked = [str(spinner(children).pid)] if forks else []
     target, records, marker = f"unix://{short_tmp / 'agent.sock'}", tmp_path / "records.json", tmp_path / "frozen"
     agent = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", textwrap.dedent(SLOW_AGENT), target, str(records), str(marker), str(job.pid))
+        sys.executable, "-c", textwrap.dedent(SLOW_AGENT), target, str(records), str(marker), str(job.pid), *forked)
     try:
         async with grpc.aio.insecure_channel(target) as channel:
             call = asyncio.ensure_future(apb_grpc.NodeAgentStub(channel).Checkpoint(
@@ -204,8 +212,8 @@ async def test_a_checkpoint_whose_call_is_cut_is_finished_then_undone_by_the_age
             call.cancel()  # the caller goes away while the processes are stopped
             with pytest.raises(asyncio.CancelledError):
                 await call
-        await eventually(lambda: proc_state(job.pid) in "RS" and json.loads(records.read_text())["jobs"] == {},
-                         timeout=30)
+        await eventually(lambda: all(proc_state(p) in "RS" for p in [job.pid, *map(int, forked)])
+                         and json.loads(records.read_text())["jobs"] == {}, timeout=30)
     finally:
         agent.kill()
         await agent.wait()

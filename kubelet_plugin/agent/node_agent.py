@@ -322,7 +322,7 @@ class NodeAgent:
             if prior is None:  # write-ahead: a crash from here on is undone at start
                 self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
                                               CHECKPOINTING, req.operation_id, req.app), "nothing was touched")
-            step = asyncio.ensure_future(backend.checkpoint(pids, timeout or self.default_timeout))
+            step = asyncio.ensure_future(self._checkpoint_all(req, backend, pids, prior))
             try:
                 procs = await asyncio.shield(step)
             except asyncio.CancelledError:  # a caller without operation id is gone (it will assume nothing),
@@ -335,7 +335,6 @@ class NodeAgent:
                 raise
             if prior is None:
                 await self._undo_if_a_process_ended(job_id, backend, procs, timeout or self.default_timeout)
-            procs += await self._stop_forked(req, backend, pids, procs, prior)
             record = JobRecord(backend_name, group_id,
                                {**(prior.pids if prior else {}), **{p.pid: p.gpu_bytes for p in procs}},
                                on_gpus or (prior.devices if prior else {}), operation=req.operation_id,
@@ -351,6 +350,12 @@ class NodeAgent:
                      group_id, backend_name, pids, record.bytes, seconds, req.operation_id)
             self.frozen_watch.start()
             return StepOutcome(job_id, procs, record.bytes, seconds)
+
+    async def _checkpoint_all(self, req: StepRequest, backend: Backend, pids: list[int],
+                              prior: JobRecord | None) -> list[ProcState]:
+        """The backend's checkpoint of `pids`, then of the processes forked meanwhile (`_stop_forked`)."""
+        procs = await backend.checkpoint(pids, req.timeout or self.default_timeout)
+        return procs + await self._stop_forked(req, backend, pids, procs, prior)
 
     async def _stop_forked(self, req: StepRequest, backend: Backend, pids: list[int], procs: list[ProcState],
                            prior: JobRecord | None) -> list[ProcState]:
@@ -459,17 +464,18 @@ class NodeAgent:
         not hear about, and this does it first). A step that repeated an earlier checkpoint
         leaves that one alone."""
         async with self._lock(job_id):
+            moved: Sequence[int] = pids  # (a step that failed put its processes back: restoring them again is a no-op)
             with contextlib.suppress(Exception):
-                await step
+                moved = [p.pid for p in await step if p.state != GONE]  # (with those forked during it: freeze)
             if prior is not None:
                 return
             try:
-                await backend.restore(pids, self.default_timeout)
+                await backend.restore(moved, self.default_timeout)
             except TimeSliceServerError as err:  # its record stays: a restore or the next start settles it
                 log.error("undo of a cancelled checkpoint failed job=%s: %s", job_id, err)
                 return
             self.records.pop(job_id)
-            log.warning("undid a checkpoint whose caller went away job=%s pids=%s", job_id, pids)
+            log.warning("undid a checkpoint whose caller went away job=%s pids=%s", job_id, moved)
 
     def _write(self, job_id: str, record: JobRecord, then: str) -> None:
         """Persist a record; raises FailedPrecondition (naming the file's error and `then`)."""
