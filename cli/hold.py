@@ -76,8 +76,8 @@ def _owner(pid: int) -> int:
     is a subshell, the shell it was forked from. A shell forks itself for `( ... )`, a function
     in a pipeline, or a command substitution of several commands; the subshell ends at its
     `)`, and the hold ended with it (a helper's attack on serve: in `(timeslice acquire; echo)`
-    acquire returned 0, the script went on computing, and the next job was granted beside it). A fork
-    has its parent's executable, command line and process group: those are walked up."""
+    acquire returned 0, the script went on computing, and the next job was granted beside it).
+    A fork has its parent's executable, command line and process group: those are walked up."""
     def facts(p: int) -> tuple[str, bytes, int, int]:
         return (os.readlink(f"/proc/{p}/exe"), Path(f"/proc/{p}/cmdline").read_bytes(), os.getpgid(p),
                 int(Path(f"/proc/{p}/stat").read_bytes().rsplit(b")", 1)[1].split()[1]))

@@ -102,8 +102,8 @@ class TimeSliceOrchestratorClient:
                 priority: int | None = None, memory: str | int | None = None) -> _rpc.Grant:
         """Block until this job holds the group and its state is on the GPUs.
 
-        `timeout` is in seconds (None or `math.inf` waits without bound), failed switches included (they
-        are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
+        `timeout` is in seconds (None or `math.inf` waits without bound), failed switches
+        included (they are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
         before it is used where it may have lapsed unseen: on a group whose state this process
         serves (`serve_memory_commands`), and wherever its answer waited unread for over a
         quarter of its lease (the process was stopped or starved while it waited: `_rpc.AcquireTries`);

@@ -66,8 +66,8 @@ SAMPLE_GAP_SECONDS = 1.0
 MEMORY_SETTLE_SECONDS = 1.0
 # The most jobs the agent remembers having seen processes of (`live_jobs`), the oldest forgotten first.
 MAX_SEEN_JOBS = 4096
-# Backends whose checkpoint lands in host memory the agent can count.
 FORK_ROUNDS = 8  # times a freeze lists its job's processes again for those forked during the step
+# Backends whose checkpoint lands in host memory the agent can count.
 HOST_MEMORY_BACKENDS = (names.BACKEND_CUDA, names.BACKEND_CUDA_CHECKPOINT, names.BACKEND_VMM)
 
 
@@ -365,8 +365,8 @@ class NodeAgent:
         processes are listed again, and the new ones stopped, until none is new: a stopped
         process forks no more (at most `FORK_ROUNDS` rounds). Each round's processes are in the
         write-ahead record before they are stopped (an agent that dies meanwhile continues them
-        at its start). Returns their states (those that ended
-        since are left out); raises what a step raises, the job's processes all continued."""
+        at its start). Returns their states (those that ended since are left out); raises what
+        a step raises, what this step stopped continued (a repeated step's job stays frozen)."""
         if backend.name != names.BACKEND_FREEZE:
             return []
         seen: set[int] = set(pids)
@@ -384,8 +384,9 @@ class NodeAgent:
             try:
                 stopped += [st for st in await backend.checkpoint(new, timeout) if st.state != GONE]
             except TimeSliceServerError:
+                undo = stopped if prior is not None else [*procs, *stopped]  # (a repeated step's job was frozen)
                 with contextlib.suppress(TimeSliceServerError):
-                    await backend.restore([p.pid for p in (*procs, *stopped) if p.state != GONE], timeout)
+                    await backend.restore([p.pid for p in undo if p.state != GONE], timeout)
                 if prior is None:
                     self.records.pop(req.job_id)
                 raise
