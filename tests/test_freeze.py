@@ -14,6 +14,7 @@ import pytest
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.errors import FailedPrecondition, InvalidArgument, ProcessGone
+from timeslice.driver.peercred import environ
 from timeslice.kubelet_plugin.agent.backends.freeze import FreezeBackend
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import JobRef, NodeAgent, StepRequest
@@ -113,31 +114,26 @@ async def test_a_process_that_exits_before_its_sigstop_takes_effect_is_gone_at_o
         os.kill(child, signal.SIGKILL)
 
 
-# A job's marked worker that forks a child every 2 ms, up to 200; each child lives on (asleep
-# mostly: it runs, in state S, unless stopped).
+# A job's marked worker that forks a child every 2 ms, up to 200; each child lives on, waiting
+# for a signal (it runs, in state S, unless stopped), and so does the worker after its forks.
 FORKING = """
-    import os, time
+    import os, signal, time
     print("ready", flush=True)
     for _ in range(200):
         if os.fork() == 0:
-            while True:
-                time.sleep(0.005)
+            signal.pause()
         time.sleep(0.002)
-    while True:
-        time.sleep(1)
+    signal.pause()
 """
 
 
 def _running(job: str) -> list[int]:
     """The processes of `job` (TIMESLICE_JOB) that are neither stopped nor ended."""
     running = []
-    for e in Path("/proc").iterdir():
-        try:
-            if e.name.isdigit() and f"TIMESLICE_JOB={job}".encode() in (e / "environ").read_bytes().split(b"\0") \
-                    and proc_state(int(e.name)) not in "TtZ":
-                running.append(int(e.name))
-        except (OSError, ProcessGone):
-            pass
+    for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()):
+        with contextlib.suppress(ProcessGone):
+            if f"TIMESLICE_JOB={job}".encode() in environ(pid) and proc_state(pid) not in "TtZ":
+                running.append(pid)
     return running
 
 
