@@ -25,6 +25,7 @@ from pathlib import Path
 
 from timeslice.cli.run import EX_SOFTWARE, EX_TEMPFAIL, EX_UNAVAILABLE
 from timeslice.cli.run import release as release_hold
+from timeslice.driver.peercred import ancestors, stat_fields
 from timeslice.driver.private_paths import private_dir
 
 # Seconds `release` waits for the holder to release and end.
@@ -78,17 +79,16 @@ def _owner(pid: int) -> int:
     `)`, and the hold ended with it (a helper's attack on serve: in `(timeslice acquire; echo)`
     acquire returned 0, the script went on computing, and the next job was granted beside it).
     A fork has its parent's executable, command line and process group: those are walked up."""
-    def facts(p: int) -> tuple[str, bytes, int, int]:
-        return (os.readlink(f"/proc/{p}/exe"), Path(f"/proc/{p}/cmdline").read_bytes(), os.getpgid(p),
-                int(Path(f"/proc/{p}/stat").read_bytes().rsplit(b")", 1)[1].split()[1]))
-    for _ in range(64):
-        try:
-            exe, cmdline, pgid, parent = facts(pid)
-            if parent <= 1 or facts(parent)[:3] != (exe, cmdline, pgid):
-                return pid
-        except (OSError, ValueError, IndexError):  # (a process that is gone, or not ours to read)
-            return pid
-        pid = parent
+    def fork_facts(p: int) -> tuple[str, bytes, bytes]:
+        return os.readlink(f"/proc/{p}/exe"), Path(f"/proc/{p}/cmdline").read_bytes(), stat_fields(p)[2]
+    try:
+        facts = fork_facts(pid)
+        for parent in ancestors(pid):
+            if fork_facts(parent) != facts:
+                break
+            pid = parent
+    except OSError:  # (a process that is gone, or not ours to read)
+        pass
     return pid
 
 

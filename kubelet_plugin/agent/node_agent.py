@@ -320,8 +320,7 @@ class NodeAgent:
                                             timeout or self.default_timeout)
             prior = self.records.jobs.get(job_id)  # checkpointed already (a repeated step): kept as it is
             if prior is None:  # write-ahead: a crash from here on is undone at start
-                self._write(job_id, JobRecord(backend_name, group_id, dict.fromkeys(pids, 0), on_gpus,
-                                              CHECKPOINTING, req.operation_id, req.app), "nothing was touched")
+                self._write_ahead(req, pids, on_gpus, "nothing was touched")
             step = asyncio.ensure_future(self._checkpoint_all(req, backend, pids, prior))
             try:
                 procs = await asyncio.shield(step)
@@ -379,8 +378,7 @@ class NodeAgent:
             seen.update(new)
             log.info("checkpoint job=%s: processes %s were forked during the step: stopped too", req.job_id, new)
             if prior is None:
-                self._write(req.job_id, JobRecord(backend.name, req.group_id, dict.fromkeys(sorted(seen), 0), {},
-                                                  CHECKPOINTING, req.operation_id, req.app), "nothing more was stopped")
+                self._write_ahead(req, sorted(seen), {}, "nothing more was stopped")
             try:
                 stopped += [st for st in await backend.checkpoint(new, timeout) if st.state != GONE]
             except TimeSliceServerError:
@@ -477,6 +475,12 @@ class NodeAgent:
                 return
             self.records.pop(job_id)
             log.warning("undid a checkpoint whose caller went away job=%s pids=%s", job_id, moved)
+
+    def _write_ahead(self, req: StepRequest, pids: Sequence[int], devices: dict[str, int], then: str) -> None:
+        """Record `req`'s checkpoint of `pids` as under way (`CHECKPOINTING`) before it touches
+        them: `recover` undoes it after a crash. Raises FailedPrecondition (`_write`)."""
+        self._write(req.job_id, JobRecord(req.backend, req.group_id, dict.fromkeys(pids, 0), devices, CHECKPOINTING,
+                                          req.operation_id, req.app), then)
 
     def _write(self, job_id: str, record: JobRecord, then: str) -> None:
         """Persist a record; raises FailedPrecondition (naming the file's error and `then`)."""
