@@ -299,3 +299,33 @@ def test_a_static_group_names_engines_with_backend_app_only() -> None:
     with pytest.raises(ValueError, match="apply to backend app only"):
         GroupSpec(id="g", backend="freeze", agents=("unix:///a.sock",),
                   apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:8000")})
+
+
+@pytest.mark.parametrize("where", ["awake", "asleep"])
+async def test_an_engine_whose_client_left_is_slept_before_another_engine_wakes(make_cluster, children, engine_dirs,
+                                                                                 where: str) -> None:
+    """a's client released and left (`Leave`: its process is done), its engine still up. Awake
+    (resident), or asleep and then woken for nobody (a client of a that is still alive is told
+    at its next grant), a's engine holds GPU memory. It stays a resident of the group: b's wake
+    puts it to sleep first. It was forgotten, and b's engine woke beside it (app schedules
+    seed 3: the engine of a job killed with SIGTERM was woken for nobody, and the next job's
+    wake ran out of memory beside it)."""
+    log = engine_dirs[0]
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs)
+    a, b = c.client("a"), c.client("b")
+    try:
+        await a.acquire(timeout=10)
+        await a.release()
+        if where == "asleep":
+            await b.acquire(timeout=10)  # a sleeps
+            await b.release()
+        await a.close()  # Leave
+        if where == "asleep":  # nobody holds or waits: a's engine is woken for nobody
+            await eventually(lambda: calls(log)[-1] == "a wake", timeout=10)
+        assert not await is_sleeping(a_engine)
+        await b.acquire(timeout=10)
+        assert calls(log)[-1] == "a sleep level=1" and await is_sleeping(a_engine)
+        await b.release()
+    finally:
+        for cl in (a, b):
+            await cl.close()

@@ -126,7 +126,7 @@ class AwakeEngines:
         for job in gone:
             log.warning("job dropped group=%s job=%s: its hold ended unreleased (%s) and no process of it is left "
                         "on its nodes: nothing will release it", g.id, job, self._unreleased[job][1])
-            g.drop_job(job, "its hold ended unreleased and no process of it is left on its nodes")
+            g.drop_job(job, "its hold ended unreleased and no process of it is left on its nodes", gone=True)
         if not gone:
             await asyncio.sleep(GONE_CHECK_SECONDS)
         self._watch = None

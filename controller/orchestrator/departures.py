@@ -16,19 +16,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("timeslice.orchestrator")
 
 
-def drop(g: LockGroup, job_id: str, reason: str) -> None:
+def drop(g: LockGroup, job_id: str, reason: str, gone: bool = False) -> None:
     """Forget a job that is gone: its waiters fail, its hold ends, its records go. A holder
     dropped while its processes may still compute (a force-deleted pod, a dropped claim
     set) is fenced first: nobody is granted until a switch has checkpointed (or frozen, or
     found gone) its processes; then, like a job dropped while checkpointed, it is
     restored when the group is idle (and fits), then forgotten: none of its processes
-    stays stopped without an owner."""
+    stays stopped without an owner. On backend `app` an engine outlives its client: unless
+    `gone` (no process of the job is left), it stays a resident (`MemoryMoves.dropped`)."""
     g.fail_job(job_id, StaleLease(f"group {g.id}: job {job_id} dropped: {reason}"))
     g.preemption.disarm_when_unwaited()
     held = g.holder is not None and g.holder.job_id == job_id
     if held:
         g.end_hold(g.holder, f"dropped: {reason}")  # type: ignore[arg-type]
-    g.moves.dropped(job_id, held)
+    g.moves.dropped(job_id, held, gone)
     g.record_placement()
     g.idle.forget(job_id)
     g.failed_jobs.pop(job_id, None)
@@ -45,7 +46,7 @@ def adopted_holder_gone(g: LockGroup, job_id: str) -> bool:
     h = g.holder
     if h is None or h.job_id != job_id or h.lease_id != ADOPTED:
         return False
-    drop(g, job_id, "its processes are gone (found at restart)")
+    drop(g, job_id, "its processes are gone (found at restart)", gone=True)
     return True
 
 

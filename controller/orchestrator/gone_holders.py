@@ -103,7 +103,7 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
             continue
         log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
         if not g.adopted_holder_gone(h.job_id):
-            g.drop_job(h.job_id, "its processes are gone")
+            g.drop_job(h.job_id, "its processes are gone", gone=True)
         dropped.append((g.id, h.job_id))
     return dropped
 

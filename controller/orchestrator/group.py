@@ -174,9 +174,9 @@ class LockGroup:
         self.leases.keep_alive(job_id, lease_id, epoch, request_id, confirm)
         return self.spec.lease_seconds
 
-    def drop_job(self, job_id: str, reason: str) -> None:
-        """Forget a job that is gone: `departures.drop`."""
-        departures.drop(self, job_id, reason)
+    def drop_job(self, job_id: str, reason: str, gone: bool = False) -> None:
+        """Forget a job that is gone (`gone`: no process of it is left): `departures.drop`."""
+        departures.drop(self, job_id, reason, gone)
 
     def adopted_holder_gone(self, job_id: str) -> bool:
         """The adopted holder `job_id` has no process left: `departures.adopted_holder_gone`."""

@@ -124,18 +124,23 @@ class MemoryMoves:
         unconfirmed = getattr(self._g.switcher, "unconfirmed", None)
         return unconfirmed is not None and bool(unconfirmed(self._g.spec, job))
 
-    def dropped(self, job: str, held: bool) -> None:
-        """`job` is gone (`held`: while it held the lock). A holder (or a lapsed or fenced job,
-        or one the switch in flight moves off) still resident is fenced: nobody is granted
-        until a switch has checkpointed (or frozen, or found gone) its processes; then, like
-        one dropped while checkpointed, it is restored when the group is idle, then forgotten."""
+    def dropped(self, job: str, held: bool, gone: bool = False) -> None:
+        """`job` is gone (`held`: while it held the lock; `gone`: no process of it is left). A
+        holder (or a lapsed or fenced job, or one the switch in flight moves off) still resident
+        is fenced: nobody is granted until a switch has checkpointed (or frozen, or found gone)
+        its processes; then, like one dropped while checkpointed, it is restored when the group
+        is idle, then forgotten. On backend `app` an engine outlives its client (a process that
+        left, a client killed): unless `gone`, an awake one stays a resident, put to sleep by the
+        next switch like any other, and its state is never forgotten while it may be on the GPUs
+        (app schedules seed 3: an engine forgotten awake, the next job's wake ran out of memory
+        beside it)."""
         g = self._g
         if (held or job in self._lapsed | self._fenced | self.runner.evicting | g.awake.unreleased_jobs()) \
                 and g.spec.backend != "none" and job in g.residency.residents:  # dropped again while fenced: it stays
             self._fenced.add(job)  # (being evicted: an orphan once out)
         elif job in g.residency.checkpointed and g.spec.backend != "none":
             g.idle.unowned(job)
-        else:
+        elif not (g.spec.backend == names.BACKEND_APP and job in g.residency.residents and not gone):
             g.residency.forget(job)
         self._lapsed.discard(job)
         g.awake.forget(job)

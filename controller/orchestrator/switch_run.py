@@ -250,7 +250,7 @@ class SwitchRunner:
             g.grant(e.job, restored=e.restored, switch_seconds=e.switch_seconds)
         elif isinstance(e, Dropped):
             g.moves.left(e.job)  # in every later hand-off ("nothing to restore"), for good
-            g.drop_job(e.job, "no process of it is left on its nodes")
+            g.drop_job(e.job, "no process of it is left on its nodes", gone=True)
         elif isinstance(e, IdleFailed):
             g.idle.failed(e.job)
         elif isinstance(e, RestoreFailed):
@@ -269,9 +269,11 @@ class SwitchRunner:
             r.held(e.job)
         elif isinstance(e, RestoredForNobody):
             g.idle.restored_for_nobody(e.job)
-            r.forget(e.job)
-            if g.spec.backend == names.BACKEND_APP:  # a client of it that asks again is told
-                g.awake.woke([e.job])
+            if g.spec.backend == names.BACKEND_APP:  # an awake engine: a resident (`MemoryMoves.dropped`)
+                r.moved_in(e.job)
+                g.awake.woke([e.job])  # a client of it that asks again is told
+            else:
+                r.forget(e.job)
         elif isinstance(e, MovedIn):
             r.moved_in(e.job, next_up=e.next_up)
         else:
