@@ -56,8 +56,10 @@ class IdleRestores:
         return g.holder is None and g.switching is None and not len(g.queue)
 
     def unowned(self, job: str) -> None:
-        """Nobody will ask for `job` any more: if checkpointed, restored when the group is idle."""
-        if job in self._g.residency.checkpointed:
+        """Nobody will ask for `job` any more: if checkpointed, restored when the group is idle.
+        Not on backend `app`: a sleeping engine is no stopped process, and its wake beside the
+        awake resident ran out of memory (`MemoryMoves.dropped`); it sleeps until its job asks again."""
+        if job in self._g.residency.checkpointed and self._g.spec.backend != names.BACKEND_APP:
             self._orphans.add(job)
 
     def granted(self, job: str) -> None:

@@ -130,17 +130,20 @@ class MemoryMoves:
         is fenced: nobody is granted until a switch has checkpointed (or frozen, or found gone)
         its processes; then, like one dropped while checkpointed, it is restored when the group
         is idle, then forgotten. On backend `app` an engine outlives its client (a process that
-        left, a client killed): unless `gone`, an awake one stays a resident, put to sleep by the
-        next switch like any other, and its state is never forgotten while it may be on the GPUs
-        (app schedules seed 3: an engine forgotten awake, the next job's wake ran out of memory
-        beside it)."""
+        left, a client killed): unless `gone`, it stays where it is, an awake one a resident that
+        the next switch puts to sleep like any other, an asleep one asleep until its job asks
+        again (a sleeping engine is no stopped process: `IdleRestores.unowned`). Forgotten awake,
+        the next job's wake ran out of memory beside it (app schedules seed 3), and so did an
+        orphan's wake beside the awake resident (a helper's attack: every client that ended while
+        its engine slept)."""
         g = self._g
+        kept = g.spec.backend == names.BACKEND_APP and not gone and job in g.residency.known_jobs()
         if (held or job in self._lapsed | self._fenced | self.runner.evicting | g.awake.unreleased_jobs()) \
                 and g.spec.backend != "none" and job in g.residency.residents:  # dropped again while fenced: it stays
             self._fenced.add(job)  # (being evicted: an orphan once out)
-        elif job in g.residency.checkpointed and g.spec.backend != "none":
+        elif job in g.residency.checkpointed and g.spec.backend != "none" and not kept:
             g.idle.unowned(job)
-        elif not (g.spec.backend == names.BACKEND_APP and job in g.residency.residents and not gone):
+        elif not kept:
             g.residency.forget(job)
         self._lapsed.discard(job)
         g.awake.forget(job)

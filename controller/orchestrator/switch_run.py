@@ -40,7 +40,6 @@ from timeslice.controller.orchestrator.switch_outcome import (
     Woke,
     outcome,
 )
-from timeslice.driver import names
 from timeslice.driver.errors import JobFailed, SwitchFailed
 
 if TYPE_CHECKING:
@@ -269,11 +268,7 @@ class SwitchRunner:
             r.held(e.job)
         elif isinstance(e, RestoredForNobody):
             g.idle.restored_for_nobody(e.job)
-            if g.spec.backend == names.BACKEND_APP:  # an awake engine: a resident (`MemoryMoves.dropped`)
-                r.moved_in(e.job)
-                g.awake.woke([e.job])  # a client of it that asks again is told
-            else:
-                r.forget(e.job)
+            r.forget(e.job)
         elif isinstance(e, MovedIn):
             r.moved_in(e.job, next_up=e.next_up)
         else:
