@@ -122,6 +122,20 @@ class GroupSpec(BaseModel):
             out[job] = app
         return out
 
+    @field_validator("apps")
+    @classmethod
+    def _one_engine_per_job(cls, apps: dict[str, AppEngine]) -> dict[str, AppEngine]:
+        """Each job its own engine: a sleep for one job's switch would put to sleep the engine
+        another job generates on (a helper's attack: two jobs naming one URL were accepted, and
+        only their failed switches said anything)."""
+        by_url: dict[str, str] = {}
+        for job, app in sorted(apps.items()):
+            other = by_url.setdefault(app.url.rstrip("/"), job)
+            if other != job:
+                raise ValueError(f"apps.{other} and apps.{job} name the same engine ({app.url}): each job needs its "
+                                 "own engine, which its switches put to sleep and wake")
+        return apps
+
     @field_validator("agents")
     @classmethod
     def _agent_targets(cls, agents: tuple[str, ...]) -> tuple[str, ...]:
