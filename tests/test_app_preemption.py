@@ -238,7 +238,7 @@ async def test_a_merge_revokes_an_app_holders_lease_and_sleeps_its_engine_after_
         moves.append((tuple(evict), incoming, restore))
         return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
 
-    engines = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in "ab"}
+    engines = {j: AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}") for j, port in (("a", 1), ("b", 2))}
     old, new = (LockGroup(GroupSpec(id=g, backend="app", agents=("unix:///x",), apps=engines), switcher)
                 for g in ("old", "new"))
     try:
@@ -276,7 +276,7 @@ async def test_a_dead_clients_waiter_leaves_and_its_hold_left_by_the_jobs_next_p
         moves.append((tuple(evict), incoming, restore))
         return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
 
-    engines = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in "ab"}
+    engines = {j: AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}") for j, port in (("a", 1), ("b", 2))}
     g = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///x",), apps=engines, residency="exclusive",
                             lease_seconds=0.5), switcher)
     try:

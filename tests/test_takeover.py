@@ -442,7 +442,8 @@ def test_groups_reforming_put_every_carried_job_in_one_place_and_never_two_holde
     `LockGroup`s, each taken over from those records, exactly there."""
 
     async def carried() -> None:
-        apps = {j: AppEngine(engine="vllm", url="http://127.0.0.1:1") for j in OLD + NEW} if backend == "app" else {}
+        apps = {j: AppEngine(engine="vllm", url=f"http://127.0.0.1:{i + 1}") for i, j in enumerate(OLD + NEW)} \
+            if backend == "app" else {}
         old, new = (LockGroup(GroupSpec(id=i, backend=backend, agents=("agent",), apps=apps),  # type: ignore[arg-type]
                               _NoSwitch()) for i in ("old", "new"))
         old.adopt(holder, set(checkpointed), epochs[0], must_leave, residents)
