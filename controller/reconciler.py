@@ -119,7 +119,8 @@ class Reconciler:
         if group_id is None:
             return
         try:
-            self.orchestrator.group(group_id).drop_job(cs_id, why)
+            # gone: its pods are, or are going (an `app` engine in them is not kept: `MemoryMoves.dropped`)
+            self.orchestrator.group(group_id).drop_job(cs_id, why, gone=True)
             log.info("claim set dropped group=%s claim_set=%s: %s", group_id, cs_id, why)
         except NotFound:
             pass

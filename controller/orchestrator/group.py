@@ -175,7 +175,8 @@ class LockGroup:
         return self.spec.lease_seconds
 
     def drop_job(self, job_id: str, reason: str, gone: bool = False) -> None:
-        """Forget a job that is gone (`gone`: no process of it is left): `departures.drop`."""
+        """Forget a job that is gone (`gone`: no process of it is left, or its claim set was
+        dropped, its pods gone or going): `departures.drop`."""
         departures.drop(self, job_id, reason, gone)
 
     def adopted_holder_gone(self, job_id: str) -> bool:
