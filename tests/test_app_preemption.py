@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from timeslice.controller.orchestrator import takeover
 from timeslice.controller.orchestrator.config import GroupSpec
+from timeslice.controller.orchestrator.gone_holders import GoneHolders
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import SwitchRecord
 from timeslice.driver.app_engine import AppEngine
@@ -334,4 +335,40 @@ async def test_a_restarted_orchestrator_drops_a_job_that_must_leave_and_has_no_p
         assert grant.epoch == 1001 and "a" not in (await c.status()).resident_job_ids
         await b.release()
     finally:
+        await b.close()
+
+
+async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_for_the_next_job(
+        make_cluster, children, engine_dirs) -> None:
+    """A helper's attack through `timeslice node-agent` + `timeslice orchestrator`: a's client,
+    a process of its own beside a's engine (a vLLM server outlives its client), was killed
+    while it held. The agents reported a live (its engine), so the orchestrator kept a as
+    holder past its lease for as long as the engine ran: b waited out its whole timeout. Now
+    the agent reports a *clientless* once only the engine's processes are left, the holders'
+    watch (`gone_holders`, as `timeslice orchestrator` runs it) drops a, keeping its engine,
+    and b is granted once a's engine sleeps, well within a's lease."""
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=300)
+    engine_pid = c.resolvers["node-0"].pids  # (the engine's process, as two_jobs told it)
+    p = client_process(c.target, a_engine)
+    children.append(p)
+    c.resolvers["node-0"].set("a", [*(await engine_pid("a")), p.pid])
+    holders = GoneHolders(c.orchestrator.groups, c.orchestrator.agent, every=0.2)
+    c.orchestrator.add_observer(holders.observe)
+    watch = asyncio.get_running_loop().create_task(holders.watch())
+    b = c.client("b")
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
+        assert line.startswith("granted"), line
+        await eventually(lambda: "a generate" in calls(log), what="a's client generating")
+        assert (await c.status()).holder.job_id == "a"  # its client and engine live: it holds on
+        tb = asyncio.create_task(b.acquire(timeout=60))
+        await eventually(lambda: _waiting(c, "b"), what="b waiting")
+        p.kill()
+        p.wait()
+        grant = await asyncio.wait_for(tb, 30)
+        assert grant.job_id == "b" and await is_sleeping(a_engine) and "a sleep level=1" in calls(log)
+        await b.release()
+    finally:
+        watch.cancel()
         await b.close()

@@ -15,6 +15,7 @@ from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.gone_holders import GoneHolders, gone
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupEvent, Hold
+from timeslice.driver.app_engine import AppEngine
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -36,6 +37,52 @@ def test_a_holder_is_gone_once_every_agent_answered_none_has_it_live_and_one_had
     assert gone("a", answers) is want
 
 
+@pytest.mark.parametrize(("answers", "want"), [
+    ([(set(), set(), {"a"})], True),
+    ([(set(), {"a"}, set()), (set(), set(), {"a"})], True),  # its engine runs on another node
+    ([(set(), set(), {"a"}), ({"a"}, set(), set())], False),  # a client of it lives on another node
+    ([(set(), set(), {"a"}), None], False),
+])
+def test_a_holder_is_clientless_once_every_agent_answered_none_has_it_live_and_one_has_only_its_engine(
+        answers, want) -> None:
+    assert gone("a", answers, 2) is want
+
+
+# A stand-in inference engine: listens on a loopback port, with a worker process of its own;
+# prints "<port> <worker pid>".
+ENGINE = ("import socket, signal, subprocess, sys\n"
+          "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+          "w = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'])\n"
+          "print(s.getsockname()[1], w.pid, flush=True)\n"
+          "signal.pause()\n")
+
+
+async def test_a_job_whose_live_processes_all_serve_its_engine_is_clientless_once_its_client_was_seen() -> None:
+    """Backend app: job a's client is a process of its own beside its engine (which listens on
+    the engine's port, with a worker); once the client is killed, a is clientless, neither
+    live nor gone. A job whose client is its engine's own process (`inproc`) is never so, and
+    a job looked at without its engine is live while any process of it runs."""
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    client = sleeper(None)
+    try:
+        port, worker = map(int, engine.stdout.readline().split())  # type: ignore[union-attr]
+        app = AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}")
+        told = {"a": [engine.pid, worker, client.pid], "inproc": [engine.pid, worker]}
+        agent = NodeAgent(StaticProcessResolver(told), backends=["none"])
+        jobs, engines = [JobRef("a"), JobRef("inproc")], {"a": app, "inproc": app}
+        assert await agent.live_jobs(jobs, engines) == (["a", "inproc"], [], [])
+        client.kill()
+        client.wait()
+        assert await agent.live_jobs(jobs, engines) == (["inproc"], [], ["a"])
+        assert await agent.live_jobs(jobs) == (["a", "inproc"], [], [])
+    finally:
+        for p in (engine, client):
+            p.kill()
+            p.wait()
+        engine.stdout.close()  # type: ignore[union-attr]
+        os.kill(worker, 9)
+
+
 def sleeper(job: str | None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "TIMESLICE_JOB"}
     if job is not None:
@@ -51,15 +98,15 @@ async def test_a_standalone_agent_tells_a_job_gone_only_once_it_saw_a_named_proc
     jobs = [JobRef("train"), JobRef("never"), JobRef("pod-job", claims=[("ns", "claim")])]
     first, second, unnamed = sleeper("train"), sleeper("train"), sleeper(None)
     try:
-        assert await agent.live_jobs(jobs) == (["train"], [])
+        assert await agent.live_jobs(jobs) == (["train"], [], [])
         first.kill()
         first.wait()
-        assert await agent.live_jobs(jobs) == (["train"], [])  # its second process lives
+        assert await agent.live_jobs(jobs) == (["train"], [], [])  # its second process lives
         second.kill()
         second.wait()
-        assert await agent.live_jobs(jobs) == ([], ["train"])
+        assert await agent.live_jobs(jobs) == ([], ["train"], [])
         fresh = NodeAgent(EnvironProcessResolver(), backends=["none"])
-        assert await fresh.live_jobs(jobs) == ([], [])  # (never saw it)
+        assert await fresh.live_jobs(jobs) == ([], [], [])  # (never saw it)
     finally:
         for p in (first, second, unnamed):
             p.kill()
@@ -71,11 +118,11 @@ async def test_a_job_whose_pids_were_told_is_gone_once_they_all_ended() -> None:
     resolver = StaticProcessResolver({"told": [worker.pid]})
     agent = NodeAgent(resolver, backends=["none"])
     try:
-        assert await agent.live_jobs([JobRef("told"), JobRef("untold")]) == (["told"], [])
+        assert await agent.live_jobs([JobRef("told"), JobRef("untold")]) == (["told"], [], [])
     finally:
         worker.kill()
         worker.wait()
-    assert await NodeAgent(resolver, backends=["none"]).live_jobs([JobRef("told")]) == ([], ["told"])
+    assert await NodeAgent(resolver, backends=["none"]).live_jobs([JobRef("told")]) == ([], ["told"], [])
 
 
 async def test_a_grant_wakes_the_watch_before_its_period() -> None:
@@ -85,8 +132,8 @@ async def test_a_grant_wakes_the_watch_before_its_period() -> None:
 
     class Agent:
         async def live_jobs(self, jobs):
-            asked.append([j for j, _ in jobs])
-            return {j for j, _ in jobs}, set()
+            asked.append([j for j, _, _ in jobs])
+            return {j for j, _, _ in jobs}, set(), set()
 
     group = LockGroup(GroupSpec(id="g", agents=("unix:///agent.sock",)), switcher=None)  # type: ignore[arg-type]
     group.holder = Hold("x", "lease", 1, 0.0, 10.0, {"r"}, False, 0.0)
@@ -109,8 +156,8 @@ async def test_a_grant_looks_at_the_groups_granted_not_at_every_group() -> None:
 
     class Agent:
         async def live_jobs(self, jobs):
-            asked.append(sorted(j for j, _ in jobs))
-            return {j for j, _ in jobs}, set()
+            asked.append(sorted(j for j, _, _ in jobs))
+            return {j for j, _, _ in jobs}, set(), set()
 
     groups = [LockGroup(GroupSpec(id=g, agents=("unix:///agent.sock",)), switcher=None)  # type: ignore[arg-type]
               for g in ("g1", "g2", "g3")]

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from timeslice.controller.orchestrator.agents import AgentClient, AgentMemory, StepResult
 from timeslice.controller.orchestrator.config import MemberSpec
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.bearer import TokenFile
 from timeslice.driver.certificates import fingerprint
 from timeslice.driver.errors import Unavailable
@@ -57,7 +58,8 @@ class UnusableAgent(AgentClient):
     async def restore(self, job_id: str, *args: object, **kw: object) -> StepResult:
         raise self._refused(f"restore of job {job_id}")
 
-    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]:
+    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None, AppEngine | None]]
+                        ) -> tuple[set[str], set[str], set[str]]:
         raise self._refused("live jobs")
 
     async def checkpointed_jobs(self, group_id: str | None = None) -> set[str]:

@@ -186,16 +186,19 @@ class AgentClient:
                            resp.incarnation, {j.job_id: list(j.processes) for j in resp.jobs if j.processes},
                            {g.uuid: int(g.exiting_bytes) for g in resp.gpus if g.exiting_bytes}, set(resp.busy_jobs))
 
-    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]:
-        """(live, gone) among `jobs` ((job, member) pairs) on this node (`GetLiveJobs`): a
-        process of the job runs here; none does and the job had processes here. Raises a
+    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None, AppEngine | None]]
+                        ) -> tuple[set[str], set[str], set[str]]:
+        """(live, gone, clientless) among `jobs` ((job, member, its engine on backend app)) on
+        this node (`GetLiveJobs`): a process of the job runs here; none does and the job had
+        processes here; only its engine's do, its client's are gone. Raises a
         `TimeSliceServerError` subclass."""
-        req = apb.GetLiveJobsRequest(jobs=[self._step_request(job, "", "", 0.0, member) for job, member in jobs])
+        req = apb.GetLiveJobsRequest(jobs=[self._step_request(job, "", "", 0.0, member, app=app)
+                                           for job, member, app in jobs])
         try:
             resp = await self._stub.GetLiveJobs(req, timeout=RPC_SLACK_SECONDS, metadata=self._metadata())
         except grpc.aio.AioRpcError as err:
             raise self._error(err, "live jobs") from err
-        return set(resp.live), set(resp.gone)
+        return set(resp.live), set(resp.gone), set(resp.clientless)
 
     def _step_request(self, job_id: str, backend: str, group_id: str, timeout: float,
                       member: MemberSpec | None, operation_id: str = "",

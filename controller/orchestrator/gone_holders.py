@@ -15,7 +15,10 @@ trial of `kill -9 -- -PGID` on a holding job stalled the other job for the whole
 by default). A holder an agent reports live (a worker that outlives its client) keeps its hold
 until its lease lapses (on `vmm` and `app`, whose processes nothing stops, also past it while
 reported live: `decisions.lease_timer`), and so does one no agent knows (never seen there; a cluster's claims,
-which the agents do not look at here) or one whose agent does not answer.
+which the agents do not look at here) or one whose agent does not answer. On `app`, a holder
+whose only live processes serve its inference engine, once its client was seen (`clientless`:
+the client was killed, the engine runs on), is dropped too, its engine kept (a helper's attack:
+such a holder kept the lock for as long as its engine ran, every other job waiting).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Protocol
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupEvent
+from timeslice.driver.app_engine import AppEngine
 
 log = logging.getLogger("timeslice.orchestrator")
 
@@ -36,8 +40,12 @@ log = logging.getLogger("timeslice.orchestrator")
 CHECK_SECONDS = 0.5
 
 
+# An agent's answer: (live, gone, clientless) jobs (`NodeAgent.live_jobs`).
+Answer = tuple[set[str], set[str], set[str]]
+
+
 class LiveJobs(Protocol):
-    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None]]) -> tuple[set[str], set[str]]: ...
+    async def live_jobs(self, jobs: Sequence[tuple[str, MemberSpec | None, AppEngine | None]]) -> Answer: ...
 
 
 class GoneHolders:
@@ -84,10 +92,10 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
     (group id, job) pairs dropped."""
     asked = [(g, g.holder) for g in groups if g.holder is not None and g.spec.agents]
     targets = sorted({t for g, _ in asked for t in g.spec.agents})
-    answers = await asyncio.gather(*(agent(t).live_jobs([(h.job_id, g.spec.member(h.job_id)) for g, h in asked
-                                                         if t in g.spec.agents]) for t in targets),
+    answers = await asyncio.gather(*(agent(t).live_jobs([(h.job_id, g.spec.member(h.job_id), g.spec.app(h.job_id))
+                                                         for g, h in asked if t in g.spec.agents]) for t in targets),
                                    return_exceptions=True)
-    by_target: dict[str, tuple[set[str], set[str]] | None] = {}
+    by_target: dict[str, Answer | None] = {}
     for t, answer in zip(targets, answers, strict=True):
         if isinstance(answer, BaseException):
             log.debug("holder watch: agent %s did not answer: %s", t, answer)
@@ -99,17 +107,24 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
         said = [by_target[t] for t in g.spec.agents]
         if g.holder is h and any(a is not None and h.job_id in a[0] for a in said):
             g.seen_live(h.job_id)
-        if g.holder is not h or not gone(h.job_id, said):
+        if g.holder is not h:
             continue
-        log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
-        if not g.adopted_holder_gone(h.job_id):
-            g.drop_job(h.job_id, "its processes are gone", gone=True)
+        if gone(h.job_id, said, 1):
+            log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
+            if not g.adopted_holder_gone(h.job_id):
+                g.drop_job(h.job_id, "its processes are gone", gone=True)
+        elif gone(h.job_id, said, 2):
+            log.warning("holder's client gone group=%s job=%s: only its engine's processes are left", g.id, h.job_id)
+            g.drop_job(h.job_id, "its client's processes are gone (its engine runs on)")
+        else:
+            continue
         dropped.append((g.id, h.job_id))
     return dropped
 
 
-def gone(job: str, answers: Sequence[tuple[set[str], set[str]] | None]) -> bool:
-    """Whether `job` is gone by its group's agents' `answers` ((live, gone) each; None: that
-    agent did not answer): every agent answered, none has it live, and one has it gone."""
+def gone(job: str, answers: Sequence[Answer | None], which: int = 1) -> bool:
+    """Whether `job` is gone by its group's agents' `answers` ((live, gone, clientless) each;
+    None: that agent did not answer): every agent answered, none has it live, and one has it
+    gone (`which` 1), or clientless (2: its client is gone, its engine is not)."""
     return all(a is not None for a in answers) and not any(job in a[0] for a in answers if a is not None) \
-        and any(job in a[1] for a in answers if a is not None)
+        and any(job in a[which] for a in answers if a is not None)

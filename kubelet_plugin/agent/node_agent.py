@@ -21,10 +21,12 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 from uuid import uuid4
 
 from timeslice import host_memory
 from timeslice.driver import names
+from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import (
     BackendError,
     FailedPrecondition,
@@ -196,6 +198,7 @@ class NodeAgent:
         self.operations = Operations()
         # jobs (not named by claims) this run saw processes of, least recently seen first (`live_jobs`)
         self._seen_jobs: dict[str, None] = {}
+        self._clients_seen: set[str] = set()  # jobs with an engine whose client process was seen (`live_jobs`)
         # backends built only to put back what an earlier run recorded with a backend this run
         # does not offer (`recovery_backend`): never used for a checkpoint
         self._recovering: dict[str, Backend] = {}
@@ -622,19 +625,38 @@ class NodeAgent:
                 f"the node has {available / 1e9:.2f} GB available and keeps {host_memory.RESERVE_BYTES / 1e9:.2f} GB "
                 "for its other processes; nothing was touched, the job stays on the GPUs")
 
-    async def live_jobs(self, jobs: Sequence[JobRef]) -> tuple[list[str], list[str]]:
-        """(live, gone) among `jobs` (`GetLiveJobs`): live, a process of the job runs here
-        (any, with a GPU context or not: `ProcessResolver.alive`); gone, none does and the
-        job had processes here, as the resolver knows (serve's bindings) or this run of
+    async def live_jobs(self, jobs: Sequence[JobRef], engines: Mapping[str, AppEngine] | None = None
+                        ) -> tuple[list[str], list[str], list[str]]:
+        """(live, gone, clientless) among `jobs` (`GetLiveJobs`): live, a process of the job
+        runs here (any, with a GPU context or not: `ProcessResolver.alive`); gone, none does
+        and the job had processes here, as the resolver knows (serve's bindings) or this run of
         the agent saw (a report, a step, an earlier look). Others are neither: never seen
-        here, or named by claims (a cluster's pods: not looked at; their lease decides)."""
+        here, or named by claims (a cluster's pods: not looked at; their lease decides).
+        clientless: a job with an inference engine (`engines`, by job: backend app) whose live
+        processes all serve the engine's port (`procfs.serving`), once a process of it outside
+        them was seen live: its client is gone and its engine runs on (an engine outlives its
+        client; a helper's attack: a killed client's job, its engine up, was kept as holder for
+        as long as the engine ran). A job whose client is its engine's own process is never so."""
         named = sorted({j.job_id for j in jobs if not j.claims})
         alive = await self.resolver.alive(named) if named else {}
         live = [j for j in named if alive.get(j)]
         gone = [j for j in named if alive.get(j) is False or (alive.get(j) is None and j in self._seen_jobs)]
+        engines = engines or {}
+        clientless = [j for j in live if j in engines and not await self._client_lives(j, engines[j])]
         for j in live:
             self._seen(j)
-        return live, gone
+        return [j for j in live if j not in clientless], gone, clientless
+
+    async def _client_lives(self, job_id: str, engine: AppEngine) -> bool:
+        """Whether a live process of `job_id` is outside its engine's (`live_jobs`); True
+        until one has been seen."""
+        pids = await self._live(JobRef(job_id))
+        port = urlsplit(engine.url).port or 80
+        serving = await asyncio.to_thread(procfs.serving, pids, port)
+        if any(p not in serving for p in pids):
+            self._clients_seen.add(job_id)
+            return True
+        return job_id not in self._clients_seen or not pids
 
     def _seen(self, job_id: str) -> None:
         self._seen_jobs.pop(job_id, None)

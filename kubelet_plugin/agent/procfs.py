@@ -72,3 +72,48 @@ def descendants(pid: int) -> list[int]:
                     out.append(kid)
                     todo.append(kid)
     return out
+
+
+def _listening_inodes(pid: int, port: int) -> set[str]:
+    """Inodes of the TCP sockets listening on `port` in `pid`'s network namespace
+    (/proc/PID/net/tcp and tcp6: field 2 `local_address` ADDR:PORT in hex, field 4 `st`,
+    0A = LISTEN, field 10 the inode; proc(5))."""
+    out: set[str] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+                out.add(fields[9])
+    return out
+
+
+def serving(pids: list[int], port: int) -> set[int]:
+    """Those of `pids` that serve TCP `port`: a process holding a socket that listens on it
+    (in its own network namespace), and its descendants (an inference engine's workers).
+    Processes that cannot be read (gone, another user's) are left out."""
+    out: set[int] = set()
+    for pid in pids:
+        if pid in out:
+            continue
+        inodes = _listening_inodes(pid, port)
+        if not inodes:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                out.add(pid)
+                out.update(descendants(pid))
+                break
+    return out

@@ -134,8 +134,10 @@ class NodeAgentServicer(apb_grpc.NodeAgentServicer):
     @rpc_method
     async def GetLiveJobs(self, request: apb.GetLiveJobsRequest, context: grpc.aio.ServicerContext) -> apb.LiveJobs:
         await self._check(context)
-        live, gone = await self._agent.live_jobs([_step_request(j, backend_required=False).job for j in request.jobs])
-        return apb.LiveJobs(live=live, gone=gone)
+        steps = [_step_request(j, backend_required=False) for j in request.jobs]
+        live, gone, clientless = await self._agent.live_jobs([r.job for r in steps],
+                                                             {r.job.job_id: r.app for r in steps if r.app is not None})
+        return apb.LiveJobs(live=live, gone=gone, clientless=clientless)
 
     @rpc_method
     async def ListJobs(self, request: apb.ListJobsRequest,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(timeslice/driver/agentapi/v1/agent.proto\x12\x12timeslice.agent.v1\"I\n\x12GetLiveJobsRequest\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.timeslice.agent.v1.SwitchStepRequest\"&\n\x08LiveJobs\x12\x0c\n\x04live\x18\x01 \x03(\t\x12\x0c\n\x04gone\x18\x02 \x03(\t\"v\n\x10GetMemoryRequest\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.timeslice.agent.v1.SwitchStepRequest\x12\x15\n\rwatch_seconds\x18\x02 \x01(\x01\x12\x16\n\x0elow_free_bytes\x18\x03 \x01(\x04\"h\n\tGpuMemory\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nfree_bytes\x18\x04 \x01(\x04\x12\x15\n\rexiting_bytes\x18\x05 \x01(\x04\"\xbb\x03\n\tJobMemory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x44\n\x0c\x64\x65vice_bytes\x18\x02 \x03(\x0b\x32..timeslice.agent.v1.JobMemory.DeviceBytesEntry\x12P\n\x12\x63heckpointed_bytes\x18\x03 \x03(\x0b\x32\x34.timeslice.agent.v1.JobMemory.CheckpointedBytesEntry\x12M\n\x11peak_device_bytes\x18\x04 \x03(\x0b\x32\x32.timeslice.agent.v1.JobMemory.PeakDeviceBytesEntry\x12\x11\n\tprocesses\x18\x05 \x03(\t\x1a\x32\n\x10\x44\x65viceBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16\x43heckpointedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x36\n\x14PeakDeviceBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xae\x01\n\x0cMemoryReport\x12+\n\x04gpus\x18\x01 \x03(\x0b\x32\x1d.timeslice.agent.v1.GpuMemory\x12+\n\x04jobs\x18\x02 \x03(\x0b\x32\x1d.timeslice.agent.v1.JobMemory\x12\x1c\n\x14host_available_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x11\n\tbusy_jobs\x18\x05 \x03(\t\"\xf5\x01\n\x11SwitchStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12,\n\x06\x63laims\x18\x05 \x03(\x0b\x32\x1c.timeslice.agent.v1.ClaimRef\x12\x10\n\x08pod_uids\x18\x06 \x03(\t\x12\x12\n\nclaim_name\x18\x07 \x01(\t\x12\x14\n\x0coperation_id\x18\x08 \x01(\t\x12*\n\x03\x61pp\x18\t \x01(\x0b\x32\x1d.timeslice.agent.v1.AppEngine\"P\n\tAppEngine\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\r\n\x05level\x18\x03 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"+\n\x08\x43laimRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"=\n\x0cProcessState\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x11\n\tgpu_bytes\x18\x03 \x01(\x04\"y\n\x12SwitchStepResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x33\n\tprocesses\x18\x02 \x03(\x0b\x32 .timeslice.agent.v1.ProcessState\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"5\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"\x81\x01\n\x08JobState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x33\n\tprocesses\x18\x04 \x03(\x0b\x32 .timeslice.agent.v1.ProcessState\x12\x10\n\x08group_id\x18\x05 \x01(\t\"\x11\n\x0fListJobsRequest\">\n\x10ListJobsResponse\x12*\n\x04jobs\x18\x01 \x03(\x0b\x32\x1c.timeslice.agent.v1.JobState2\x98\x04\n\tNodeAgent\x12[\n\nCheckpoint\x12%.timeslice.agent.v1.SwitchStepRequest\x1a&.timeslice.agent.v1.SwitchStepResponse\x12X\n\x07Restore\x12%.timeslice.agent.v1.SwitchStepRequest\x1a&.timeslice.agent.v1.SwitchStepResponse\x12S\n\x0bGetJobState\x12&.timeslice.agent.v1.GetJobStateRequest\x1a\x1c.timeslice.agent.v1.JobState\x12U\n\x08ListJobs\x12#.timeslice.agent.v1.ListJobsRequest\x1a$.timeslice.agent.v1.ListJobsResponse\x12S\n\tGetMemory\x12$.timeslice.agent.v1.GetMemoryRequest\x1a .timeslice.agent.v1.MemoryReport\x12S\n\x0bGetLiveJobs\x12&.timeslice.agent.v1.GetLiveJobsRequest\x1a\x1c.timeslice.agent.v1.LiveJobsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(timeslice/driver/agentapi/v1/agent.proto\x12\x12timeslice.agent.v1\"I\n\x12GetLiveJobsRequest\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.timeslice.agent.v1.SwitchStepRequest\":\n\x08LiveJobs\x12\x0c\n\x04live\x18\x01 \x03(\t\x12\x0c\n\x04gone\x18\x02 \x03(\t\x12\x12\n\nclientless\x18\x03 \x03(\t\"v\n\x10GetMemoryRequest\x12\x33\n\x04jobs\x18\x01 \x03(\x0b\x32%.timeslice.agent.v1.SwitchStepRequest\x12\x15\n\rwatch_seconds\x18\x02 \x01(\x01\x12\x16\n\x0elow_free_bytes\x18\x03 \x01(\x04\"h\n\tGpuMemory\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x12\n\nfree_bytes\x18\x04 \x01(\x04\x12\x15\n\rexiting_bytes\x18\x05 \x01(\x04\"\xbb\x03\n\tJobMemory\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x44\n\x0c\x64\x65vice_bytes\x18\x02 \x03(\x0b\x32..timeslice.agent.v1.JobMemory.DeviceBytesEntry\x12P\n\x12\x63heckpointed_bytes\x18\x03 \x03(\x0b\x32\x34.timeslice.agent.v1.JobMemory.CheckpointedBytesEntry\x12M\n\x11peak_device_bytes\x18\x04 \x03(\x0b\x32\x32.timeslice.agent.v1.JobMemory.PeakDeviceBytesEntry\x12\x11\n\tprocesses\x18\x05 \x03(\t\x1a\x32\n\x10\x44\x65viceBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16\x43heckpointedBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x36\n\x14PeakDeviceBytesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xae\x01\n\x0cMemoryReport\x12+\n\x04gpus\x18\x01 \x03(\x0b\x32\x1d.timeslice.agent.v1.GpuMemory\x12+\n\x04jobs\x18\x02 \x03(\x0b\x32\x1d.timeslice.agent.v1.JobMemory\x12\x1c\n\x14host_available_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x11\n\tbusy_jobs\x18\x05 \x03(\t\"\xf5\x01\n\x11SwitchStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12,\n\x06\x63laims\x18\x05 \x03(\x0b\x32\x1c.timeslice.agent.v1.ClaimRef\x12\x10\n\x08pod_uids\x18\x06 \x03(\t\x12\x12\n\nclaim_name\x18\x07 \x01(\t\x12\x14\n\x0coperation_id\x18\x08 \x01(\t\x12*\n\x03\x61pp\x18\t \x01(\x0b\x32\x1d.timeslice.agent.v1.AppEngine\"P\n\tAppEngine\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\r\n\x05level\x18\x03 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"+\n\x08\x43laimRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"=\n\x0cProcessState\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\r\n\x05state\x18\x02 \x01(\t\x12\x11\n\tgpu_bytes\x18\x03 \x01(\x04\"y\n\x12SwitchStepResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x33\n\tprocesses\x18\x02 \x03(\x0b\x32 .timeslice.agent.v1.ProcessState\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"5\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"\x81\x01\n\x08JobState\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x33\n\tprocesses\x18\x04 \x03(\x0b\x32 .timeslice.agent.v1.ProcessState\x12\x10\n\x08group_id\x18\x05 \x01(\t\"\x11\n\x0fListJobsRequest\">\n\x10ListJobsResponse\x12*\n\x04jobs\x18\x01 \x03(\x0b\x32\x1c.timeslice.agent.v1.JobState2\x98\x04\n\tNodeAgent\x12[\n\nCheckpoint\x12%.timeslice.agent.v1.SwitchStepRequest\x1a&.timeslice.agent.v1.SwitchStepResponse\x12X\n\x07Restore\x12%.timeslice.agent.v1.SwitchStepRequest\x1a&.timeslice.agent.v1.SwitchStepResponse\x12S\n\x0bGetJobState\x12&.timeslice.agent.v1.GetJobStateRequest\x1a\x1c.timeslice.agent.v1.JobState\x12U\n\x08ListJobs\x12#.timeslice.agent.v1.ListJobsRequest\x1a$.timeslice.agent.v1.ListJobsResponse\x12S\n\tGetMemory\x12$.timeslice.agent.v1.GetMemoryRequest\x1a .timeslice.agent.v1.MemoryReport\x12S\n\x0bGetLiveJobs\x12&.timeslice.agent.v1.GetLiveJobsRequest\x1a\x1c.timeslice.agent.v1.LiveJobsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,39 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLIVEJOBSREQUEST']._serialized_start=64
   _globals['_GETLIVEJOBSREQUEST']._serialized_end=137
   _globals['_LIVEJOBS']._serialized_start=139
-  _globals['_LIVEJOBS']._serialized_end=177
-  _globals['_GETMEMORYREQUEST']._serialized_start=179
-  _globals['_GETMEMORYREQUEST']._serialized_end=297
-  _globals['_GPUMEMORY']._serialized_start=299
-  _globals['_GPUMEMORY']._serialized_end=403
-  _globals['_JOBMEMORY']._serialized_start=406
-  _globals['_JOBMEMORY']._serialized_end=849
-  _globals['_JOBMEMORY_DEVICEBYTESENTRY']._serialized_start=685
-  _globals['_JOBMEMORY_DEVICEBYTESENTRY']._serialized_end=735
-  _globals['_JOBMEMORY_CHECKPOINTEDBYTESENTRY']._serialized_start=737
-  _globals['_JOBMEMORY_CHECKPOINTEDBYTESENTRY']._serialized_end=793
-  _globals['_JOBMEMORY_PEAKDEVICEBYTESENTRY']._serialized_start=795
-  _globals['_JOBMEMORY_PEAKDEVICEBYTESENTRY']._serialized_end=849
-  _globals['_MEMORYREPORT']._serialized_start=852
-  _globals['_MEMORYREPORT']._serialized_end=1026
-  _globals['_SWITCHSTEPREQUEST']._serialized_start=1029
-  _globals['_SWITCHSTEPREQUEST']._serialized_end=1274
-  _globals['_APPENGINE']._serialized_start=1276
-  _globals['_APPENGINE']._serialized_end=1356
-  _globals['_CLAIMREF']._serialized_start=1358
-  _globals['_CLAIMREF']._serialized_end=1401
-  _globals['_PROCESSSTATE']._serialized_start=1403
-  _globals['_PROCESSSTATE']._serialized_end=1464
-  _globals['_SWITCHSTEPRESPONSE']._serialized_start=1466
-  _globals['_SWITCHSTEPRESPONSE']._serialized_end=1587
-  _globals['_GETJOBSTATEREQUEST']._serialized_start=1589
-  _globals['_GETJOBSTATEREQUEST']._serialized_end=1642
-  _globals['_JOBSTATE']._serialized_start=1645
-  _globals['_JOBSTATE']._serialized_end=1774
-  _globals['_LISTJOBSREQUEST']._serialized_start=1776
-  _globals['_LISTJOBSREQUEST']._serialized_end=1793
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1795
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1857
-  _globals['_NODEAGENT']._serialized_start=1860
-  _globals['_NODEAGENT']._serialized_end=2396
+  _globals['_LIVEJOBS']._serialized_end=197
+  _globals['_GETMEMORYREQUEST']._serialized_start=199
+  _globals['_GETMEMORYREQUEST']._serialized_end=317
+  _globals['_GPUMEMORY']._serialized_start=319
+  _globals['_GPUMEMORY']._serialized_end=423
+  _globals['_JOBMEMORY']._serialized_start=426
+  _globals['_JOBMEMORY']._serialized_end=869
+  _globals['_JOBMEMORY_DEVICEBYTESENTRY']._serialized_start=705
+  _globals['_JOBMEMORY_DEVICEBYTESENTRY']._serialized_end=755
+  _globals['_JOBMEMORY_CHECKPOINTEDBYTESENTRY']._serialized_start=757
+  _globals['_JOBMEMORY_CHECKPOINTEDBYTESENTRY']._serialized_end=813
+  _globals['_JOBMEMORY_PEAKDEVICEBYTESENTRY']._serialized_start=815
+  _globals['_JOBMEMORY_PEAKDEVICEBYTESENTRY']._serialized_end=869
+  _globals['_MEMORYREPORT']._serialized_start=872
+  _globals['_MEMORYREPORT']._serialized_end=1046
+  _globals['_SWITCHSTEPREQUEST']._serialized_start=1049
+  _globals['_SWITCHSTEPREQUEST']._serialized_end=1294
+  _globals['_APPENGINE']._serialized_start=1296
+  _globals['_APPENGINE']._serialized_end=1376
+  _globals['_CLAIMREF']._serialized_start=1378
+  _globals['_CLAIMREF']._serialized_end=1421
+  _globals['_PROCESSSTATE']._serialized_start=1423
+  _globals['_PROCESSSTATE']._serialized_end=1484
+  _globals['_SWITCHSTEPRESPONSE']._serialized_start=1486
+  _globals['_SWITCHSTEPRESPONSE']._serialized_end=1607
+  _globals['_GETJOBSTATEREQUEST']._serialized_start=1609
+  _globals['_GETJOBSTATEREQUEST']._serialized_end=1662
+  _globals['_JOBSTATE']._serialized_start=1665
+  _globals['_JOBSTATE']._serialized_end=1794
+  _globals['_LISTJOBSREQUEST']._serialized_start=1796
+  _globals['_LISTJOBSREQUEST']._serialized_end=1813
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1815
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1877
+  _globals['_NODEAGENT']._serialized_start=1880
+  _globals['_NODEAGENT']._serialized_end=2416
 # @@protoc_insertion_point(module_scope)

@@ -13,12 +13,14 @@ class GetLiveJobsRequest(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[SwitchStepRequest, _Mapping]]] = ...) -> None: ...
 
 class LiveJobs(_message.Message):
-    __slots__ = ("live", "gone")
+    __slots__ = ("live", "gone", "clientless")
     LIVE_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    CLIENTLESS_FIELD_NUMBER: _ClassVar[int]
     live: _containers.RepeatedScalarFieldContainer[str]
     gone: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, live: _Optional[_Iterable[str]] = ..., gone: _Optional[_Iterable[str]] = ...) -> None: ...
+    clientless: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, live: _Optional[_Iterable[str]] = ..., gone: _Optional[_Iterable[str]] = ..., clientless: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetMemoryRequest(_message.Message):
     __slots__ = ("jobs", "watch_seconds", "low_free_bytes")
