@@ -92,7 +92,7 @@ class AwakeEngines:
 
     def woken(self, job: str) -> bool:
         """Whether `job`'s engine was woken without a grant since its last one (a failed
-        switch's rollback woke it, or a restore for nobody): its next grant says restored,
+        switch's rollback woke it): its next grant says restored,
         so its client learns that its engine reloaded its state (a vLLM sleep of level 2
         discards the weights; a wake does not bring them back). Reported once."""
         if job not in self._woken:

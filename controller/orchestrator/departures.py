@@ -23,7 +23,8 @@ def drop(g: LockGroup, job_id: str, reason: str, gone: bool = False) -> None:
     found gone) its processes; then, like a job dropped while checkpointed, it is
     restored when the group is idle (and fits), then forgotten: none of its processes
     stays stopped without an owner. On backend `app` an engine outlives its client: unless
-    `gone` (no process of the job is left), it stays a resident (`MemoryMoves.dropped`)."""
+    `gone` (no process of the job is left), it stays where it is, awake or asleep
+    (`MemoryMoves.dropped`)."""
     g.fail_job(job_id, StaleLease(f"group {g.id}: job {job_id} dropped: {reason}"))
     g.preemption.disarm_when_unwaited()
     held = g.holder is not None and g.holder.job_id == job_id

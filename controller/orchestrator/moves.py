@@ -137,14 +137,16 @@ class MemoryMoves:
         orphan's wake beside the awake resident (a helper's attack: every client that ended while
         its engine slept)."""
         g = self._g
-        kept = g.spec.backend == names.BACKEND_APP and not gone and job in g.residency.known_jobs()
+        r = g.residency
         if (held or job in self._lapsed | self._fenced | self.runner.evicting | g.awake.unreleased_jobs()) \
-                and g.spec.backend != "none" and job in g.residency.residents:  # dropped again while fenced: it stays
+                and g.spec.backend != "none" and job in r.residents:  # dropped again while fenced: it stays
             self._fenced.add(job)  # (being evicted: an orphan once out)
-        elif job in g.residency.checkpointed and g.spec.backend != "none" and not kept:
+        elif g.spec.backend == names.BACKEND_APP and not gone and (job in r.residents or job in r.checkpointed):
+            pass  # its engine stays where it is
+        elif job in r.checkpointed and g.spec.backend != "none":
             g.idle.unowned(job)
-        elif not kept:
-            g.residency.forget(job)
+        else:
+            r.forget(job)
         self._lapsed.discard(job)
         g.awake.forget(job)
         self.runner.dropped(job)

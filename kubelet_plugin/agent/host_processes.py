@@ -20,7 +20,7 @@ from pathlib import Path
 
 from timeslice.driver.errors import NotFound
 from timeslice.driver.peercred import PeerJobs, environ
-from timeslice.kubelet_plugin.agent import model_gpu
+from timeslice.kubelet_plugin.agent import model_gpu, procfs
 from timeslice.kubelet_plugin.agent.pod_processes import cuda_pids_on, marked
 
 log = logging.getLogger("timeslice.agent")
@@ -57,6 +57,10 @@ class _HostResolver:
         """Raises NotFound when the job has no such process (a job with nothing to move is
         a valid member: the agent then checkpoints and restores zero processes)."""
         return await asyncio.to_thread(self._pids, job_id)
+
+    async def processes(self, job_id: str) -> list[int]:
+        """Every live candidate of `job_id` (`ProcessResolver.processes`)."""
+        return await asyncio.to_thread(lambda: [p for p in self._candidates(job_id)[0] if procfs.alive(p)])
 
     def _candidates(self, job_id: str) -> tuple[list[int], str]:
         """(candidate PIDs, where they were looked for): the subclass's rule."""

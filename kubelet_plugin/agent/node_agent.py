@@ -650,7 +650,7 @@ class NodeAgent:
     async def _client_lives(self, job_id: str, engine: AppEngine) -> bool:
         """Whether a live process of `job_id` is outside its engine's (`live_jobs`); True
         until one has been seen."""
-        pids = await self._live(JobRef(job_id))
+        pids = await self.resolver.processes(job_id)
         port = urlsplit(engine.url).port or 80
         serving = await asyncio.to_thread(procfs.serving, pids, port)
         if any(p not in serving for p in pids):

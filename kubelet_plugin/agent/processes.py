@@ -26,6 +26,11 @@ class ProcessResolver(Protocol):
         (the agent's memory of the job decides: `NodeAgent.live_jobs`)."""
         ...
 
+    async def processes(self, job_id: str) -> list[int]:
+        """Every live process of `job_id` on this node, with or without a GPU context (those
+        `alive` looks at); [] when there is none."""
+        ...
+
 
 class StaticProcessResolver:
     """Jobs' PIDs as told by whoever starts them. `descendants`: a job is also every live
@@ -45,6 +50,13 @@ class StaticProcessResolver:
     async def alive(self, job_ids: Sequence[str]) -> dict[str, bool | None]:
         """A job whose PIDs were told is alive while one of them runs, else gone."""
         return {j: any(procfs.alive(p) for p in self._jobs[j]) if self._jobs.get(j) else None for j in job_ids}
+
+    async def processes(self, job_id: str) -> list[int]:
+        """The told PIDs that run (and their descendants, with `descendants`)."""
+        try:
+            return [p for p in await self.pids(job_id) if procfs.alive(p)]
+        except NotFound:
+            return []
 
     async def pids(self, job_id: str) -> list[int]:
         pids = self._jobs.get(job_id)
