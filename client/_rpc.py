@@ -61,13 +61,13 @@ RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # or starved) is asked again like an UNAVAILABLE one (`Retry`), never raised as the caller's
 # own timeout: a release or keep-alive has none.
 CALL_TIMEOUT = 10.0
-# Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 # An Acquire's wait for its grant is bounded by the orchestrator (`timeout_seconds`); the RPC is
 # given at least ANSWER_SECONDS for that answer to arrive. An acquire whose timeout is 0 (or
 # passed before its first try) tries once with NO_WAIT_SECONDS: granted if the grant needs no
 # wait (the group is free and the job's state on the GPUs), else AcquireTimeout, a try-lock.
 ANSWER_SECONDS = 1.0
 NO_WAIT_SECONDS = 0.001
+# Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0
 # An Acquire answered SwitchFailed (ABORTED) is asked again (`Settings.retry_failed_switches`)

@@ -648,8 +648,9 @@ class NodeAgent:
         return [j for j in live if j not in clientless], gone, clientless
 
     async def _client_lives(self, job_id: str, engine: AppEngine) -> bool:
-        """Whether a live process of `job_id` is outside its engine's (`live_jobs`); True
-        until one has been seen."""
+        """Whether `job_id`'s client may live (`live_jobs`): a live process of it runs outside
+        its engine's processes, or none ever did here (its client may be the engine's own
+        process), or none of it runs."""
         pids = await self.resolver.processes(job_id)
         port = urlsplit(engine.url).port or 80
         serving = await asyncio.to_thread(procfs.serving, pids, port)
