@@ -62,7 +62,8 @@ RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # own timeout: a release or keep-alive has none.
 CALL_TIMEOUT = 10.0
 # An Acquire's wait for its grant is bounded by the orchestrator (`timeout_seconds`); the RPC is
-# given at least ANSWER_SECONDS for that answer to arrive. An acquire whose timeout is 0 (or
+# given ANSWER_SECONDS more for that answer to arrive (a grant made at the bound is delivered,
+# not cancelled by the client's own deadline). An acquire whose timeout is 0 (or
 # passed before its first try) tries once with NO_WAIT_SECONDS: granted if the grant needs no
 # wait (the group is free and the job's state on the GPUs), else AcquireTimeout, a try-lock.
 ANSWER_SECONDS = 1.0
@@ -258,7 +259,7 @@ class AcquireTries:
         self._sent_at = time.monotonic()
         return self._stub.Acquire(acquire_request(self._s, self._group, self._priority, remaining, self.request_id,
                                                   self._memory),
-                                  timeout=None if remaining is None else max(remaining, ANSWER_SECONDS),
+                                  timeout=None if remaining is None else remaining + ANSWER_SECONDS,
                                   metadata=call_metadata())
 
     def grant(self, r: pb.AcquireResponse) -> tuple[Grant, bool]:

@@ -78,11 +78,10 @@ class AsyncTimeSliceOrchestratorClient:
         deadline = _rpc.deadline_of(timeout)
         gate = self._acquiring.setdefault(group, asyncio.Lock())
         try:
-            if gate.locked():  # (a free one is taken at once: wait_for(..., 0) would time out first)
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                await asyncio.wait_for(gate.acquire(), left)
-            else:
-                await gate.acquire()
+            # (at least NO_WAIT_SECONDS: a free gate is taken before that timer runs, where
+            # wait_for(..., 0) timed out before its first try)
+            left = None if deadline is None else max(_rpc.NO_WAIT_SECONDS, deadline - time.monotonic())
+            await asyncio.wait_for(gate.acquire(), left)
         except TimeoutError:
             raise AcquireTimeout(f"acquire {group}: no grant within {timeout:g} s (another task of this client "
                                  "was acquiring it all along)") from None

@@ -345,10 +345,11 @@ async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_
     while it held. The agents reported a live (its engine), so the orchestrator kept a as
     holder past its lease for as long as the engine ran: b waited out its whole timeout. Now
     the agent reports a *clientless* once only the engine's processes are left, the holders'
-    watch (`gone_holders`, as `timeslice orchestrator` runs it) drops a, keeping its engine,
-    and b is granted once a's engine sleeps, well within a's lease."""
+    watch (`gone_holders`, as `timeslice orchestrator` runs it) drops a once no keep-alive came
+    for half its lease, keeping its engine, and b is granted once a's engine sleeps. While the
+    client renews, a holds on, past any number of looks."""
     log, _ = engine_dirs
-    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=300)
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=4)
     engine_pid = c.resolvers["node-0"].pids  # (the engine's process, as two_jobs told it)
     p = client_process(c.target, a_engine)
     children.append(p)
@@ -372,3 +373,23 @@ async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_
     finally:
         watch.cancel()
         await b.close()
+
+
+async def test_an_asleep_engine_is_kept_for_its_job_unless_the_job_is_gone() -> None:
+    """Dropped while asleep, an app job stays checkpointed (its engine sleeps until the job asks
+    again) when only its client left; when nothing of it is left (no process, or its claim set
+    dropped in a cluster) it is forgotten. A review found it kept then too, a record nobody
+    would ask for again."""
+    async def switcher(spec: GroupSpec, evict, incoming: str, restore: bool) -> SwitchRecord:  # type: ignore[no-untyped-def]
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    engines = {j: AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}") for j, port in (("a", 1), ("b", 2))}
+    g = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///x",), apps=engines), switcher)
+    try:
+        for job in ("a", "b"):
+            g.residency.moved_out(job)
+        g.drop_job("a", "its claim set was dropped", gone=True)
+        g.drop_job("b", "its processes are done with the group")
+        assert g.residency.checkpointed == {"b"} and not g.idle.is_orphan("b")
+    finally:
+        await g.close()

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
-from timeslice.controller.orchestrator.gone_holders import GoneHolders, gone
+from timeslice.controller.orchestrator.gone_holders import GoneHolders, drop_gone, gone
 from timeslice.controller.orchestrator.group import LockGroup
-from timeslice.controller.orchestrator.group_model import GroupEvent, Hold
+from timeslice.controller.orchestrator.group_model import GroupEvent, Hold, SwitchRecord
 from timeslice.driver.app_engine import AppEngine
 from timeslice.kubelet_plugin.agent.host_processes import EnvironProcessResolver
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
@@ -173,3 +173,30 @@ async def test_a_grant_looks_at_the_groups_granted_not_at_every_group() -> None:
         assert asked[1] == ["b"]
     finally:
         watch.cancel()
+
+
+async def test_a_clientless_holder_is_dropped_only_once_no_keep_alive_came_for_half_its_lease() -> None:
+    """An agent cannot always tell a client from its engine (an in-process engine that listened
+    only after its first hold looked like a client that later died: a review's finding). A
+    client that renews is alive whatever /proc says: a clientless holder is dropped only once
+    no keep-alive came for half its lease."""
+    class Agent:
+        async def live_jobs(self, jobs):  # type: ignore[no-untyped-def]
+            return set(), set(), {j for j, _, _ in jobs}
+
+    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    now = [0.0]
+    group = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///agent.sock",), lease_seconds=10,
+                                apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:1")}),
+                      switcher, clock=lambda: now[0])
+    group.holder = Hold("a", "lease", 1, 0.0, 10.0, {"r"}, False, 0.0)
+    try:
+        now[0] = 4.9  # its grant (or last keep-alive) 4.9 s ago, of a 10 s lease
+        assert await drop_gone([group], lambda _: Agent()) == [] and group.holder is not None
+        now[0] = 5.0
+        assert await drop_gone([group], lambda _: Agent()) == [("g", "a")]
+        assert group.holder is None
+    finally:
+        await group.close()

@@ -17,8 +17,10 @@ until its lease lapses (on `vmm` and `app`, whose processes nothing stops, also 
 reported live: `decisions.lease_timer`), and so does one no agent knows (never seen there; a cluster's claims,
 which the agents do not look at here) or one whose agent does not answer. On `app`, a holder
 whose only live processes serve its inference engine, once its client was seen (`clientless`:
-the client was killed, the engine runs on), is dropped too, its engine kept (a helper's attack:
-such a holder kept the lock for as long as its engine ran, every other job waiting).
+the client was killed, the engine runs on), is dropped too, its engine kept, once no keep-alive
+came for half its lease (a client the agent cannot tell apart, one whose engine process only
+listened after its first hold, renews: a review's finding); before, such a holder kept the lock
+for as long as its engine ran, every other job waiting (a helper's attack).
 """
 
 from __future__ import annotations
@@ -113,8 +115,10 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
             log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
             if not g.adopted_holder_gone(h.job_id):
                 g.drop_job(h.job_id, "its processes are gone", gone=True)
-        elif gone(h.job_id, said, 2):
-            log.warning("holder's client gone group=%s job=%s: only its engine's processes are left", g.id, h.job_id)
+        elif gone(h.job_id, said, 2) and g.clock() >= h.lease_deadline - g.spec.lease_seconds / 2:
+            # (and its keep-alives stopped: a client /proc cannot tell apart keeps its hold while it renews)
+            log.warning("holder's client gone group=%s job=%s: only its engine's processes are left and no "
+                        "keep-alive came for half its lease", g.id, h.job_id)
             g.drop_job(h.job_id, "its client's processes are gone (its engine runs on)")
         else:
             continue

@@ -143,8 +143,8 @@ class MemoryMoves:
             self._fenced.add(job)  # (being evicted: an orphan once out)
         elif g.spec.backend == names.BACKEND_APP and not gone and (job in r.residents or job in r.checkpointed):
             pass  # its engine stays where it is
-        elif job in r.checkpointed and g.spec.backend != "none":
-            g.idle.unowned(job)
+        elif job in r.checkpointed and g.spec.backend not in (names.BACKEND_NONE, names.BACKEND_APP):
+            g.idle.unowned(job)  # (an `app` one gone is forgotten: a sleeping engine is no stopped process)
         else:
             r.forget(job)
         self._lapsed.discard(job)
