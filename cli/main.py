@@ -26,8 +26,6 @@ from timeslice.driver.errors import FailedPrecondition
 from timeslice.driver.names import install_hint
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-TIMEOUT_HELP = ("seconds to wait for the grant (default and inf: no bound; 0: one try, granted only if the group "
-                "is free and the job's state on the accelerators)")
 TARGET_HELP = ("orchestrator address: unix:///PATH (what `timeslice serve` prints) or HOST:PORT (default "
                "$TIMESLICE_ORCHESTRATOR)")
 
@@ -531,7 +529,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--job", help="job id (default $TIMESLICE_JOB; in a pod with a token: the pod's job); CMD runs "
                                  "with TIMESLICE_JOB set to it")
     r.add_argument("--group", help="group or claim name (default $TIMESLICE_GROUP)")
-    r.add_argument("--timeout", type=float, metavar="SECONDS", help=TIMEOUT_HELP)
+    r.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for the grant (default: no bound)")
     r.add_argument("--priority", type=int, default=0, metavar="N", help="queue priority, higher first (default 0)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
     r.set_defaults(fn=_run)
@@ -555,7 +553,8 @@ def parser() -> argparse.ArgumentParser:
                                            "timeslice-<uid>/hold-<job>@<group>.json)")
         if name == "acquire":
             h.add_argument("--target", metavar="ADDRESS", help=TARGET_HELP)
-            h.add_argument("--timeout", type=float, metavar="SECONDS", help=TIMEOUT_HELP)
+            h.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for the grant (default: "
+                           "no bound)")
             h.add_argument("--priority", type=int, default=0, metavar="N", help="queue priority, higher first "
                            "(default 0)")
         h.set_defaults(fn=_acquire if name == "acquire" else _release)

@@ -61,13 +61,6 @@ RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # or starved) is asked again like an UNAVAILABLE one (`Retry`), never raised as the caller's
 # own timeout: a release or keep-alive has none.
 CALL_TIMEOUT = 10.0
-# An Acquire's wait for its grant is bounded by the orchestrator (`timeout_seconds`); the RPC is
-# given ANSWER_SECONDS more for that answer to arrive (a grant made at the bound is delivered,
-# not cancelled by the client's own deadline). An acquire whose timeout is 0 (or
-# passed before its first try) tries once with NO_WAIT_SECONDS: granted if the grant needs no
-# wait (the group is free and the job's state on the GPUs), else AcquireTimeout, a try-lock.
-ANSWER_SECONDS = 1.0
-NO_WAIT_SECONDS = 0.001
 # Retry pacing on UNAVAILABLE: exponential from BACKOFF_FIRST to BACKOFF_MAX seconds.
 BACKOFF_FIRST = 0.05
 BACKOFF_MAX = 2.0
@@ -258,9 +251,7 @@ class AcquireTries:
     def send(self, remaining: float | None) -> Any:
         self._sent_at = time.monotonic()
         return self._stub.Acquire(acquire_request(self._s, self._group, self._priority, remaining, self.request_id,
-                                                  self._memory),
-                                  timeout=None if remaining is None else remaining + ANSWER_SECONDS,
-                                  metadata=call_metadata())
+                                                  self._memory), timeout=remaining, metadata=call_metadata())
 
     def grant(self, r: pb.AcquireResponse) -> tuple[Grant, bool]:
         """The grant `r` (`grant_of`), and whether it may have lapsed before this process saw it:
@@ -315,20 +306,16 @@ class Retry:
         self._switch_delay = SWITCH_BACKOFF_FIRST
         self.switch_failures = 0
         self.last_switch_failure: SwitchFailed | None = None
-        self._tried = False
 
     def remaining(self) -> float | None:
         """Seconds the next try may take (None: no bound): until the deadline (past it, raises
-        AcquireTimeout, but for the first try, which is always made: `NO_WAIT_SECONDS`); with
-        `call_timeout`, at most that, and after a failure at most what is left of the retry
-        window."""
+        AcquireTimeout); with `call_timeout`, at most that, and after a failure at most what is
+        left of the retry window."""
         left = None
         if self._deadline is not None:
             left = self._deadline - time.monotonic()
-            if left <= 0 and self._tried:
+            if left <= 0:
                 raise self._timed_out(AcquireTimeout(f"{self.what}: no grant before the timeout"))
-            left = max(left, NO_WAIT_SECONDS)  # a timeout of 0: one try, granted only at once
-        self._tried = True
         if self._call_timeout is not None:
             bound = self._call_timeout if self._since is None else \
                 max(0.0, min(self._call_timeout, self._window_left()))

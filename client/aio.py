@@ -78,10 +78,7 @@ class AsyncTimeSliceOrchestratorClient:
         deadline = _rpc.deadline_of(timeout)
         gate = self._acquiring.setdefault(group, asyncio.Lock())
         try:
-            # (at least NO_WAIT_SECONDS: a free gate is taken before that timer runs, where
-            # wait_for(..., 0) timed out before its first try)
-            left = None if deadline is None else max(_rpc.NO_WAIT_SECONDS, deadline - time.monotonic())
-            await asyncio.wait_for(gate.acquire(), left)
+            await asyncio.wait_for(gate.acquire(), None if deadline is None else max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             raise AcquireTimeout(f"acquire {group}: no grant within {timeout:g} s (another task of this client "
                                  "was acquiring it all along)") from None

@@ -103,14 +103,11 @@ class TimeSliceOrchestratorClient:
         """Block until this job holds the group and its state is on the GPUs.
 
         `timeout` is in seconds (None or `math.inf` waits without bound), failed switches
-        included (they are asked again, see `retry_failed_switches`); 0 tries once: granted only
-        when the grant needs no wait (the group free and this job's state on the GPUs; a try that
-        finds it out starts moving it back), else AcquireTimeout at once (`_rpc.NO_WAIT_SECONDS`).
-        A grant is confirmed with a keep-alive before it is used where it may have lapsed unseen:
-        on a group whose state this process serves (`serve_memory_commands`), and wherever its
-        answer waited unread for over a quarter of its lease (the process was stopped or starved
-        while it waited: `_rpc.AcquireTries`); a grant whose lease lapsed before this process saw
-        it is asked again, never used.
+        included (they are asked again, see `retry_failed_switches`). A grant is confirmed with a keep-alive
+        before it is used where it may have lapsed unseen: on a group whose state this process
+        serves (`serve_memory_commands`), and wherever its answer waited unread for over a
+        quarter of its lease (the process was stopped or starved while it waited: `_rpc.AcquireTries`);
+        a grant whose lease lapsed before this process saw it is asked again, never used.
         Nested acquires of a held group return the same grant and need as many releases; so
         do acquires of one group by several threads of this client at once: the later ones
         wait (within their own timeout) for the first one's grant and share its hold.

@@ -543,39 +543,3 @@ def test_the_default_retry_rule_asks_a_call_answered_at_once_again_but_not_an_ac
         acquire.pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), 1.0)
     with pytest.raises(OrchestratorUnavailable, match="no answer"):  # no window: raised at the first
         _rpc.Retry("release g", None, 0.0, call_timeout=1.0).pause_after(Status(grpc.StatusCode.DEADLINE_EXCEEDED), 1.0)
-
-
-@pytest.mark.parametrize("backend", ["none", "freeze"])
-async def test_acquire_with_timeout_zero_tries_once_without_waiting(make_cluster, backend: str) -> None:
-    """`acquire(timeout=0)` is a try: granted when the grant needs no wait, else AcquireTimeout
-    at once (an RL job that trains only while the GPU is free, generating otherwise). It raised
-    AcquireTimeout before asking, so such a job never trained. The sync and asyncio clients
-    and the CLI share `_rpc.Retry`. On `freeze` a grant that first moves the other job out
-    needs a wait: the try that finds it so starts the move and times out, a later try is
-    granted."""
-    c = await make_cluster(backend=backend, real_backend=backend == "freeze")
-    a, b = c.client("a"), TimeSliceOrchestratorClient(c.target, "b", "g")
-
-    async def tried(acquire) -> bool:  # type: ignore[no-untyped-def]
-        try:
-            await acquire()
-        except AcquireTimeout:
-            return False
-        return True
-
-    try:
-        assert await a.acquire(timeout=0) is not None  # a free group, nothing to move: granted at once
-        t0 = time.monotonic()
-        with pytest.raises(AcquireTimeout):  # a holds
-            await asyncio.to_thread(b.acquire, timeout=0)
-        assert time.monotonic() - t0 < 5  # (a try's answer is bounded by _rpc.ANSWER_SECONDS)
-        await a.release()
-        await eventually(lambda: tried(lambda: asyncio.to_thread(b.acquire, timeout=0)), timeout=10,
-                         what="b's try granted once a released")
-        await asyncio.to_thread(b.release)
-        await eventually(lambda: tried(lambda: a.acquire(timeout=0)), timeout=10, what="a's try granted")
-        await a.release()
-        assert (await c.status()).failed_switches == 0
-    finally:
-        await a.close()
-        await asyncio.to_thread(b.close)
