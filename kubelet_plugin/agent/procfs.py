@@ -97,10 +97,17 @@ def serving(pids: list[int], port: int) -> set[int]:
     (in its own network namespace), and its descendants (an inference engine's workers).
     Processes that cannot be read (gone, another user's) are left out."""
     out: set[int] = set()
+    listening: dict[int, set[str]] = {}  # network namespace (its inode) -> its sockets listening on `port`
     for pid in pids:
         if pid in out:
             continue
-        inodes = _listening_inodes(pid, port)
+        try:
+            ns = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            continue
+        if ns not in listening:  # (the tables are the namespace's: read once, not once per process)
+            listening[ns] = _listening_inodes(pid, port)
+        inodes = listening[ns]
         if not inodes:
             continue
         try:
