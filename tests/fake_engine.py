@@ -17,7 +17,8 @@ tests' stand-in for NVML reads it. Each completed call appends `<name> <call>` t
 log file (O_APPEND, one write per line), so tests see the order across engines.
 `nvml_stand_in(memory_dir)` is the agent's NVML stand-in over those files.
 Faults, set with `POST /fake/fault` and a JSON body: `{"wake": "fail"}` (every wake
-fails), `{"sleep": "hang"}` (a sleep never answers), `{"sleep": "keep-memory"}` (it
+fails), `{"wake": "hold"}` (a wake logs `wake-held` and waits until the fault is cleared,
+then wakes), `{"sleep": "hang"}` (a sleep never answers), `{"sleep": "keep-memory"}` (it
 answers but frees nothing), `{"sleep": "huge-body"}` (a sleep answers HTTP 500 with a
 `HUGE_BODY_BYTES` body, control characters first, streamed; it does not sleep),
 `{"is_sleeping": "lie"}` (`GET /is_sleeping` answers true, asleep or not),
@@ -76,6 +77,7 @@ class FakeEngine:
         self.delay = delay
         self.sleeping = False
         self.faults: dict[str, str] = {}
+        self.faults_changed = asyncio.Condition()
         self.hits: list[str] = []
         self.body_sent = 0
         self.body_ended = False
@@ -143,6 +145,10 @@ class FakeEngine:
     async def wake(self, request: web.Request) -> web.Response:
         if self.engine == "sglang":
             await request.json()
+        if self.faults.get("wake") == "hold":
+            self._record("wake-held")
+            async with self.faults_changed:
+                await self.faults_changed.wait_for(lambda: self.faults.get("wake") != "hold")
         await asyncio.sleep(self.delay)
         if self.faults.get("wake") == "fail":
             self._record("wake-failed")
@@ -188,6 +194,8 @@ class FakeEngine:
                 self.faults.pop(k, None)
             else:
                 self.faults[k] = v
+        async with self.faults_changed:
+            self.faults_changed.notify_all()
         return web.json_response(self.faults)
 
     def app(self) -> web.Application:

@@ -340,3 +340,33 @@ async def test_an_engine_whose_client_left_stays_where_it_is_and_sleeps_for_the_
     finally:
         for cl in (a, b):
             await cl.close()
+
+
+async def test_an_engine_woken_for_a_client_that_left_meanwhile_stays_a_resident(
+        make_cluster, children, engine_dirs) -> None:
+    """a's client gave up and left (`Leave`) while its engine's wake for it ran: the engine is
+    awake when the switch ends, so it is a resident that b's wake puts to sleep first. It was
+    taken to be asleep still, and b's engine woke beside it (app schedules seed 3 in CI: a
+    SIGTERMed job left during its switch, and the next wake ran out of memory)."""
+    log = engine_dirs[0]
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs)
+    a, b = c.client("a"), c.client("b")
+    try:
+        await a.acquire(timeout=10)
+        await a.release()
+        await b.acquire(timeout=10)  # a sleeps
+        await fault(a_engine, wake="hold")
+        asking = asyncio.create_task(a.acquire(timeout=30))
+        await b.release()  # b sleeps, a's wake begins
+        await eventually(lambda: "a wake-held" in calls(log), timeout=10, what="a's wake")
+        asking.cancel()
+        await a.close()  # Leave, while its wake runs
+        await fault(a_engine, wake="ok")
+        await eventually(lambda: "a wake" in calls(log), timeout=10, what="a's wake to end")
+        await b.acquire(timeout=10)
+        assert calls(log) == ["a sleep level=1", "b sleep", "a wake-held", "a wake", "a sleep level=1", "b wake"]
+        assert await is_sleeping(a_engine)
+        await b.release()
+    finally:
+        for cl in (a, b):
+            await cl.close()

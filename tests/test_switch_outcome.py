@@ -45,13 +45,15 @@ def cases(draw) -> tuple[OutcomeFacts, SwitchResult]:
     dropped = draw(st.booleans())  # the incoming job was dropped while its switch ran
     others = [j for j in JOBS if j not in (incoming, *evict)]
     beside = None if grant or not others else draw(st.none() | st.sampled_from(others))
-    facts = OutcomeFacts("g", draw(st.sampled_from(["cuda", "cooperative", "freeze", "app"])), evict, incoming,
+    backend = draw(st.sampled_from(["cuda", "cooperative", "freeze", "app"]))
+    facts = OutcomeFacts("g", backend, evict, incoming,
                          restore=draw(st.booleans()), grant=grant, beside=beside,
                          queued=frozenset(draw(st.lists(st.sampled_from(JOBS), unique=True))),
                          orphan=(not grant or dropped) and draw(st.booleans()),
                          restore_failures=draw(st.integers(0, MAX_RESTORE_FAILURES)),
                          failing_seconds=draw(st.sampled_from([0.0, 3.0, RESTORE_FAILURE_SECONDS, 60.0])),
-                         holder_epoch=draw(st.integers(0, 5)), dropped=dropped, restarted=draw(st.booleans()))
+                         holder_epoch=draw(st.integers(0, 5)), dropped=dropped,
+                         kept=dropped and backend == "app" and draw(st.booleans()), restarted=draw(st.booleans()))
     kind = draw(st.sampled_from(["ran", "no-room", "failed", "crashed"]))
     record = None
     if kind in ("ran", "failed") and (kind == "failed" or draw(st.booleans())):
@@ -79,12 +81,13 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
         if isinstance(e, FailWaiters):  # waiters fail only for the incoming job, only when its switch failed
             assert e.job == f.incoming and not ok and not (r.kind == "no-room" and f.beside is not None)
     # a job dropped or started again while its switch ran: its waiters now are a later incarnation's, which
-    # nothing of the switch grants, fails or counts against; a dropped one is not taken to be on the GPUs
+    # nothing of the switch grants, fails or counts against; a dropped one is not taken to be on the GPUs,
+    # but an `app` engine its drop kept, which the restore woke, is a resident (not next up)
     replaced = f.dropped or f.restarted
     if replaced:
         assert not {Grant, Held, FailWaiters, RestoreFailed, IdleFailed} & set(kinds), effects
     if f.dropped:
-        assert MovedIn not in kinds
+        assert all(f.kept and not e.next_up for e in effects if isinstance(e, MovedIn)), effects
     assert kinds.count(RestoreFailed) <= 1
     # a grant follows only a switch that ran and succeeded, once, for the incoming job
     grants = [e for e in effects if isinstance(e, Grant)]
@@ -106,7 +109,7 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
         held = f.grant and not replaced
         assert kinds.count(Held) == (1 if held else 0)
         assert kinds.count(MovedIn) == (1 if not held and not f.orphan and f.restore and r.record
-                                        and not f.dropped else 0)
+                                        and (not f.dropped or f.kept) else 0)
     # a staging without room is left to the hand-off, and nothing else happens
     if r.kind == "no-room" and f.beside is not None:
         assert effects == [Unstaged(f.holder_epoch, f.incoming)] and record is None
@@ -142,6 +145,18 @@ def test_a_job_dropped_while_its_switch_ran_is_not_granted_by_it() -> None:
     again = dataclasses.replace(f, restore=True, dropped=False, restarted=True)
     _, effects = outcome(again, SwitchResult("ran", rec))
     assert effects == [CheckedOut("b"), Counted(True), MovedIn("a", next_up=True), Recorded("a", rec)]
+
+
+def test_an_app_engine_woken_for_a_job_that_left_meanwhile_is_a_resident() -> None:
+    """app schedules seed 3 (CI): a SIGTERMed job left while its engine's wake ran; the engine,
+    awake and kept (`MemoryMoves.dropped`), was taken to be asleep, and the next job's wake ran out
+    of memory beside it. It is resident, not next up; a gone one (not kept) is not."""
+    f = OutcomeFacts("g", "app", ("b",), "a", restore=True, grant=True, dropped=True, kept=True)
+    rec = SwitchRecord("b", "a", ok=True)
+    _, effects = outcome(f, SwitchResult("ran", rec))
+    assert effects == [CheckedOut("b"), Counted(True), MovedIn("a", next_up=False), Recorded("a", rec)]
+    _, effects = outcome(dataclasses.replace(f, kept=False), SwitchResult("ran", rec))
+    assert effects == [CheckedOut("b"), Counted(True), Recorded("a", rec)]
 
 
 def test_an_evicted_jobs_failed_checkpoint_never_counts_against_the_incoming_job() -> None:

@@ -14,8 +14,11 @@ The rules (DESIGN.md, "Lock groups and the orchestrator"):
   seed 600008, a job SIGTERMed while waiting and started again was granted in place at the end of
   a switch planned for it, and its new process ran out of memory beside the old one's 66 GB).
   They stay queued, nothing of the switch fails them or counts against them, and the next
-  dispatch plans afresh. A dropped job is not taken to be on the GPUs by it; one started again
-  whose restore ran is resident, next up (`MovedIn`).
+  dispatch plans afresh. A dropped job is not taken to be on the GPUs by it, but an `app`
+  engine its drop kept (`kept`: `MemoryMoves.dropped`), which the restore woke: it is a resident
+  that the next switch puts to sleep (`MovedIn`, not next up; taken for asleep, the next wake
+  ran out of memory beside it: app schedules seed 3, a SIGTERMed job left during its switch).
+  One started again whose restore ran is resident, next up (`MovedIn`).
 - A plan without room fails the incoming job's waiters (`FailWaiters`: their clients ask
   again), except a staging, which is left to the hand-off (`Unstaged`).
 - A switch that failed is counted, the evicted jobs the rollback could not put back are off
@@ -67,8 +70,8 @@ class OutcomeFacts:
     `restore`, `grant`, `beside`: the holder a staging made room beside), the jobs that wait,
     whether `incoming` is an orphan restored for nobody, its restores failed in a row before
     this switch and the seconds since the first of them (0.0: none), the holder's epoch, and
-    whether `incoming` was dropped (`dropped`) or its processes started again (`restarted`) while
-    the switch ran."""
+    whether `incoming` was dropped (`dropped`; `kept`: its `app` engine stays, `MemoryMoves.dropped`)
+    or its processes started again (`restarted`) while the switch ran."""
 
     group_id: str
     backend: str
@@ -83,6 +86,7 @@ class OutcomeFacts:
     failing_seconds: float = 0.0
     holder_epoch: int = 0
     dropped: bool = False
+    kept: bool = False
     restarted: bool = False
 
     @property
@@ -217,8 +221,8 @@ def outcome(f: OutcomeFacts, r: SwitchResult) -> tuple[SwitchRecord | None, list
             effects.append(Held(f.incoming))
         elif f.orphan:  # its processes run on, unowned
             effects.append(RestoredForNobody(f.incoming))
-        elif f.restore and record is not None and not f.dropped:
-            effects.append(MovedIn(f.incoming, next_up=f.beside is not None or f.grant))
+        elif f.restore and record is not None and (not f.dropped or f.kept):
+            effects.append(MovedIn(f.incoming, next_up=not f.dropped and (f.beside is not None or f.grant)))
     ok = record is None or record.ok
     if record is not None:
         effects.append(Recorded(f.incoming, record))
