@@ -83,6 +83,34 @@ async def test_a_job_whose_live_processes_all_serve_its_engine_is_clientless_onc
         os.kill(worker, 9)
 
 
+LATE_ENGINE = ("import signal, socket, sys\n"
+               "s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)\n"
+               "sys.stdin.readline(); s.listen(); print('listening', flush=True)\n"
+               "signal.pause()\n")
+
+
+async def test_a_job_whose_engine_is_its_client_and_listened_only_later_is_never_clientless() -> None:
+    """A review's finding: an in-process engine seen before it listened (its first hold ran
+    first) was taken for a client, and once it listened, for an engine whose client was gone:
+    its job, alive, was dropped. A client seen is gone only once no process seen as one is left."""
+    proc = subprocess.Popen([sys.executable, "-c", LATE_ENGINE], stdin=subprocess.PIPE,  # noqa: ASYNC220
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["none"])
+        jobs, engines = [JobRef("a")], {"a": AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}")}
+        assert await agent.live_jobs(jobs, engines) == (["a"], [], [])  # (not listening: its client)
+        proc.stdin.write("listen\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert proc.stdout.readline() == "listening\n"  # type: ignore[union-attr]
+        assert await agent.live_jobs(jobs, engines) == (["a"], [], [])
+    finally:
+        proc.kill()
+        proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            f.close()  # type: ignore[union-attr]
+
+
 def sleeper(job: str | None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k != "TIMESLICE_JOB"}
     if job is not None:

@@ -18,9 +18,8 @@ reported live: `decisions.lease_timer`), and so does one no agent knows (never s
 which the agents do not look at here) or one whose agent does not answer. On `app`, a holder
 whose only live processes serve its inference engine, once its client was seen (`clientless`:
 the client was killed, the engine runs on), is dropped too, its engine kept, once no keep-alive
-came for half its lease (a client the agent cannot tell apart, one whose engine process only
-listened after its first hold, renews: a review's finding); before, such a holder kept the lock
-for as long as its engine ran, every other job waiting (a helper's attack).
+came for half its lease (a client that renews is alive, whatever /proc says); before, such a
+holder kept the lock for as long as its engine ran, every other job waiting (a helper's attack).
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ class NodeAgent:
         self.operations = Operations()
         # jobs (not named by claims) this run saw processes of, least recently seen first (`live_jobs`)
         self._seen_jobs: dict[str, None] = {}
-        self._clients_seen: set[str] = set()  # jobs with an engine whose client process was seen (`live_jobs`)
+        # jobs with an engine -> their processes last seen live outside it, its clients (`live_jobs`)
+        self._clients_seen: dict[str, set[int]] = {}
         # backends built only to put back what an earlier run recorded with a backend this run
         # does not offer (`recovery_backend`): never used for a checkpoint
         self._recovering: dict[str, Backend] = {}
@@ -634,9 +635,10 @@ class NodeAgent:
         here, or named by claims (a cluster's pods: not looked at; their lease decides).
         clientless: a job with an inference engine (`engines`, by job: backend app) whose live
         processes all serve the engine's port (`procfs.serving`), once a process of it outside
-        them was seen live: its client is gone and its engine runs on (an engine outlives its
-        client; a helper's attack: a killed client's job, its engine up, was kept as holder for
-        as long as the engine ran). A job whose client is its engine's own process is never so."""
+        them was seen live and none of those is left: its client is gone and its engine runs on
+        (an engine outlives its client; a helper's attack: a killed client's job, its engine up,
+        was kept as holder for as long as the engine ran). A job whose client is its engine's own
+        process is never so, even one that listened only after it was seen (a review's finding)."""
         named = sorted({j.job_id for j in jobs if not j.claims})
         alive = await self.resolver.alive(named) if named else {}
         live = [j for j in named if alive.get(j)]
@@ -649,15 +651,21 @@ class NodeAgent:
 
     async def _client_lives(self, job_id: str, engine: AppEngine) -> bool:
         """Whether `job_id`'s client may live (`live_jobs`): a live process of it runs outside
-        its engine's processes, or none ever did here (its client may be the engine's own
+        its engine's processes, or one that did is still a process of the job (the engine's own
+        process, listening since), or none ever did here (its client may be the engine's own
         process), or none of it runs."""
         pids = await self.resolver.processes(job_id)
         port = urlsplit(engine.url).port or 80
         serving = await asyncio.to_thread(procfs.serving, pids, port)
-        if any(p not in serving for p in pids):
-            self._clients_seen.add(job_id)
+        clients = {p for p in pids if p not in serving}
+        if clients:  # (the latest seen: a later look asks whether any of them is left)
+            self._clients_seen.pop(job_id, None)
+            self._clients_seen[job_id] = clients
+            if len(self._clients_seen) > MAX_SEEN_JOBS:
+                del self._clients_seen[next(iter(self._clients_seen))]
             return True
-        return job_id not in self._clients_seen or not pids
+        seen = self._clients_seen.get(job_id)
+        return not seen or not pids or bool(seen & set(pids))
 
     def _seen(self, job_id: str) -> None:
         self._seen_jobs.pop(job_id, None)
