@@ -375,6 +375,41 @@ async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_
         await b.close()
 
 
+async def test_a_revoked_holder_whose_client_was_then_killed_is_dropped_and_its_engine_slept(
+        make_cluster, children, engine_dirs) -> None:
+    """a's hold was revoked at `maxHoldSeconds` (b waits), its engine kept awake for its client,
+    which was then killed before it released (its engine runs on). Nothing would ever release
+    a, and b waited for good. Now the holders' watch (as `timeslice orchestrator` runs it) finds
+    a clientless and drops it once it did not release for half a lease, keeping its engine,
+    which sleeps before b is granted."""
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=2,
+                                 group={"max_hold_seconds": 0.3})
+    engine_pid = c.resolvers["node-0"].pids
+    p = client_process(c.target, a_engine)
+    children.append(p)
+    c.resolvers["node-0"].set("a", [*(await engine_pid("a")), p.pid])
+    holders = GoneHolders(c.orchestrator.groups, c.orchestrator.agent, every=0.2)
+    c.orchestrator.add_observer(holders.observe)
+    watch = asyncio.get_running_loop().create_task(holders.watch())
+    b = c.client("b")
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
+        assert line.startswith("granted"), line
+        tb = asyncio.create_task(b.acquire(timeout=60))
+        await eventually(lambda: preempted(c), what="a preempted")
+        await eventually(lambda: "a generate" in calls(log), what="a's client generating")
+        assert not tb.done() and not await is_sleeping(a_engine)  # its client may still generate
+        p.kill()
+        p.wait()
+        grant = await asyncio.wait_for(tb, 20)
+        assert grant.job_id == "b" and await is_sleeping(a_engine) and "a sleep level=1" in calls(log)
+        await b.release()
+    finally:
+        watch.cancel()
+        await b.close()
+
+
 async def test_an_asleep_engine_is_kept_for_its_job_unless_the_job_is_gone() -> None:
     """Dropped while asleep, an app job stays checkpointed (its engine sleeps until the job asks
     again) when only its client left; when nothing of it is left (no process, or its claim set

@@ -10,7 +10,8 @@ lapsed, or persisted as one that must leave by an orchestrator that then restart
 client released, its job is dropped, it holds again, or no process of it is left (`watch`:
 a client that died never releases; app schedules seed 97: the job left just before an
 orchestrator restart that found it persisted as one that must leave, and every other
-grant waited for good). An engine woken without a grant (a rollback's wake) is reported
+grant waited for good), or only its engine's are, for half a lease (`gone_holders`: its
+client was killed, its engine runs on). An engine woken without a grant (a rollback's wake) is reported
 to its client at its next grant (`woken`).
 """
 
@@ -37,6 +38,7 @@ class AwakeEngines:
     def __init__(self, group: LockGroup) -> None:
         self._g = group
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}  # job -> (the hold that ended, or None; why)
+        self._since: dict[str, float] = {}  # job -> when (the group's clock) it became unreleased
         self._woken: set[str] = set()  # engines woken without a grant, reported at the next (`woken`)
         self._left: set[str] = set()  # holders a process of which left (`left_holding`)
         self._watch: asyncio.Task[None] | None = None
@@ -46,6 +48,7 @@ class AwakeEngines:
         """`job` holds again (a hold of it that ended unreleased is superseded), or it is gone
         (its processes are done: its engine may sleep)."""
         self._unreleased.pop(job, None)
+        self._since.pop(job, None)
         self._left.discard(job)
 
     def lapsed(self, job: str, hold: Hold | None, why: str) -> bool:
@@ -54,6 +57,7 @@ class AwakeEngines:
         dropped instead: a process of it left while it held and nothing renewed the lease
         since (`left_holding`)."""
         self._unreleased[job] = (hold, why)
+        self._since.setdefault(job, self._g.clock())
         return job in self._left
 
     def left_holding(self, job: str) -> None:
@@ -77,6 +81,10 @@ class AwakeEngines:
     def why(self, job: str) -> str:
         return self._unreleased[job][1]
 
+    def unreleased_seconds(self, job: str) -> float:
+        """Seconds since `job` became unreleased (0.0: it is not)."""
+        return self._g.clock() - self._since[job] if job in self._unreleased else 0.0
+
     def unreleased_hold(self, job: str) -> tuple[Hold | None, str] | None:
         """(the hold that ended unreleased, None when not known, and why) of an unreleased
         job; None for any other."""
@@ -85,6 +93,7 @@ class AwakeEngines:
     def released(self, job: str) -> None:
         """Every caller of `job`'s unreleased hold released: its engine may sleep."""
         self._unreleased.pop(job, None)
+        self._since.pop(job, None)
 
     def woke(self, jobs: list[str]) -> None:
         """The engines of `jobs` were woken without a grant: their next grants say restored."""

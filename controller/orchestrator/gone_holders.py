@@ -20,6 +20,10 @@ whose only live processes serve its inference engine, once its client was seen (
 the client was killed, the engine runs on), is dropped too, its engine kept, once no keep-alive
 came for half its lease (a client that renews is alive, whatever /proc says); before, such a
 holder kept the lock for as long as its engine ran, every other job waiting (a helper's attack).
+The same holds for an `app` job whose hold ended unreleased (`AwakeEngines`: its lease revoked
+or lapsed, its engine kept awake for its client): gone, it is dropped; clientless, once it did
+not release for half a lease (before, a client killed after its hold was revoked at
+`maxHoldSeconds` left every other job waiting for a release that never came).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from typing import Protocol
 
 from timeslice.controller.orchestrator.config import MemberSpec
 from timeslice.controller.orchestrator.group import LockGroup
-from timeslice.controller.orchestrator.group_model import GroupEvent
+from timeslice.controller.orchestrator.group_model import GroupEvent, Hold
+from timeslice.driver import names
 from timeslice.driver.app_engine import AppEngine
 
 log = logging.getLogger("timeslice.orchestrator")
@@ -88,13 +93,16 @@ class GoneHolders:
 
 
 async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs]) -> list[tuple[str, str]]:
-    """One round: ask each agent about the holders of the groups it serves, then drop each
-    holder that is gone on its group's agents (`gone`) and still holds. Returns the
-    (group id, job) pairs dropped."""
-    asked = [(g, g.holder) for g in groups if g.holder is not None and g.spec.agents]
-    targets = sorted({t for g, _ in asked for t in g.spec.agents})
-    answers = await asyncio.gather(*(agent(t).live_jobs([(h.job_id, g.spec.member(h.job_id), g.spec.app(h.job_id))
-                                                         for g, h in asked if t in g.spec.agents]) for t in targets),
+    """One round: ask each agent about the holders of the groups it serves (and on `app` the
+    unreleased jobs: `AwakeEngines`), then drop each that is gone on its group's agents (`gone`)
+    and still holds (or is still unreleased). Returns the (group id, job) pairs dropped."""
+    asked: list[tuple[LockGroup, str, Hold | None]] = [(g, g.holder.job_id, g.holder) for g in groups
+                                                       if g.holder is not None and g.spec.agents]
+    asked += [(g, job, None) for g in groups if g.spec.agents and g.spec.backend == names.BACKEND_APP
+              for job in g.awake.unreleased()]
+    targets = sorted({t for g, _, _ in asked for t in g.spec.agents})
+    answers = await asyncio.gather(*(agent(t).live_jobs([(j, g.spec.member(j), g.spec.app(j)) for g, j, _ in asked
+                                                         if t in g.spec.agents]) for t in targets),
                                    return_exceptions=True)
     by_target: dict[str, Answer | None] = {}
     for t, answer in zip(targets, answers, strict=True):
@@ -104,25 +112,34 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
         else:
             by_target[t] = answer
     dropped = []
-    for g, h in asked:
+    for g, job, h in asked:
         said = [by_target[t] for t in g.spec.agents]
-        if g.holder is h and any(a is not None and h.job_id in a[0] for a in said):
-            g.seen_live(h.job_id)
-        if g.holder is not h:
-            continue
-        if gone(h.job_id, said, 1):
-            log.warning("holder gone group=%s job=%s: none of its processes is left", g.id, h.job_id)
-            if not g.adopted_holder_gone(h.job_id):
-                g.drop_job(h.job_id, "its processes are gone", gone=True)
-        elif gone(h.job_id, said, 2) and g.clock() >= h.lease_deadline - g.spec.lease_seconds / 2:
-            # (and its keep-alives stopped: a client /proc cannot tell apart keeps its hold while it renews)
-            log.warning("holder's client gone group=%s job=%s: only its engine's processes are left and no "
-                        "keep-alive came for half its lease", g.id, h.job_id)
-            g.drop_job(h.job_id, "its client's processes are gone (its engine runs on)")
+        if h is not None and g.holder is h and any(a is not None and job in a[0] for a in said):
+            g.seen_live(job)
+        if (g.holder is not h) if h is not None else job not in g.awake.unreleased_jobs():
+            continue  # (it released, or was dropped or granted, while the agents answered)
+        if gone(job, said, 1):
+            log.warning("%s gone group=%s job=%s: none of its processes is left", "holder" if h else "unreleased job",
+                        g.id, job)
+            if h is None or not g.adopted_holder_gone(job):
+                g.drop_job(job, "its processes are gone", gone=True)
+        elif gone(job, said, 2) and _quiet(g, job, h):
+            log.warning("%s's client gone group=%s job=%s: only its engine's processes are left and %s",
+                        "holder" if h else "unreleased job", g.id, job,
+                        "no keep-alive came for half its lease" if h else "it did not release for half a lease")
+            g.drop_job(job, "its client's processes are gone (its engine runs on)")
         else:
             continue
-        dropped.append((g.id, h.job_id))
+        dropped.append((g.id, job))
     return dropped
+
+
+def _quiet(g: LockGroup, job: str, h: Hold | None) -> bool:
+    """Whether a clientless `job` (its holder's hold `h`, None: it is unreleased) said nothing
+    for half a lease: a holder renewed no keep-alive (a client that renews is alive, whatever
+    /proc says), an unreleased job did not release."""
+    half = g.spec.lease_seconds / 2
+    return g.clock() >= h.lease_deadline - half if h is not None else g.awake.unreleased_seconds(job) >= half
 
 
 def gone(job: str, answers: Sequence[Answer | None], which: int = 1) -> bool:
