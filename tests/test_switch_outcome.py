@@ -53,7 +53,7 @@ def cases(draw) -> tuple[OutcomeFacts, SwitchResult]:
                          restore_failures=draw(st.integers(0, MAX_RESTORE_FAILURES)),
                          failing_seconds=draw(st.sampled_from([0.0, 3.0, RESTORE_FAILURE_SECONDS, 60.0])),
                          holder_epoch=draw(st.integers(0, 5)), dropped=dropped,
-                         kept=dropped and backend == "app" and draw(st.booleans()), restarted=draw(st.booleans()))
+                         kept=draw(st.booleans()), restarted=draw(st.booleans()))
     kind = draw(st.sampled_from(["ran", "no-room", "failed", "crashed"]))
     record = None
     if kind in ("ran", "failed") and (kind == "failed" or draw(st.booleans())):
@@ -87,7 +87,7 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
     if replaced:
         assert not {Grant, Held, FailWaiters, RestoreFailed, IdleFailed} & set(kinds), effects
     if f.dropped:
-        assert all(f.kept and not e.next_up for e in effects if isinstance(e, MovedIn)), effects
+        assert all(f.kept and f.backend == "app" and not e.next_up for e in effects if isinstance(e, MovedIn)), effects
     assert kinds.count(RestoreFailed) <= 1
     # a grant follows only a switch that ran and succeeded, once, for the incoming job
     grants = [e for e in effects if isinstance(e, Grant)]
@@ -109,7 +109,7 @@ def check(f: OutcomeFacts, r: SwitchResult, record: SwitchRecord | None, effects
         held = f.grant and not replaced
         assert kinds.count(Held) == (1 if held else 0)
         assert kinds.count(MovedIn) == (1 if not held and not f.orphan and f.restore and r.record
-                                        and (not f.dropped or f.kept) else 0)
+                                        and (not f.dropped or (f.kept and f.backend == "app")) else 0)
     # a staging without room is left to the hand-off, and nothing else happens
     if r.kind == "no-room" and f.beside is not None:
         assert effects == [Unstaged(f.holder_epoch, f.incoming)] and record is None

@@ -70,8 +70,9 @@ class OutcomeFacts:
     `restore`, `grant`, `beside`: the holder a staging made room beside), the jobs that wait,
     whether `incoming` is an orphan restored for nobody, its restores failed in a row before
     this switch and the seconds since the first of them (0.0: none), the holder's epoch, and
-    whether `incoming` was dropped (`dropped`; `kept`: its `app` engine stays, `MemoryMoves.dropped`)
-    or its processes started again (`restarted`) while the switch ran."""
+    whether `incoming` was dropped (`dropped`; `kept`: the group still knows where it is, as
+    `MemoryMoves.dropped` keeps an `app` engine) or its processes started again (`restarted`)
+    while the switch ran."""
 
     group_id: str
     backend: str
@@ -221,7 +222,7 @@ def outcome(f: OutcomeFacts, r: SwitchResult) -> tuple[SwitchRecord | None, list
             effects.append(Held(f.incoming))
         elif f.orphan:  # its processes run on, unowned
             effects.append(RestoredForNobody(f.incoming))
-        elif f.restore and record is not None and (not f.dropped or f.kept):
+        elif f.restore and record is not None and (not f.dropped or (f.kept and f.backend == names.BACKEND_APP)):
             effects.append(MovedIn(f.incoming, next_up=not f.dropped and (f.beside is not None or f.grant)))
     ok = record is None or record.ok
     if record is not None:

@@ -40,7 +40,6 @@ from timeslice.controller.orchestrator.switch_outcome import (
     Woke,
     outcome,
 )
-from timeslice.driver import names
 from timeslice.driver.errors import JobFailed, SwitchFailed
 
 if TYPE_CHECKING:
@@ -83,12 +82,6 @@ class SwitchRunner:
         the switch or confirmation in flight began: what it planned on is an earlier incarnation's."""
         at = self._g.residency.started_at(incoming)
         return at is not None and at >= self._began
-
-    def _kept(self, incoming: str) -> bool:
-        """`incoming` was dropped while its switch ran and its `app` engine kept (`MemoryMoves.dropped`)."""
-        r = self._g.residency
-        return self._incoming_dropped and self._g.spec.backend == names.BACKEND_APP \
-            and (incoming in r.residents or incoming in r.checkpointed)
 
     def _begin(self, incoming: str, evict: str | None = None, beside: str | None = None) -> None:
         self.switching, self.beside, self._incoming_dropped, self._began = (evict, incoming), beside, False, \
@@ -187,8 +180,8 @@ class SwitchRunner:
         facts = OutcomeFacts(g.id, g.spec.backend, tuple(evict or ()), incoming, restore, grant, beside,
                              frozenset(w.job_id for w in g.queue), g.idle.is_orphan(incoming),
                              *self._failures_of(incoming), holder_epoch=g.holder.epoch if g.holder else 0,
-                             dropped=self._incoming_dropped, kept=self._kept(incoming),
-                             restarted=self._restarted(incoming))
+                             dropped=self._incoming_dropped, restarted=self._restarted(incoming),
+                             kept=incoming in g.residency.residents or incoming in g.residency.checkpointed)
         record, effects = outcome(facts, result)
         self._log(facts, result, record)
         for effect in effects:
