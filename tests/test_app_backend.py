@@ -228,6 +228,20 @@ async def test_a_sleep_that_frees_no_memory_is_a_failed_checkpoint(children, eng
     assert calls(log)[-1] == "a wake"
 
 
+async def test_a_sleep_answered_404_fails_with_nothing_to_undo(children, engine_dirs) -> None:
+    """A job whose engine is named with the wrong API (an SGLang claim on a vLLM server): its sleep
+    is answered 404, so it never slept. The undo's wake, also 404, said "UNDO FAILED, the engine
+    may stay asleep" (a helper's attack); now the error says there was nothing to undo."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    wrong = engine.model_copy(update={"engine": "sglang"})
+    backend = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(wrong)
+    with pytest.raises(BackendError, match=r"POST /release_memory_occupation answered HTTP 404.*--enable-memory-saver"
+                                           r"\); nothing to undo \(no such endpoint: the engine did not sleep\)$"):
+        await backend.checkpoint([proc.pid], timeout=5)
+    assert calls(log) == [] and not await is_sleeping(engine)
+
+
 async def test_without_nvml_the_memory_check_is_skipped_and_said(children, engine_dirs, caplog) -> None:
     log, memory = engine_dirs
     proc, engine = await start_engine(children, "vllm", "a", log, memory)

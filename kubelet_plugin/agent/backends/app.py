@@ -119,6 +119,11 @@ class OutcomeLost(BackendError):
     """A sleep or wake was sent and its answer lost (connection cut): it may have run."""
 
 
+class NoSuchApi(BackendError):
+    """The engine answered HTTP 404: it has no such endpoint (sleep mode off, or not the
+    engine named), so nothing was run."""
+
+
 class EngineClient:
     """The sleep/wake API of one engine (`AppEngine`) over HTTP (aiohttp). Methods take
     their bound in seconds and raise StepTimeout or BackendError."""
@@ -204,7 +209,7 @@ class EngineClient:
                 hint = (" (serve vLLM with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode)" if
                         self.engine.engine == ENGINE_VLLM else " (serve SGLang with --enable-memory-saver)")
             more = f" (a body over {MAX_REPLY_BYTES} bytes, read no further)" if cut else ""
-            raise BackendError(f"{what}: {_excerpt(data)}{more}{hint}")
+            raise (NoSuchApi if resp.status == 404 else BackendError)(f"{what}: {_excerpt(data)}{more}{hint}")
         if cut:
             if method == "GET":
                 raise BackendError(f"{what} with a body over {MAX_REPLY_BYTES} bytes (read no further): not an "
@@ -354,6 +359,8 @@ class AppBackend(Backend):
         if said_asleep:
             return type(err)(f"{what}: {err}; left as it was found (it said it slept before the sleep was sent: no "
                              "wake sent)")
+        if isinstance(err, NoSuchApi):  # (a wake would be answered 404 too: "UNDO FAILED" for an engine never slept)
+            return type(err)(f"{what}: {err}; nothing to undo (no such endpoint: the engine did not sleep)")
         try:
             if await client.sleeping(session, bound) is False:
                 return type(err)(f"{what}: {err}; the engine reports it is awake")
