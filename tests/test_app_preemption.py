@@ -338,6 +338,32 @@ async def test_a_restarted_orchestrator_drops_a_job_that_must_leave_and_has_no_p
         await b.close()
 
 
+async def _watched_client(make_cluster, children, engine_dirs, **two_jobs_args):  # type: ignore[no-untyped-def]
+    """a's client as a process of its own beside a's engine (both a's processes), granted and
+    generating, and the holders' watch as `timeslice orchestrator` runs it (`gone_holders`):
+    (cluster, a's engine, a's client, the watch's task)."""
+    log, _ = engine_dirs
+    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, **two_jobs_args)
+    engine_pid = c.resolvers["node-0"].pids  # (the engine's process, as two_jobs told it)
+    p = client_process(c.target, a_engine)
+    children.append(p)
+    c.resolvers["node-0"].set("a", [*(await engine_pid("a")), p.pid])
+    line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
+    assert line.startswith("granted"), line
+    await eventually(lambda: "a generate" in calls(log), what="a's client generating")
+    holders = GoneHolders(c.orchestrator.groups, c.orchestrator.agent, every=0.2)
+    c.orchestrator.add_observer(holders.observe)
+    return c, a_engine, p, asyncio.get_running_loop().create_task(holders.watch())
+
+
+async def _killed_then_b_granted(p, b_acquire, a_engine: AppEngine, log: Path) -> None:  # type: ignore[no-untyped-def]
+    """Kill a's client; b is granted once a's engine slept."""
+    p.kill()
+    p.wait()
+    grant = await asyncio.wait_for(b_acquire, 30)
+    assert grant.job_id == "b" and await is_sleeping(a_engine) and "a sleep level=1" in calls(log)
+
+
 async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_for_the_next_job(
         make_cluster, children, engine_dirs) -> None:
     """A helper's attack through `timeslice node-agent` + `timeslice orchestrator`: a's client,
@@ -348,27 +374,13 @@ async def test_a_holder_whose_client_was_killed_is_dropped_and_its_engine_slept_
     watch (`gone_holders`, as `timeslice orchestrator` runs it) drops a once no keep-alive came
     for half its lease, keeping its engine, and b is granted once a's engine sleeps. While the
     client renews, a holds on, past any number of looks."""
-    log, _ = engine_dirs
-    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=4)
-    engine_pid = c.resolvers["node-0"].pids  # (the engine's process, as two_jobs told it)
-    p = client_process(c.target, a_engine)
-    children.append(p)
-    c.resolvers["node-0"].set("a", [*(await engine_pid("a")), p.pid])
-    holders = GoneHolders(c.orchestrator.groups, c.orchestrator.agent, every=0.2)
-    c.orchestrator.add_observer(holders.observe)
-    watch = asyncio.get_running_loop().create_task(holders.watch())
+    c, a_engine, p, watch = await _watched_client(make_cluster, children, engine_dirs, lease_seconds=4)
     b = c.client("b")
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
-        assert line.startswith("granted"), line
-        await eventually(lambda: "a generate" in calls(log), what="a's client generating")
         assert (await c.status()).holder.job_id == "a"  # its client and engine live: it holds on
         tb = asyncio.create_task(b.acquire(timeout=60))
         await eventually(lambda: _waiting(c, "b"), what="b waiting")
-        p.kill()
-        p.wait()
-        grant = await asyncio.wait_for(tb, 30)
-        assert grant.job_id == "b" and await is_sleeping(a_engine) and "a sleep level=1" in calls(log)
+        await _killed_then_b_granted(p, tb, a_engine, engine_dirs[0])
         await b.release()
     finally:
         watch.cancel()
@@ -382,28 +394,14 @@ async def test_a_revoked_holder_whose_client_was_then_killed_is_dropped_and_its_
     a, and b waited for good. Now the holders' watch (as `timeslice orchestrator` runs it) finds
     a clientless and drops it once it did not release for half a lease, keeping its engine,
     which sleeps before b is granted."""
-    log, _ = engine_dirs
-    c, a_engine = await two_jobs(make_cluster, children, engine_dirs, lease_seconds=2,
-                                 group={"max_hold_seconds": 0.3})
-    engine_pid = c.resolvers["node-0"].pids
-    p = client_process(c.target, a_engine)
-    children.append(p)
-    c.resolvers["node-0"].set("a", [*(await engine_pid("a")), p.pid])
-    holders = GoneHolders(c.orchestrator.groups, c.orchestrator.agent, every=0.2)
-    c.orchestrator.add_observer(holders.observe)
-    watch = asyncio.get_running_loop().create_task(holders.watch())
+    c, a_engine, p, watch = await _watched_client(make_cluster, children, engine_dirs, lease_seconds=2,
+                                                  group={"max_hold_seconds": 0.3})
     b = c.client("b")
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
-        assert line.startswith("granted"), line
         tb = asyncio.create_task(b.acquire(timeout=60))
         await eventually(lambda: preempted(c), what="a preempted")
-        await eventually(lambda: "a generate" in calls(log), what="a's client generating")
         assert not tb.done() and not await is_sleeping(a_engine)  # its client may still generate
-        p.kill()
-        p.wait()
-        grant = await asyncio.wait_for(tb, 20)
-        assert grant.job_id == "b" and await is_sleeping(a_engine) and "a sleep level=1" in calls(log)
+        await _killed_then_b_granted(p, tb, a_engine, engine_dirs[0])
         await b.release()
     finally:
         watch.cancel()
