@@ -230,11 +230,30 @@ def leave_request(s: Settings, group: str) -> pb.LeaveRequest:
     return pb.LeaveRequest(job_id=s.job_id, group_id=group)
 
 
-def keep_alive_request(s: Settings, g: Grant, confirm: bool = False) -> pb.KeepAliveRequest:
+def keep_alive_request(s: Settings, g: Grant, confirm: bool = False, lost: bool = False) -> pb.KeepAliveRequest:
     """`confirm`: the keep-alive confirms a grant before its first use (accepted only while its
-    lease is the holder's: orchestrator.proto's `KeepAliveRequest.confirm`)."""
+    lease is the holder's: orchestrator.proto's `KeepAliveRequest.confirm`). `lost`: the lease
+    was lost and the hold not yet released; the call only says that the job's client lives
+    (`KeepAliveRequest.lost`)."""
     return pb.KeepAliveRequest(job_id=s.job_id, group_id=g.group_id, lease_id=g.lease_id, epoch=g.epoch,
-                               request_id=g.request_id, confirm=confirm)
+                               request_id=g.request_id, confirm=confirm, lost=lost)
+
+
+def keep_alive_failed(err: grpc.RpcError, g: Grant, lost: bool) -> tuple[bool, bool]:
+    """What a failed KeepAlive of the hold `g` means, for both clients' keep-alive loops
+    (`lost`: its lease was lost before): (its lease is lost, stop calling). Refused
+    (FAILED_PRECONDITION: revoked, lapsed): lost, and the loop goes on with `lost` set
+    (`keep_alive_request`) until the hold is released, so that the orchestrator knows a client
+    of the job lives (an `app` engine is not slept under it). No such group (NOT_FOUND): lost,
+    stop. Anything else: tried again. Logs the loss once."""
+    code = code_of(err)
+    if code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+        if not lost:
+            log.info("keep-alive failed group=%s (will retry): %s", g.group_id, err)
+        return lost, False
+    if not lost:
+        log.warning("lease lost group=%s job=%s epoch=%d: %s", g.group_id, g.job_id, g.epoch, details_of(err))
+    return True, code == grpc.StatusCode.NOT_FOUND
 
 
 class AcquireTries:

@@ -193,6 +193,7 @@ class AsyncTimeSliceOrchestratorClient:
                 return result
 
     async def _keep_alive(self, hold: _Hold) -> None:
+        """See `TimeSliceOrchestratorClient._keep_alive`."""
         interval = _rpc.keepalive_interval(hold.grant)
         request = _rpc.keep_alive_request(self._s, hold.grant)
         while True:
@@ -200,12 +201,12 @@ class AsyncTimeSliceOrchestratorClient:
             try:
                 await self._stub.KeepAlive(request, timeout=interval, metadata=_rpc.call_metadata())
             except grpc.RpcError as err:
-                if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                lost, stop = _rpc.keep_alive_failed(err, hold.grant, hold.lost)
+                if lost and not hold.lost:
                     hold.lost = True
-                    log.warning("lease lost group=%s job=%s epoch=%d: %s", hold.grant.group_id,
-                                hold.grant.job_id, hold.grant.epoch, err.details())
+                    request = _rpc.keep_alive_request(self._s, hold.grant, lost=True)
+                if stop:
                     return
-                log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
 
     async def close(self) -> None:
         """Release every hold (best effort), leave every group it held, close the channel.

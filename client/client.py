@@ -321,18 +321,20 @@ class TimeSliceOrchestratorClient:
         return hold is not None and hold.lost.is_set()
 
     def _keep_alive(self, hold: _Hold) -> None:
+        """Renew `hold`'s lease until it ends; once lost, say that the client lives until it is
+        released (`_rpc.keep_alive_failed`)."""
         interval = _rpc.keepalive_interval(hold.grant)
         request = _rpc.keep_alive_request(self._s, hold.grant)
         while not hold.stop.wait(interval):
             try:
                 self._stub.KeepAlive(request, timeout=interval, metadata=_rpc.call_metadata())
             except grpc.RpcError as err:
-                if _rpc.code_of(err) in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                lost, stop = _rpc.keep_alive_failed(err, hold.grant, hold.lost.is_set())
+                if lost and not hold.lost.is_set():
                     hold.lost.set()
-                    log.warning("lease lost group=%s job=%s epoch=%d: %s", hold.grant.group_id,
-                                hold.grant.job_id, hold.grant.epoch, err.details())
+                    request = _rpc.keep_alive_request(self._s, hold.grant, lost=True)
+                if stop:
                     return
-                log.info("keep-alive failed group=%s (will retry): %s", hold.grant.group_id, err)
 
     def serve_memory_commands(self, store: StateStore, group_id: str | None = None) -> MemoryCommandLoop:
         """Let the orchestrator move `store` off the GPU while this job does not hold

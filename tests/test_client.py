@@ -165,6 +165,45 @@ async def test_lost_lease_raises_on_scope_exit(make_cluster) -> None:
     await asyncio.to_thread(client.close)  # Leave is answered by this loop
 
 
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+async def test_a_client_whose_lease_was_lost_says_it_lives_until_it_releases(kind: str) -> None:
+    """Once its keep-alive is refused (the lease lost: revoked, lapsed), a client goes on
+    calling with `lost` set until it releases: an `app` job whose hold ended unreleased keeps
+    its engine awake while a client of it lives, whatever the node's processes look like (a
+    review's finding: a short-lived process of the job, seen once, looked like a client that died)."""
+    calls: list[bool] = []
+
+    class Recording(OrchestratorServicer):
+        async def KeepAlive(self, request, context):
+            calls.append(request.lost)
+            return await super().KeepAlive(request, context)
+
+    orch = Orchestrator([GroupSpec(id="g", lease_seconds=0.3)])
+    server, port = await serve(Recording(orch))
+    try:
+        if kind == "sync":
+            client = TimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+            await asyncio.to_thread(client.acquire)
+        else:
+            aclient = AsyncTimeSliceOrchestratorClient(f"127.0.0.1:{port}", "a", "g")
+            await aclient.acquire()
+        orch.group("g").drop_job("a", "test takes the lock away")
+        await eventually(lambda: calls.count(True) >= 3, what="three calls after the loss")
+        assert calls[:calls.index(True)] and not any(calls[:calls.index(True)]) and all(calls[calls.index(True):])
+        with pytest.raises(LeaseLost):
+            if kind == "sync":
+                await asyncio.to_thread(client.release)
+            else:
+                await aclient.release()
+        if kind == "sync":
+            await asyncio.to_thread(client.close)
+        else:
+            await aclient.close()
+    finally:
+        await server.stop(0)
+        await orch.close()
+
+
 async def serve(servicer: OrchestratorServicer, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
     """A started orchestrator server with `servicer` (a subclass that misbehaves on purpose)."""
     server = grpc_server.new_server()

@@ -228,3 +228,35 @@ async def test_a_clientless_holder_is_dropped_only_once_no_keep_alive_came_for_h
         assert group.holder is None
     finally:
         await group.close()
+
+
+async def test_a_clientless_unreleased_job_is_dropped_only_once_no_client_of_it_called_for_half_a_lease() -> None:
+    """An `app` job whose hold ended unreleased (its lease revoked, its engine kept awake for its
+    client) and that its agents report clientless is dropped, its engine kept, once no client of
+    it called for half a lease: a client whose lease was lost goes on saying that it lives
+    (`KeepAliveRequest.lost`), and one the agent took for the engine's (a review's finding) keeps
+    its engine awake for as long as it does."""
+    class Agent:
+        async def live_jobs(self, jobs):  # type: ignore[no-untyped-def]
+            return set(), set(), {j for j, _, _ in jobs}
+
+    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    now = [0.0]
+    group = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///agent.sock",), lease_seconds=10,
+                                apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:1")}),
+                      switcher, clock=lambda: now[0])
+    group.residency.held("a")
+    group.awake.lapsed("a", None, "its lease was revoked")
+    try:
+        assert group.awake.unreleased() == ["a"]
+        now[0] = 4.0
+        assert group.keep_alive("a", "lost-lease", 1, lost=True) == 0.0  # its client lives
+        now[0] = 8.9
+        assert await drop_gone([group], lambda _: Agent()) == [] and group.awake.unreleased() == ["a"]
+        now[0] = 9.0
+        assert await drop_gone([group], lambda _: Agent()) == [("g", "a")]
+        assert group.awake.unreleased() == []
+    finally:
+        await group.close()

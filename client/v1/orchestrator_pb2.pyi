@@ -179,20 +179,22 @@ class ReleaseResponse(_message.Message):
     def __init__(self, waiters: _Optional[int] = ..., switch_started: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
-    __slots__ = ("job_id", "group_id", "lease_id", "epoch", "request_id", "confirm")
+    __slots__ = ("job_id", "group_id", "lease_id", "epoch", "request_id", "confirm", "lost")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIRM_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     group_id: str
     lease_id: str
     epoch: int
     request_id: str
     confirm: bool
-    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., confirm: _Optional[bool] = ...) -> None: ...
+    lost: bool
+    def __init__(self, job_id: _Optional[str] = ..., group_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., request_id: _Optional[str] = ..., confirm: _Optional[bool] = ..., lost: _Optional[bool] = ...) -> None: ...
 
 class KeepAliveResponse(_message.Message):
     __slots__ = ("lease_remaining_seconds",)

@@ -10,8 +10,9 @@ lapsed, or persisted as one that must leave by an orchestrator that then restart
 client released, its job is dropped, it holds again, or no process of it is left (`watch`:
 a client that died never releases; app schedules seed 97: the job left just before an
 orchestrator restart that found it persisted as one that must leave, and every other
-grant waited for good), or only its engine's are, for half a lease (`gone_holders`: its
-client was killed, its engine runs on). An engine woken without a grant (a rollback's wake) is reported
+grant waited for good), or only its engine's are and no client of it called for half a lease
+(`gone_holders`: its client was killed, its engine runs on; a live client goes on calling after
+its lease was lost, `heard`). An engine woken without a grant (a rollback's wake) is reported
 to its client at its next grant (`woken`).
 """
 
@@ -38,7 +39,8 @@ class AwakeEngines:
     def __init__(self, group: LockGroup) -> None:
         self._g = group
         self._unreleased: dict[str, tuple[Hold | None, str]] = {}  # job -> (the hold that ended, or None; why)
-        self._since: dict[str, float] = {}  # job -> when (the group's clock) it became unreleased
+        # job -> when (the group's clock) it became unreleased, or a client of it last called since
+        self._since: dict[str, float] = {}
         self._woken: set[str] = set()  # engines woken without a grant, reported at the next (`woken`)
         self._left: set[str] = set()  # holders a process of which left (`left_holding`)
         self._watch: asyncio.Task[None] | None = None
@@ -81,8 +83,15 @@ class AwakeEngines:
     def why(self, job: str) -> str:
         return self._unreleased[job][1]
 
-    def unreleased_seconds(self, job: str) -> float:
-        """Seconds since `job` became unreleased (0.0: it is not)."""
+    def heard(self, job: str) -> None:
+        """A client of `job` called (a keep-alive, accepted or not, or one that only says it lives
+        after its lease was lost: orchestrator.proto `KeepAliveRequest.lost`)."""
+        if job in self._unreleased:
+            self._since[job] = self._g.clock()
+
+    def quiet_seconds(self, job: str) -> float:
+        """Seconds since unreleased `job` became so, or a client of it last called since
+        (`heard`); 0.0 for a job that is not unreleased."""
         return self._g.clock() - self._since[job] if job in self._unreleased else 0.0
 
     def unreleased_hold(self, job: str) -> tuple[Hold | None, str] | None:

@@ -21,8 +21,9 @@ the client was killed, the engine runs on), is dropped too, its engine kept, onc
 came for half its lease (a client that renews is alive, whatever /proc says); before, such a
 holder kept the lock for as long as its engine ran, every other job waiting (a helper's attack).
 The same holds for an `app` job whose hold ended unreleased (`AwakeEngines`: its lease revoked
-or lapsed, its engine kept awake for its client): gone, it is dropped; clientless, once it did
-not release for half a lease (before, a client killed after its hold was revoked at
+or lapsed, its engine kept awake for its client): gone, it is dropped; clientless, once no
+client of it called for half a lease (a live client goes on calling after its lease was lost:
+`KeepAliveRequest.lost`; before, a client killed after its hold was revoked at
 `maxHoldSeconds` left every other job waiting for a release that never came).
 """
 
@@ -136,10 +137,12 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
 
 def _quiet(g: LockGroup, job: str, h: Hold | None) -> bool:
     """Whether a clientless `job` (its holder's hold `h`, None: it is unreleased) said nothing
-    for half a lease: a holder renewed no keep-alive (a client that renews is alive, whatever
-    /proc says), an unreleased job did not release."""
+    for half a lease: a holder renewed no keep-alive, no client of an unreleased job called
+    (`AwakeEngines.heard`). A client that calls is alive, whatever /proc says (an agent cannot
+    always tell it apart: a short-lived process of the job, seen once, looks like a client
+    that died)."""
     half = g.spec.lease_seconds / 2
-    return g.clock() >= h.lease_deadline - half if h is not None else g.awake.unreleased_seconds(job) >= half
+    return g.clock() >= h.lease_deadline - half if h is not None else g.awake.quiet_seconds(job) >= half
 
 
 def gone(job: str, answers: Sequence[Answer | None], which: int = 1) -> bool:

@@ -163,14 +163,20 @@ class LockGroup:
         """CancelAcquire of `job_id`'s request `request_id`: `Callers.gave_up`."""
         return self.callers.gave_up(job_id, request_id)
 
-    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "", confirm: bool = False) -> float:
+    def keep_alive(self, job_id: str, lease_id: str, epoch: int, request_id: str = "", confirm: bool = False,
+                   lost: bool = False) -> float:
         """Extend the lease; returns the seconds it now has (a preempted holder's lease
         waits with it and does not lapse). A holder switched out mid-phase under an earlier
         leader, or whose lease lapsed here, on a backend that stops processes, is queued
         again under that lease; one under a revoked `app` lease is refused: the rules are
         `lease_calls.lease_call`. With `request_id` (the caller's Acquire), that caller's part of
         a shared hold is marked kept alive (`Callers.prune_parts`). `confirm`: the client saw its
-        grant late; refused unless it renews the holder's lease. Raises StaleLease."""
+        grant late; refused unless it renews the holder's lease. `lost`: the client lost the
+        lease and only says that it lives (0.0). Any call notes that a client of the job lives
+        (`AwakeEngines.heard`). Raises StaleLease."""
+        self.awake.heard(job_id)
+        if lost:
+            return 0.0
         self.leases.keep_alive(job_id, lease_id, epoch, request_id, confirm)
         return self.spec.lease_seconds
 

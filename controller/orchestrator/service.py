@@ -171,7 +171,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         group, job = await self._resolve(request, context)
-        remaining = group.keep_alive(job, request.lease_id, request.epoch, request.request_id, request.confirm)
+        remaining = group.keep_alive(job, request.lease_id, request.epoch, request.request_id, request.confirm,
+                                     request.lost)
         return pb.KeepAliveResponse(lease_remaining_seconds=remaining)
 
     async def MemoryCommands(self, request: pb.MemoryCommandsRequest,
