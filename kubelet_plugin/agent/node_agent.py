@@ -634,11 +634,14 @@ class NodeAgent:
         the agent saw (a report, a step, an earlier look). Others are neither: never seen
         here, or named by claims (a cluster's pods: not looked at; their lease decides).
         clientless: a job with an inference engine (`engines`, by job: backend app) whose live
-        processes all serve the engine's port (`procfs.serving`), once a process of it outside
-        them was seen live and none of those is left: its client is gone and its engine runs on
-        (an engine outlives its client; a helper's attack: a killed client's job, its engine up,
-        was kept as holder for as long as the engine ran). A job whose client is its engine's own
-        process is never so, even one that listened only after it was seen (a review's finding)."""
+        processes all serve the engine's port (`procfs.serving`), once processes of it outside
+        them were seen live and none of those last seen so is left: its client is gone and its
+        engine runs on (an engine outlives its client; a helper's attack: a killed client's job,
+        its engine up, was kept as holder for as long as the engine ran). A job whose client is
+        its engine's own process is not so, even one that listened only after it was seen (a
+        review's finding), unless a short-lived process of the job was seen since: /proc cannot
+        tell a client from it, so the orchestrator drops a clientless job only once no client of
+        it called for half a lease (`gone_holders`)."""
         named = sorted({j.job_id for j in jobs if not j.claims})
         alive = await self.resolver.alive(named) if named else {}
         live = [j for j in named if alive.get(j)]
@@ -651,9 +654,9 @@ class NodeAgent:
 
     async def _client_lives(self, job_id: str, engine: AppEngine) -> bool:
         """Whether `job_id`'s client may live (`live_jobs`): a live process of it runs outside
-        its engine's processes, or one that did is still a process of the job (the engine's own
-        process, listening since), or none ever did here (its client may be the engine's own
-        process), or none of it runs."""
+        its engine's processes, or one of those last seen so is still a process of the job (the
+        engine's own process, listening since), or none ever did here (its client may be the
+        engine's own process), or none of it runs."""
         pids = await self.resolver.processes(job_id)
         port = urlsplit(engine.url).port or 80
         serving = await asyncio.to_thread(procfs.serving, pids, port)
