@@ -97,12 +97,13 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
     """One round: ask each agent about the holders of the groups it serves (and on `app` the
     unreleased jobs: `AwakeEngines`), then drop each that is gone on its group's agents (`gone`)
     and still holds (or is still unreleased). Returns the (group id, job) pairs dropped."""
-    asked: list[tuple[LockGroup, str, Hold | None]] = [(g, g.holder.job_id, g.holder) for g in groups
-                                                       if g.holder is not None and g.spec.agents]
-    asked += [(g, job, None) for g in groups if g.spec.agents and g.spec.backend == names.BACKEND_APP
-              for job in g.awake.unreleased()]
-    targets = sorted({t for g, _, _ in asked for t in g.spec.agents})
-    answers = await asyncio.gather(*(agent(t).live_jobs([(j, g.spec.member(j), g.spec.app(j)) for g, j, _ in asked
+    # (group, job, its hold as holder or None, what must still be current once the agents answered)
+    asked: list[tuple[LockGroup, str, Hold | None, object]] = [
+        (g, g.holder.job_id, g.holder, g.holder) for g in groups if g.holder is not None and g.spec.agents]
+    asked += [(g, job, None, g.awake.unreleased_hold(job)) for g in groups
+              if g.spec.agents and g.spec.backend == names.BACKEND_APP for job in g.awake.unreleased()]
+    targets = sorted({t for g, *_ in asked for t in g.spec.agents})
+    answers = await asyncio.gather(*(agent(t).live_jobs([(j, g.spec.member(j), g.spec.app(j)) for g, j, *_ in asked
                                                          if t in g.spec.agents]) for t in targets),
                                    return_exceptions=True)
     by_target: dict[str, Answer | None] = {}
@@ -113,12 +114,12 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
         else:
             by_target[t] = answer
     dropped = []
-    for g, job, h in asked:
+    for g, job, h, was in asked:
         said = [by_target[t] for t in g.spec.agents]
         if h is not None and g.holder is h and any(a is not None and job in a[0] for a in said):
             g.seen_live(job)
-        if (g.holder is not h) if h is not None else job not in g.awake.unreleased_jobs():
-            continue  # (it released, or was dropped or granted, while the agents answered)
+        if (g.holder if h is not None else g.awake.unreleased_hold(job)) is not was:
+            continue  # (it released, or was dropped or granted, or its hold ended again, while the agents answered)
         if gone(job, said, 1):
             log.warning("%s gone group=%s job=%s: none of its processes is left", "holder" if h else "unreleased job",
                         g.id, job)
@@ -127,7 +128,7 @@ async def drop_gone(groups: Sequence[LockGroup], agent: Callable[[str], LiveJobs
         elif gone(job, said, 2) and _quiet(g, job, h):
             log.warning("%s's client gone group=%s job=%s: only its engine's processes are left and %s",
                         "holder" if h else "unreleased job", g.id, job,
-                        "no keep-alive came for half its lease" if h else "it did not release for half a lease")
+                        "no keep-alive came for half its lease" if h else "no client of it called for half a lease")
             g.drop_job(job, "its client's processes are gone (its engine runs on)")
         else:
             continue
