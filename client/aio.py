@@ -98,6 +98,9 @@ class AsyncTimeSliceOrchestratorClient:
             if not late or await self._confirmed(grant):
                 break
             _rpc.warn_lapsed_unseen(grant)
+        old = self._holds.get(group)
+        if old is not None and old.keepalive is not None:  # (a lost one, superseded: see the sync client's `_hold`)
+            old.keepalive.cancel()
         hold = _Hold(grant)
         hold.keepalive = asyncio.create_task(self._keep_alive(hold), name=f"timeslice-keepalive-{group}")
         self._holds[group] = hold

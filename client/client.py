@@ -160,8 +160,11 @@ class TimeSliceOrchestratorClient:
         phase) and start its keep-alives; once per hold."""
         group = hold.grant.group_id
         with self._lock:
-            if self._holds.get(group) is hold:
+            old = self._holds.get(group)
+            if old is hold:
                 return
+            if old is not None:  # (a lost one, superseded: its keep-alives, which say it lives, stop)
+                old.stop.set()
             self._holds[group] = hold
             self._held.add(group)
         threading.Thread(target=self._keep_alive, args=(hold,), daemon=True,
