@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from timeslice.controller.orchestrator.config import GroupSpec
@@ -57,24 +58,30 @@ ENGINE = ("import socket, signal, subprocess, sys\n"
           "signal.pause()\n")
 
 
-async def test_a_job_whose_live_processes_all_serve_its_engine_is_clientless_once_its_client_was_seen() -> None:
+async def test_a_job_whose_live_processes_all_serve_its_engine_is_clientless_once_its_client_was_seen(
+        tmp_path: Path) -> None:
     """Backend app: job a's client is a process of its own beside its engine (which listens on
     the engine's port, with a worker); once the client is killed, a is clientless, neither
-    live nor gone. A job whose client is its engine's own process (`inproc`) is never so, and
-    a job looked at without its engine is live while any process of it runs."""
+    live nor gone, also to an agent started again (a helper's attack: a client killed while
+    the agent restarted left a holder reported live for good, 13 of 13). A job whose client is
+    its engine's own process (`inproc`) is never so, and a job looked at without its engine is
+    live while any process of it runs."""
     engine = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
     client = sleeper(None)
     try:
         port, worker = map(int, engine.stdout.readline().split())  # type: ignore[union-attr]
         app = AppEngine(engine="vllm", url=f"http://127.0.0.1:{port}")
         told = {"a": [engine.pid, worker, client.pid], "inproc": [engine.pid, worker]}
-        agent = NodeAgent(StaticProcessResolver(told), backends=["none"])
+        records = tmp_path / "agent.json"
+        agent = NodeAgent(StaticProcessResolver(told), backends=["none"], records_path=records)
         jobs, engines = [JobRef("a"), JobRef("inproc")], {"a": app, "inproc": app}
         assert await agent.live_jobs(jobs, engines) == (["a", "inproc"], [], [])
         client.kill()
         client.wait()
         assert await agent.live_jobs(jobs, engines) == (["inproc"], [], ["a"])
         assert await agent.live_jobs(jobs) == (["a", "inproc"], [], [])
+        again = NodeAgent(StaticProcessResolver(told), backends=["none"], records_path=records)
+        assert await again.live_jobs(jobs, engines) == (["inproc"], [], ["a"])
     finally:
         for p in (engine, client):
             p.kill()

@@ -198,8 +198,9 @@ class NodeAgent:
         self.operations = Operations()
         # jobs (not named by claims) this run saw processes of, least recently seen first (`live_jobs`)
         self._seen_jobs: dict[str, None] = {}
-        # jobs with an engine -> their processes last seen live outside it, its clients (`live_jobs`)
-        self._clients_seen: dict[str, set[int]] = {}
+        # jobs with an engine -> their processes last seen live outside it, its clients (`live_jobs`),
+        # persisted: a client killed while the agent restarted left a job that looked live for good
+        self._clients_seen: dict[str, set[int]] = dict(self.records.clients)
         # backends built only to put back what an earlier run recorded with a backend this run
         # does not offer (`recovery_backend`): never used for a checkpoint
         self._recovering: dict[str, Backend] = {}
@@ -662,10 +663,13 @@ class NodeAgent:
         serving = await asyncio.to_thread(procfs.serving, pids, port)
         clients = {p for p in pids if p not in serving}
         if clients:  # (the latest seen: a later look asks whether any of them is left)
-            self._clients_seen.pop(job_id, None)
-            self._clients_seen[job_id] = clients
-            if len(self._clients_seen) > MAX_SEEN_JOBS:
-                del self._clients_seen[next(iter(self._clients_seen))]
+            if self._clients_seen.pop(job_id, None) != clients:
+                self._clients_seen[job_id] = clients
+                while len(self._clients_seen) > MAX_SEEN_JOBS:
+                    del self._clients_seen[next(iter(self._clients_seen))]
+                self.records.remember_clients(self._clients_seen)
+            else:
+                self._clients_seen[job_id] = clients
             return True
         seen = self._clients_seen.get(job_id)
         return not seen or not pids or bool(seen & set(pids))

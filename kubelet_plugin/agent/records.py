@@ -73,6 +73,7 @@ class JobRecords:
         self.jobs: dict[str, JobRecord] = {}
         self.restored: OrderedDict[str, str] = OrderedDict()  # operation id -> job
         self.live_pids: dict[int, int] = {}  # pid -> start time (clock ticks; 0: not read) of processes known alive
+        self.clients: dict[str, set[int]] = {}  # job with an engine -> its processes last seen outside it
         if path is not None and path.exists():
             self._load(path)
 
@@ -88,6 +89,7 @@ class JobRecords:
                          for job, r in data["jobs"].items()}
             self.restored = OrderedDict((str(op), str(job)) for op, job in data.get("restored", {}).items())
             self.live_pids = {int(p): int(t) for p, t in data.get("livePids", {}).items()}
+            self.clients = {str(j): {int(p) for p in pids} for j, pids in data.get("clientPids", {}).items()}
         except (OSError, ValueError, KeyError, TypeError) as err:
             # A damaged file must not stop the agent; the processes stay as they are, and the file
             # is kept aside (the next save would overwrite it) for whoever puts them back.
@@ -140,6 +142,15 @@ class JobRecords:
         except OSError as err:
             log.error("records file not updated with the processes known alive: %s", err)
 
+    def remember_clients(self, clients: dict[str, set[int]]) -> None:
+        """Persist the client processes last seen of each job with an inference engine (a failed
+        write is logged: a restart then forgets those seen since the last write)."""
+        self.clients = {j: set(p) for j, p in clients.items()}
+        try:
+            self._save()
+        except OSError as err:
+            log.error("records file not updated with the clients seen: %s", err)
+
     def _save(self) -> None:
         if self._path is None:
             return
@@ -149,6 +160,8 @@ class JobRecords:
             data["restored"] = dict(self.restored)
         if self.live_pids:
             data["livePids"] = {str(p): t for p, t in self.live_pids.items()}
+        if self.clients:
+            data["clientPids"] = {j: sorted(p) for j, p in self.clients.items()}
         write_atomic(self._path, json.dumps(data).encode())
 
 
