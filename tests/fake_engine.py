@@ -11,7 +11,7 @@ server): `python -m tests.fake_engine --engine vllm|sglang --name a --log FILE
   `tags` optional; 200 `null`, failure 400 `{"error": {"message": ...}}`). A second
   release, or a resume while awake, fails (as SGLang's tag bookkeeping does).
 
-The GPU memory it "holds" (`AWAKE_BYTES`, `ASLEEP_BYTES` asleep: the CUDA context) is
+The GPU memory it "holds" (`AWAKE_BYTES` or `--awake-bytes`, `ASLEEP_BYTES` asleep: the CUDA context) is
 written to `<memory-dir>/<pid>.json` as `{"pid": pid, "bytes": n}` on each change: the
 tests' stand-in for NVML reads it. Each completed call appends `<name> <call>` to the
 log file (O_APPEND, one write per line), so tests see the order across engines.
@@ -69,8 +69,10 @@ def nvml_stand_in(memory_dir: Path) -> Callable[[], list[GpuInfo]]:
 
 
 class FakeEngine:
-    def __init__(self, engine: str, name: str, log: Path | None, memory_dir: Path | None, delay: float) -> None:
+    def __init__(self, engine: str, name: str, log: Path | None, memory_dir: Path | None, delay: float,
+                 awake_bytes: int = AWAKE_BYTES) -> None:
         self.engine = engine
+        self.awake_bytes = awake_bytes
         self.name = name
         self.log = log
         self.memory_dir = memory_dir
@@ -81,7 +83,7 @@ class FakeEngine:
         self.hits: list[str] = []
         self.body_sent = 0
         self.body_ended = False
-        self._write_memory(AWAKE_BYTES)
+        self._write_memory(self.awake_bytes)
 
     def _write_memory(self, n: int) -> None:
         if self.memory_dir is None:
@@ -137,7 +139,7 @@ class FakeEngine:
         await asyncio.sleep(self.delay)
         self.sleeping = True
         if self.faults.get("sleep") != "keep-memory":
-            self._write_memory(ASLEEP_BYTES)
+            self._write_memory(min(ASLEEP_BYTES, self.awake_bytes))
         level = request.query.get("level", "")
         self._record("sleep" + (f" level={level}" if level else ""))
         return self._ok()
@@ -156,7 +158,7 @@ class FakeEngine:
         if self.engine == "sglang" and not self.sleeping:
             return self._failure("memory is not released")
         self.sleeping = False
-        self._write_memory(AWAKE_BYTES)
+        self._write_memory(self.awake_bytes)
         self._record("wake")
         return self._ok()
 
@@ -214,7 +216,7 @@ class FakeEngine:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    engine = FakeEngine(args.engine, args.name, args.log, args.memory_dir, args.delay)
+    engine = FakeEngine(args.engine, args.name, args.log, args.memory_dir, args.delay, args.awake_bytes)
     runner = web.AppRunner(engine.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -231,6 +233,7 @@ def main() -> None:
     p.add_argument("--log", type=Path)
     p.add_argument("--memory-dir", type=Path)
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--awake-bytes", type=int, default=AWAKE_BYTES, help="the memory it holds awake")
     try:
         asyncio.run(serve(p.parse_args()))
     except KeyboardInterrupt:

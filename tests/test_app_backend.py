@@ -35,12 +35,13 @@ from tests.fake_engine import ASLEEP_BYTES, AWAKE_BYTES, nvml_stand_in
 ROOT = Path(__file__).resolve().parent.parent
 
 
-async def start_engine(children: list, kind: str, name: str, log: Path, memory_dir: Path,
+async def start_engine(children: list, kind: str, name: str, log: Path, memory_dir: Path, args: tuple[str, ...] = (),
                        **app: object) -> tuple[subprocess.Popen[str], AppEngine]:
-    """A fake engine process; returns it and its `AppEngine` (more fields from `app`)."""
+    """A fake engine process (more command-line `args`); returns it and its `AppEngine` (more
+    fields from `app`)."""
     p = subprocess.Popen([sys.executable, "-m", "tests.fake_engine", "--engine", kind, "--name", name,  # noqa: ASYNC220
-                          "--log", str(log), "--memory-dir", str(memory_dir)], cwd=ROOT, stdout=subprocess.PIPE,
-                         text=True)
+                          "--log", str(log), "--memory-dir", str(memory_dir), *args], cwd=ROOT,
+                         stdout=subprocess.PIPE, text=True)
     children.append(p)
     line = await asyncio.wait_for(asyncio.to_thread(p.stdout.readline), 30)  # type: ignore[union-attr]
     assert line.startswith("ready "), f"fake engine did not start: {line!r}"
@@ -226,6 +227,25 @@ async def test_a_sleep_that_frees_no_memory_is_a_failed_checkpoint(children, eng
     assert [s.state for s in again] == ["checkpointed"] and calls(log) == ["a sleep", "a wake", "a sleep"]
     await backend.restore([proc.pid], timeout=5)
     assert calls(log)[-1] == "a wake"
+
+
+@pytest.mark.parametrize("awake", [ASLEEP_BYTES + (64 << 20), ASLEEP_BYTES // 2])
+async def test_an_engine_holding_little_beyond_its_context_sleeps(children, engine_dirs, awake: int) -> None:
+    """A helper's attack: an engine holding little more than its CUDA context (a small model, or
+    none loaded yet) could never free half of what it held, so every sleep failed and the group
+    tried it again for good (12 failed switches in 40 s; the waiter timed out with the GPU 98%
+    free). What a sleep must free is measured beyond what it keeps (`KEPT_BYTES` a process);
+    a sleep that frees nothing of what it could still fails."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "sglang", "a", log, memory, ("--awake-bytes", str(awake)))
+    backend = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(engine)
+    states = await backend.checkpoint([proc.pid], timeout=5)
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", max(0, awake - ASLEEP_BYTES))]
+    await backend.restore([proc.pid], timeout=5)
+    if awake > ASLEEP_BYTES:
+        await fault(engine, sleep="keep-memory")
+        with pytest.raises(BackendError, match="did not drop"):
+            await backend.checkpoint([proc.pid], timeout=5)
 
 
 async def test_a_sleep_answered_404_fails_with_nothing_to_undo(children, engine_dirs) -> None:

@@ -8,8 +8,10 @@ checkpoint; a checkpoint here is the engine's sleep (vLLM `POST /sleep?level=N`,
 `driver/app_engine.py` (upstream files named there).
 
 A checkpoint is verified: NVML's per-process memory of the job's processes must drop by
-at least `MIN_FREED_FRACTION` of what they held before the sleep, else the engine is woken
-again and the step fails (BackendError). Without NVML (GPU-less nodes, the demo, tests
+at least `MIN_FREED_FRACTION` of what they held before the sleep beyond what a sleep keeps
+(`KEPT_BYTES` per process: an engine that holds no more has nothing to free, and one with a
+small model frees little of its total), else the engine is woken again and the step fails
+(BackendError). Without NVML (GPU-less nodes, the demo, tests
 without a probe) the check is skipped and a log line says so; the step then reports 0
 bytes (unknown). An engine's own word that it sleeps (vLLM `GET /is_sleeping`) never
 stands in for that check: it is taken, with nothing sent, only when NVML shows the job's
@@ -60,9 +62,13 @@ from timeslice.kubelet_plugin.agent.gpu_memory import GpuInfo, gpus
 
 log = logging.getLogger("timeslice.agent")
 
-# A sleep must free at least this share of the GPU memory the job's processes held (the
-# CUDA context and the allocator's own reserve stay: ~0.5 GB per process).
+# A sleep must free at least this share of the GPU memory the job's processes held beyond
+# what a sleep keeps of each: the CUDA context and the allocator's own reserve, ~0.5 GB per
+# process (bytes). Measured against the whole, an engine holding little more than that could
+# never sleep, and the group retried its sleep for good (a helper's attack: 12 failed
+# switches in 40 s, the waiter timed out with the GPU 98% free).
 MIN_FREED_FRACTION = 0.5
+KEPT_BYTES = 512 << 20
 # Connection attempts of one call when the engine refuses the connection (it never saw the
 # request), and the first wait between them, doubled after each, seconds.
 CONNECT_ATTEMPTS = 3
@@ -109,6 +115,11 @@ def engine_session() -> aiohttp.ClientSession:
     compressed body cannot grow past `MAX_REPLY_BYTES` unread), no proxy from the
     environment, aiohttp's bounds on header lines and count."""
     return aiohttp.ClientSession(auto_decompress=False, trust_env=False, headers={"Accept-Encoding": "identity"})
+
+
+def _freeable(held: dict[int, int]) -> int:
+    """Of `held` (bytes per process), what a sleep may free: all but `KEPT_BYTES` of each."""
+    return sum(max(0, n - KEPT_BYTES) for n in held.values())
 
 
 class _Unsent(Exception):
@@ -326,12 +337,13 @@ class AppBackend(Backend):
                 log.info("app sleep engine=%s pids=%s: GPU memory not verified (NVML shows none held by these "
                          "processes before the sleep)", engine.url, list(pids))
                 return [ProcState(p, CHECKPOINTED) for p in pids]
-            if held - left < MIN_FREED_FRACTION * held:
+            if held - left < MIN_FREED_FRACTION * _freeable(before):
                 word = ("; it had answered is_sleeping: true before this sleep was sent, and that is taken only "
                         "with its memory freed" if said_asleep else "")
                 kept = BackendError(f"{engine.describe()} answered the sleep, but the GPU memory of the job's "
                                     f"processes {list(pids)} did not drop: {held} bytes before, {left} after (NVML; "
-                                    f"at least {MIN_FREED_FRACTION:.0%} must be freed){word}")
+                                    f"at least {MIN_FREED_FRACTION:.0%} of what they held beyond {KEPT_BYTES} bytes "
+                                    f"each must be freed){word}")
                 raise await self._undo(session, client, bound, "checkpoint failed", kept, said_asleep)
         self._asleep.add(key)
         self._awake[key] = before
@@ -347,7 +359,7 @@ class AppBackend(Backend):
         if now is None or not awake:
             return None
         held, left = sum(awake.values()), sum(now.values())
-        if held == 0 or held - left < MIN_FREED_FRACTION * held:
+        if held == 0 or held - left < MIN_FREED_FRACTION * _freeable(awake):
             return None
         return {p: max(0, awake.get(p, 0) - n) for p, n in now.items()}
 
