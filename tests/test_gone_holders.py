@@ -210,28 +210,36 @@ async def test_a_grant_looks_at_the_groups_granted_not_at_every_group() -> None:
         watch.cancel()
 
 
+class ClientlessAgent:
+    """An agent that answers every job clientless (its engine's processes alone are left)."""
+
+    async def live_jobs(self, jobs):  # type: ignore[no-untyped-def]
+        return set(), set(), {j for j, _, _ in jobs}
+
+
+def clientless_app_group(now: list[float]) -> LockGroup:
+    """Group g on `app` (job a's engine named, a 10 s lease) on the clock `now[0]`."""
+    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
+        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
+
+    return LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///agent.sock",), lease_seconds=10,
+                               apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:1")}),
+                     switcher, clock=lambda: now[0])
+
+
 async def test_a_clientless_holder_is_dropped_only_once_no_keep_alive_came_for_half_its_lease() -> None:
     """An agent cannot always tell a client from its engine (an in-process engine that listened
     only after its first hold looked like a client that later died: a review's finding). A
     client that renews is alive whatever /proc says: a clientless holder is dropped only once
     no keep-alive came for half its lease."""
-    class Agent:
-        async def live_jobs(self, jobs):  # type: ignore[no-untyped-def]
-            return set(), set(), {j for j, _, _ in jobs}
-
-    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
-        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
-
     now = [0.0]
-    group = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///agent.sock",), lease_seconds=10,
-                                apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:1")}),
-                      switcher, clock=lambda: now[0])
+    group = clientless_app_group(now)
     group.holder = Hold("a", "lease", 1, 0.0, 10.0, {"r"}, False, 0.0)
     try:
         now[0] = 4.9  # its grant (or last keep-alive) 4.9 s ago, of a 10 s lease
-        assert await drop_gone([group], lambda _: Agent()) == [] and group.holder is not None
+        assert await drop_gone([group], lambda _: ClientlessAgent()) == [] and group.holder is not None
         now[0] = 5.0
-        assert await drop_gone([group], lambda _: Agent()) == [("g", "a")]
+        assert await drop_gone([group], lambda _: ClientlessAgent()) == [("g", "a")]
         assert group.holder is None
     finally:
         await group.close()
@@ -243,17 +251,8 @@ async def test_a_clientless_unreleased_job_is_dropped_only_once_no_client_of_it_
     it called for half a lease: a client whose lease was lost goes on saying that it lives
     (`KeepAliveRequest.lost`), and one the agent took for the engine's (a review's finding) keeps
     its engine awake for as long as it does."""
-    class Agent:
-        async def live_jobs(self, jobs):  # type: ignore[no-untyped-def]
-            return set(), set(), {j for j, _, _ in jobs}
-
-    async def switcher(spec, evict, incoming, restore):  # type: ignore[no-untyped-def]
-        return SwitchRecord(evict[0] if evict else None, incoming, evicted=tuple(evict))
-
     now = [0.0]
-    group = LockGroup(GroupSpec(id="g", backend="app", agents=("unix:///agent.sock",), lease_seconds=10,
-                                apps={"a": AppEngine(engine="vllm", url="http://127.0.0.1:1")}),
-                      switcher, clock=lambda: now[0])
+    group = clientless_app_group(now)
     group.residency.held("a")
     group.awake.lapsed("a", None, "its lease was revoked")
     try:
@@ -261,9 +260,9 @@ async def test_a_clientless_unreleased_job_is_dropped_only_once_no_client_of_it_
         now[0] = 4.0
         assert group.keep_alive("a", "lost-lease", 1, lost=True) == 0.0  # its client lives
         now[0] = 8.9
-        assert await drop_gone([group], lambda _: Agent()) == [] and group.awake.unreleased() == ["a"]
+        assert await drop_gone([group], lambda _: ClientlessAgent()) == [] and group.awake.unreleased() == ["a"]
         now[0] = 9.0
-        assert await drop_gone([group], lambda _: Agent()) == [("g", "a")]
+        assert await drop_gone([group], lambda _: ClientlessAgent()) == [("g", "a")]
         assert group.awake.unreleased() == []
     finally:
         await group.close()
