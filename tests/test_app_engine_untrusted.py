@@ -173,8 +173,9 @@ async def test_an_engine_that_says_it_sleeps_is_not_taken_at_its_word(children, 
     assert len(calls(log)) == sent  # nothing sent
 
     # an agent that never saw it awake (a fresh one) sends the sleep (a no-op for a sleeping
-    # vLLM), sees nothing freed, and fails the step, leaving the engine asleep as it was
+    # vLLM) and sees nothing freed: as its processes hold no more than a sleep keeps, that is
+    # all there was to free (an engine that holds more and frees none fails: above)
     fresh = make_backend("app", memory_probe=nvml_stand_in(memory)).bind(engine)
-    with pytest.raises(BackendError, match=r"did not drop.*left as it was found"):
-        await fresh.checkpoint([proc.pid], timeout=5)
+    states = await fresh.checkpoint([proc.pid], timeout=5)
+    assert [(s.state, s.gpu_bytes) for s in states] == [("checkpointed", 0)]
     assert calls(log)[sent:] == ["a sleep level=1"] and await is_sleeping(engine)
