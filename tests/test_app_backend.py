@@ -23,7 +23,7 @@ from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.app_engine import AppEngine
 from timeslice.driver.errors import BackendError, InvalidArgument
-from timeslice.errors import SwitchFailed
+from timeslice.errors import InvalidRequest, SwitchFailed
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
@@ -155,6 +155,25 @@ async def test_two_jobs_alternate_by_sleep_and_wake_in_order(make_cluster, child
         assert c.agents["node-0"].records.jobs["a"].bytes == AWAKE_BYTES - ASLEEP_BYTES  # what NVML saw freed
     finally:
         for cl in (a, b):
+            await cl.close()
+
+
+async def test_a_job_with_no_engine_named_is_refused_at_its_acquire(make_cluster, children, engine_dirs) -> None:
+    """A helper's attack on `serve` with an `app` group: clients started without TIMESLICE_JOB
+    (the README's `setsid`) are jobs `pgid-<N>`, which `apps` cannot name; such a job was
+    queued, and every switch away from it failed, the error landing on the other job's
+    acquire. Now its own acquire is refused at once, naming the fix, and the others go on."""
+    c, _ = await two_jobs(make_cluster, children, engine_dirs)
+    stranger, a = c.client("pgid-4242"), c.client("a")
+    try:
+        with pytest.raises(InvalidRequest, match=r"group g uses backend app and names no inference engine for job "
+                                                 r"pgid-4242: the group's `apps` names a, b: run the job's client "
+                                                 "and its engine with TIMESLICE_JOB"):
+            await stranger.acquire(timeout=10)
+        await a.acquire(timeout=10)
+        await a.release()
+    finally:
+        for cl in (stranger, a):
             await cl.close()
 
 

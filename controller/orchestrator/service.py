@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import grpc.aio
+from timeslice.controller.orchestrator.config import GroupSpec
 from timeslice.controller.orchestrator.group import LockGroup
 from timeslice.controller.orchestrator.group_model import GroupView
 from timeslice.controller.orchestrator.orchestrator import Orchestrator
@@ -143,6 +144,8 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
         if len(request_id) > 128 or request_id.startswith("*"):
             raise InvalidArgument("request_id must be at most 128 characters and not start with '*' "
                                   "(reserved for the orchestrator's own queue entries)")
+        if group.spec.backend == names.BACKEND_APP and group.spec.app(job) is None:
+            raise InvalidArgument(_no_engine(group.spec, job))
         grant = await group.acquire(job, request.priority, request_id, t or None, request.memory_bytes)
         return pb.AcquireResponse(lease_id=grant.lease_id, epoch=grant.epoch, lease_seconds=grant.lease_seconds,
                                   waited_seconds=grant.waited_seconds, restored=grant.restored,
@@ -211,3 +214,13 @@ class OrchestratorServicer(pb_grpc.OrchestratorServicer):
                          context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
         await self._authenticated(context)
         return pb.ListGroupsResponse(groups=[group_status(g.view()) for g in self._orch.groups()])
+
+
+def _no_engine(spec: GroupSpec, job: str) -> str:
+    """Why `job` may not acquire group `spec` on backend `app`: no engine of it is named (its
+    switches would fail at the other jobs' grants, naming it: a helper's attack, unnamed clients
+    of a one-box group)."""
+    where = (f"the group's `apps` names {', '.join(sorted(spec.apps)) or 'none'}: run the job's client and its "
+             f"engine with TIMESLICE_JOB set to its name there" if not spec.members
+             else "its claim's TimeSliceConfig names no `app`")
+    return f"group {spec.id} uses backend app and names no inference engine for job {job}: {where}"
