@@ -27,6 +27,7 @@ from timeslice.errors import InvalidRequest, SwitchFailed
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
+from timeslice.kubelet_plugin.agent.records import JobRecord
 from timeslice.kubelet_plugin.agent.server import create_server
 
 from tests.conftest import eventually
@@ -306,6 +307,22 @@ async def test_an_engine_that_is_not_listening_fails_the_step_after_bounded_retr
     short = backend.bind(engine.model_copy(update={"timeoutSeconds": 0.01}))
     with pytest.raises(BackendError, match=r"after 1 attempt\(s\)"):  # no time left for a retry
         await short.restore([proc.pid], timeout=5)
+
+
+async def test_serve_stop_leaves_an_asleep_engine_asleep(children, engine_dirs, tmp_path) -> None:
+    """`timeslice serve`'s stop gives back every job its agent stopped (`restore_all`), but an
+    asleep engine is no stopped process: its wake beside the awake one could run the GPU out of
+    memory (a helper's attack: each stop woke it while the other job held, 6 of 6). It stays
+    asleep, its record kept for the next `serve` to wake it at its job's next grant."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    agent = NodeAgent(StaticProcessResolver({"a": [proc.pid]}), backends=["app", "freeze"],
+                      records_path=tmp_path / "agent.json", memory_probe=nvml_stand_in(memory))
+    await agent.backend("app").bind(engine).checkpoint([proc.pid], timeout=5)
+    agent.records.put("a", JobRecord("app", "g", {proc.pid: AWAKE_BYTES - ASLEEP_BYTES}, app=engine))
+    await agent.restore_all("timeslice serve stopped")
+    assert calls(log) == ["a sleep level=1"] and await is_sleeping(engine)
+    assert "a" in agent.records.jobs
 
 
 def test_kubelet_plugin_offers_backend_app(monkeypatch, capsys) -> None:

@@ -566,9 +566,16 @@ class NodeAgent:
         """Restore every job this agent holds checkpointed or frozen and drop its record: for
         one-box mode's stop (`timeslice serve`), where the orchestrator stops with the agent
         and nobody would ask for those jobs, so that no process stays stopped. A restore that
-        fails is logged and its record kept (the next start tries the job again)."""
+        fails is logged and its record kept (the next start tries the job again). An `app`
+        engine is left asleep, its record kept: a sleeping engine is no stopped process, and
+        its wake beside the awake one could run the GPU out of memory (a helper's attack: each
+        stop of `serve` woke the asleep engine while the other job held, 6 of 6); the job's
+        next grant under the next `serve` wakes it."""
         for job_id, record in list(self.records.jobs.items()):
-            if await self._put_back(job_id, record, why):
+            if record.backend == names.BACKEND_APP:
+                log.info("left asleep job=%s engine=%s: %s (a sleeping engine is no stopped process: its job's next "
+                         "grant wakes it)", job_id, record.app.url if record.app else "?", why)
+            elif await self._put_back(job_id, record, why):
                 log.info("restored job=%s pids=%s: %s", job_id, list(record.pids), why)
 
     async def _put_back(self, job_id: str, record: JobRecord, why: str) -> bool:
