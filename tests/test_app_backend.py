@@ -22,13 +22,14 @@ from timeslice.driver import config as ts_config
 from timeslice.driver.agentapi.v1 import agent_pb2 as apb
 from timeslice.driver.agentapi.v1 import agent_pb2_grpc as apb_grpc
 from timeslice.driver.app_engine import AppEngine
-from timeslice.driver.errors import BackendError, InvalidArgument
+from timeslice.driver.errors import BackendError, FailedPrecondition, InvalidArgument
 from timeslice.errors import InvalidRequest, SwitchFailed
 from timeslice.kubelet_plugin.agent.backends import make_backend
 from timeslice.kubelet_plugin.agent.node_agent import NodeAgent
 from timeslice.kubelet_plugin.agent.processes import StaticProcessResolver
 from timeslice.kubelet_plugin.agent.records import JobRecord
 from timeslice.kubelet_plugin.agent.server import create_server
+from timeslice.kubelet_plugin.agent.steps import JobRef, StepRequest
 
 from tests.conftest import eventually
 from tests.fake_engine import ASLEEP_BYTES, AWAKE_BYTES, nvml_stand_in
@@ -323,6 +324,26 @@ async def test_serve_stop_leaves_an_asleep_engine_asleep(children, engine_dirs, 
     await agent.restore_all("timeslice serve stopped")
     assert calls(log) == ["a sleep level=1"] and await is_sleeping(engine)
     assert "a" in agent.records.jobs
+
+
+async def test_a_one_box_step_whose_engine_is_not_the_jobs_says_so(children, engine_dirs) -> None:
+    """A helper's attack on `serve`: an engine started without its job's name (no TIMESLICE_JOB,
+    or another job's) is no process of the job, so its checkpoint found "nothing to checkpoint":
+    the engine was never put to sleep and the other engines woke beside it, with an INFO line
+    only. On one box (this agent the only one) a step whose engine listens while no process of
+    its job runs now fails, naming the fix; with no engine listening there is still nothing to do."""
+    log, memory = engine_dirs
+    proc, engine = await start_engine(children, "vllm", "a", log, memory)
+    agent = NodeAgent(StaticProcessResolver({}), backends=["app"], groups={"g": "app"},
+                      memory_probe=nvml_stand_in(memory))
+    req = StepRequest(JobRef("a"), "app", "g", app=engine)
+    with pytest.raises(FailedPrecondition, match=r"vllm at http://127\.0\.0\.1:\d+ level 1 listens, but no process of "
+                                                 r"job a runs on this node.*TIMESLICE_JOB=a"):
+        await agent.checkpoint(req)
+    assert calls(log) == [] and not await is_sleeping(engine)
+    proc.kill()
+    proc.wait()
+    assert (await agent.checkpoint(req)).processes == []
 
 
 def test_kubelet_plugin_offers_backend_app(monkeypatch, capsys) -> None:

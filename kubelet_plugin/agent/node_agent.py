@@ -121,6 +121,30 @@ def job_state(processes: list[ProcState]) -> str:
     return "checkpointed" if all(moved) else ("mixed" if any(moved) else "running")
 
 
+async def _listens(engine: AppEngine) -> bool:
+    """Whether something accepts a connection at `engine`'s URL (within 1 s)."""
+    parts = urlsplit(engine.url)
+    try:
+        async with asyncio.timeout(1.0):
+            _, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def _engine_not_the_jobs(job_id: str, engine: AppEngine) -> str:
+    """The error of a step of `job_id` whose engine listens while no process of the job runs
+    here (one-box mode, where this agent is the only one: `timeslice serve`). Its engine was
+    never put to sleep, and the other engines woke beside it (a helper's attack)."""
+    return (f"{engine.describe()} listens, but no process of job {job_id} runs on this node, so its engine "
+            f"cannot be put to sleep and checked: start the engine as one of the job's processes "
+            f"(TIMESLICE_JOB={job_id} in its environment; on a machine without NVML also "
+            f"TIMESLICE_ACCELERATOR_PROCESS=1)")
+
+
 def live_pids(job_id: str, pids: list[int]) -> list[int]:
     """The PIDs that still run; vanished ones are logged and skipped (their state is gone
     with them). Raises NotFound when none is left."""
@@ -316,6 +340,8 @@ class NodeAgent:
                 return StepOutcome(job_id, procs, done.bytes, time.monotonic() - t0)
             pids = await self._live(req.job)
             if not pids:
+                if req.app is not None and self.groups is not None and await _listens(req.app):
+                    raise FailedPrecondition(_engine_not_the_jobs(job_id, req.app))
                 log.info("nothing to checkpoint job=%s group=%s: no live processes on this node", job_id, group_id)
                 return StepOutcome(job_id, [], 0, time.monotonic() - t0)
             on_gpus: dict[str, int] = {}
