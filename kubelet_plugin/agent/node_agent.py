@@ -695,14 +695,13 @@ class NodeAgent:
         port = urlsplit(engine.url).port or 80
         serving = await asyncio.to_thread(procfs.serving, pids, port)
         clients = {p for p in pids if p not in serving}
-        if clients:  # (the latest seen: a later look asks whether any of them is left)
-            if self._clients_seen.pop(job_id, None) != clients:
-                self._clients_seen[job_id] = clients
+        if clients:  # (the latest seen, most recent last: a later look asks whether any of them is left)
+            changed = self._clients_seen.pop(job_id, None) != clients
+            self._clients_seen[job_id] = clients
+            if changed:
                 while len(self._clients_seen) > MAX_SEEN_JOBS:
                     del self._clients_seen[next(iter(self._clients_seen))]
                 self.records.remember_clients(self._clients_seen)
-            else:
-                self._clients_seen[job_id] = clients
             return True
         seen = self._clients_seen.get(job_id)
         return not seen or not pids or bool(seen & set(pids))
