@@ -104,13 +104,18 @@ def test_config_refuses_an_engine_url_that_is_not_loopback() -> None:
                                                                             "url": "http://10.1.1.1:80"}})
 
 
-def test_config_refuses_two_jobs_that_name_one_engine() -> None:
+@pytest.mark.parametrize("b_url", ["http://127.0.0.1:8000/", "http://localhost:8000"])
+def test_config_refuses_two_jobs_that_name_one_engine(b_url: str) -> None:
     """A helper's attack: two jobs naming one URL were accepted; a sleep for one job's switch
-    would have put to sleep the engine the other generates on."""
-    with pytest.raises(ValueError, match=r"apps\.a and apps\.b name the same engine \(http://127\.0\.0\.1:8000/?\)"):
+    would have put to sleep the engine the other generates on. Loopback names of one port are
+    one engine too; another port is another."""
+    with pytest.raises(ValueError, match=r"apps\.a and apps\.b name the same engine \(http://127\.0\.0\.1:8000, "):
         GroupSpec(id="g", backend="app", agents=("unix:///x",),
                   apps={"a": {"engine": "vllm", "url": "http://127.0.0.1:8000"},  # type: ignore[dict-item]
-                        "b": {"engine": "sglang", "url": "http://127.0.0.1:8000/"}})  # type: ignore[dict-item]
+                        "b": {"engine": "sglang", "url": b_url}})  # type: ignore[dict-item]
+    GroupSpec(id="g", backend="app", agents=("unix:///x",),
+              apps={"a": {"engine": "vllm", "url": "http://127.0.0.1:8000"},  # type: ignore[dict-item]
+                    "b": {"engine": "sglang", "url": "http://localhost:8001"}})  # type: ignore[dict-item]
 
 
 async def test_agent_refuses_a_step_whose_engine_is_not_on_loopback(children, engine_dirs, short_tmp) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -127,13 +128,15 @@ class GroupSpec(BaseModel):
     def _one_engine_per_job(cls, apps: dict[str, AppEngine]) -> dict[str, AppEngine]:
         """Each job its own engine: a sleep for one job's switch would put to sleep the engine
         another job generates on (a helper's attack: two jobs naming one URL were accepted, and
-        only their failed switches said anything)."""
-        by_url: dict[str, str] = {}
+        only their failed switches said anything). Engine URLs are a loopback host and a port
+        (`AppEngine`), so two are one engine when their ports are: `localhost` and `127.0.0.1`
+        name the same server."""
+        by_port: dict[int, tuple[str, str]] = {}
         for job, app in sorted(apps.items()):
-            other = by_url.setdefault(app.url.rstrip("/"), job)
+            other, other_url = by_port.setdefault(urlsplit(app.url).port or 80, (job, app.url))
             if other != job:
-                raise ValueError(f"apps.{other} and apps.{job} name the same engine ({app.url}): each job needs its "
-                                 "own engine, which its switches put to sleep and wake")
+                raise ValueError(f"apps.{other} and apps.{job} name the same engine ({other_url}, {app.url}): each "
+                                 "job needs its own engine, which its switches put to sleep and wake")
         return apps
 
     @field_validator("agents")
