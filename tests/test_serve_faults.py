@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -170,7 +171,10 @@ async def test_a_holder_whose_client_died_but_whose_setsid_worker_lives_is_not_d
             if worker is not None:
                 os.kill(worker, signal.SIGKILL)
     log = (tmp_path / "serve.log").read_text()
-    assert "its processes are gone" not in log and f"job=pgid-{a.pid}" in log, log[-3000:]
+    a_job = re.compile(rf"job=pgid-{a.pid}\b")
+    assert a_job.search(log), log[-3000:]
+    # (B's own drop may be logged once the test has killed it, before serve stopped: a CI run's race)
+    assert not [ln for ln in log.splitlines() if a_job.search(ln) and "its processes are gone" in ln], log[-3000:]
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
