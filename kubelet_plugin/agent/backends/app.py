@@ -15,8 +15,8 @@ small model frees little of its total), else the engine is woken again and the s
 without a probe) the check is skipped and a log line says so; the step then reports 0
 bytes (unknown). An engine's own word that it sleeps (vLLM `GET /is_sleeping`) never
 stands in for that check: it is taken, with nothing sent, only when NVML shows the job's
-processes hold at most `1 - MIN_FREED_FRACTION` of what this agent last saw them hold
-awake (before a sleep it sent and checked); otherwise the sleep is sent (vLLM ignores a
+processes freed as much since this agent last saw them awake (before a sleep it sent and
+checked); otherwise the sleep is sent (vLLM ignores a
 sleep while it sleeps: `vllm/v1/executor/abstract.py` `sleep`) and checked as any other.
 A sleep sent to an engine that said it slept, and that frees nothing, fails the step and
 leaves the engine as it was found (no wake).
@@ -117,9 +117,11 @@ def engine_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(auto_decompress=False, trust_env=False, headers={"Accept-Encoding": "identity"})
 
 
-def _freeable(held: dict[int, int]) -> int:
-    """Of `held` (bytes per process), what a sleep may free: all but `KEPT_BYTES` of each."""
-    return sum(max(0, n - KEPT_BYTES) for n in held.values())
+def _freed_enough(held: dict[int, int], now: dict[int, int]) -> bool:
+    """Whether the processes that held `held` and now hold `now` (bytes per process) freed what a
+    sleep must: `MIN_FREED_FRACTION` of all but `KEPT_BYTES` of each."""
+    freeable = sum(max(0, n - KEPT_BYTES) for n in held.values())
+    return sum(held.values()) - sum(now.values()) >= MIN_FREED_FRACTION * freeable
 
 
 class _Unsent(Exception):
@@ -337,7 +339,7 @@ class AppBackend(Backend):
                 log.info("app sleep engine=%s pids=%s: GPU memory not verified (NVML shows none held by these "
                          "processes before the sleep)", engine.url, list(pids))
                 return [ProcState(p, CHECKPOINTED) for p in pids]
-            if held - left < MIN_FREED_FRACTION * _freeable(before):
+            if not _freed_enough(before, after):
                 word = ("; it had answered is_sleeping: true before this sleep was sent, and that is taken only "
                         "with its memory freed" if said_asleep else "")
                 kept = BackendError(f"{engine.describe()} answered the sleep, but the GPU memory of the job's "
@@ -353,13 +355,12 @@ class AppBackend(Backend):
 
     def _freed_since_awake(self, key: _Key, now: dict[int, int] | None) -> dict[int, int] | None:
         """Bytes per PID freed since NVML last showed the engine awake to this agent (before a
-        sleep it sent and checked), when that is at least `MIN_FREED_FRACTION` of what it held;
-        None when it is not, or cannot be told (no NVML, never seen awake)."""
+        sleep it sent and checked), when that is enough for a sleep (`_freed_enough`); None when
+        it is not, or cannot be told (no NVML, never seen awake)."""
         awake = self._awake.get(key)
         if now is None or not awake:
             return None
-        held, left = sum(awake.values()), sum(now.values())
-        if held == 0 or held - left < MIN_FREED_FRACTION * _freeable(awake):
+        if not any(awake.values()) or not _freed_enough(awake, now):
             return None
         return {p: max(0, awake.get(p, 0) - n) for p, n in now.items()}
 
